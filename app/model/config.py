@@ -92,7 +92,9 @@ class QuantConfig:
             return None
         block = tuple(int(x) for x in d.get("weight_block_size", (128, 128)))
         if len(block) != 2 or min(block) <= 0:
-            raise ConfigError(f"quantization_config.weight_block_size must be two positive ints: {block}")
+            raise ConfigError(
+                f"quantization_config.weight_block_size must be two positive ints: {block}"
+            )
         return cls(
             quant_method=str(d.get("quant_method", "fp8")),
             fmt=str(d.get("fmt", "e4m3")),

@@ -33,7 +33,9 @@ def _normalizer() -> normalizers.Normalizer:
     )
 
 
-def compressed_token_map(tokenizer: Tokenizer, vocab_size: int | None = None) -> tuple[list[int], int]:
+def compressed_token_map(
+    tokenizer: Tokenizer, vocab_size: int | None = None
+) -> tuple[list[int], int]:
     """Map every token id to its compressed id; returns (map, number of distinct keys).
 
     Ids beyond the tokenizer's vocabulary (padding rows of the embedding) map to
