@@ -159,10 +159,9 @@ class Attention(nn.Module):
         state.kv[lid].append(apply_rope(latent, ang).to(xs.dtype))
         if self.spec.owns_index_keys:
             ix = self.indexer
-            if self.cfg.is_v41:
-                keys = ix.k_norm(ix.wk(latent.to(xs.dtype)))
-            else:
-                keys = ix.compressor(xs)
+            # V4.1: index keys from the unrotated latent; V4: the indexer's own compressor.
+            v41 = self.cfg.is_v41
+            keys = ix.k_norm(ix.wk(latent.to(xs.dtype))) if v41 else ix.compressor(xs)
             state.keys[lid].append(apply_rope(keys, ang[: keys.shape[0]]).to(xs.dtype))
 
     def _select(

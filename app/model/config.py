@@ -241,12 +241,13 @@ class ModelConfig:
             v = getattr(self, k)
             text[k] = list(v) if isinstance(v, tuple) else v
         if self.rope_scaling is not None:
+            rs = self.rope_scaling
             text["rope_scaling"] = {
                 "type": "yarn",
-                "factor": self.rope_scaling.factor,
-                "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
-                "beta_fast": self.rope_scaling.beta_fast,
-                "beta_slow": self.rope_scaling.beta_slow,
+                "factor": rs.factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+                "beta_fast": rs.beta_fast,
+                "beta_slow": rs.beta_slow,
             }
         q = None
         if self.quantization is not None:
@@ -326,7 +327,7 @@ def _build(arch: str, t: dict[str, Any], quant: QuantConfig | None, source: str)
     ratios = tuple(int(r) for r in ratios)
     if len(ratios) < n_layers:
         raise ConfigError(
-            f"{source}: compress_ratios has {len(ratios)} entries, needs >= num_hidden_layers={n_layers}"
+            f"{source}: compress_ratios has {len(ratios)} entries for {n_layers} layers"
         )
     rs = t.get("rope_scaling")
     rope_scaling = None

@@ -11,9 +11,11 @@ from app.model.layers import Linear
 
 
 class Engram(nn.Module):
-    """``e = table[rows]`` [T, heads*dim]; ``[key(n*d) | val(d)] = wkv(e)``; per stream j
-    ``dot = sum(X_j * q_w_j * k_w_j * key_j) * rsqrt(ms(X_j)+eps) * rsqrt(ms(key_j)+eps) / sqrt(d)``,
-    ``X_j += sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))) * val`` (gate 0 on masked tokens)."""
+    """``e = table[rows]`` [T, heads*dim]; ``[key(n*d) | val(d)] = wkv(e)``; per stream j:
+
+        dot = sum(X_j * q_w_j * k_w_j * key_j) * rsqrt(ms(X_j)+eps) * rsqrt(ms(key_j)+eps) / sqrt(d)
+        X_j += sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))) * val     (gate 0 on masked tokens)
+    """
 
     def __init__(self, cfg: ModelConfig, layer_index: int, spec: EngramHashSpec):
         super().__init__()

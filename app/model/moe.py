@@ -1,4 +1,4 @@
-"""Mixture of experts: gate (sqrtsoftplus, bias selection, hash routing), routed + shared experts."""
+"""Mixture of experts: gate (sqrtsoftplus, bias or hash selection), routed + shared experts."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ V4.1 layer schedule (8 layers + 3 DSpark slots):
     mode    SWA  SWA+Eng  FULL r2   REUSE r2 +Eng  FULL r1 (cand.src)  REUSE  REINDEX   REUSE
                                                                               (cands)   (idx of 6)
 
-V4 schedule (6 layers + 1 MTP slot): SWA, SWA, CSA r4, HCA r16, CSA r4, HCA r16; layers 0-1 hash-routed.
+V4 schedule (6 layers + 1 MTP slot): SWA, SWA, CSA r4, HCA r16, CSA r4, HCA r16;
+layers 0-1 hash-routed.
 Windows, top-k and candidate blocks are shrunk so that 40-token prompts exercise eviction,
 selection and the candidate mask.
 """

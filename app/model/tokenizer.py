@@ -24,7 +24,8 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. Hello, world! 你好，世界。",
     "DeepSeek serves mixture-of-experts models; the router picks a rank by cached prefix.",
-    'def add(a, b):\n    return a + b\n\n{"name": "fathom", "value": 42, "ok": true, "items": [1, 2, 3]}',
+    'def add(a, b):\n    return a + b\n\n{"name": "fathom", "value": 42, "ok": true, '
+    '"items": [1, 2, 3]}',
     "Café naïve résumé — Ünïcödé façade. Tabs\tand\nnewlines\r\n  spaces    here.",
     "<tool_call> function get_weather(city: str) -> json; 0123456789 + - * / = < > ( ) [ ] { }",
     "The answer is: yes. No. Maybe? Think step by step, then answer in JSON.",
