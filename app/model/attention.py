@@ -24,6 +24,7 @@ from app.model.layers import Linear, RMSNorm
 from app.model.rope import Rotary, apply_rope
 from kernels.attention import sparse_attention
 from kernels.indexer import topk
+from kernels.kv_quant import kv_qdq
 from kernels.norm import rms_norm
 
 
@@ -44,9 +45,12 @@ class CompressedState:
 class Attention(nn.Module):
     """MLA-style single-latent attention with sink, partial RoPE, grouped low-rank output."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, kv_quant: bool = False):
         super().__init__()
         self.cfg, self.spec = cfg, spec
+        # Round KV like the released V4.1 cache formats (fp8 window, nvfp4 compressed,
+        # mxfp4 index q/k); off = exact arithmetic.
+        self.kv_quant = kv_quant and cfg.is_v41
         H, D, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         self.n_heads, self.head_dim, self.window = H, D, cfg.sliding_window
         self.wq_a = Linear(d, cfg.q_lora_rank)
@@ -79,7 +83,7 @@ class Attention(nn.Module):
         if not self.cfg.is_v41:
             q = rms_norm(q, None, self.cfg.rms_norm_eps)
         q = apply_rope(q, angles)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
+        kv = self._q(apply_rope(self.kv_norm(self.wkv(x)), angles), "fp8", 32)
 
         pool, idx = [kv], [self._window_rows(batch, x.device)]
         if self.spec.compressed:
@@ -90,6 +94,9 @@ class Attention(nn.Module):
         out = sparse_attention(q, torch.cat(pool, dim=0), rows, self.attn_sink, D**-0.5)
         out = apply_rope(out, angles, inverse=True)
         return self._project(out)
+
+    def _q(self, x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+        return kv_qdq(x, fmt, block) if self.kv_quant else x
 
     def _project(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output: group g of heads -> wo_a[g] -> concat -> wo_b."""
@@ -156,13 +163,14 @@ class Attention(nn.Module):
         latent = self.compressor(xs)
         pos = torch.arange(latent.shape[0], device=xs.device) * r
         ang = self.rotary.angles(pos)
-        state.kv[lid].append(apply_rope(latent, ang).to(xs.dtype))
+        state.kv[lid].append(self._q(apply_rope(latent, ang).to(xs.dtype), "nvfp4", 16))
         if self.spec.owns_index_keys:
             ix = self.indexer
             # V4.1: index keys from the unrotated latent; V4: the indexer's own compressor.
             v41 = self.cfg.is_v41
             keys = ix.k_norm(ix.wk(latent.to(xs.dtype))) if v41 else ix.compressor(xs)
-            state.keys[lid].append(apply_rope(keys, ang[: keys.shape[0]]).to(xs.dtype))
+            keys = apply_rope(keys, ang[: keys.shape[0]]).to(xs.dtype)
+            state.keys[lid].append(self._q(keys, "mxfp4", 32))
 
     def _select(
         self,
@@ -179,6 +187,7 @@ class Attention(nn.Module):
         if keys.shape[0] == 0:
             return torch.empty(xs.shape[0], 0, dtype=torch.int64, device=xs.device)
         q, w = self.indexer.queries(xs, c_q, angles, apply_rope)
+        q = self._q(q, "mxfp4", 32)
         scores = self.indexer.scores(q, w, keys, visible)
         if spec.is_candidate_source:
             cand = candidate_blocks(

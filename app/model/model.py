@@ -44,13 +44,14 @@ class Block(nn.Module):
         n_experts: int | None = None,
         k: int | None = None,
         engram: tuple[int, EngramHashSpec] | None = None,
+        kv_quant: bool = False,
     ):
         super().__init__()
         self.cfg, self.spec = cfg, spec
         d, n = cfg.hidden_size, cfg.hc_mult
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, spec)
+        self.attn = Attention(cfg, spec, kv_quant)
         self.ffn = MoE(
             d,
             cfg.moe_intermediate_size,
@@ -151,9 +152,15 @@ class DeepseekModel(nn.Module):
 
     V4.1 Engram needs the compressed token map of the checkpoint's tokenizer:
     pass ``engram_token_map`` (see :func:`app.model.engram_hash.compressed_token_map`).
+    ``kv_quant`` rounds V4.1 KV like the released cache formats (see ``kernels.kv_quant``).
     """
 
-    def __init__(self, cfg: ModelConfig, engram_token_map: Sequence[int] | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        engram_token_map: Sequence[int] | None = None,
+        kv_quant: bool = False,
+    ):
         super().__init__()
         self.cfg = cfg
         d, n = cfg.hidden_size, cfg.hc_mult
@@ -173,7 +180,7 @@ class DeepseekModel(nn.Module):
             eng = None
             if spec.engram and self.hash_spec is not None:
                 eng = (cfg.engram_layer_ids.index(spec.layer_id), self.hash_spec)
-            layers.append(Block(cfg, spec, engram=eng))
+            layers.append(Block(cfg, spec, engram=eng, kv_quant=kv_quant))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.head = Linear(d, cfg.vocab_size)
