@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny configs, randomly initialized tiny models (no checkpoint I/O)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.model.config import ModelConfig
+from app.model.engram_hash import compressed_token_map
+from app.model.model import DeepseekModel
+from app.model.tiny_config import tiny_config_v4, tiny_config_v41
+from app.model.tokenizer import build_tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tiny_tokenizer):
+    def make(arch: str) -> ModelConfig:
+        raw = tiny_config_v41(tiny_tokenizer) if arch == "v41" else tiny_config_v4()
+        return ModelConfig.from_dict(raw)
+
+    return make
+
+
+def randomize(model: DeepseekModel, seed: int) -> DeepseekModel:
+    """Non-degenerate random weights: matrices ~ N(0, 1/fan_in), norms ~1, biases small."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            elif "norm" in name or "scale" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                e, k = model.cfg.n_routed_experts, b.shape[1]
+                rows = [torch.randperm(e, generator=g)[:k] for _ in range(b.shape[0])]
+                b.copy_(torch.stack(rows))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_cfg, tiny_tokenizer):
+    cache: dict[str, DeepseekModel] = {}
+
+    def make(arch: str) -> DeepseekModel:
+        if arch not in cache:
+            cfg = tiny_cfg(arch)
+            v41 = arch == "v41"
+            tmap = compressed_token_map(tiny_tokenizer, cfg.vocab_size)[0] if v41 else None
+            cache[arch] = randomize(DeepseekModel(cfg, tmap), seed=1).eval()
+        return cache[arch]
+
+    return make
