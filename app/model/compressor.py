@@ -1,7 +1,15 @@
 """KV compressors: V4.1 CSA2 (non-overlapping, ratio 1 or 2) and V4 CSA/HCA (gated windows).
 
-All compressor math is fp32. Compressors return *unrotated, normalized* entries; the
-attention layer applies RoPE at each entry's first position ``w * ratio``.
+A compressor works in two steps so that chunked prefill and decode can keep the projections
+of not-yet-complete groups in a per-request tail ring:
+
+    project(x, pos) -> (kv, gate)      per token, fp32, ``width`` channels (gate includes ape)
+    pool(kv, gate)  -> entries          per group, from the ``span`` tokens the group needs
+
+Entry w (first position ``w*ratio``) needs tokens ``[(w+1)*ratio - span, (w+1)*ratio)``:
+``span = ratio`` except V4 CSA (overlapping), where ``span = 2*ratio`` (window w-1's ``Ca``
+half and window w's ``Cb`` half; for w = 0 the missing window has gate -inf).
+Entries are normalized and *unrotated*; attention applies RoPE at ``w*ratio``.
 """
 
 from __future__ import annotations
@@ -12,58 +20,79 @@ from torch import nn
 from app.model.layers import Linear, RMSNorm
 
 
-class Compressor41(nn.Module):
+class Compressor(nn.Module):
+    """Base: ``wkv``/``wgate`` projections, RMSNorm ``norm`` of the pooled entry."""
+
+    ratio: int
+    span: int
+    width: int
+
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """``kv``/``gate`` [E, span, width] -> entries [E, dim]; ``first`` [E] marks w = 0."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every complete group of one sequence that starts at position 0: [L // ratio, dim]."""
+        pos = torch.arange(x.shape[0], device=x.device)
+        kv, gate = self.project(x, pos)
+        n = x.shape[0] // self.ratio
+        ends = (torch.arange(n, device=x.device) + 1) * self.ratio
+        idx = ends.unsqueeze(1) - self.span + torch.arange(self.span, device=x.device)
+        safe = idx.clamp_min(0)
+        return self.pool(kv[safe], gate[safe], ends == self.ratio)
+
+
+class Compressor41(Compressor):
     """V4.1: ratio 1 ``norm(wkv x)``; ratio 2 ``norm(sum softmax_pair(wgate x) * wkv x)``."""
 
     def __init__(self, hidden: int, dim: int, ratio: int, eps: float):
         super().__init__()
-        self.ratio = ratio
+        self.ratio = self.span = ratio
+        self.width = dim
         self.wkv = Linear(hidden, dim)
         if ratio > 1:
             self.wgate = Linear(hidden, dim)
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [L, hidden] of one sequence from position 0 -> [L // ratio, dim]."""
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.wkv(x.float())
+        gate = self.wgate(x.float()) if self.ratio > 1 else torch.zeros_like(kv)
+        return kv, gate
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         if self.ratio == 1:
-            return self.norm(self.wkv(x.float()))
-        n = x.shape[0] // self.ratio * self.ratio
-        v = self.wkv(x[:n].float()).unflatten(0, (n // self.ratio, self.ratio))
-        g = self.wgate(x[:n].float()).unflatten(0, (n // self.ratio, self.ratio))
-        return self.norm((v * g.softmax(dim=1)).sum(dim=1))
+            return self.norm(kv[:, 0])
+        return self.norm((kv * gate.softmax(dim=1)).sum(dim=1))
 
 
-class CompressorV4(nn.Module):
-    """V4 gated-window compressor.
-
-    HCA (``overlap=False``): entry w = softmax over the m tokens of window w (per channel)
-    of ``wgate x + ape[t mod m]`` weighting ``wkv x``.
-    CSA (``overlap=True``): projections are 2*dim wide, ``[Ca | Cb]``; entry w softmaxes over
-    2m slots = Ca of window w-1 and Cb of window w (window -1 has gate -inf).
-    """
+class CompressorV4(Compressor):
+    """V4 gated windows: HCA (``overlap=False``) softmaxes the m tokens of window w (per
+    channel) of ``wgate x + ape[t mod m]`` weighting ``wkv x``; CSA (``overlap=True``) has
+    2*dim-wide projections ``[Ca | Cb]`` and softmaxes over Ca of window w-1 and Cb of w."""
 
     def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float):
         super().__init__()
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
-        width = 2 * dim if overlap else dim
-        self.wkv = Linear(hidden, width)
-        self.wgate = Linear(hidden, width)
-        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.span = 2 * ratio if overlap else ratio
+        self.width = 2 * dim if overlap else dim
+        self.wkv = Linear(hidden, self.width)
+        self.wgate = Linear(hidden, self.width)
+        self.ape = nn.Parameter(torch.zeros(ratio, self.width, dtype=torch.float32))
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [L, hidden] of one sequence from position 0 -> [L // ratio, dim]."""
-        m = self.ratio
-        n_win = x.shape[0] // m
-        width = self.ape.shape[1]
-        v = self.wkv(x[: n_win * m].float()).view(n_win, m, width)
-        g = self.wgate(x[: n_win * m].float()).view(n_win, m, width) + self.ape.float()
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate = self.wgate(x.float()) + self.ape.float()[pos % self.ratio]
+        return self.wkv(x.float()), gate
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         if not self.overlap:
-            return self.norm((v * g.softmax(dim=1)).sum(dim=1))
-        d = self.dim
-        kv = v.new_zeros(n_win, 2 * m, d)
-        gate = g.new_full((n_win, 2 * m, d), float("-inf"))
-        kv[:, m:], gate[:, m:] = v[..., d:], g[..., d:]
-        if n_win > 1:
-            kv[1:, :m], gate[1:, :m] = v[:-1, :, :d], g[:-1, :, :d]
-        return self.norm((kv * gate.softmax(dim=1)).sum(dim=1))
+            return self.norm((kv * gate.softmax(dim=1)).sum(dim=1))
+        m, d = self.ratio, self.dim
+        v = torch.cat((kv[:, :m, :d], kv[:, m:, d:]), dim=1)
+        g = torch.cat((gate[:, :m, :d], gate[:, m:, d:]), dim=1)
+        g[:, :m] = g[:, :m].masked_fill(first.view(-1, 1, 1), float("-inf"))
+        v[:, :m] = v[:, :m].masked_fill(first.view(-1, 1, 1), 0.0)
+        return self.norm((v * g.softmax(dim=1)).sum(dim=1))
