@@ -53,7 +53,7 @@ def tiny_model(tiny_cfg, tiny_tokenizer):
         if arch not in cache:
             cfg = tiny_cfg(arch)
             v41 = arch == "v41"
-            tmap = compressed_token_map(tiny_tokenizer, cfg.vocab_size)[0] if v41 else None
+            tmap = compressed_token_map(tiny_tokenizer)[0] if v41 else None
             cache[arch] = randomize(DeepseekModel(cfg, tmap), seed=1).eval()
         return cache[arch]
 

@@ -23,7 +23,9 @@ class Engram(nn.Module):
         self.n, self.d, self.eps = cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
         rows = cfg.engram_num_embeddings[layer_index]
         self.embed = nn.Module()
-        self.embed.weight = nn.Parameter(torch.empty(rows, cfg.engram_head_dim))
+        self.embed.weight = nn.Parameter(
+            torch.empty(rows, cfg.engram_head_dim, dtype=torch.float32)
+        )
         self.wkv = Linear(spec.hash_heads * cfg.engram_head_dim, cfg.hidden_size * (self.n + 1))
         self.q_weight = nn.Parameter(torch.ones(self.n, self.d))
         self.k_weight = nn.Parameter(torch.ones(self.n, self.d))

@@ -33,15 +33,9 @@ def _normalizer() -> normalizers.Normalizer:
     )
 
 
-def compressed_token_map(
-    tokenizer: Tokenizer, vocab_size: int | None = None
-) -> tuple[list[int], int]:
-    """Map every token id to its compressed id; returns (map, number of distinct keys).
-
-    Ids beyond the tokenizer's vocabulary (padding rows of the embedding) map to
-    the compressed id of the pad key they would never be hashed with; callers pass
-    ``vocab_size`` to extend the map with fresh distinct keys so the count stays exact.
-    """
+def compressed_token_map(tokenizer: Tokenizer) -> tuple[list[int], int]:
+    """Map every token id of the tokenizer to its compressed id (ids in first-seen order);
+    returns (map, number of distinct keys)."""
     norm = _normalizer()
     n_tok = tokenizer.get_vocab_size(with_added_tokens=True)
     keys: dict[str, int] = {}
@@ -53,10 +47,6 @@ def compressed_token_map(
         else:
             key = norm.normalize_str(text) or text
         out.append(keys.setdefault(key, len(keys)))
-    if vocab_size is not None and vocab_size > n_tok:
-        # Rows past the tokenizer: each is its own key (never produced by encoding).
-        for tid in range(n_tok, vocab_size):
-            out.append(keys.setdefault(f"\x00<unused:{tid}>", len(keys)))
     return out, len(keys)
 
 

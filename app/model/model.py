@@ -189,15 +189,19 @@ class DeepseekModel(nn.Module):
             self.hc_head_base = nn.Parameter(torch.zeros(n))
             self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.mtp = nn.ModuleList(MTPBlock(cfg, k) for k in range(cfg.num_nextn_predict_layers))
-        self.register_buffer("engram_map", torch.zeros(0, dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "engram_map", torch.zeros(0, dtype=torch.int64, device="cpu"), persistent=False
+        )
         if engram_token_map is not None:
             self.set_engram_token_map(engram_token_map)
 
     def set_engram_token_map(self, token_map: Sequence[int]) -> None:
-        """Install the token id -> compressed id map (length >= vocab of the token ids used)."""
-        self.engram_map = torch.as_tensor(
-            list(token_map), dtype=torch.int64, device=self.embed.weight.device
-        )
+        """Install the tokenizer's token id -> compressed id map. Embedding rows past the
+        tokenizer (never produced by encoding) map to the pad token's compressed id."""
+        tmap = list(token_map)
+        pad = tmap[self.cfg.engram_pad_token_id]
+        tmap += [pad] * (self.cfg.vocab_size - len(tmap))
+        self.engram_map = torch.tensor(tmap, dtype=torch.int64, device=self.engram_map.device)
 
     # ---- forward ------------------------------------------------------------------------
     def _ngrams(self, batch: ForwardBatch) -> torch.Tensor | None:

@@ -158,10 +158,10 @@ def fp4_encode(x: torch.Tensor) -> torch.Tensor:
     Round to nearest; a tie goes to the even code (1.25 -> 1.0, 1.75 -> 2.0); |x| > 6
     saturates to 6. Negative values get sign bit 8.
     """
-    mag = x.float().abs()
+    mag = x.float().abs().unsqueeze(-1)
     mids = torch.tensor(_FP4_MIDPOINTS, device=x.device)
-    lo = torch.bucketize(mag, mids, right=False)  # a tie picks the smaller magnitude
-    hi = torch.bucketize(mag, mids, right=True)  # a tie picks the larger magnitude
+    lo = (mag > mids).sum(-1)  # a tie picks the smaller magnitude
+    hi = (mag >= mids).sum(-1)  # a tie picks the larger magnitude
     code = torch.where((lo != hi) & (lo % 2 == 1), hi, lo)
     return (code + 8 * (x < 0).to(code.dtype)).to(torch.uint8)
 

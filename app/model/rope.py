@@ -19,7 +19,9 @@ __all__ = ["Rotary", "apply_rope", "rope_frequencies"]
 
 def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """fp32 inverse frequencies [dim/2] (YaRN blends ``f/factor`` and ``f`` by a ramp)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    # Explicit CPU device: derived tensors stay real when the model is built on "meta".
+    exps = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+    freqs = 1.0 / (theta**exps)
     if scaling is None:
         return freqs
     orig = scaling.original_max_position_embeddings
@@ -29,7 +31,8 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> tor
 
     low = max(math.floor(corr(scaling.beta_fast)), 0)
     high = min(math.ceil(corr(scaling.beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - low) / max(high - low, 1e-3)).clamp(0, 1)
     return freqs / scaling.factor * ramp + freqs * (1 - ramp)
 
 

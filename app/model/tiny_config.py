@@ -68,7 +68,7 @@ def _common() -> dict[str, Any]:
 
 def tiny_config_v41(tokenizer: Tokenizer, block: int = 32) -> dict[str, Any]:
     """Official-layout config.json (``text_config`` nested) of the tiny V4.1 model."""
-    _, n_compressed = compressed_token_map(tokenizer, TINY_VOCAB)
+    _, n_compressed = compressed_token_map(tokenizer)
     engram_layers = (1, 3)
     spec = engram_hash_spec(engram_layers, 4, 2, 97, n_compressed)
     text = {

@@ -1,0 +1,375 @@
+"""Load an official (or tiny) DeepSeek-V4/V4.1 checkpoint into a :class:`DeepseekModel`.
+
+Two phases, so that a bad checkpoint fails before any weight is read:
+
+1. **Plan** (headers only): match every tensor the model expects with the checkpoint's
+   ``weight_map`` (``model.safetensors.index.json``, or the keys of one ``model.safetensors``),
+   check dtypes and shapes, pair each quantized weight with its ``.scale`` wherever that lies
+   (MODEL_SPEC §6 trap 7), and report missing / unexpected tensors.
+2. **Read**: shards are memory-mapped, each opened once; every tensor is read, moved to the
+   device and dequantized on its own (fp8 blocks, fp4 experts, rowwise Engram tables), then the
+   model's meta parameters are replaced with ``load_state_dict(assign=True)``.
+
+Storage -> model (``dtype`` is the compute dtype of dequantized weights):
+
+    F8_E4M3 + .scale [ceil(R/br), ceil(C/bc)]   -> fp8 block dequant        -> dtype
+    I8/U8 [R, C/2] + .scale [R, C/32]           -> fp4 (E2M1) dequant       -> dtype
+    BF16 / F16 / F32                            -> cast (trap 6)            -> model's dtype
+    I32 / I64 (tid2eid, trap 4)                 -> cast                     -> int64
+    vision.*, aligner.*, image_{start,end,newline}  skipped (text-only serving, trap 8)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
+from torch import nn
+from tqdm import tqdm
+
+from app.model.config import ModelConfig
+from app.model.engram_hash import compressed_token_map
+from app.model.model import DeepseekModel
+from app.model.quant import dequantize_fp4, dequantize_fp8_block
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+NO_PROGRESS_ENV = "FATHOM_NO_PROGRESS"
+SKIPPED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+_MAX_REPORTED = 20
+
+QuantKind = Literal["fp8", "fp4", "fp8_rowwise", "bf16", "fp32", "int64"]
+
+_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                 "F64": torch.float64}  # fmt: skip
+_INT_DTYPES = {"I32", "I64"}
+_PACKED_FP4_DTYPES = {"I8", "U8"}
+_SCALE_DTYPES = {"F8_E8M0", "U8", "F32"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names tensors and files."""
+
+
+# ---- how official checkpoints store each tensor (MODEL_SPEC §5) -------------------------
+
+_BLOCK = r"(?:^|\.)"  # start of name or of a dotted component
+_KIND_RULES: tuple[tuple[re.Pattern[str], QuantKind], ...] = (
+    (re.compile(_BLOCK + r"ffn\.gate\.tid2eid$"), "int64"),
+    (re.compile(_BLOCK + r"engram\.embed\.weight$"), "fp8_rowwise"),
+    (re.compile(_BLOCK + r"ffn\.experts\.\d+\.w[123]\.weight$"), "fp4"),
+    (re.compile(_BLOCK + r"(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                         r"|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$"), "fp8"),
+    (re.compile(r"^mtp\.\d+\.main_proj\.weight$"), "fp8"),
+    (re.compile(_BLOCK + r"(?:hc_(?:attn|ffn|head)_(?:fn|base|scale)|attn_sink"
+                         r"|ffn\.gate\.bias(?:_vl)?|compressor\.ape)$"), "fp32"),
+)  # fmt: skip
+
+
+_QUANTIZED: frozenset[QuantKind] = frozenset(("fp8", "fp4", "fp8_rowwise"))
+
+
+def _official_kind(name: str) -> QuantKind:
+    return next((kind for pattern, kind in _KIND_RULES if pattern.search(name)), "bf16")
+
+
+def checkpoint_quant_kind(name: str, cfg: ModelConfig) -> QuantKind:
+    """How an official checkpoint stores tensor ``name`` (used by the tiny writer).
+
+    Everything not matched (embed, head, norms, router weight, compressor wkv/wgate, indexer
+    weights_proj/wk, Engram q/k weights, DSpark heads, V4 MTP e_proj/h_proj) is bf16.
+    Without a ``quantization_config`` nothing is quantized; experts follow its ``expert_dtype``.
+    """
+    kind = _official_kind(name)
+    if kind in _QUANTIZED and cfg.quantization is None:
+        return "bf16"
+    if kind == "fp4" and cfg.quantization is not None and cfg.quantization.expert_dtype != "fp4":
+        return "fp8"
+    return kind
+
+
+# ---- checkpoint files -------------------------------------------------------------------
+
+
+class _Checkpoint:
+    """The ``weight_map`` of a checkpoint directory and its shards, each opened once."""
+
+    def __init__(self, root: Path, stack: contextlib.ExitStack) -> None:
+        self.root = root
+        index = root / INDEX_FILE
+        if index.is_file():
+            self.source = index.name
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from e
+            self.weight_map: dict[str, str] = {str(k): str(v) for k, v in wm.items()}
+        elif (root / SINGLE_FILE).is_file():
+            self.source = SINGLE_FILE
+            self.weight_map = {}
+        else:
+            raise CheckpointError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+        files = sorted(set(self.weight_map.values())) or [SINGLE_FILE]
+        for f in files:
+            if not (root / f).is_file():
+                first = next((n for n, v in self.weight_map.items() if v == f), "?")
+                raise CheckpointError(
+                    f"shard {root / f} is missing (listed in {INDEX_FILE} for '{first}')"
+                )
+        self._handles: dict[str, Any] = {}
+        for f in files:
+            try:
+                self._handles[f] = stack.enter_context(safe_open(str(root / f), framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"shard {root / f} is unreadable or truncated: {e}") from e
+        if not self.weight_map:
+            self.weight_map = dict.fromkeys(self._handles[SINGLE_FILE].keys(), SINGLE_FILE)
+        self._paths = {f: str(root / f) for f in files}
+        keys = {f: set(h.keys()) for f, h in self._handles.items()}
+        for n, f in self.weight_map.items():
+            if n not in keys[f]:
+                raise CheckpointError(f"'{n}': {self.source} points to {root / f}, which lacks it")
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype string, shape) without reading data."""
+        s = self._handles[self.weight_map[name]].get_slice(name)
+        return s.get_dtype(), tuple(s.get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        try:
+            return self._handles[self.weight_map[name]].get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"'{name}': cannot read from {self.where(name)}: {e}") from e
+
+    def where(self, name: str) -> str:
+        """The path of the shard holding ``name``."""
+        return self._paths[self.weight_map[name]]
+
+
+# ---- phase 1: plan ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the model holds for one name: shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Load:
+    """How to produce one model tensor from the checkpoint."""
+
+    name: str
+    how: Literal["fp8", "fp4", "plain"]
+    dtype: torch.dtype
+    block: tuple[int, int] = (0, 0)
+
+
+def scale_name(name: str) -> str:
+    """``X.weight`` -> ``X.scale`` (the e8m0 companion of a quantized weight)."""
+    return name.removesuffix(".weight") + ".scale"
+
+
+def _fp8_block(
+    shape: tuple[int, ...], scale_shape: tuple[int, ...], preferred: tuple[int, int] | None
+) -> tuple[int, int] | None:
+    """Block (br, bc) with scale = [ceil(R/br), ceil(C/bc)]: the config's if it fits, else
+    the one the scale's shape implies when that is a pair of powers of two (Engram: (1, 32))."""
+    if len(shape) != 2 or len(scale_shape) != 2 or min(scale_shape) <= 0:
+        return None
+    (r, c), (sr, sc) = shape, scale_shape
+    fits = lambda br, bc: -(-r // br) == sr and -(-c // bc) == sc  # noqa: E731
+    if preferred is not None and fits(*preferred):
+        return preferred
+    br, bc = 1 << (-(-r // sr) - 1).bit_length(), 1 << (-(-c // sc) - 1).bit_length()
+    return (br, bc) if fits(br, bc) else None
+
+
+def _plan_one(
+    ckpt: _Checkpoint,
+    name: str,
+    want: TensorSpec,
+    dtype: torch.dtype,
+    block: tuple[int, int] | None,
+) -> _Load:
+    """How to load ``name`` into ``dtype``; raises :class:`CheckpointError` if it cannot."""
+    where = f"'{name}' in {ckpt.where(name)}"
+    st, shape = ckpt.header(name)
+    expect = tuple(want.shape)
+    scale = scale_name(name)
+    has_scale = name.endswith(".weight") and scale in ckpt.weight_map
+    scale_info = ckpt.header(scale) if has_scale else None
+
+    def check_shape(found: tuple[int, ...], wanted: tuple[int, ...]) -> None:
+        if found != wanted:
+            raise CheckpointError(f"{where}: shape {list(found)}, expected {list(wanted)}")
+
+    if not want.dtype.is_floating_point:
+        if st not in _INT_DTYPES:
+            raise CheckpointError(f"{where}: dtype {st}, expected an integer tensor")
+        check_shape(shape, expect)
+        return _Load(name, "plain", want.dtype)
+    if st in _FLOAT_DTYPES:
+        check_shape(shape, expect)
+        if scale_info is not None:
+            raise CheckpointError(f"'{scale}' in {ckpt.where(scale)}: scale of unquantized {where}")
+        return _Load(name, "plain", dtype)
+    if st != "F8_E4M3" and st not in _PACKED_FP4_DTYPES:
+        raise CheckpointError(f"{where}: dtype {st}, expected a float tensor")
+    if scale_info is None:
+        raise CheckpointError(f"{where}: dtype {st} needs '{scale}', which the checkpoint lacks")
+    (sdt, sshape), swhere = scale_info, f"'{scale}' in {ckpt.where(scale)}"
+    if sdt not in _SCALE_DTYPES:
+        raise CheckpointError(f"{swhere}: scale dtype {sdt}, expected F8_E8M0")
+    if st == "F8_E4M3":
+        check_shape(shape, expect)
+        blk = _fp8_block(shape, sshape, block)
+        if blk is None:
+            raise CheckpointError(f"{swhere}: scale shape {list(sshape)} fits no block of "
+                                  f"weight {list(shape)} (config block {block})")  # fmt: skip
+        return _Load(name, "fp8", dtype, blk)
+    if len(expect) != 2 or expect[1] % 2:
+        raise CheckpointError(f"{where}: packed fp4 {st}, but the model expects {list(expect)}")
+    check_shape(shape, (expect[0], expect[1] // 2))
+    if len(sshape) != 2 or sshape[0] != expect[0] or sshape[1] <= 0 or expect[1] % sshape[1]:
+        raise CheckpointError(f"{swhere}: fp4 scale shape {list(sshape)} does not fit "
+                              f"weight {list(expect)}")  # fmt: skip
+    return _Load(name, "fp4", dtype)
+
+
+def _plan(
+    ckpt: _Checkpoint, expected: Mapping[str, TensorSpec], cfg: ModelConfig, dtype: torch.dtype
+) -> list[_Load]:
+    """Check every expected tensor and every checkpoint name; report all problems at once."""
+    block = cfg.quantization.weight_block_size if cfg.quantization else None
+    problems: list[str] = []
+    loads: list[_Load] = []
+    for name, want in expected.items():
+        if name not in ckpt.weight_map:
+            problems.append(f"'{name}' {list(want.shape)}: expected by the model, missing from "
+                            f"{ckpt.root / ckpt.source}")  # fmt: skip
+            continue
+        target = dtype if _official_kind(name) in _QUANTIZED else want.dtype
+        try:
+            loads.append(_plan_one(ckpt, name, want, target, block))
+        except CheckpointError as e:
+            problems.append(str(e))
+    skipped = [n for n in ckpt.weight_map if n.startswith(SKIPPED_PREFIXES)]
+    if skipped:
+        logger.info("skipping %d vision/aligner tensors (text-only serving)", len(skipped))
+    known = set(expected) | {scale_name(n) for n in expected if n.endswith(".weight")}
+    known |= set(skipped)
+    problems += [f"'{n}' in {ckpt.where(n)}: unexpected tensor (the model has no such name)"
+                 for n in ckpt.weight_map if n not in known]  # fmt: skip
+    if problems:
+        shown = "\n  ".join(problems[:_MAX_REPORTED])
+        more = len(problems) - _MAX_REPORTED
+        raise CheckpointError(
+            f"checkpoint {ckpt.root} does not fit the model ({len(problems)} problems):\n  {shown}"
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+    return loads
+
+
+# ---- phase 2: read ----------------------------------------------------------------------
+
+
+def _read(ckpt: _Checkpoint, load: _Load, device: torch.device) -> torch.Tensor:
+    raw = ckpt.read(load.name).to(device)
+    if load.how == "plain":
+        return raw.to(load.dtype)
+    scale = ckpt.read(scale_name(load.name)).to(device)
+    if load.how == "fp8":
+        return dequantize_fp8_block(raw, scale, load.block, load.dtype)
+    return dequantize_fp4(raw, scale, load.dtype)
+
+
+def _progress_disabled() -> bool:
+    return os.environ.get(NO_PROGRESS_ENV, "") not in ("", "0") or not sys.stderr.isatty()
+
+
+def load_state(
+    path: str | Path,
+    expected: Mapping[str, TensorSpec],
+    cfg: ModelConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Validate the checkpoint at ``path`` against ``expected`` and read it dequantized.
+
+    Quantized weights come back in ``dtype``; other tensors in their expected dtype.
+    Raises :class:`CheckpointError` naming the offending tensors and files. A progress bar
+    goes to stderr when it is a terminal and ``FATHOM_NO_PROGRESS`` is unset (or ``0``).
+    """
+    root, dev = Path(path), torch.device(device)
+    with contextlib.ExitStack() as stack:
+        ckpt = _Checkpoint(root, stack)
+        loads = _plan(ckpt, expected, cfg, dtype)
+        # Shard by shard keeps reads sequential within each memory map.
+        loads.sort(key=lambda ld: (ckpt.weight_map[ld.name], ld.name))
+        out: dict[str, torch.Tensor] = {}
+        bar = tqdm(loads, desc="loading weights", unit="tensor", file=sys.stderr,
+                   disable=_progress_disabled())  # fmt: skip
+        for load in bar:
+            out[load.name] = _read(ckpt, load, dev)
+        return out
+
+
+def build_empty_model(cfg: ModelConfig) -> DeepseekModel:
+    """``DeepseekModel(cfg)`` with parameters and persistent buffers on the meta device
+    (no memory, no init); the model creates its derived tensors (RoPE frequencies, the
+    Engram token map) on the CPU explicitly."""
+    with torch.device("meta"):
+        return DeepseekModel(cfg)
+
+
+def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
+    """Name -> shape/dtype of every tensor in ``model.state_dict()`` (checkpoint names)."""
+    return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in model.state_dict().items()}
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> DeepseekModel:
+    """Build :class:`DeepseekModel` from ``path/config.json`` and load its weights.
+
+    Parameters start on the meta device and are replaced by the loaded tensors, so the
+    weights exist once in memory. ``dtype`` is the compute dtype of dequantized weights.
+    """
+    cfg = ModelConfig.from_file(path)
+    model = build_empty_model(cfg)
+    state = load_state(path, tensor_specs(model), cfg, device, dtype)
+    model.load_state_dict(state, assign=True, strict=True)
+    if model.hash_spec is not None:
+        model.set_engram_token_map(engram_token_map(path, cfg))
+    return model.to(device).eval()
+
+
+def engram_token_map(path: str | Path, cfg: ModelConfig) -> list[int]:
+    """Compressed token map from the checkpoint's ``tokenizer.json`` (V4.1 Engram)."""
+    tok_file = Path(path) / "tokenizer.json"
+    if not tok_file.is_file():
+        raise CheckpointError(f"{tok_file}: V4.1 Engram needs the checkpoint's tokenizer.json")
+    tmap, n = compressed_token_map(Tokenizer.from_file(str(tok_file)))
+    if n != cfg.engram_compressed_vocab_size:
+        raise CheckpointError(
+            f"{tok_file}: the tokenizer normalizes to {n} Engram keys but config.json says "
+            f"engram_compressed_vocab_size={cfg.engram_compressed_vocab_size}; the hash "
+            "multipliers depend on it, so this tokenizer does not belong to these weights"
+        )
+    return tmap
