@@ -63,54 +63,63 @@ class DenseKVStore(KVStore):
     """Unpaged store: per (layer, sequence) tensors indexed by absolute position.
 
     Keeps every position (nothing is evicted), so it serves full-sequence forward and lets
-    tests drive chunked prefill without the paged cache. Sequences are identified by their
-    index in the batch, so reuse one store only across batches of the same sequences.
+    tests drive chunked prefill without the paged cache. Entries are keyed by the batch
+    index ``s``, or by ``keys[s]`` in a :meth:`bind` view (a request id per sequence), so
+    one store can follow requests across batches of changing composition.
     """
 
     def __init__(self) -> None:
-        self._win: dict[tuple[int, int], torch.Tensor] = {}
-        self._tail: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._ent: dict[tuple[int, int], torch.Tensor] = {}
-        self._keys: dict[tuple[int, int], torch.Tensor] = {}
+        self._data: dict[tuple, torch.Tensor] = {}
+        self._keys_of: list | None = None
 
-    @staticmethod
-    def _put(old: torch.Tensor | None, pos0: int, new: torch.Tensor) -> torch.Tensor:
-        if old is None:
-            old = new.new_zeros((0, *new.shape[1:]))
-        if old.shape[0] < pos0 + new.shape[0]:
+    def bind(self, keys: list) -> DenseKVStore:
+        """A view sharing this store's data whose sequence ``s`` is ``keys[s]``."""
+        view = DenseKVStore()
+        view._data, view._keys_of = self._data, list(keys)
+        return view
+
+    def _seq(self, s: int):
+        return s if self._keys_of is None else self._keys_of[s]
+
+    def _put(self, key: tuple, pos0: int, new: torch.Tensor) -> None:
+        old = self._data.get(key)
+        if old is None or old.shape[0] < pos0 + new.shape[0]:
             grown = new.new_zeros((pos0 + new.shape[0], *new.shape[1:]))
-            grown[: old.shape[0]] = old
-            old = grown
+            if old is not None:
+                grown[: old.shape[0]] = old
+            old = self._data[key] = grown
         old[pos0 : pos0 + new.shape[0]] = new
-        return old
 
     def read_window(self, layer: int, s: int, lo: int, hi: int) -> torch.Tensor:
-        return self._win[(layer, s)][lo:hi]
+        return self._data[("win", layer, self._seq(s))][lo:hi]
 
     def write_window(self, layer: int, s: int, pos0: int, kv: torch.Tensor) -> None:
-        self._win[(layer, s)] = self._put(self._win.get((layer, s)), pos0, kv)
+        self._put(("win", layer, self._seq(s)), pos0, kv)
 
     def read_tail(
         self, layer: int, name: str, s: int, lo: int, hi: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv, gate = self._tail[(layer, name, s)]
-        return kv[lo:hi], gate[lo:hi]
+        seq = self._seq(s)
+        return self._data[("tkv", layer, name, seq)][lo:hi], self._data[("tg", layer, name, seq)][
+            lo:hi
+        ]
 
     def write_tail(
         self, layer: int, name: str, s: int, pos0: int, kv: torch.Tensor, gate: torch.Tensor
     ) -> None:
-        old = self._tail.get((layer, name, s), (None, None))
-        self._tail[(layer, name, s)] = (self._put(old[0], pos0, kv), self._put(old[1], pos0, gate))
+        seq = self._seq(s)
+        self._put(("tkv", layer, name, seq), pos0, kv)
+        self._put(("tg", layer, name, seq), pos0, gate)
 
     def write_entries(
         self, layer: int, s: int, w0: int, entries: torch.Tensor, keys: torch.Tensor | None
     ) -> None:
-        self._ent[(layer, s)] = self._put(self._ent.get((layer, s)), w0, entries)
+        self._put(("ent", layer, self._seq(s)), w0, entries)
         if keys is not None:
-            self._keys[(layer, s)] = self._put(self._keys.get((layer, s)), w0, keys)
+            self._put(("keys", layer, self._seq(s)), w0, keys)
 
     def read_entries(self, layer: int, s: int, n: int) -> torch.Tensor:
-        return self._ent[(layer, s)][:n]
+        return self._data[("ent", layer, self._seq(s))][:n]
 
     def read_keys(self, layer: int, s: int, n: int) -> torch.Tensor:
-        return self._keys[(layer, s)][:n]
+        return self._data[("keys", layer, self._seq(s))][:n]

@@ -20,6 +20,7 @@ from app.model.config import LayerMode, LayerSpec, ModelConfig
 from app.model.engram import Engram
 from app.model.engram_hash import EngramHashSpec, engram_hash_spec
 from app.model.forward_batch import ForwardBatch
+from app.model.kv_store import DenseKVStore, KVStore
 from app.model.layers import Linear, RMSNorm
 from app.model.moe import MoE
 from kernels.mhc import hc_collapse, hc_expand, hc_mix
@@ -85,6 +86,7 @@ class Block(nn.Module):
         p: torch.Tensor | None,
         batch: ForwardBatch,
         state: CompressedState,
+        store: KVStore,
         ngram: torch.Tensor | None,
         pad_id: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -94,13 +96,13 @@ class Block(nn.Module):
             if hasattr(self, "engram"):
                 X = self.engram(X, ngram, pad_id)
             a_pre, a_post, a_comb = self._mix(X, "hc_attn")
-            o = self.attn(self.attn_norm(hc_collapse(X, p)), batch, state)
+            o = self.attn(self.attn_norm(hc_collapse(X, p)), batch, state, store)
             X = hc_expand(o, X, a_post, a_comb)
             f_pre, f_post, f_comb = self._mix(X, "hc_ffn")
             o = self.ffn(self.ffn_norm(hc_collapse(X, a_pre)), ids)
             return hc_expand(o, X, f_post, f_comb), f_pre
         pre, post, comb = self._mix(X, "hc_attn")
-        o = self.attn(self.attn_norm(hc_collapse(X, pre)), batch, state)
+        o = self.attn(self.attn_norm(hc_collapse(X, pre)), batch, state, store)
         X = hc_expand(o, X, post, comb)
         pre, post, comb = self._mix(X, "hc_ffn")
         o = self.ffn(self.ffn_norm(hc_collapse(X, pre)), ids)
@@ -204,28 +206,44 @@ class DeepseekModel(nn.Module):
         self.engram_map = torch.tensor(tmap, dtype=torch.int64, device=self.engram_map.device)
 
     # ---- forward ------------------------------------------------------------------------
+    @property
+    def decoder_start(self) -> int:
+        """First V4.1 "decoder" layer: after the last layer that owns compressed KV; such
+        layers keep only window KV, so decoder replay may skip their early prompt rows."""
+        if not self.cfg.is_v41 or not self.cfg.kv_source_layer_ids:
+            return self.cfg.num_hidden_layers
+        return max(self.cfg.kv_source_layer_ids) + 1
+
     def _ngrams(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """[T, max_ngram] compressed ids of the token and its predecessors in its sequence
-        (-1 out of range or image). Example (max 3), seq [a b]: [[a, -1, -1], [b, a, -1]]."""
+        """[T, max_ngram] compressed ids of each token and its predecessors (-1 before the
+        sequence start or on image tokens). Predecessors before the batch come from
+        ``batch.history``. Example (max 3), seq [a b], no history: [[a, -1, -1], [b, a, -1]]."""
         if self.hash_spec is None:
             return None
         if self.engram_map.numel() == 0:
             raise RuntimeError("V4.1 Engram needs the tokenizer's compressed token map")
-        ids = batch.input_ids
-        comp = self.engram_map[ids]
-        if self.cfg.image_token_id is not None:
-            comp = comp.masked_fill(ids == self.cfg.image_token_id, -1)
+        n_back = self.hash_spec.max_ngram - 1
         cols = []
-        for s in range(self.hash_spec.max_ngram):
-            shifted = torch.full_like(comp, -1)
-            for sl in batch.seq_slices():
-                if sl.stop - sl.start > s:
-                    shifted[sl.start + s : sl.stop] = comp[sl.start : sl.stop - s]
-            cols.append(shifted)
-        return torch.stack(cols, dim=1)
+        for s, sl in enumerate(batch.seq_slices()):
+            ids = batch.input_ids[sl]
+            hist = torch.full((n_back,), -1, dtype=torch.int64, device=ids.device)
+            if batch.history is not None:
+                hist = batch.history[s].to(ids.device)
+            ext = torch.cat((hist.flip(0), ids))  # oldest first
+            comp = torch.where(ext >= 0, self.engram_map[ext.clamp_min(0)], -1)
+            if self.cfg.image_token_id is not None:
+                comp = comp.masked_fill(ext == self.cfg.image_token_id, -1)
+            L = ids.numel()
+            cols.append(
+                torch.stack([comp[n_back - k : n_back - k + L] for k in range(n_back + 1)], 1)
+            )
+        return torch.cat(cols)
 
-    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final normalized hidden state [T, d]."""
+    def hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final normalized hidden states and the flat batch rows they belong to.
+
+        Every row is returned unless V4.1 decoder replay (``batch.decoder_floors``) drops the
+        rows below a sequence's floor before the decoder layers."""
         cfg = self.cfg
         x = self.embed.weight[batch.input_ids]
         X = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -234,12 +252,17 @@ class DeepseekModel(nn.Module):
             p = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=x.device)
             p[:, 0] = 1.0
         ngram = self._ngrams(batch)
-        pad_id = -1
-        if ngram is not None:
-            pad_id = int(self.engram_map[cfg.engram_pad_token_id])
+        pad_id = int(self.engram_map[cfg.engram_pad_token_id]) if ngram is not None else -1
+        store = batch.kv if batch.kv is not None else DenseKVStore()
         state = CompressedState()
-        for layer in self.layers:
-            X, p = layer(X, p, batch, state, ngram, pad_id)
+        rows = torch.arange(x.shape[0], device=x.device)
+        for i, layer in enumerate(self.layers):
+            if i == self.decoder_start and any(batch.decoder_floors):
+                batch, keep, state = _decoder_batch(batch, store, state)
+                X, rows = X[keep], rows[keep]
+                p = p[keep] if p is not None else None
+                ngram = ngram[keep] if ngram is not None else None
+            X, p = layer(X, p, batch, state, store, ngram, pad_id)
         if cfg.is_v41:
             h = hc_collapse(X, p)
         else:
@@ -249,18 +272,95 @@ class DeepseekModel(nn.Module):
             )
             pre = torch.sigmoid(mix * self.hc_head_scale.float() + self.hc_head_base.float())
             h = hc_collapse(X, pre + cfg.hc_eps)
-        return self.norm(h)
+        return self.norm(h), rows
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [T, vocab] in fp32 for every token of the batch."""
-        h = self.hidden(batch)
-        return torch.nn.functional.linear(h.float(), self.head.weight.float())
+        """Logits [T, vocab] in fp32 for every token of the batch (no decoder replay)."""
+        if any(batch.decoder_floors):
+            raise ValueError("decoder replay drops rows: use forward_rows()")
+        return self.forward_rows(batch)[0]
+
+    def forward_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 logits [R, vocab], flat batch rows [R]) for the rows that reach the head."""
+        h, rows = self.hidden(batch)
+        return torch.nn.functional.linear(h.float(), self.head.weight.float()), rows
 
     @torch.no_grad()
     def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         """One full-sequence forward of ``token_ids`` [T] -> [T, vocab] fp32."""
         dev = self.embed.weight.device
         return self.forward(ForwardBatch.from_sequences([token_ids], device=dev))
+
+
+def _decoder_batch(
+    batch: ForwardBatch, store: KVStore, state: CompressedState
+) -> tuple[ForwardBatch, torch.Tensor, CompressedState]:
+    """The sub-batch of rows at or above each sequence's decoder floor (a suffix of every
+    sequence's chunk; a sequence with no such row is dropped), the kept flat rows, and the
+    selection state restricted to those rows.
+
+    Example: chunk positions [0..9] of one sequence, floor 6 -> rows 6..9 with prefix 6 and
+    window floor 6 (decoder windows read nothing below the floor)."""
+    keep, lens, prefix, wfloor, cached, slots, skip = [], [], [], [], [], [], []
+    for s, sl in enumerate(batch.seq_slices()):
+        a, n, f = batch.prefix_lens[s], batch.seq_lens[s], batch.decoder_floors[s]
+        start = max(a, f)
+        if start >= a + n:
+            continue
+        keep.append(torch.arange(sl.start + start - a, sl.stop))
+        lens.append(a + n - start)
+        prefix.append(start)
+        wfloor.append(max(batch.window_floors[s], f))
+        cached.append(max(batch.cached_lens[s], start))
+        slots.append(s)
+        skip.append(start - a)
+    idx = torch.cat(keep).to(batch.input_ids.device)
+    sub = ForwardBatch(
+        input_ids=batch.input_ids[idx],
+        positions=batch.positions[idx],
+        seq_lens=tuple(lens),
+        prefix_lens=tuple(prefix),
+        kv=_SubsetStore(store, slots),
+        window_floors=tuple(wfloor),
+        cached_lens=tuple(cached),
+    )
+    sub_state = CompressedState(
+        topk={
+            k: [v[s][o:] for s, o in zip(slots, skip, strict=True)] for k, v in state.topk.items()
+        },
+        cand={
+            k: [v[s][o:] for s, o in zip(slots, skip, strict=True)] for k, v in state.cand.items()
+        },
+    )
+    return sub, idx, sub_state
+
+
+class _SubsetStore(KVStore):
+    """A store view that renumbers sequences of a sub-batch to the parent batch's indices."""
+
+    def __init__(self, parent: KVStore, slots: list[int]):
+        self.parent, self.slots = parent, slots
+
+    def read_window(self, layer, s, lo, hi):  # noqa: D102
+        return self.parent.read_window(layer, self.slots[s], lo, hi)
+
+    def write_window(self, layer, s, pos0, kv):  # noqa: D102
+        self.parent.write_window(layer, self.slots[s], pos0, kv)
+
+    def read_tail(self, layer, name, s, lo, hi):  # noqa: D102
+        return self.parent.read_tail(layer, name, self.slots[s], lo, hi)
+
+    def write_tail(self, layer, name, s, pos0, kv, gate):  # noqa: D102
+        self.parent.write_tail(layer, name, self.slots[s], pos0, kv, gate)
+
+    def write_entries(self, layer, s, w0, entries, keys):  # noqa: D102
+        self.parent.write_entries(layer, self.slots[s], w0, entries, keys)
+
+    def read_entries(self, layer, s, n):  # noqa: D102
+        return self.parent.read_entries(layer, self.slots[s], n)
+
+    def read_keys(self, layer, s, n):  # noqa: D102
+        return self.parent.read_keys(layer, self.slots[s], n)
 
 
 __all__ = ["Block", "DeepseekModel", "MTPBlock", "rms_norm"]

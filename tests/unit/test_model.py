@@ -8,6 +8,7 @@ import torch
 from app.model.attention import CompressedState
 from app.model.config import LayerMode
 from app.model.forward_batch import ForwardBatch
+from app.model.kv_store import DenseKVStore
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
@@ -77,9 +78,11 @@ def test_tiny_v41_exercises_every_mode(tiny_model):
     p[:, 0] = 1
     ngram = model._ngrams(batch)
     pad = int(model.engram_map[cfg.engram_pad_token_id])
+    store = DenseKVStore()
     for layer in model.layers:
-        X, p = layer(X, p, batch, state, ngram, pad)
-    assert state.kv[2][0].shape[0] == 20 and state.kv[4][0].shape[0] == 40
+        X, p = layer(X, p, batch, state, store, ngram, pad)
+    assert store.read_entries(2, 0, 99).shape[0] == 20
+    assert store.read_entries(4, 0, 99).shape[0] == 40
     top2, top6 = state.topk[2][0], state.topk[6][0]
     assert (top2[-1] >= 0).all() and (top2[0] == -1).all()  # early tokens see no entries
     cand = state.cand[4][0]
