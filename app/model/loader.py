@@ -330,12 +330,18 @@ def load_state(
         return out
 
 
-def build_empty_model(cfg: ModelConfig) -> DeepseekModel:
+def checkpoint_names(path: str | Path) -> set[str]:
+    """Tensor names of the checkpoint at ``path`` (from the index or the single file)."""
+    with contextlib.ExitStack() as stack:
+        return set(_Checkpoint(Path(path), stack).weight_map)
+
+
+def build_empty_model(cfg: ModelConfig, kv_quant: bool = False) -> DeepseekModel:
     """``DeepseekModel(cfg)`` with parameters and persistent buffers on the meta device
     (no memory, no init); the model creates its derived tensors (RoPE frequencies, the
     Engram token map) on the CPU explicitly."""
     with torch.device("meta"):
-        return DeepseekModel(cfg)
+        return DeepseekModel(cfg, kv_quant=kv_quant)
 
 
 def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
@@ -344,15 +350,23 @@ def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    kv_quant: bool = False,
 ) -> DeepseekModel:
     """Build :class:`DeepseekModel` from ``path/config.json`` and load its weights.
 
     Parameters start on the meta device and are replaced by the loaded tensors, so the
-    weights exist once in memory. ``dtype`` is the compute dtype of dequantized weights.
+    weights exist once in memory. ``dtype`` is the compute dtype of dequantized weights;
+    ``kv_quant`` rounds V4.1 KV like the released cache formats (see ``kernels.kv_quant``).
     """
     cfg = ModelConfig.from_file(path)
-    model = build_empty_model(cfg)
+    model = build_empty_model(cfg, kv_quant)
+    if len(model.mtp) and not any(n.startswith("mtp.") for n in checkpoint_names(path)):
+        # e.g. checkpoints exported by Hugging Face transformers, which drops mtp.*
+        logger.warning("%s has no mtp.* weights: speculative decoding will be unavailable", path)
+        model.mtp = nn.ModuleList()
     state = load_state(path, tensor_specs(model), cfg, device, dtype)
     model.load_state_dict(state, assign=True, strict=True)
     if model.hash_spec is not None:
