@@ -152,9 +152,9 @@ class PagedStore(KVStore):
         self, layer: int, name: str, s: int, pos0: int, kv: torch.Tensor, gate: torch.Tensor
     ) -> None:
         tkv, tgate = self.c.tails[(layer, name)]
-        span = tkv.shape[1]
+        span, n = tkv.shape[1], kv.shape[0]
         kv, gate = kv[-span:], gate[-span:]
-        start = pos0 + (kv.shape[0] if pos0 >= 0 else 0) - kv.shape[0]
+        start = pos0 + n - kv.shape[0]
         idx = torch.arange(start, start + kv.shape[0], device=self.c.device) % span
         tkv[self.slots[s], idx] = kv.float()
         tgate[self.slots[s], idx] = gate.float()

@@ -258,7 +258,11 @@ class DeepseekModel(nn.Module):
         rows = torch.arange(x.shape[0], device=x.device)
         for i, layer in enumerate(self.layers):
             if i == self.decoder_start and any(batch.decoder_floors):
-                batch, keep, state = _decoder_batch(batch, store, state)
+                sub = _decoder_batch(batch, store, state)
+                if sub is None:  # no row of this step reaches the decoder layers
+                    empty = X.new_zeros(0, cfg.hidden_size)
+                    return empty, rows[:0]
+                batch, keep, state = sub
                 X, rows = X[keep], rows[keep]
                 p = p[keep] if p is not None else None
                 ngram = ngram[keep] if ngram is not None else None
@@ -294,10 +298,10 @@ class DeepseekModel(nn.Module):
 
 def _decoder_batch(
     batch: ForwardBatch, store: KVStore, state: CompressedState
-) -> tuple[ForwardBatch, torch.Tensor, CompressedState]:
+) -> tuple[ForwardBatch, torch.Tensor, CompressedState] | None:
     """The sub-batch of rows at or above each sequence's decoder floor (a suffix of every
     sequence's chunk; a sequence with no such row is dropped), the kept flat rows, and the
-    selection state restricted to those rows.
+    selection state restricted to those rows; None when no row is kept.
 
     Example: chunk positions [0..9] of one sequence, floor 6 -> rows 6..9 with prefix 6 and
     window floor 6 (decoder windows read nothing below the floor)."""
@@ -314,6 +318,8 @@ def _decoder_batch(
         cached.append(max(batch.cached_lens[s], start))
         slots.append(s)
         skip.append(start - a)
+    if not keep:
+        return None
     idx = torch.cat(keep).to(batch.input_ids.device)
     sub = ForwardBatch(
         input_ids=batch.input_ids[idx],

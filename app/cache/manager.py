@@ -1,0 +1,150 @@
+"""Per-request cache bookkeeping: block tables, request slots, prefix hits and replay plans.
+
+The engine's scheduler decides *what* runs; this manager owns *where* it lives:
+
+    admit(req, tokens)        prefix match (whole blocks) + slot -> ReplayPlan
+    ensure(req, n_tokens)     grow the block table to cover positions < n_tokens
+    commit(req, tokens, n)    register blocks whose positions are all computed
+    free(req)                 drop references (cached blocks stay evictable), free the slot
+    store(reqs)               KVStore view for one batch
+
+Bounded replay after a hit ending at H (MODEL_SPEC §3), window W:
+
+    off       start 0,                 window floor 0         (exact; a hit saves memory only)
+    encoder   start max(0, H - W),     window floor = start   (windows rebuilt from W tokens)
+    +decoder  V4.1 prefill rows below L - W skip the decoder layers
+Cached compressed entries / index keys (groups ending at or before H) are never rewritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from app.cache.block_pool import BlockPool
+from app.cache.kv_cache import PagedKVCache, PagedStore
+from app.cache.radix import PrefixIndex
+from app.config import CacheConfig
+from app.model.model import DeepseekModel
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """Where a newly admitted request starts computing, and its replay bounds."""
+
+    num_cached: int  # prompt tokens found in the prefix cache (H)
+    start: int  # first position to compute
+    window_floor: int  # window KV below this position is never read
+
+
+@dataclass
+class _Seq:
+    slot: int
+    blocks: list[int] = field(default_factory=list)
+    extra_key: str = ""
+    window_floor: int = 0
+    num_cached: int = 0
+    committed: int = 0  # blocks registered in the prefix index
+
+
+class CacheManager:
+    """Block tables, slots and prefix cache of one engine over a :class:`PagedKVCache`."""
+
+    def __init__(
+        self,
+        model: DeepseekModel,
+        cfg: CacheConfig,
+        num_blocks: int,
+        max_slots: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.cfg, self.model_cfg = cfg, model.cfg
+        self.block_size = cfg.resolve_block_size(model.cfg)
+        self.pool = BlockPool(num_blocks, self.block_size)
+        self.index = PrefixIndex(self.pool, self.block_size) if cfg.enable_prefix_caching else None
+        self.kv = PagedKVCache(model, num_blocks, self.block_size, max_slots, dtype, device)
+        self._seqs: dict[str, _Seq] = {}
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def admit(self, req_id: str, token_ids: list[int], extra_key: str = "") -> ReplayPlan:
+        """Take a slot and the cached prefix of ``token_ids`` (at least one token is left to
+        compute). Raises RuntimeError when no slot is free."""
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is already admitted")
+        slot = self.kv.alloc_slot()
+        seq = _Seq(slot=slot, extra_key=extra_key)
+        if self.index is not None and len(token_ids) > 1:
+            m = self.index.match(token_ids[:-1], extra_key)
+            self.pool.incref(m.block_ids)
+            seq.blocks = list(m.block_ids)
+            seq.num_cached = m.num_tokens
+            seq.committed = len(m.block_ids)
+        H, W = seq.num_cached, self.model_cfg.sliding_window
+        start = 0 if self.cfg.bounded_replay == "off" else max(0, H - W)
+        seq.window_floor = start
+        self._seqs[req_id] = seq
+        return ReplayPlan(num_cached=H, start=start, window_floor=start)
+
+    def ensure(self, req_id: str, num_tokens: int) -> None:
+        """Allocate blocks so positions ``< num_tokens`` have one (all or nothing; raises
+        :class:`app.cache.block_pool.NoFreeBlocks`, after evicting cached blocks if needed)."""
+        seq = self._seqs[req_id]
+        need = -(-num_tokens // self.block_size) - len(seq.blocks)
+        if need > 0:
+            seq.blocks.extend(self.pool.allocate(need))
+
+    def commit(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register every block whose positions are all computed (their compressed entries
+        and index keys are final) in the prefix index."""
+        seq = self._seqs[req_id]
+        full = min(num_computed, len(token_ids)) // self.block_size
+        if self.index is None or full <= seq.committed:
+            return
+        # Blocks whose content another request cached first stay ours until free() (the
+        # index keeps the first copy), so a table never changes under a running request.
+        self.index.insert(token_ids[: full * self.block_size], seq.blocks[:full], seq.extra_key)
+        seq.committed = full
+
+    def free(self, req_id: str) -> None:
+        """Release a finished, aborted or preempted request (idempotent)."""
+        seq = self._seqs.pop(req_id, None)
+        if seq is None:
+            return
+        self.pool.decref(seq.blocks)
+        self.kv.free_slot(seq.slot)
+
+    # ---- views -------------------------------------------------------------------------
+    def store(self, req_ids: list[str]) -> PagedStore:
+        seqs = [self._seqs[r] for r in req_ids]
+        return self.kv.view([s.blocks for s in seqs], [s.slot for s in seqs])
+
+    def window_floor(self, req_id: str) -> int:
+        return self._seqs[req_id].window_floor
+
+    def num_cached(self, req_id: str) -> int:
+        return self._seqs[req_id].num_cached
+
+    def decoder_floor(self, prompt_len: int, position: int) -> int:
+        """Decoder-replay floor for a row at ``position`` of a prompt of ``prompt_len``."""
+        if self.cfg.bounded_replay != "encoder+decoder" or not self.model_cfg.is_v41:
+            return 0
+        return max(0, prompt_len - self.model_cfg.sliding_window) if position < prompt_len else 0
+
+    def blocks_of(self, req_id: str) -> list[int]:
+        return list(self._seqs[req_id].blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_available
+
+    def check_integrity(self) -> None:
+        """Pool and index invariants, and every live table's blocks referenced."""
+        self.pool.check_integrity()
+        if self.index is not None:
+            self.index.check_integrity()
+        for rid, seq in self._seqs.items():
+            for b in seq.blocks:
+                if self.pool.refcount(b) <= 0:
+                    raise AssertionError(f"request {rid}: block {b} has no reference")
