@@ -124,7 +124,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request stopped producing tokens."""
 
     STOP = "stop"  # eos, a stop token or a stop string
