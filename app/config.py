@@ -66,3 +66,71 @@ class CacheConfig:
                 )
             return self.block_size
         return lcm * max(1, math.ceil(64 / lcm))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling options. ``max_model_len`` 0 = the model's limit (further capped by what
+    one request can hold in the KV pool)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise EngineConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_model_len < 0:
+            raise EngineConfigError(f"max_model_len must be >= 0, got {self.max_model_len}")
+
+
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one DP rank's engine needs."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    overlap_schedule: bool = True
+    seed: int = 0
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise EngineConfigError("model must name a checkpoint directory")
+        if self.dtype not in DTYPES:
+            raise EngineConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @classmethod
+    def from_options(cls, model: str, **options: object) -> EngineConfig:
+        """Build from flat options (``LLM(model, enable_prefix_caching=False, ...)``): each
+        name is a field of EngineConfig, CacheConfig or SchedulerConfig."""
+        groups: dict[str, dict[str, object]] = {"engine": {}, "cache": {}, "scheduler": {}}
+        owners = {
+            "engine": {f for f in cls.__dataclass_fields__ if f not in ("cache", "scheduler")},
+            "cache": set(CacheConfig.__dataclass_fields__),
+            "scheduler": set(SchedulerConfig.__dataclass_fields__),
+        }
+        for name, value in options.items():
+            owner = next((g for g, names in owners.items() if name in names), None)
+            if owner is None or name == "model":
+                valid = sorted(set().union(*owners.values()) - {"model"})
+                raise EngineConfigError(f"unknown engine option {name!r}; valid: {valid}")
+            groups[owner][name] = value
+        try:
+            return cls(
+                model=model,
+                cache=CacheConfig(**groups["cache"]),
+                scheduler=SchedulerConfig(**groups["scheduler"]),
+                **groups["engine"],
+            )
+        except TypeError as e:  # wrong value types reach here as TypeError
+            raise EngineConfigError(str(e)) from e

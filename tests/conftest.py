@@ -58,3 +58,20 @@ def tiny_model(tiny_cfg, tiny_tokenizer):
         return cache[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """Path of a tiny official-layout checkpoint (seed 0), made once per session."""
+    from app.model.tiny import make_tiny_checkpoint
+
+    paths: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in paths:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            make_tiny_checkpoint(out, arch=arch, seed=0)
+            paths[arch] = str(out)
+        return paths[arch]
+
+    return make

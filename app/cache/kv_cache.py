@@ -101,9 +101,17 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         """Bytes of every pool and slot tensor."""
-        ts = [*self.window, *self.entries.values(), *self.keys.values()]
-        ts += [t for pair in self.tails.values() for t in pair]
-        return sum(t.numel() * t.element_size() for t in ts)
+        return self.num_blocks * self.bytes_per_block() + self.max_slots * self.bytes_per_slot()
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across every paged group."""
+        ts = [*self.entries.values(), *self.keys.values()]
+        return sum(t[0].numel() * t.element_size() for t in ts)
+
+    def bytes_per_slot(self) -> int:
+        """Bytes one request slot takes (window rings and compressor tails)."""
+        ts = [*self.window, *(t for pair in self.tails.values() for t in pair)]
+        return sum(t[0].numel() * t.element_size() for t in ts)
 
 
 class PagedStore(KVStore):

@@ -68,14 +68,21 @@ class CacheManager:
         self._seqs: dict[str, _Seq] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def admit(self, req_id: str, token_ids: list[int], extra_key: str = "") -> ReplayPlan:
+    def admit(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        extra_key: str = "",
+        use_prefix_cache: bool = True,
+    ) -> ReplayPlan:
         """Take a slot and the cached prefix of ``token_ids`` (at least one token is left to
-        compute). Raises RuntimeError when no slot is free."""
+        compute; ``use_prefix_cache=False`` computes everything, e.g. for prompt logprobs).
+        Raises RuntimeError when no slot is free."""
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is already admitted")
         slot = self.kv.alloc_slot()
         seq = _Seq(slot=slot, extra_key=extra_key)
-        if self.index is not None and len(token_ids) > 1:
+        if self.index is not None and use_prefix_cache and len(token_ids) > 1:
             m = self.index.match(token_ids[:-1], extra_key)
             self.pool.incref(m.block_ids)
             seq.blocks = list(m.block_ids)

@@ -287,7 +287,11 @@ class DeepseekModel(nn.Module):
     def forward_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 logits [R, vocab], flat batch rows [R]) for the rows that reach the head."""
         h, rows = self.hidden(batch)
-        return torch.nn.functional.linear(h.float(), self.head.weight.float()), rows
+        return self.compute_logits(h), rows
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 head over final hidden states [R, d] -> [R, vocab]."""
+        return torch.nn.functional.linear(h.float(), self.head.weight.float())
 
     @torch.no_grad()
     def logits(self, token_ids: torch.Tensor) -> torch.Tensor:

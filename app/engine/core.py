@@ -1,0 +1,365 @@
+"""The synchronous engine core of one DP rank: add / abort / step.
+
+``step()`` = schedule -> prepare inputs -> forward -> sample -> update requests -> outputs.
+With overlap scheduling (``EngineConfig.overlap_schedule``) the host prepares step N+1 while
+the device runs step N (see :meth:`EngineCore.step`); outputs are identical on and off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from app.cache.manager import CacheManager
+from app.config import EngineConfig, EngineConfigError
+from app.engine.request import (
+    EngineRequest,
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    TokenLogprob,
+)
+from app.engine.runner import ModelRunner, StepInputs
+from app.engine.sampler import RowState, SampleOutput, sample
+from app.engine.scheduler import Scheduled, Scheduler, Sequence
+from app.model.loader import load_model
+from app.model.model import DeepseekModel
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    """Counters for metrics and the router."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_free_blocks: int = 0
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    num_preemptions: int = 0
+    steps: int = 0
+    last_step_s: float = 0.0
+
+
+def _stop_token_ids(model_dir: Path, cfg_eos: int) -> tuple[int, ...]:
+    ids = {cfg_eos}
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(sorted(ids))
+
+
+class EngineCore:
+    """One DP rank's engine, usable without Ray."""
+
+    def __init__(self, cfg: EngineConfig, model: DeepseekModel | None = None) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        dtype = _DTYPES[cfg.dtype]
+        path = Path(cfg.model)
+        if model is None:
+            model = load_model(path, self.device, dtype, kv_quant=cfg.cache.kv_quant)
+        self.model = model
+        mcfg = model.cfg
+        tok_file = path / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
+        self.eos_ids = _stop_token_ids(path, mcfg.eos_token_id)
+        # ---- KV pool from the memory budget
+        block_size = cfg.cache.resolve_block_size(mcfg)
+        probe = CacheManager(
+            model, cfg.cache, num_blocks=1, max_slots=1, dtype=dtype, device="meta"
+        )
+        per_block = probe.kv.bytes_per_block()
+        per_slot = probe.kv.bytes_per_slot()
+        budget = self._kv_budget()
+        slots = cfg.scheduler.max_num_seqs
+        num_blocks = (budget - slots * per_slot) // per_block
+        if num_blocks < 1:
+            raise EngineConfigError(
+                f"KV budget of {budget} bytes holds no block after {slots} request slots "
+                f"({per_slot} B each); raise kv_cache_bytes or lower max_num_seqs"
+            )
+        self.cache = CacheManager(model, cfg.cache, num_blocks, slots, dtype, self.device)
+        limit = cfg.scheduler.max_model_len or mcfg.max_position_embeddings
+        self.max_model_len = min(limit, mcfg.max_position_embeddings, num_blocks * block_size)
+        self.scheduler = Scheduler(cfg.scheduler, self.cache)
+        max_tok = cfg.scheduler.max_num_batched_tokens
+        self.runner = ModelRunner(model, self.cache, max_tok, self.device)
+        self.decoder_replay = cfg.cache.bounded_replay == "encoder+decoder"
+        self._seqs: dict[str, Sequence] = {}
+        self._grammar = None
+        self.stats = EngineStats()
+        logger.info(
+            "engine: %d KV blocks of %d tokens (%.1f MiB), %d slots, max_model_len %d",
+            num_blocks,
+            block_size,
+            num_blocks * per_block / 2**20,
+            slots,
+            self.max_model_len,
+        )
+
+    def _kv_budget(self) -> int:
+        c = self.cfg.cache
+        if c.kv_cache_bytes is not None:
+            return c.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * c.gpu_memory_utilization)
+        return DEFAULT_CPU_KV_BYTES
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        """Validate and queue a request; raises :class:`RequestError` naming the problem."""
+        if req.request_id in self._seqs:
+            raise RequestError("request_id", f"{req.request_id!r} is already running")
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in req.prompt_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError("prompt_token_ids", f"token id {bad} >= vocab size {vocab}")
+        n = len(req.prompt_token_ids)
+        if n >= self.max_model_len:
+            raise RequestError(
+                "prompt_token_ids",
+                f"prompt of {n} tokens leaves no room under max_model_len {self.max_model_len}",
+            )
+        p = req.params
+        if p.max_tokens is not None and n + p.max_tokens > self.max_model_len:
+            raise RequestError(
+                "max_tokens",
+                f"prompt ({n}) + max_tokens ({p.max_tokens}) exceeds max_model_len "
+                f"{self.max_model_len}",
+            )
+        matcher = None
+        if p.constraint is not None:
+            matcher = self.grammar.matcher(self.grammar.compile(p.constraint))
+        gen = None
+        if p.seed is not None and not p.greedy:
+            gen = torch.Generator(device=self.device).manual_seed(p.seed % 2**63)
+        seq = Sequence(req=req, tokens=list(req.prompt_token_ids), generator=gen, matcher=matcher)
+        self._seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    @property
+    def grammar(self):
+        """The grammar compiler (built on first use; needs the checkpoint's tokenizer)."""
+        if self._grammar is None:
+            from app.engine.grammar import GrammarCompiler, GrammarError
+
+            if self.tokenizer is None:
+                raise RequestError("constraint", "this model has no tokenizer.json")
+            think = self.tokenizer.token_to_id("</think>")
+            try:
+                self._grammar = GrammarCompiler(
+                    self.tokenizer, self.model.cfg.vocab_size, self.eos_ids[0], think
+                )
+            except GrammarError as e:
+                raise RequestError("constraint", str(e)) from e
+        return self._grammar
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request in any phase; frees its KV. None if it is unknown or done."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.finish_reason = FinishReason.ABORT
+        return self._output(seq, [], None, finished=True)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns one output delta per request that advanced."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions += len(sched.preempted)
+        if not sched.items:
+            return []
+        inputs = self.runner.prepare(sched.items, self.decoder_replay)
+        logits, prompt_logits = self.runner.run(inputs)
+        res = self._sample(inputs, logits)
+        outs = self._update(sched.items, inputs, res, prompt_logits)
+        self._stats(time.perf_counter() - t0)
+        return outs
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> SampleOutput | None:
+        if not inputs.sample_items:
+            return None
+        rows = []
+        for it in inputs.sample_items:
+            s = it.seq
+            p = s.req.params
+            n_out = s.num_known - s.num_prompt
+            rows.append(
+                RowState(
+                    params=p,
+                    generator=s.generator,
+                    prompt_ids=s.req.prompt_token_ids,
+                    output_ids=s.output_ids,
+                    mask_eos=n_out < p.min_tokens,
+                    eos_ids=(() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids),
+                )
+            )
+        matchers = [
+            (i, it.seq.matcher)
+            for i, it in enumerate(inputs.sample_items)
+            if it.seq.matcher is not None
+        ]
+        apply = None
+        if matchers:
+            from app.engine.grammar import allocate_bitmask, apply_bitmask, fill_bitmasks
+
+            vocab = logits.shape[1]
+            mask = allocate_bitmask(len(matchers), vocab)
+            fill_bitmasks([m for _, m in matchers], mask, list(range(len(matchers))))
+
+            def apply(lg: torch.Tensor) -> None:
+                rows_idx = [i for i, _ in matchers]
+                sub = lg[rows_idx]
+                apply_bitmask(sub, mask.to(sub.device), list(range(len(matchers))))
+                lg[rows_idx] = sub
+
+        return sample(logits, rows, apply)
+
+    def _update(
+        self,
+        items: list[Scheduled],
+        inputs: StepInputs,
+        res: SampleOutput | None,
+        prompt_logits: dict[str, torch.Tensor],
+    ) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        sampled = {}
+        if res is not None:
+            toks = res.tokens.tolist()
+            for i, it in enumerate(inputs.sample_items):
+                sampled[it.seq.request_id] = (i, toks[i])
+        for it in items:
+            seq = it.seq
+            rid = seq.request_id
+            a = seq.num_computed
+            seq.num_computed += it.num_tokens
+            plp = None
+            if rid in prompt_logits:
+                plp = self._prompt_logprobs(seq, inputs.prompt_rows[rid], prompt_logits[rid], a)
+            if rid not in sampled:
+                self.cache.commit(rid, seq.tokens, seq.num_computed)
+                if plp is not None:
+                    outs.append(self._output(seq, [], None, prompt_logprobs=plp))
+                continue
+            i, tok = sampled[rid]
+            lp = None
+            if seq.req.params.logprobs is not None:
+                lp = [self._token_logprob(res, i, tok, seq.req.params.logprobs)]
+            new = self._append(seq, tok)
+            self.cache.commit(rid, seq.tokens, seq.num_computed)
+            finished = seq.finish_reason is not None
+            outs.append(self._output(seq, new, lp if new else None, finished, plp))
+            if finished:
+                self._seqs.pop(rid, None)
+                self.scheduler.remove(seq)
+        return outs
+
+    def _append(self, seq: Sequence, tok: int) -> list[int]:
+        """Add a sampled token; set the finish reason when the request is done. Returns the
+        tokens to emit (stop tokens are not emitted)."""
+        p = seq.req.params
+        if seq.matcher is not None and not seq.matcher.accept(tok):
+            seq.finish_reason = FinishReason.ERROR
+            seq.error = f"token {tok} violates the output constraint"
+            return []
+        n_out = len(seq.tokens) - seq.num_prompt
+        if n_out >= p.min_tokens and (
+            (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        ):
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, tok
+            return []
+        seq.tokens.append(tok)
+        n_out += 1
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            seq.finish_reason = FinishReason.STOP
+        elif p.stop and self.tokenizer is not None and n_out >= p.min_tokens:
+            hit = self._stop_string(seq)
+            if hit is not None:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, hit
+        if seq.finish_reason is None and (
+            (p.max_tokens is not None and n_out >= p.max_tokens)
+            or len(seq.tokens) >= self.max_model_len
+        ):
+            seq.finish_reason = FinishReason.LENGTH
+        return [tok]
+
+    def _stop_string(self, seq: Sequence) -> str | None:
+        stops = seq.req.params.stop
+        span = max(len(s) for s in stops) + 8  # tokens are at least one char, most often
+        tail = self.tokenizer.decode(seq.output_ids[-span:], skip_special_tokens=False)
+        return next((s for s in stops if s in tail), None)
+
+    @staticmethod
+    def _token_logprob(res: SampleOutput, i: int, tok: int, k: int) -> TokenLogprob:
+        top = ()
+        if k and res.top_ids is not None:
+            top = tuple(
+                zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist(), strict=True)
+            )
+        return TokenLogprob(tok, float(res.logprobs[i]), top)
+
+    def _prompt_logprobs(
+        self, seq: Sequence, pairs: list[tuple[int, int]], logits: torch.Tensor, start: int
+    ) -> list[TokenLogprob | None]:
+        """Logprob of each next prompt token given the prefix (position 0 has none)."""
+        k = seq.req.params.prompt_logprobs or 0
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        out: list[TokenLogprob | None] = [None] if start == 0 else []
+        for j, (_, p) in enumerate(pairs):
+            if p + 1 >= seq.num_prompt:
+                break
+            nxt = seq.tokens[p + 1]
+            top = ()
+            if k:
+                t = torch.topk(logp[j], k)
+                top = tuple(zip(t.indices.tolist(), t.values.tolist(), strict=True))
+            out.append(TokenLogprob(nxt, float(logp[j, nxt]), top))
+        return out
+
+    def _output(
+        self, seq: Sequence, new: list[int], lp, finished: bool = False, prompt_logprobs=None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=list(new),
+            logprobs=lp,
+            prompt_logprobs=prompt_logprobs,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            stop_reason=seq.stop_reason if finished else None,
+            num_prompt_tokens=seq.num_prompt,
+            num_cached_tokens=seq.num_cached,
+            error=seq.error,
+        )
+
+    def _stats(self, dt: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.last_step_s = dt
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_free_blocks = self.cache.num_free_blocks
+        s.kv_usage = self.cache.pool.usage
+        if self.cache.index is not None:
+            s.prefix_hit_tokens = self.cache.index.stats.hit_tokens

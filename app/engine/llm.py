@@ -1,0 +1,98 @@
+"""Offline API: ``LLM(model=DIR, device="cpu", dtype="float32", **engine options).generate()``.
+
+    from app.engine.llm import LLM
+    from app.engine.request import SamplingParams
+    llm = LLM(model="/tmp/tiny-v41", enable_prefix_caching=True)
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from app.config import EngineConfig
+from app.engine.core import EngineCore
+from app.engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
+
+_ids = itertools.count()
+
+
+class LLM:
+    """Batch generation with one engine, no Ray. Engine options are the config fields."""
+
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32",
+                 **options: object) -> None:
+        self.engine = EngineCore(
+            EngineConfig.from_options(model, device=device, dtype=dtype, **options)
+        )
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (bos first when the model defines one)."""
+        if self.tokenizer is None:
+            raise RequestError("prompts", "this model has no tokenizer.json: pass token ids")
+        return [self.engine.model.cfg.bos_token_id, *self.tokenizer.encode(text).ids]
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order, each with
+        all its tokens, text, logprobs, finish reason and cached-prompt-token count."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise RequestError("prompts", "pass exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids = [self.encode(p) for p in prompts] if prompts is not None else prompt_token_ids
+        n = len(ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * n
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != n:
+            raise RequestError("sampling_params", f"{len(params)} params for {n} prompts")
+        rids = [f"llm-{next(_ids)}" for _ in range(n)]
+        results = {r: RequestOutput(r) for r in rids}
+        try:
+            for rid, toks, p in zip(rids, ids, params, strict=True):
+                self.engine.add_request(EngineRequest(rid, tuple(toks), p))
+            pending = set(rids)
+            while pending:
+                for o in self.engine.step():
+                    self._merge(results[o.request_id], o)
+                    if o.finished:
+                        pending.discard(o.request_id)
+        finally:
+            for rid in rids:
+                self.engine.abort(rid)
+        out = [results[r] for r in rids]
+        if self.tokenizer is not None:
+            for o, p in zip(out, params, strict=True):
+                o.text = self._text(o, p)
+        return out
+
+    @staticmethod
+    def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
+        acc.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            acc.logprobs = (acc.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            acc.prompt_logprobs = (acc.prompt_logprobs or []) + delta.prompt_logprobs
+        acc.num_prompt_tokens = delta.num_prompt_tokens
+        acc.num_cached_tokens = delta.num_cached_tokens
+        if delta.finished:
+            acc.finished, acc.finish_reason = True, delta.finish_reason
+            acc.stop_reason, acc.error = delta.stop_reason, delta.error
+
+    def _text(self, o: RequestOutput, p: SamplingParams) -> str:
+        text = self.tokenizer.decode(o.token_ids, skip_special_tokens=p.skip_special_tokens)
+        if isinstance(o.stop_reason, str) and o.stop_reason in text:
+            text = text[: text.index(o.stop_reason)]
+        return text

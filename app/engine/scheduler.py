@@ -1,0 +1,195 @@
+"""The scheduler: one token-budget rule over running and waiting requests.
+
+Every step each request's computed tokens catch up to its known tokens (prompt + output +
+tokens sampled on the device but not yet seen, under overlap scheduling), within
+``max_num_batched_tokens`` and ``max_num_seqs``. Chunked prefill, decode, prefix hits and
+bounded replay all fall out of it: a hit or a replay plan only moves where computing starts.
+
+Order: running requests first (by priority, then arrival), then waiting ones. When the KV pool
+runs out, the lowest-priority, latest running request is preempted (recompute: its cache is
+freed, it returns to the waiting queue with its output so far, and resumes later with the same
+output; a prefix hit usually brings most of its blocks back).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from app.cache.block_pool import NoFreeBlocks
+from app.cache.manager import CacheManager
+from app.config import SchedulerConfig
+from app.engine.request import EngineRequest, FinishReason
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Engine-side state of one request."""
+
+    req: EngineRequest
+    tokens: list[int]  # prompt + output tokens known on the host
+    generator: torch.Generator | None = None
+    matcher: object | None = None  # app.engine.grammar.GrammarMatcher
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # positions whose KV is in the cache
+    num_pending: int = 0  # sampled on the device, not yet appended to ``tokens``
+    num_cached: int = 0  # prompt tokens served from the prefix cache (last admission)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    order: int = field(default_factory=lambda: next(_arrivals))
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.req.prompt_token_ids)
+
+    @property
+    def num_known(self) -> int:
+        return len(self.tokens) + self.num_pending
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.req.params.prompt_logprobs is not None
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.req.priority, self.order)
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the last known token, so the step samples a new one."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_known
+
+
+@dataclass
+class SchedulerOutput:
+    items: list[Scheduled]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items)
+
+
+class Scheduler:
+    """Decides which tokens of which requests the next step computes."""
+
+    def __init__(self, cfg: SchedulerConfig, cache: CacheManager):
+        self.cfg, self.cache = cfg, cache
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        key = seq.sort_key()
+        i = next((i for i, s in enumerate(self.waiting) if s.sort_key() > key), len(self.waiting))
+        self.waiting.insert(i, seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted request and free its cache (idempotent)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq.request_id)
+        seq.status = SeqStatus.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq.request_id)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self._enqueue(seq)
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for running ``seq``'s next ``n`` tokens, preempting running requests that
+        rank below it (lowest priority, latest first) while the pool is short. False when
+        none ranks below: ``seq`` itself must yield."""
+        while True:
+            try:
+                self.cache.ensure(seq.request_id, seq.num_computed + n)
+                return True
+            except NoFreeBlocks:
+                victims = [
+                    s
+                    for s in self.running
+                    if s is not seq and s.num_pending == 0 and s.sort_key() > seq.sort_key()
+                ]
+                if not victims:
+                    return False
+                victim = max(victims, key=Sequence.sort_key)
+                self._preempt(victim)
+                out.preempted.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [])
+        budget = self.cfg.max_num_batched_tokens
+        self.running.sort(key=Sequence.sort_key)
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted by a higher-priority request this step
+                continue
+            n = min(seq.num_known - seq.num_computed, budget)
+            if n <= 0:
+                continue
+            if not self._reserve(seq, n, out):
+                if seq.num_pending == 0:
+                    self._preempt(seq)
+                    out.preempted.append(seq)
+                continue
+            out.items.append(Scheduled(seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if self.cache.kv.num_free_slots == 0:
+                break
+            use_prefix = not seq.wants_prompt_logprobs
+            plan = self.cache.admit(
+                seq.request_id, seq.tokens, seq.req.extra_key, use_prefix_cache=use_prefix
+            )
+            seq.num_computed, seq.num_cached = plan.start, min(plan.num_cached, seq.num_prompt)
+            n = min(seq.num_known - seq.num_computed, budget)
+            try:
+                self.cache.ensure(seq.request_id, seq.num_computed + n)
+            except NoFreeBlocks:  # wait for running requests to finish or be preempted
+                self.cache.free(seq.request_id)
+                break
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.items.append(Scheduled(seq, n))
+            budget -= n
+        return out

@@ -1,0 +1,181 @@
+"""Engine: batched = one-at-a-time = full-forward argmax under chunked prefill, arrivals,
+preemption; seeded sampling; aborts free everything; the offline LLM API."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from app.config import EngineConfig
+from app.engine.core import EngineCore
+from app.engine.llm import LLM
+from app.engine.request import EngineRequest, FinishReason, RequestError, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def make_engine(path: str, **opts) -> EngineCore:
+    opts.setdefault("kv_cache_bytes", 1 << 22)
+    opts.setdefault("bounded_replay", "off")
+    return EngineCore(EngineConfig.from_options(path, **opts))
+
+
+def run_all(eng: EngineCore, reqs: list[EngineRequest], arrive_rng: random.Random | None = None):
+    """Add requests (all at once, or at random steps) and step until done."""
+    outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    finish: dict[str, FinishReason] = {}
+    queue = list(reqs)
+    if arrive_rng is None:
+        for r in queue:
+            eng.add_request(r)
+        queue = []
+    while queue or eng.has_unfinished:
+        if queue and (arrive_rng.random() < 0.5 or not eng.has_unfinished):
+            eng.add_request(queue.pop(0))
+        for o in eng.step():
+            outs[o.request_id] += o.token_ids
+            if o.finished:
+                finish[o.request_id] = o.finish_reason
+    eng.cache.check_integrity()
+    return outs, finish
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model.logits(torch.tensor(seq))[-1].argmax()))
+    return seq[len(prompt) :]
+
+
+def prompts(n_list, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in n_list]
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_batched_equals_single_equals_full_forward(tiny_ckpt, arch):
+    path = tiny_ckpt(arch)
+    ps = prompts((23, 5, 37, 11, 1))
+    reqs = [EngineRequest(f"r{i}", tuple(p), GREEDY) for i, p in enumerate(ps)]
+    eng = make_engine(path, max_num_batched_tokens=16)  # chunked prefill
+    batched, finish = run_all(eng, reqs, random.Random(0))
+    assert set(finish.values()) == {FinishReason.LENGTH}
+    for i, p in enumerate(ps):
+        ref = reference_greedy(eng.model, p, 10)
+        assert batched[f"r{i}"] == ref, i
+    single = make_engine(path, max_num_batched_tokens=64)
+    for r in reqs[:2]:
+        out, _ = run_all(single, [r])
+        assert out[r.request_id] == batched[r.request_id]
+
+
+def test_preemption_keeps_outputs(tiny_ckpt):
+    path = tiny_ckpt("v41")
+    ps = prompts((58, 60, 57, 59), seed=1)
+    reqs = [EngineRequest(f"r{i}", tuple(p), GREEDY) for i, p in enumerate(ps)]
+    roomy, _ = run_all(make_engine(path, max_num_batched_tokens=32), reqs)
+    # 64-token blocks: running requests cross a block boundary while the 3-block pool is full
+    tight = make_engine(path, max_num_batched_tokens=32, block_size=64)
+    per_block = tight.cache.kv.bytes_per_block()
+    per_slot = tight.cache.kv.bytes_per_slot()
+    tight = make_engine(
+        path,
+        max_num_batched_tokens=32,
+        block_size=64,
+        max_num_seqs=4,
+        kv_cache_bytes=3 * per_block + 4 * per_slot,
+    )
+    assert tight.cache.pool.num_blocks == 3
+    got, finish = run_all(tight, reqs)
+    assert tight.stats.num_preemptions > 0
+    assert got == roomy and set(finish.values()) == {FinishReason.LENGTH}
+    assert tight.cache.pool.num_available == 3
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_ckpt):
+    path = tiny_ckpt("v41")
+    p = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=8, ignore_eos=True
+    )
+    target = EngineRequest("t", tuple(prompts((9,))[0]), p)
+    alone, _ = run_all(make_engine(path), [target])
+    others = [
+        EngineRequest(f"o{i}", tuple(q), SamplingParams(temperature=1.0, max_tokens=6))
+        for i, q in enumerate(prompts((14, 3, 20), seed=5))
+    ]
+    crowded, _ = run_all(make_engine(path, max_num_batched_tokens=8), [*others, target])
+    assert crowded["t"] == alone["t"]
+    p2 = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=8, ignore_eos=True
+    )
+    other_seed, _ = run_all(make_engine(path), [EngineRequest("t", target.prompt_token_ids, p2)])
+    assert other_seed["t"] != alone["t"]
+
+
+@pytest.mark.parametrize("phase_steps", [0, 1, 3, 6])
+def test_abort_in_every_phase_frees_everything(tiny_ckpt, phase_steps):
+    path = tiny_ckpt("v41")
+    eng = make_engine(path, max_num_batched_tokens=8, enable_prefix_caching=False)
+    ps = prompts((20, 12))
+    for i, p in enumerate(ps):
+        eng.add_request(EngineRequest(f"r{i}", tuple(p), GREEDY))
+    for _ in range(phase_steps):
+        eng.step()
+    for i in range(2):
+        out = eng.abort(f"r{i}")
+        assert out is not None and out.finish_reason is FinishReason.ABORT
+    assert eng.abort("r0") is None and not eng.has_unfinished
+    eng.cache.check_integrity()
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+    assert eng.cache.kv.num_free_slots == eng.cfg.scheduler.max_num_seqs
+
+
+def test_llm_api(tiny_ckpt):
+    llm = LLM(model=tiny_ckpt("v41"), kv_cache_bytes=1 << 22, max_num_batched_tokens=32)
+    outs = llm.generate(
+        ["Hello, world", "The quick brown fox"],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+    )
+    for o in outs:
+        assert len(o.token_ids) == 6 and o.finish_reason is FinishReason.LENGTH
+        assert isinstance(o.text, str) and len(o.logprobs) == 6
+        assert all(len(lp.top) == 3 and lp.logprob <= 0 for lp in o.logprobs)
+        assert o.logprobs[0].top[0][1] >= o.logprobs[0].top[1][1]
+    # prefix cache: the same long prompt twice serves whole blocks from the cache
+    long = "The quick brown fox jumps over the lazy dog. " * 12
+    first = llm.generate(long, SamplingParams(temperature=0, max_tokens=3))[0]
+    second = llm.generate(long, SamplingParams(temperature=0, max_tokens=3))[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 64
+    # stop token ids and min_tokens
+    stop_tok = outs[0].token_ids[2]
+    o = llm.generate(
+        "Hello, world",
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[stop_tok]),
+    )[0]
+    assert o.token_ids == outs[0].token_ids[:2] and o.stop_reason == stop_tok
+    o = llm.generate(
+        prompt_token_ids=[[0, 5, 9]],
+        sampling_params=SamplingParams(
+            temperature=0, max_tokens=4, prompt_logprobs=2, ignore_eos=True
+        ),
+    )[0]
+    assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == 3
+    assert [lp.token_id for lp in o.prompt_logprobs[1:]] == [5, 9]
+
+
+def test_bad_requests_are_rejected(tiny_ckpt):
+    eng = make_engine(tiny_ckpt("v41"))
+    with pytest.raises(RequestError, match="prompt_token_ids"):
+        eng.add_request(EngineRequest("x", (1, 10_000)))
+    with pytest.raises(RequestError, match="max_tokens"):
+        eng.add_request(EngineRequest("y", (1, 2), SamplingParams(max_tokens=10**7)))
+    with pytest.raises(RequestError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(RequestError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(RequestError, match="logprobs"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(RequestError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
