@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +37,27 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass
+class _StepResult:
+    live: list[int]  # indices into the step's sample_items that were sampled
+    sample: SampleOutput | None
+    prompt_logits: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Flight:
+    """A launched step: its inputs, the worker's future, and the event that lets it sample."""
+
+    inputs: StepInputs
+    future: Future
+    ready: threading.Event
+    finished_while_in_flight: list[Sequence] = field(default_factory=list)
+
+    @property
+    def items(self) -> list[Scheduled]:
+        return self.inputs.items
 
 
 @dataclass
@@ -101,6 +124,8 @@ class EngineCore:
         self.decoder_replay = cfg.cache.bounded_replay == "encoder+decoder"
         self._seqs: dict[str, Sequence] = {}
         self._grammar = None
+        self._flight: _Flight | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fathom-step")
         self.stats = EngineStats()
         logger.info(
             "engine: %d KV blocks of %d tokens (%.1f MiB), %d slots, max_model_len %d",
@@ -171,40 +196,94 @@ class EngineCore:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request in any phase; frees its KV. None if it is unknown or done."""
-        seq = self._seqs.pop(request_id, None)
+        seq = self._seqs.get(request_id)
         if seq is None:
             return None
-        self.scheduler.remove(seq)
         seq.finish_reason = FinishReason.ABORT
+        self._finish(seq)
         return self._output(seq, [], None, finished=True)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._seqs)
+        return bool(self._seqs) or self._flight is not None
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns one output delta per request that advanced."""
+        """Run one engine step; returns one output delta per request that advanced.
+
+        Pipeline (overlap on): schedule and prepare step N+1 on the host, wait for step N's
+        sampled tokens, fill the pending input tokens of N+1 on the device and launch it,
+        then turn step N's tokens into outputs (stop checks, grammar, streaming) while N+1
+        runs; sampling of N+1 waits for that update (penalties and grammar masks need token
+        N). Requests that finished at N were already in N+1: their extra token is dropped and
+        their blocks are freed once N+1 is done. With overlap off, each step launches and
+        waits in the same call.
+        """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
-        if not sched.items:
-            return []
-        inputs = self.runner.prepare(sched.items, self.decoder_replay)
-        logits, prompt_logits = self.runner.run(inputs)
-        res = self._sample(inputs, logits)
-        outs = self._update(sched.items, inputs, res, prompt_logits)
+        inputs = self.runner.prepare(sched.items, self.decoder_replay) if sched.items else None
+        prev, self._flight = self._flight, None
+        prev_res = None
+        if prev is not None:
+            prev_res = prev.future.result()
+            self._release(prev)
+        if inputs is not None:
+            if inputs.pending:
+                self._fill_pending(inputs, prev, prev_res)
+            ready = threading.Event()
+            fut = self._executor.submit(self._run_and_sample, inputs, ready)
+            self._flight = _Flight(inputs, fut, ready)
+        outs = self._update(prev, prev_res) if prev is not None else []
+        if self._flight is not None:
+            self._flight.ready.set()
+            if not self.cfg.overlap_schedule:
+                flight, self._flight = self._flight, None
+                res = flight.future.result()
+                self._release(flight)
+                outs += self._update(flight, res)
         self._stats(time.perf_counter() - t0)
         return outs
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> SampleOutput | None:
-        if not inputs.sample_items:
-            return None
+    def _run_and_sample(self, inputs: StepInputs, ready: threading.Event) -> _StepResult:
+        """Worker: forward, then (once the previous step's tokens are applied) sample."""
+        logits, prompt_logits = self.runner.run(inputs)
+        ready.wait()
+        live = [i for i, it in enumerate(inputs.sample_items) if it.seq.finish_reason is None]
+        res = None
+        if live:
+            res = self._sample([inputs.sample_items[i] for i in live], logits[live])
+        return _StepResult(live, res, prompt_logits)
+
+    def _fill_pending(
+        self, inputs: StepInputs, prev: _Flight | None, prev_res: _StepResult | None
+    ) -> None:
+        """Write last step's sampled tokens into this step's input ids (on the device)."""
+        if prev is None or prev_res is None or prev_res.sample is None:
+            raise RuntimeError("pending input tokens without a step in flight")
+        where = {}
+        for k, i in enumerate(prev_res.live):
+            seq = prev.inputs.sample_items[i].seq
+            where[seq.request_id] = k
+        rows = list(inputs.pending)
+        src = [where[inputs.pending[r][0]] for r in rows]
+        dev = inputs.batch.input_ids.device
+        tokens = prev_res.sample.tokens
+        inputs.batch.input_ids[torch.tensor(rows, device=dev)] = tokens[
+            torch.tensor(src, device=tokens.device)
+        ].to(dev)
+
+    def _release(self, flight: _Flight) -> None:
+        """Free requests that finished while ``flight`` still used their blocks."""
+        for seq in flight.finished_while_in_flight:
+            self.scheduler.remove(seq)
+
+    def _sample(self, items: list[Scheduled], logits: torch.Tensor) -> SampleOutput:
         rows = []
-        for it in inputs.sample_items:
+        for it in items:
             s = it.seq
             p = s.req.params
-            n_out = s.num_known - s.num_prompt
+            n_out = len(s.tokens) - s.num_prompt
             rows.append(
                 RowState(
                     params=p,
@@ -215,65 +294,79 @@ class EngineCore:
                     eos_ids=(() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids),
                 )
             )
-        matchers = [
-            (i, it.seq.matcher)
-            for i, it in enumerate(inputs.sample_items)
-            if it.seq.matcher is not None
-        ]
+        matchers = [(i, it.seq.matcher) for i, it in enumerate(items) if it.seq.matcher]
         apply = None
         if matchers:
             from app.engine.grammar import allocate_bitmask, apply_bitmask, fill_bitmasks
 
-            vocab = logits.shape[1]
-            mask = allocate_bitmask(len(matchers), vocab)
+            mask = allocate_bitmask(len(matchers), logits.shape[1])
             fill_bitmasks([m for _, m in matchers], mask, list(range(len(matchers))))
+            idx = [i for i, _ in matchers]
 
             def apply(lg: torch.Tensor) -> None:
-                rows_idx = [i for i, _ in matchers]
-                sub = lg[rows_idx]
-                apply_bitmask(sub, mask.to(sub.device), list(range(len(matchers))))
-                lg[rows_idx] = sub
+                sub = lg[idx]
+                apply_bitmask(sub, mask.to(sub.device), list(range(len(idx))))
+                lg[idx] = sub
 
         return sample(logits, rows, apply)
 
-    def _update(
-        self,
-        items: list[Scheduled],
-        inputs: StepInputs,
-        res: SampleOutput | None,
-        prompt_logits: dict[str, torch.Tensor],
-    ) -> list[RequestOutput]:
+    def _update(self, flight: _Flight, res: _StepResult) -> list[RequestOutput]:
+        """Apply a finished step: advance requests, append tokens, emit outputs."""
+        inputs = flight.inputs
         outs: list[RequestOutput] = []
-        sampled = {}
-        if res is not None:
-            toks = res.tokens.tolist()
-            for i, it in enumerate(inputs.sample_items):
-                sampled[it.seq.request_id] = (i, toks[i])
-        for it in items:
+        sampled: dict[str, tuple[int, int]] = {}
+        if res.sample is not None:
+            toks = res.sample.tokens.tolist()
+            for k, i in enumerate(res.live):
+                sampled[inputs.sample_items[i].seq.request_id] = (k, toks[k])
+        for it in flight.items:
             seq = it.seq
             rid = seq.request_id
-            a = seq.num_computed
-            seq.num_computed += it.num_tokens
+            seq.num_in_flight -= 1
+            if it.samples:
+                seq.num_pending -= 1
+            if seq.finish_reason is not None:  # finished or aborted meanwhile: drop
+                continue
             plp = None
-            if rid in prompt_logits:
-                plp = self._prompt_logprobs(seq, inputs.prompt_rows[rid], prompt_logits[rid], a)
+            if rid in res.prompt_logits:
+                pairs = inputs.prompt_rows[rid]
+                plp = self._prompt_logprobs(seq, pairs, res.prompt_logits[rid], it.start)
             if rid not in sampled:
                 self.cache.commit(rid, seq.tokens, seq.num_computed)
                 if plp is not None:
                     outs.append(self._output(seq, [], None, prompt_logprobs=plp))
                 continue
-            i, tok = sampled[rid]
+            k, tok = sampled[rid]
             lp = None
             if seq.req.params.logprobs is not None:
-                lp = [self._token_logprob(res, i, tok, seq.req.params.logprobs)]
+                lp = [self._token_logprob(res.sample, k, tok, seq.req.params.logprobs)]
             new = self._append(seq, tok)
-            self.cache.commit(rid, seq.tokens, seq.num_computed)
+            self.cache.commit(rid, seq.tokens, min(seq.num_computed, len(seq.tokens)))
             finished = seq.finish_reason is not None
             outs.append(self._output(seq, new, lp if new else None, finished, plp))
             if finished:
-                self._seqs.pop(rid, None)
-                self.scheduler.remove(seq)
+                self._finish(seq)
         return outs
+
+    def _finish(self, seq: Sequence) -> None:
+        """Forget a finished request; free its KV now, or once the step in flight is done."""
+        self._seqs.pop(seq.request_id, None)
+        flight = self._flight
+        if flight is not None and any(it.seq is seq for it in flight.items):
+            flight.finished_while_in_flight.append(seq)
+            if seq in self.scheduler.running:
+                self.scheduler.running.remove(seq)
+        else:
+            self.scheduler.remove(seq)
+
+    def drain(self) -> list[RequestOutput]:
+        """Wait for the step in flight and return its outputs (overlap mode)."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return []
+        res = flight.future.result()
+        self._release(flight)
+        return self._update(flight, res)
 
     def _append(self, seq: Sequence, tok: int) -> list[int]:
         """Add a sampled token; set the finish reason when the request is done. Returns the

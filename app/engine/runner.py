@@ -29,6 +29,7 @@ class StepInputs:
     """One step's batch and which flat rows produce logits."""
 
     batch: ForwardBatch
+    items: list[Scheduled]
     sample_rows: list[int]  # flat row of the last token of each sampling item
     sample_items: list[Scheduled]
     prompt_rows: dict[str, list[tuple[int, int]]]  # request -> [(flat row, position)]
@@ -61,9 +62,7 @@ class ModelRunner:
         if n_tok > ids_np.shape[0]:
             raise ValueError(f"step of {n_tok} tokens exceeds the runner's {ids_np.shape[0]}")
         lens = np.fromiter((it.num_tokens for it in items), dtype=np.int64, count=len(items))
-        starts = np.fromiter(
-            (it.seq.num_computed for it in items), dtype=np.int64, count=len(items)
-        )
+        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=len(items))
         offsets = np.concatenate(([0], np.cumsum(lens)[:-1])) if len(items) else lens
         # positions: starts repeated per row + rank inside the chunk
         # e.g. lens [3, 1], starts [5, 9] -> [5, 6, 7, 9]
@@ -113,7 +112,7 @@ class ModelRunner:
             decoder_floors=tuple(dec),
             history=torch.tensor(hist, dtype=torch.int64).view(len(items), self.n_back),
         )
-        return StepInputs(batch, sample_rows, sample_items, prompt_rows, pending)
+        return StepInputs(batch, items, sample_rows, sample_items, prompt_rows, pending)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -43,8 +43,9 @@ class Sequence:
     generator: torch.Generator | None = None
     matcher: object | None = None  # app.engine.grammar.GrammarMatcher
     status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0  # positions whose KV is in the cache
+    num_computed: int = 0  # positions whose KV is in the cache or in the step in flight
     num_pending: int = 0  # sampled on the device, not yet appended to ``tokens``
+    num_in_flight: int = 0  # launched steps that include this request
     num_cached: int = 0  # prompt tokens served from the prefix cache (last admission)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
@@ -78,13 +79,13 @@ class Sequence:
 
 @dataclass
 class Scheduled:
-    seq: Sequence
-    num_tokens: int
+    """``num_tokens`` positions of ``seq`` from ``start``; ``samples``: the chunk reaches the
+    last known token, so the step samples a new one (it becomes a pending token)."""
 
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the last known token, so the step samples a new one."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_known
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence) -> None:
+        assert seq.num_in_flight == 0, "a request in a launched step cannot be preempted"
         self.running.remove(seq)
         self.cache.free(seq.request_id)
         seq.num_computed = 0
@@ -147,13 +149,23 @@ class Scheduler:
                 victims = [
                     s
                     for s in self.running
-                    if s is not seq and s.num_pending == 0 and s.sort_key() > seq.sort_key()
+                    if s is not seq and s.num_in_flight == 0 and s.sort_key() > seq.sort_key()
                 ]
                 if not victims:
                     return False
                 victim = max(victims, key=Sequence.sort_key)
                 self._preempt(victim)
                 out.preempted.append(victim)
+
+    def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Commit ``n`` tokens of ``seq`` to this step: computed advances now (the step is
+        in flight), a sampling chunk adds a pending token."""
+        samples = seq.num_computed + n == seq.num_known
+        out.items.append(Scheduled(seq, seq.num_computed, n, samples))
+        seq.num_computed += n
+        seq.num_in_flight += 1
+        if samples:
+            seq.num_pending += 1
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [])
@@ -166,11 +178,11 @@ class Scheduler:
             if n <= 0:
                 continue
             if not self._reserve(seq, n, out):
-                if seq.num_pending == 0:
+                if seq.num_in_flight == 0:
                     self._preempt(seq)
                     out.preempted.append(seq)
                 continue
-            out.items.append(Scheduled(seq, n))
+            self._take(seq, n, out)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
@@ -190,6 +202,6 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.items.append(Scheduled(seq, n))
+            self._take(seq, n, out)
             budget -= n
         return out
