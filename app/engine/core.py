@@ -169,7 +169,12 @@ class EngineCore:
             )
         matcher = None
         if p.constraint is not None:
-            matcher = self.grammar.matcher(self.grammar.compile(p.constraint))
+            from app.engine.grammar import GrammarError
+
+            try:
+                matcher = self.grammar.matcher(self.grammar.compile(p.constraint))
+            except GrammarError as e:
+                raise RequestError("constraint", str(e)) from e
         gen = None
         if p.seed is not None and not p.greedy:
             gen = torch.Generator(device=self.device).manual_seed(p.seed % 2**63)
@@ -181,17 +186,18 @@ class EngineCore:
     def grammar(self):
         """The grammar compiler (built on first use; needs the checkpoint's tokenizer)."""
         if self._grammar is None:
-            from app.engine.grammar import GrammarCompiler, GrammarError
+            from app.engine.grammar import GrammarCompiler
 
             if self.tokenizer is None:
                 raise RequestError("constraint", "this model has no tokenizer.json")
             think = self.tokenizer.token_to_id("</think>")
-            try:
-                self._grammar = GrammarCompiler(
-                    self.tokenizer, self.model.cfg.vocab_size, self.eos_ids[0], think
-                )
-            except GrammarError as e:
-                raise RequestError("constraint", str(e)) from e
+            self._grammar = GrammarCompiler(
+                self.tokenizer,
+                self.model.cfg.vocab_size,
+                self.eos_ids[0],
+                think,
+                arch=self.model.cfg.arch,
+            )
         return self._grammar
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -223,11 +229,11 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         inputs = self.runner.prepare(sched.items, self.decoder_replay) if sched.items else None
-        prev, self._flight = self._flight, None
-        prev_res = None
+        prev, prev_res = self._flight, None
         if prev is not None:
             prev_res = prev.future.result()
             self._release(prev)
+        self._flight = None
         if inputs is not None:
             if inputs.pending:
                 self._fill_pending(inputs, prev, prev_res)
@@ -359,6 +365,18 @@ class EngineCore:
         else:
             self.scheduler.remove(seq)
 
+    def drain_after_error(self) -> None:
+        """After a failed step (every request aborted): wait out the step in flight, ignore
+        its result and free what it held."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        try:
+            flight.future.result()
+        except Exception:  # the failure was already reported
+            logger.debug("step in flight failed too", exc_info=True)
+        self._release(flight)
+
     def drain(self) -> list[RequestOutput]:
         """Wait for the step in flight and return its outputs (overlap mode)."""
         flight, self._flight = self._flight, None
@@ -384,7 +402,7 @@ class EngineCore:
             return []
         seq.tokens.append(tok)
         n_out += 1
-        if seq.matcher is not None and seq.matcher.is_terminated():
+        if seq.matcher is not None and seq.matcher.must_stop():  # only EOS could follow
             seq.finish_reason = FinishReason.STOP
         elif p.stop and self.tokenizer is not None and n_out >= p.min_tokens:
             hit = self._stop_string(seq)

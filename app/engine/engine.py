@@ -1,0 +1,141 @@
+"""Async engine: a background thread runs the step loop of one :class:`EngineCore`; callers
+add requests from asyncio code and iterate over their output deltas.
+
+    engine = AsyncEngine(EngineConfig.from_options(path))
+    async for out in engine.generate(EngineRequest("r1", ids, params)):
+        ...                                  # RequestOutput deltas; the last one is finished
+    engine.abort("r1")                        # from any thread; frees the request's KV
+
+Adds and aborts are commands the loop thread applies between steps, so the core is only
+touched by one thread. A generator that is closed early (client disconnect) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import asdict
+
+from app.config import EngineConfig
+from app.engine.core import EngineCore
+from app.engine.request import EngineRequest, FinishReason, RequestOutput
+from app.model.model import DeepseekModel
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """One DP rank's engine with a background step loop."""
+
+    def __init__(self, cfg: EngineConfig, model: DeepseekModel | None = None) -> None:
+        self.core = EngineCore(cfg, model)
+        self._cmds: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="fathom-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API --------------------------------------------------------------------
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Add ``req`` and yield its output deltas until it finishes. Raises
+        :class:`app.engine.request.RequestError` before the first delta if it is invalid."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        rid = req.request_id
+
+        def sink(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        await asyncio.wrap_future(self._submit(lambda: self._add(req, sink)))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe, idempotent)."""
+        self._submit(lambda: self._abort(request_id))
+
+    def stats(self) -> dict[str, float | int]:
+        """Current counters (running, waiting, KV usage, prefix-hit tokens, step time)."""
+        return asdict(self.core.stats)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._sinks)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- loop thread -------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], object]) -> Future:
+        fut: Future = Future()
+        if self._error is not None:
+            fut.set_exception(RuntimeError(f"engine stopped after an error: {self._error!r}"))
+            return fut
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # delivered to the caller
+                fut.set_exception(e)
+
+        self._cmds.append(run)
+        self._wake.set()
+        return fut
+
+    def _add(self, req: EngineRequest, sink: Callable[[RequestOutput], None]) -> None:
+        self.core.add_request(req)
+        self._sinks[req.request_id] = sink
+
+    def _abort(self, request_id: str) -> None:
+        out = self.core.abort(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if out is not None and sink is not None:
+            sink(out)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            while self._cmds:
+                self._cmds.popleft()()
+            if not self.core.has_unfinished:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.core.step()
+            except Exception as e:  # fail every request with the reason, keep serving
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for out in outs:
+                sink = self._sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                if out.finished:
+                    del self._sinks[out.request_id]
+                sink(out)
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid in list(self._sinks):
+            self.core.abort(rid)
+            sink = self._sinks.pop(rid)
+            sink(
+                RequestOutput(
+                    rid, finished=True, finish_reason=FinishReason.ERROR, error=f"{err!r}"
+                )
+            )
+        self.core.drain_after_error()
