@@ -1,31 +1,307 @@
-"""Sparse single-latent attention with a per-head sink (torch reference).
+"""Sparse single-latent attention with a per-head sink: torch reference and Triton kernel.
 
 Every query token attends to its own list of key rows in a shared KV pool (K = V, one head):
 the window ring and the selected compressed entries are both just rows of ``kv``.
+
+Triton design (``sparse_attention_triton``): one program per (token, block of heads, KV split).
+All heads of a token share its key rows, so a program holding BLOCK_H heads gathers each KV
+row once for all of them (decode bytes ~ K rows x D x dtype per token, not per head):
+
+    grid = (T, cdiv(H, BLOCK_H), SPLITS)
+    q tile [BLOCK_H, D] loaded once; per BLOCK_N rows: ids -> gather [BLOCK_N, D] (fp8: x 2^e
+    per 32 channels) -> S = q k^T (fp32) -> online softmax (exp2, sink seeds m and l) -> O += P k
+
+With SPLITS > 1 (few tokens, long key lists) each split writes (m, l, unnormalized O) in fp32
+and ``_combine_kernel`` merges them. The output's inverse RoPE is fused into the epilogue.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32 (fp64 stays fp64: lets tests run the reference in float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def dequant_kv(kv: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """``kv`` [N, D] -> float; fp8 rows times their per-32-channel scales ``kv_scale`` [N, D/32]."""
+    if kv_scale is None:
+        return _wide(kv)
+    scale = _wide(kv_scale).repeat_interleave(kv.shape[-1] // kv_scale.shape[-1], dim=-1)
+    return kv.to(scale.dtype) * scale
 
 
 def sparse_attention_ref(
-    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    *,
+    inv_rope_angles: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D], ``kv`` [N, D], ``idx`` [T, K] int64 rows of ``kv`` (-1 = empty),
     ``sink`` [H] fp32 logits -> out [T, H, D] in q.dtype.
 
-    ``p_i = exp(l_i - m) / (sum_j exp(l_j - m) + exp(sink_h - m))``; fp32 softmax.
+    ``p_i = exp(l_i - m) / (sum_j exp(l_j - m) + exp(sink_h - m))``; fp32 softmax (fp64 for
+    fp64 inputs). Optional: ``kv_scale`` [N, D/32] dequantizes an fp8 ``kv``;
+    ``inv_rope_angles`` [T, R/2] applies inverse RoPE to the output's last R channels.
     """
     if q.dim() != 3 or kv.dim() != 2 or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
         raise ValueError(f"bad shapes q{tuple(q.shape)} kv{tuple(kv.shape)} idx{tuple(idx.shape)}")
     valid = idx >= 0
-    keys = kv.float()[idx.clamp_min(0)]  # [T, K, D]
-    logits = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
+    keys = dequant_kv(kv, kv_scale)[idx.clamp_min(0)]  # [T, K, D]
+    qf = _wide(q).to(keys.dtype)
+    logits = torch.einsum("thd,tkd->thk", qf, keys) * scale
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    sink_col = sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    sink_col = sink.to(keys.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
     probs = torch.cat((logits, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+    out = torch.einsum("thk,tkd->thd", probs, keys)
+    if inv_rope_angles is not None:
+        from kernels.rope import apply_rope_ref
+
+        out = apply_rope_ref(out, inv_rope_angles.to(out.dtype), inverse=True)
+    return out.to(q.dtype)
 
 
-sparse_attention = sparse_attention_ref
+# ---- Triton -------------------------------------------------------------------------------
+
+
+@triton.jit
+def rope_pairs(x, ang, INVERSE: tl.constexpr):
+    """Rotate interleaved pairs of ``x`` [M, D] by ``ang`` [M or 1, D/2] (0 = untouched pair)."""
+    M: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    a, b = tl.split(tl.reshape(x, (M, D // 2, 2)))
+    c = tl.cos(ang)
+    s = tl.sin(ang)
+    if INVERSE:
+        s = -s
+    return tl.reshape(tl.join(a * c - b * s, a * s + b * c), (M, D))
+
+
+@triton.jit
+def rope_angles(ang_ptr, D: tl.constexpr, R: tl.constexpr):
+    """Angles [1, D/2] for the pairs of a D-vector whose last R channels are rotated."""
+    j = tl.arange(0, D // 2) - (D // 2 - R // 2)
+    return tl.load(ang_ptr + j, mask=j >= 0, other=0.0)[None, :]
+
+
+def _attn_configs() -> list[triton.Config]:
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bh, bn, w, s in ((16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 2))
+    ]
+
+
+@triton.autotune(configs=_attn_configs(), key=["H", "K", "SPLITS", "T_BUCKET", "D", "FP8", "ROPE"])
+@triton.jit(do_not_specialize=["T", "SPLITS", "T_BUCKET"])
+def _sparse_attn_kernel(
+    q_ptr, kv_ptr, sc_ptr, idx_ptr, sink_ptr, ang_ptr, out_ptr, part_ptr, ml_ptr,
+    T, H, K, SPLITS, T_BUCKET, scale_log2,
+    s_qt, s_qh, s_kv, s_sc, s_it, s_at, s_ot, s_oh,
+    D: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr,
+    F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    hmask = heads < H
+    d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0
+    )
+    dot_t: tl.constexpr = tl.float32 if F32_DOT else q_ptr.dtype.element_ty
+    prec: tl.constexpr = "ieee" if F32_DOT else "tf32"
+    q = q.to(dot_t)
+
+    # The sink seeds the running max and (in split 0 only) the denominator: p_sink = 2^(s-m).
+    m_i = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
+    l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+
+    per = tl.cdiv(tl.cdiv(K, BLOCK_N), SPLITS) * BLOCK_N  # keys per split, whole blocks
+    lo = split * per
+    hi = tl.minimum(lo + per, K)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        rows = tl.load(idx_ptr + t * s_it + n, mask=n < hi, other=-1).to(tl.int64)
+        valid = rows >= 0
+        k = tl.load(kv_ptr + rows[:, None] * s_kv + d[None, :], mask=valid[:, None], other=0.0)
+        if FP8:
+            g = tl.arange(0, D // 32)
+            sc = tl.load(sc_ptr + rows[:, None] * s_sc + g[None, :], mask=valid[:, None], other=0.0)
+            k = tl.reshape(tl.reshape(k.to(tl.float32), (BLOCK_N, D // 32, 32)) * sc[:, :, None],
+                           (BLOCK_N, D))  # fmt: skip
+        k = k.to(dot_t)
+        s = tl.dot(q, tl.trans(k), input_precision=prec) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(dot_t), k, acc * alpha[:, None], input_precision=prec)
+        m_i = m_new
+
+    if SPLITS == 1:
+        o = acc / l_i[:, None]
+        if ROPE:
+            o = rope_pairs(o, rope_angles(ang_ptr + t * s_at, D, R), INVERSE=True)
+        optrs = out_ptr + t * s_ot + heads[:, None] * s_oh + d[None, :]
+        tl.store(optrs, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:
+        row = (split * T + t) * H + heads  # partials [SPLITS, T, H, (D | 2)]
+        tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=hmask[:, None])
+        tl.store(ml_ptr + row * 2, m_i, mask=hmask)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=hmask)
+
+
+@triton.jit(do_not_specialize=["T", "SPLITS"])
+def _combine_kernel(
+    part_ptr, ml_ptr, ang_ptr, out_ptr, T, H, SPLITS, s_at, s_ot, s_oh,
+    D: tl.constexpr, R: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, per (token, head block)."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, D)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        m = tl.maximum(m, tl.load(ml_ptr + ((s * T + t) * H + heads) * 2, mask=hmask, other=0.0))
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for s in range(SPLITS):
+        row = (s * T + t) * H + heads
+        w = tl.exp2(tl.load(ml_ptr + row * 2, mask=hmask, other=0.0) - m)
+        l_sum += w * tl.load(ml_ptr + row * 2 + 1, mask=hmask, other=1.0)
+        part = tl.load(part_ptr + row[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+        acc += w[:, None] * part
+    o = acc / l_sum[:, None]
+    if ROPE:
+        o = rope_pairs(o, rope_angles(ang_ptr + t * s_at, D, R), INVERSE=True)
+    optrs = out_ptr + t * s_ot + heads[:, None] * s_oh + d[None, :]
+    tl.store(optrs, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_splits(T: int, H: int, K: int, device: torch.device) -> int:
+    """KV splits: only when (token, 32-head) programs fill under half the SMs; >= 128 keys each."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index or 0)
+    programs = T * triton.cdiv(H, 32)
+    if 2 * programs > sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, programs), K // 128))
+
+
+_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
+def sparse_attention_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    *,
+    inv_rope_angles: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
+    splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton ``sparse_attention_ref`` (same arguments). ``kv`` in q.dtype, or fp8 e4m3 with
+    ``kv_scale`` [N, D/32] fp32; ``splits`` overrides the KV split count (``default_splits``);
+    ``out`` [T, H, D] (contiguous last dim) receives the result."""
+    T, H, D = q.shape
+    if kv.dim() != 2 or kv.shape[1] != D or idx.dim() != 2 or idx.shape[0] != T:
+        raise ValueError(f"bad shapes q{tuple(q.shape)} kv{tuple(kv.shape)} idx{tuple(idx.shape)}")
+    if D < 32 or D & (D - 1):
+        raise ValueError(f"head dim {D} must be a power of two >= 32")
+    if q.dtype not in _KV_DTYPES[:3] or kv.dtype not in _KV_DTYPES:
+        raise TypeError(f"unsupported dtypes q {q.dtype}, kv {kv.dtype}")
+    fp8 = kv.dtype == torch.float8_e4m3fn
+    if fp8 != (kv_scale is not None):
+        raise ValueError("kv_scale is required exactly when kv is float8_e4m3fn")
+    if not fp8 and kv.dtype != q.dtype:
+        raise TypeError(f"kv dtype {kv.dtype} must match q dtype {q.dtype}")
+    if fp8 and (kv_scale.shape != (kv.shape[0], D // 32) or kv_scale.dtype != torch.float32):
+        raise ValueError(f"kv_scale must be fp32 [N, D/32], got {tuple(kv_scale.shape)}")
+    if idx.dtype not in (torch.int64, torch.int32) or sink.shape != (H,):
+        raise ValueError(f"idx must be int32/int64, sink [H]; got {idx.dtype}, {tuple(sink.shape)}")
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or idx.stride(-1) != 1:
+        raise ValueError("q, kv and idx need a contiguous last dim")
+    if fp8 and kv_scale.stride(-1) != 1:
+        raise ValueError("kv_scale needs a contiguous last dim")
+    R = 0
+    if inv_rope_angles is not None:
+        R = 2 * inv_rope_angles.shape[-1]
+        if inv_rope_angles.shape != (T, R // 2) or R > D or inv_rope_angles.stride(-1) != 1:
+            raise ValueError(f"inv_rope_angles must be [T, <=D/2], got {inv_rope_angles.shape}")
+        inv_rope_angles = inv_rope_angles.float()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be [T, H, D] with a contiguous last dim: {tuple(out.shape)}")
+    K = idx.shape[1]
+    if T == 0:
+        return out
+    S = splits or default_splits(T, H, K, q.device)
+    sink = sink.float().contiguous()
+    ang = inv_rope_angles if R else sink  # dummy pointer when unused
+    sc = kv_scale if fp8 else sink
+    part = ml = out
+    if S > 1:
+        part = torch.empty((S, T, H, D), device=q.device, dtype=torch.float32)
+        ml = torch.empty((S, T, H, 2), device=q.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (T, triton.cdiv(H, meta["BLOCK_H"]), S)
+
+    _sparse_attn_kernel[grid](
+        q, kv, sc, idx, sink, ang, out, part, ml,
+        T, H, K, S, triton.next_power_of_2(T), scale * _LOG2E,
+        q.stride(0), q.stride(1), kv.stride(0), sc.stride(0), idx.stride(0),
+        ang.stride(0), out.stride(0), out.stride(1),
+        D=D, R=R, FP8=fp8, ROPE=R > 0, F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+    )  # fmt: skip
+    if S > 1:
+        bh = 16
+        _combine_kernel[(T, triton.cdiv(H, bh))](
+            part, ml, ang, out, T, H, S, ang.stride(0), out.stride(0), out.stride(1),
+            D=D, R=R, ROPE=R > 0, BLOCK_H=bh, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    *,
+    inv_rope_angles: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dispatch: the Triton kernel for CUDA tensors, the torch reference otherwise."""
+    fn = sparse_attention_triton if q.is_cuda else sparse_attention_ref
+    return fn(q, kv, idx, sink, scale, inv_rope_angles=inv_rope_angles, kv_scale=kv_scale)

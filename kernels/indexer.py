@@ -1,20 +1,45 @@
-"""Lightning indexer scores and deterministic top-k (torch reference).
+"""Lightning indexer scores and deterministic top-k: torch references and Triton kernels.
 
 ``score(t, c) = sum_h w[t, h] * relu(q[t, h] . k[c])`` over visible compressed entries
 ``c < visible[t]``; top-k picks the highest scores, ties broken by the lower index.
+
+Triton designs:
+- ``indexer_scores_triton``: grid (entry blocks, token programs). A program keeps one key tile
+  [Di, BLOCK_C] and loops over its token blocks; BLOCK_T tokens x Hi heads form the M side of one
+  ``tl.dot`` (64 rows), then ReLU, head weights, and a head sum give [BLOCK_T, BLOCK_C] scores.
+  Entry blocks that no token of the block can see are written as -inf without a dot.
+- ``topk_triton``: radix select in registers. A program takes a chunk of a row, maps scores to
+  order-preserving int32 keys, finds the k-th key with four 8-bit histogram passes, keeps every
+  key above it plus the lowest-index ties, and compacts them in index order (a cumsum). Chunks
+  keep their own top-k (a superset of the row's: whatever beats a global pick beats it in its
+  chunk too); the survivors, still in index order, are selected again until one chunk remains.
+  256K candidates, k=512: 32 chunks of 8192 -> 16384 survivors -> one program.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def indexer_scores_ref(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: torch.Tensor
 ) -> torch.Tensor:
-    """``q`` [T, H, D], ``k`` [C, D], ``w`` [T, H], ``visible`` [T] -> fp32 [T, C] (-inf masked)."""
-    s = torch.einsum("thd,cd->thc", q.float(), k.float()).relu()
-    s = (s * w.float().unsqueeze(-1)).sum(dim=1)
+    """``q`` [T, H, D], ``k`` [C, D], ``w`` [T, H], ``visible`` [T] -> fp32 [T, C] (-inf masked).
+
+    (fp64 inputs give an fp64 result: the tests' reference.)"""
+    s = torch.einsum("thd,cd->thc", _wide(q), _wide(k)).relu()
+    s = (s * _wide(w).unsqueeze(-1)).sum(dim=1)
     cols = torch.arange(k.shape[0], device=k.device)
     return s.masked_fill(cols.unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
 
@@ -33,5 +58,216 @@ def topk_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(order == scores.shape[-1], torch.full_like(order, -1), order)
 
 
-indexer_scores = indexer_scores_ref
-topk = topk_ref
+# ---- Triton: scores -------------------------------------------------------------------------
+
+
+def _scores_configs() -> list[triton.Config]:
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_C": 16}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_C": bc}, num_warps=w, num_stages=s)
+        for bc, w, s in ((64, 4, 2), (128, 4, 2), (128, 8, 2), (256, 8, 1))
+    ]
+
+
+@triton.autotune(configs=_scores_configs(), key=["C", "T_BUCKET", "HP", "DP"])
+@triton.jit(do_not_specialize=["T", "T_BUCKET"])
+def _scores_kernel(
+    q_ptr, k_ptr, w_ptr, vis_ptr, out_ptr, T, C, HI, DI, T_BUCKET,
+    s_qt, s_qh, s_k, s_wt, s_ot,
+    HP: tl.constexpr, DP: tl.constexpr, BLOCK_T: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    c0 = tl.program_id(0) * BLOCK_C
+    c = c0 + tl.arange(0, BLOCK_C)
+    dd = tl.arange(0, DP)
+    dot_t: tl.constexpr = tl.float32 if F32_DOT else q_ptr.dtype.element_ty
+    prec: tl.constexpr = "ieee" if F32_DOT else "tf32"
+    kmask = (c[None, :] < C) & (dd[:, None] < DI)
+    kt = tl.load(k_ptr + c[None, :] * s_k + dd[:, None], mask=kmask, other=0.0).to(dot_t)
+    # Rows r of the dot are (token t0 + r // HP, head r % HP): [2 tokens x 32 heads] -> 64 rows.
+    r = tl.arange(0, BLOCK_T * HP)
+    hr = r % HP
+    tb = tl.arange(0, BLOCK_T)
+    for t0 in range(tl.program_id(1) * BLOCK_T, T, tl.num_programs(1) * BLOCK_T):
+        vis = tl.load(vis_ptr + t0 + tb, mask=t0 + tb < T, other=0)
+        res = tl.full([BLOCK_T, BLOCK_C], float("-inf"), tl.float32)
+        if c0 < tl.max(vis):
+            tr = t0 + r // HP
+            rmask = (tr < T) & (hr < HI)
+            qp = q_ptr + tr[:, None] * s_qt + hr[:, None] * s_qh + dd[None, :]
+            qt = tl.load(qp, mask=rmask[:, None] & (dd[None, :] < DI), other=0.0).to(dot_t)
+            wr = tl.load(w_ptr + tr * s_wt + hr, mask=rmask, other=0.0).to(tl.float32)
+            s = tl.maximum(tl.dot(qt, kt, input_precision=prec), 0.0) * wr[:, None]
+            s = tl.sum(tl.reshape(s, (BLOCK_T, HP, BLOCK_C)), axis=1)
+            res = tl.where(c[None, :] < vis[:, None], s, float("-inf"))
+        optrs = out_ptr + (t0 + tb)[:, None] * s_ot + c[None, :]
+        tl.store(optrs, res, mask=((t0 + tb)[:, None] < T) & (c[None, :] < C))
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def indexer_scores_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    visible: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton ``indexer_scores_ref``: ``q`` [T, H, D] and ``k`` [C, D] in one dtype (fp32, bf16,
+    fp16), ``w`` [T, H], ``visible`` [T] int -> fp32 [T, C] (into ``out`` if given)."""
+    T, HI, DI = q.shape
+    C = k.shape[0]
+    if k.dim() != 2 or k.shape[1] != DI or w.shape != (T, HI) or visible.shape != (T,):
+        raise ValueError(f"bad shapes q{tuple(q.shape)} k{tuple(k.shape)} w{tuple(w.shape)}")
+    if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"q and k need one float dtype, got {q.dtype}, {k.dtype}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("q, k and w need a contiguous last dim")
+    if DI < 16 and q.is_cuda:
+        raise ValueError(f"index head dim {DI} < 16")
+    if out is None:
+        out = torch.empty((T, C), device=q.device, dtype=torch.float32)
+    elif out.shape != (T, C) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out must be fp32 [T, C] with a contiguous last dim: {tuple(out.shape)}")
+    if T == 0 or C == 0:
+        return out
+    HP, DP = triton.next_power_of_2(HI), max(16, triton.next_power_of_2(DI))
+    bt = max(1, 64 // HP)
+    t_blocks = triton.cdiv(T, bt)
+    sms = _sm_count(q.device.index or 0) if q.is_cuda else 1
+
+    def grid(meta):
+        c_blocks = triton.cdiv(C, meta["BLOCK_C"])
+        return (c_blocks, min(t_blocks, max(1, triton.cdiv(4 * sms, c_blocks))))
+
+    _scores_kernel[grid](
+        q, k, w, visible.contiguous(), out, T, C, HI, DI, triton.next_power_of_2(T),
+        q.stride(0), q.stride(1), k.stride(0), w.stride(0), out.stride(0),
+        HP=HP, DP=DP, BLOCK_T=bt, F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+    )  # fmt: skip
+    return out
+
+
+# ---- Triton: top-k --------------------------------------------------------------------------
+
+_ONE_CHUNK = 16384  # largest row one program selects from (registers: 16K keys + ids)
+_CHUNK = 8192  # chunk of a longer row (>= 4 * k rounded up, so each pass shrinks the row)
+
+
+@triton.jit
+def _select_kernel(
+    val_ptr, id_ptr, out_val_ptr, out_id_ptr, L, KK, s_v, s_i, s_ov, s_oi,
+    CHUNK: tl.constexpr, KK_P2: tl.constexpr, HAS_ID: tl.constexpr, FINAL: tl.constexpr,
+):  # fmt: skip
+    """Top-KK of row ``pid(1)``'s chunk ``pid(0)`` (elements ``[pid(0)*CHUNK, +CHUNK)`` of L).
+
+    Intermediate: writes KK (score, id) survivors per chunk in index order (id -1 = padding).
+    FINAL: writes the ascending ids, -1 for picks that are padding or score -inf.
+    """
+    row = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    inb = j < L
+    v = tl.load(val_ptr + row * s_v + j, mask=inb, other=float("-inf"))
+    ids = tl.load(id_ptr + row * s_i + j, mask=inb, other=-1) if HAS_ID else tl.where(inb, j, -1)
+    # Order-preserving int32 key: float bits, negatives with the 31 low bits flipped (-0 -> +0).
+    bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(ids >= 0, key, -2147483648)  # padding sorts below every score
+
+    # Radix select the KK-th largest key tau, 8 bits per pass (top pass: sign bit flipped so
+    # that digits order like the keys). need = how many keys equal to tau still to take.
+    bins = tl.arange(0, 256)
+    need = KK
+    tau = 0
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        if p == 0:
+            digit = ((key >> 24) & 0xFF) ^ 0x80
+            hist = tl.histogram(digit, 256)
+        else:
+            digit = (key >> shift) & 0xFF
+            hist = tl.histogram(digit, 256, mask=((key ^ tau) >> (shift + 8)) == 0)
+        at_least = tl.cumsum(hist, 0, reverse=True)  # keys (in prefix) with digit >= bin
+        b = tl.max(tl.where(at_least >= need, bins, 0))
+        need -= tl.sum(tl.where(bins > b, hist, 0))
+        tau = ((b ^ 0x80) << 24) if p == 0 else (tau | (b << shift))
+    eq = key == tau
+    take = (key > tau) | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    if FINAL:
+        take = take & (ids >= 0) & (v > float("-inf"))
+        pos = tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_id_ptr + row * s_oi + pos, ids.to(tl.int64), mask=take)
+        n = tl.sum(take.to(tl.int32), 0)
+        tail = tl.arange(0, KK_P2)
+        tl.store(out_id_ptr + row * s_oi + tail, tl.full([KK_P2], -1, tl.int64),
+                 mask=(tail >= n) & (tail < KK))  # fmt: skip
+    else:
+        pos = tl.program_id(0) * KK + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_val_ptr + row * s_ov + pos, v, mask=take)
+        tl.store(out_id_ptr + row * s_oi + pos, ids.to(tl.int32), mask=take)
+
+
+def topk_triton(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``topk_ref``: ``scores`` [T, C] fp32 (+inf counts as a valid score) ->
+    int64 [T, min(k, C)] ascending ids, -1 for picks scoring -inf (into ``out`` if given).
+    Needs min(k, C) <= 4096 when C > 16384 (chunks must shrink the row)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError(f"scores must be fp32 [T, C] with a contiguous last dim: {scores.shape}")
+    T, C = scores.shape
+    kk = min(k, C)
+    if out is None:
+        out = torch.empty((T, kk), device=scores.device, dtype=torch.int64)
+    elif out.shape != (T, kk) or out.dtype != torch.int64 or out.stride(-1) != 1:
+        raise ValueError(f"out must be int64 [T, min(k, C)]: {tuple(out.shape)}")
+    if T == 0 or kk == 0:
+        return out
+    kk_p2 = triton.next_power_of_2(kk)
+    if C > _ONE_CHUNK and 4 * kk_p2 > _ONE_CHUNK:
+        raise ValueError(f"top-{kk} of {C} candidates is beyond the chunked select")
+    vals, ids, L = scores, scores, C
+    while L > _ONE_CHUNK:  # shrink: every chunk keeps its own top-kk
+        chunk = max(_CHUNK, 4 * kk_p2)
+        n = triton.cdiv(L, chunk)
+        nv = torch.empty((T, n * kk), device=scores.device, dtype=torch.float32)
+        ni = torch.empty((T, n * kk), device=scores.device, dtype=torch.int32)
+        _select_kernel[(n, T)](
+            vals, ids, nv, ni, L, kk, vals.stride(0), ids.stride(0), nv.stride(0), ni.stride(0),
+            CHUNK=chunk, KK_P2=kk_p2, HAS_ID=ids is not scores, FINAL=False, num_warps=16,
+        )  # fmt: skip
+        vals, ids, L = nv, ni, n * kk
+    chunk = max(16, triton.next_power_of_2(L))
+    _select_kernel[(1, T)](
+        vals, ids, out, out, L, kk, vals.stride(0), ids.stride(0), 0, out.stride(0),
+        CHUNK=chunk, KK_P2=kk_p2, HAS_ID=ids is not scores, FINAL=True,
+        num_warps=16 if chunk >= 8192 else 8 if chunk >= 2048 else 4,
+    )  # fmt: skip
+    return out
+
+
+def indexer_topk_triton(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """Scores then top-k: [T, min(topk, C)] ascending entry ids, -1 where not visible."""
+    return topk_triton(indexer_scores_triton(q, k, w, visible), topk)
+
+
+def indexer_scores(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """Dispatch: Triton for CUDA tensors, the torch reference otherwise."""
+    fn = indexer_scores_triton if q.is_cuda else indexer_scores_ref
+    return fn(q, k, w, visible)
+
+
+def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Dispatch: Triton for CUDA fp32 scores, the torch reference otherwise."""
+    use = scores.is_cuda and scores.dim() == 2 and scores.dtype == torch.float32
+    kk = min(k, scores.shape[-1])
+    if use and (scores.shape[-1] <= _ONE_CHUNK or 4 * triton.next_power_of_2(kk) <= _ONE_CHUNK):
+        return topk_triton(scores, k)
+    return topk_ref(scores, k)

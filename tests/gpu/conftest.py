@@ -1,0 +1,19 @@
+"""GPU tests: everything marked ``cuda`` is skipped on machines without a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (and Triton's compiler)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)

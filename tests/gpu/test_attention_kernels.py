@@ -1,0 +1,159 @@
+"""Attention-path Triton kernels at V4.1-Flash shapes on the GPU, against the torch references.
+
+H=64 heads x D=512 with window 128 + top-512 keys, indexer 32 x 128 over up to 256K entries,
+compressor D=512 over up to 4096 entries. Errors are ||out - ref|| / ||ref||.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import attention as attn  # noqa: E402
+from kernels import compressor as cp  # noqa: E402
+from kernels import indexer as ix  # noqa: E402
+from kernels.kv_quant import pow2_ceil  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _decode_case(B: int, seed: int, H=64, D=512, W=128, top=512, n_comp=4096):
+    """B decode tokens: own window rows (some short) + top-512 of a compressed pool."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(B, H, D, device=DEV, generator=g).bfloat16()
+    kv = torch.randn(B * W + n_comp, D, device=DEV, generator=g)
+    win = torch.arange(B * W, device=DEV).view(B, W)
+    comp = B * W + torch.randint(0, n_comp, (B, top), device=DEV, generator=g)
+    idx = torch.cat((win, comp), dim=1)
+    idx[0, 100:W] = -1  # a short window
+    idx[-1, W + 300 :] = -1  # few selected entries
+    sink = torch.randn(H, device=DEV, generator=g)
+    angles = torch.rand(B, 32, device=DEV, generator=g) * 100.0
+    return q, kv, idx, sink, angles
+
+
+def _fp8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = kv.unflatten(-1, (-1, 32))
+    scale = pow2_ceil(blocks.abs().amax(-1).clamp_min(1e-4) / 448.0)
+    return (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2), scale
+
+
+@pytest.mark.parametrize("B", [1, 8, 64])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_decode_attention(B, kv_dtype):
+    q, kv, idx, sink, angles = _decode_case(B, B)
+    scale = None
+    kv = kv.bfloat16()
+    if kv_dtype == "fp8":
+        kv, scale = _fp8(kv.float())
+    out = torch.full_like(q, float("nan"))
+    attn.sparse_attention_triton(
+        q, kv, idx, sink, 512**-0.5, inv_rope_angles=angles, kv_scale=scale, out=out
+    )
+    ref = attn.sparse_attention_ref(
+        q.double(),
+        kv if scale is not None else kv.double(),
+        idx,
+        sink.double(),
+        512**-0.5,
+        inv_rope_angles=angles.double(),
+        kv_scale=None if scale is None else scale.double(),
+    )
+    assert not out.isnan().any()
+    assert _rel(out, ref) < 1e-2  # bf16 q, P and output rounding
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_split_kv_agrees(splits):
+    q, kv, idx, sink, angles = _decode_case(2, 7)
+    kv = kv.bfloat16()
+    got = attn.sparse_attention_triton(
+        q, kv, idx, sink, 0.05, inv_rope_angles=angles, splits=splits
+    )
+    ref = attn.sparse_attention_ref(
+        q.double(), kv.double(), idx, sink.double(), 0.05, inv_rope_angles=angles.double()
+    )
+    assert _rel(got, ref) < 1e-2
+
+
+def test_prefill_chunk_fp32_exact():
+    """fp32 path (IEEE dots) on a prefill-like chunk: 256 tokens, 8 heads of 128."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    T, H, D, N, K = 256, 8, 128, 1024, 200
+    q = torch.randn(T, H, D, device=DEV, generator=g)
+    kv = torch.randn(N, D, device=DEV, generator=g)
+    idx = torch.randint(-1, N, (T, K), device=DEV, generator=g)
+    sink = torch.randn(H, device=DEV, generator=g)
+    got = attn.sparse_attention_triton(q, kv, idx, sink, 0.09)
+    ref = attn.sparse_attention_ref(q.double(), kv.double(), idx, sink.double(), 0.09)
+    assert _rel(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize(("T", "C"), [(1, 262144), (8, 65536), (64, 16384)])
+def test_indexer_scores(T, C):
+    g = torch.Generator(device=DEV).manual_seed(T)
+    q = torch.randn(T, 32, 128, device=DEV, generator=g).bfloat16()
+    k = torch.randn(C, 128, device=DEV, generator=g).bfloat16()
+    w = torch.randn(T, 32, device=DEV, generator=g)
+    visible = torch.randint(1, C + 1, (T,), device=DEV, generator=g)
+    visible[0] = C
+    out = torch.full((T, C), float("nan"), device=DEV)
+    ix.indexer_scores_triton(q, k, w, visible, out=out)
+    ref = ix.indexer_scores_ref(q.double(), k.double(), w.double(), visible)
+    assert torch.equal(out.isneginf(), ref.isneginf())
+    fin = ref.isfinite()
+    assert float((out.double() - ref)[fin].norm() / ref[fin].norm()) < 1e-5
+
+
+@pytest.mark.parametrize("C", [512, 16384, 65536, 262144])
+def test_topk_exact(C):
+    g = torch.Generator(device=DEV).manual_seed(C)
+    T = 4
+    s = torch.randn(T, C, device=DEV, generator=g)
+    s[1] = torch.randint(0, 50, (C,), device=DEV, generator=g).float()  # massive ties
+    s[2, C // 2 :] = float("-inf")
+    s[2, :300] = float("-inf")
+    s[3, :: max(1, C // 16)] = float("inf")  # forced blocks
+    s[3, 1::7] = -0.0
+    for k in (512, 2048):
+        assert torch.equal(ix.topk_triton(s, k), ix.topk_ref(s, k)), k
+
+
+def test_topk_few_visible():
+    s = torch.full((2, 262144), float("-inf"), device=DEV)
+    s[0, 10:20] = 1.0
+    got = ix.topk_triton(s, 512)
+    assert torch.equal(got, ix.topk_ref(s, 512))
+    assert (got[1] == -1).all() and got[0, :10].tolist() == list(range(10, 20))
+
+
+@pytest.mark.parametrize(
+    ("overlap", "ratio", "E"),
+    [(False, 1, 4096), (False, 2, 4096), (True, 4, 1024), (False, 128, 64)],
+)
+def test_compressor(overlap, ratio, E):
+    g = torch.Generator(device=DEV).manual_seed(ratio)
+    dim = 512
+    span, width = (2 * ratio, 2 * dim) if overlap else (ratio, dim)
+    kv = torch.randn(E, span, width, device=DEV, generator=g)
+    gate = torch.randn(E, span, width, device=DEV, generator=g) if span > 1 else None
+    first = torch.arange(E, device=DEV) % 7 == 0
+    norm_w = 1 + 0.1 * torch.randn(dim, device=DEV, generator=g)
+    angles = torch.rand(E, 32, device=DEV, generator=g) * 1000.0
+    pool = torch.full((2 * E, dim), float("nan"), device=DEV, dtype=torch.bfloat16)
+    rows = torch.randperm(2 * E, device=DEV, generator=g)[:E]
+    kw = {"overlap": overlap, "ratio": ratio, "dim": dim, "angles": angles}
+    cp.compress_pool_triton(kv, gate, first, norm_w, 1e-20, out=pool, out_rows=rows, **kw)
+    ref = cp.compress_pool_ref(
+        kv.double(), None if gate is None else gate.double(), first, norm_w.double(), 1e-20, **kw
+    )
+    assert _rel(pool[rows], ref) < 1e-2  # bf16 pool
+    got32 = cp.compress_pool_triton(kv, gate, first, norm_w, 1e-20, **kw)
+    assert _rel(got32, ref) < 1e-5

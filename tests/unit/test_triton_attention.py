@@ -1,0 +1,124 @@
+"""Triton sparse attention vs the fp64 torch reference, under TRITON_INTERPRET=1 on CPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels import attention as attn  # noqa: E402
+from kernels.kv_quant import pow2_ceil  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not attn._INTERPRET and not torch.cuda.is_available(),
+    reason="kernels were imported without TRITON_INTERPRET=1",
+)
+
+
+def _case(seed: int, T=3, H=20, D=64, N=40, K=37):
+    """Random inputs; token 0 has 5 keys, token 1 holes, the last token none (sink only)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g)
+    kv = torch.randn(N, D, generator=g)
+    sink = torch.randn(H, generator=g)
+    idx = torch.randint(0, N, (T, K), generator=g)
+    idx[0, 5:] = -1
+    idx[1, ::3] = -1
+    idx[-1] = -1
+    angles = torch.rand(T, 8, generator=g) * 6.0
+    return q, kv, idx, sink, angles
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def _fp8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = kv.unflatten(-1, (-1, 32))
+    scale = pow2_ceil(blocks.abs().amax(-1).clamp_min(1e-4) / 448.0)
+    return (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2), scale
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("rope", [False, True])
+def test_matches_fp64_reference(splits, rope):
+    q, kv, idx, sink, angles = _case(10 * splits + rope)
+    ang = angles if rope else None
+    out = torch.full_like(q, float("nan"))
+    attn.sparse_attention_triton(
+        q, kv, idx, sink, 0.125, inv_rope_angles=ang, splits=splits, out=out
+    )
+    ref = attn.sparse_attention_ref(
+        q.double(),
+        kv.double(),
+        idx,
+        sink.double(),
+        0.125,
+        inv_rope_angles=None if ang is None else ang.double(),
+    )
+    assert not out.isnan().any()
+    assert _rel(out, ref) < 1e-5
+    assert out[-1].abs().max() == 0  # no keys: the sink takes all the mass
+
+
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_dequantized_in_kernel(qdtype):
+    q, kv, idx, sink, angles = _case(3, D=64)
+    k8, scale = _fp8(kv * 3.0)
+    q = q.to(qdtype)
+    out = attn.sparse_attention_triton(
+        q, k8, idx, sink, 0.1, kv_scale=scale, inv_rope_angles=angles, splits=2
+    )
+    ref = attn.sparse_attention_ref(
+        q.double(),
+        k8,
+        idx,
+        sink.double(),
+        0.1,
+        kv_scale=scale.double(),
+        inv_rope_angles=angles.double(),
+    )
+    assert out.dtype == qdtype
+    assert _rel(out, ref) < (1e-5 if qdtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_kv(dtype):
+    q, kv, idx, sink, _ = _case(4, T=2, H=16, D=32, N=24, K=20)
+    q, kv = q.to(dtype), kv.to(dtype)
+    out = attn.sparse_attention_triton(q, kv, idx, sink, 0.2)
+    ref = attn.sparse_attention_ref(q.double(), kv.double(), idx, sink.double(), 0.2)
+    assert out.dtype == dtype and _rel(out, ref) < 1e-2
+
+
+def test_strided_q_and_int32_idx():
+    q, kv, idx, sink, _ = _case(5, T=2, H=16, D=32, N=24, K=20)
+    wide = torch.randn(2, 16, 64)
+    wide[..., :32] = q
+    out = attn.sparse_attention_triton(wide[..., :32], kv, idx.int(), sink, 0.3)
+    ref = attn.sparse_attention_ref(q.double(), kv.double(), idx, sink.double(), 0.3)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_wrapper_rejects_bad_inputs():
+    q, kv, idx, sink, angles = _case(6, T=2, H=16, D=32, N=24, K=20)
+    with pytest.raises(TypeError):
+        attn.sparse_attention_triton(q, kv.half(), idx, sink, 1.0)
+    with pytest.raises(ValueError):
+        attn.sparse_attention_triton(q, kv.to(torch.float8_e4m3fn), idx, sink, 1.0)
+    with pytest.raises(ValueError):
+        attn.sparse_attention_triton(q, kv, idx[:1], sink, 1.0)
+    with pytest.raises(ValueError):
+        attn.sparse_attention_triton(q, kv, idx, sink, 1.0, inv_rope_angles=angles[:1])
+
+
+def test_dispatch_uses_reference_on_cpu():
+    q, kv, idx, sink, angles = _case(7, T=2, H=4, D=32, N=24, K=20)
+    got = attn.sparse_attention(q, kv, idx, sink, 0.5, inv_rope_angles=angles)
+    want = attn.sparse_attention_ref(q, kv, idx, sink, 0.5, inv_rope_angles=angles)
+    assert torch.equal(got, want)
