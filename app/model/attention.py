@@ -107,8 +107,9 @@ class Attention(nn.Module):
                 (rows, torch.cat([pad(r, (0, width - r.shape[1]), value=-1) for r in comp_rows])),
                 dim=1,
             )
-        out = sparse_attention(q, torch.cat(pool), rows, self.attn_sink, D**-0.5)
-        out = apply_rope(out, angles, inverse=True)
+        out = sparse_attention(
+            q, torch.cat(pool), rows, self.attn_sink, D**-0.5, inv_rope_angles=angles
+        )
         return self._project(out)
 
     def _q(self, x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:

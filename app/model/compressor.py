@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from app.model.layers import Linear, RMSNorm
+from kernels.compressor import compress_pool
 
 
 class Compressor(nn.Module):
@@ -30,9 +31,26 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """``kv``/``gate`` [E, span, width] -> entries [E, dim]; ``first`` [E] marks w = 0."""
-        raise NotImplementedError
+    def pool(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        first: torch.Tensor,
+        angles: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``kv``/``gate`` [E, span, width] -> entries [E, dim] (fp32), rotated when
+        ``angles`` [E, rope/2] are given; ``first`` [E] marks w = 0. One fused kernel."""
+        return compress_pool(
+            kv,
+            gate if self.ratio > 1 else None,
+            first,
+            self.norm.weight,
+            self.norm.eps,
+            overlap=self.span > self.ratio,
+            ratio=self.ratio,
+            dim=self.norm.weight.shape[0],
+            angles=angles,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every complete group of one sequence that starts at position 0: [L // ratio, dim]."""
@@ -62,11 +80,6 @@ class Compressor41(Compressor):
         gate = self.wgate(x.float()) if self.ratio > 1 else torch.zeros_like(kv)
         return kv, gate
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        if self.ratio == 1:
-            return self.norm(kv[:, 0])
-        return self.norm((kv * gate.softmax(dim=1)).sum(dim=1))
-
 
 class CompressorV4(Compressor):
     """V4 gated windows: HCA (``overlap=False``) softmaxes the m tokens of window w (per
@@ -87,12 +100,3 @@ class CompressorV4(Compressor):
         gate = self.wgate(x.float()) + self.ape.float()[pos % self.ratio]
         return self.wkv(x.float()), gate
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        if not self.overlap:
-            return self.norm((kv * gate.softmax(dim=1)).sum(dim=1))
-        m, d = self.ratio, self.dim
-        v = torch.cat((kv[:, :m, :d], kv[:, m:, d:]), dim=1)
-        g = torch.cat((gate[:, :m, :d], gate[:, m:, d:]), dim=1)
-        g[:, :m] = g[:, :m].masked_fill(first.view(-1, 1, 1), float("-inf"))
-        v[:, :m] = v[:, :m].masked_fill(first.view(-1, 1, 1), 0.0)
-        return self.norm((v * g.softmax(dim=1)).sum(dim=1))
