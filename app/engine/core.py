@@ -74,6 +74,12 @@ class EngineStats:
     num_preemptions: int = 0
     steps: int = 0
     last_step_s: float = 0.0
+    # cumulative seconds per phase (host: schedule, prepare, update; worker: forward, sample)
+    t_schedule: float = 0.0
+    t_prepare: float = 0.0
+    t_forward: float = 0.0
+    t_sample: float = 0.0
+    t_update: float = 0.0
 
 
 def _stop_token_ids(model_dir: Path, cfg_eos: int) -> tuple[int, ...]:
@@ -226,9 +232,13 @@ class EngineCore:
         waits in the same call.
         """
         t0 = time.perf_counter()
+        st = self.stats
         sched = self.scheduler.schedule()
-        self.stats.num_preemptions += len(sched.preempted)
+        st.num_preemptions += len(sched.preempted)
+        t1 = time.perf_counter()
         inputs = self.runner.prepare(sched.items, self.decoder_replay) if sched.items else None
+        st.t_schedule += t1 - t0
+        st.t_prepare += time.perf_counter() - t1
         prev, prev_res = self._flight, None
         if prev is not None:
             prev_res = prev.future.result()
@@ -240,25 +250,37 @@ class EngineCore:
             ready = threading.Event()
             fut = self._executor.submit(self._run_and_sample, inputs, ready)
             self._flight = _Flight(inputs, fut, ready)
+        t2 = time.perf_counter()
         outs = self._update(prev, prev_res) if prev is not None else []
+        st.t_update += time.perf_counter() - t2
         if self._flight is not None:
             self._flight.ready.set()
             if not self.cfg.overlap_schedule:
                 flight, self._flight = self._flight, None
                 res = flight.future.result()
                 self._release(flight)
+                t3 = time.perf_counter()
                 outs += self._update(flight, res)
+                st.t_update += time.perf_counter() - t3
         self._stats(time.perf_counter() - t0)
         return outs
 
     def _run_and_sample(self, inputs: StepInputs, ready: threading.Event) -> _StepResult:
         """Worker: forward, then (once the previous step's tokens are applied) sample."""
+        t0 = time.perf_counter()
         logits, prompt_logits = self.runner.run(inputs)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.stats.t_forward += time.perf_counter() - t0
         ready.wait()
+        t1 = time.perf_counter()
         live = [i for i, it in enumerate(inputs.sample_items) if it.seq.finish_reason is None]
         res = None
         if live:
             res = self._sample([inputs.sample_items[i] for i in live], logits[live])
+            if res.tokens.is_cuda:
+                torch.cuda.synchronize(res.tokens.device)
+        self.stats.t_sample += time.perf_counter() - t1
         return _StepResult(live, res, prompt_logits)
 
     def _fill_pending(
