@@ -1,13 +1,28 @@
-"""Manifold-constrained hyper-connection mixing (torch reference), fp32 throughout.
+"""Manifold-constrained hyper-connections: torch references and the fused Triton Mega-mHC.
 
 From the flattened streams ``v`` [T, n*d]: ``m = (fn @ v) * rsqrt(mean(v^2) + eps)``;
 ``pre = sigmoid(m[:n]*s0 + b) + hc_eps``, ``post = 2*sigmoid(m[n:2n]*s1 + b)``,
 ``comb = sinkhorn(m[2n:]*s2 + b)`` ([n, n], rows = input streams, columns = outputs).
+
+Fused forms (two launches each, no host sync):
+``hc_pre``: ``_hc_mix_partial`` (split over d: the mixing dot and sum of squares of the
+streams, fp32) then ``_hc_finish`` (one program per token: pre/post/comb with Sinkhorn on the
+n x n in registers, collapse ``sum_j p_j X_j`` and its RMSNorm). ``hc_post_pre`` (V4.1
+single-pass shape): the same with the post update ``X' = post (x) out + comb^T X`` computed
+and stored by the first kernel, which mixes X' on the fly. ``p`` is the computed ``pre``
+(V4) or the previous sublayer's ``pre_in`` (V4.1 one-step-late pre).
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
+import triton
+import triton.language as tl
+
+from kernels.norm import rms_norm_ref
 
 
 def sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -59,3 +74,317 @@ def hc_expand_ref(
 hc_mix = hc_mix_ref
 hc_collapse = hc_collapse_ref
 hc_expand = hc_expand_ref
+
+
+def hc_pre_ref(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_w: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    rms_eps: float,
+    pre_in: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (RMSNorm(sum_j p_j X_j) [T, d], post, comb, pre); ``p = pre_in`` or the mix's pre."""
+    pre, post, comb = hc_mix_ref(x, fn, base, scale, iters, hc_eps, norm_eps)
+    collapsed = hc_collapse_ref(x, pre if pre_in is None else pre_in)
+    return rms_norm_ref(collapsed, norm_w, rms_eps), post, comb, pre
+
+
+def hc_post_pre_ref(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_w: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    rms_eps: float,
+    pre_in: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``X' = hc_expand(out, x, post, comb)`` then :func:`hc_pre_ref` on X'.
+
+    -> (X', normed, post', comb', pre')."""
+    x_new = hc_expand_ref(out, x, post, comb)
+    return (x_new, *hc_pre_ref(x_new, fn, base, scale, norm_w, iters, hc_eps, norm_eps,
+                               rms_eps, pre_in))  # fmt: skip
+
+
+# ---- Triton ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _hc_mix_partial(
+    x_ptr, sxt, sxj, fn_ptr, sfn, mp_ptr, sq_ptr, sps,
+    out_ptr, sot, post_ptr, comb_ptr, xn_ptr, snt, snj,
+    T, D, d_per_split,
+    N: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, HAS_POST: tl.constexpr,
+    PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    """Partial ``m[t] = fn . v`` and ``sum v^2`` over a d-range of every stream.
+
+    With HAS_POST, the streams are ``X'_k = post_k out + sum_j comb[j,k] X_j``, stored
+    (rounded to X's dtype) and mixed as stored."""
+    pid_t, pid_s = tl.program_id(0), tl.program_id(1)
+    t = pid_t * BT + tl.arange(0, BT)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    jn = tl.arange(0, N)
+    w = tl.arange(0, WP)
+    m = tl.zeros((BT, WP), tl.float32)
+    sq = tl.zeros((BT,), tl.float32)
+    d_lo = pid_s * d_per_split
+    for d0 in range(d_lo, tl.minimum(d_lo + d_per_split, D), BD):
+        dd = d0 + tl.arange(0, BD)
+        dmask = tmask[:, None] & (dd[None, :] < D)
+        if HAS_POST:
+            m3 = tmask[:, None, None] & (dd[None, None, :] < D)
+            x3 = tl.load(x_ptr + t64[:, None, None] * sxt + jn[None, :, None] * sxj
+                         + dd[None, None, :], mask=m3, other=0.0).to(tl.float32)  # fmt: skip
+            o = tl.load(out_ptr + t64[:, None] * sot + dd[None, :], mask=dmask, other=0.0)
+            o = o.to(tl.float32)
+        for k in tl.static_range(N):
+            if HAS_POST:
+                ck = tl.load(comb_ptr + t64[:, None] * N * N + jn[None, :] * N + k,
+                             mask=tmask[:, None], other=0.0)  # fmt: skip
+                pk = tl.load(post_ptr + t64 * N + k, mask=tmask, other=0.0)
+                xk = pk[:, None] * o + tl.sum(ck[:, :, None] * x3, axis=1)
+                xk = xk.to(xn_ptr.dtype.element_ty)
+                tl.store(xn_ptr + t64[:, None] * snt + k * snj + dd[None, :], xk, mask=dmask)
+                xk = xk.to(tl.float32)
+            else:
+                xk = tl.load(x_ptr + t64[:, None] * sxt + k * sxj + dd[None, :], mask=dmask,
+                             other=0.0).to(tl.float32)  # fmt: skip
+            sq += tl.sum(xk * xk, axis=1)
+            f = tl.load(fn_ptr + w[None, :] * sfn + k * D + dd[:, None],
+                        mask=(w[None, :] < W) & (dd[:, None] < D), other=0.0)  # fmt: skip
+            m = tl.dot(xk, f, m, input_precision=PREC)
+    tl.store(mp_ptr + pid_s * sps * WP + t64[:, None] * WP + w[None, :], m, mask=tmask[:, None])
+    tl.store(sq_ptr + pid_s * sps + t64, sq, mask=tmask)
+
+
+@triton.jit
+def _hc_finish(
+    x_ptr, sxt, sxj, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, nw_ptr, pin_ptr,
+    pre_ptr, post_ptr, comb_ptr, y_ptr, syt, D, iters, hc_eps, norm_eps, rms_eps,
+    N: tl.constexpr, WP: tl.constexpr, SPLIT: tl.constexpr, HAS_PRE_IN: tl.constexpr,
+    BD: tl.constexpr,
+):  # fmt: skip
+    """One token: pre/post/comb (Sinkhorn in registers), then RMSNorm(sum_j p_j X_j)."""
+    t = tl.program_id(0).to(tl.int64)
+    a = tl.arange(0, N)
+    m_pre = tl.zeros((N,), tl.float32)
+    m_post = tl.zeros((N,), tl.float32)
+    m_comb = tl.zeros((N, N), tl.float32)
+    sq = 0.0
+    for s in tl.static_range(SPLIT):
+        row = mp_ptr + s * sps * WP + t * WP
+        m_pre += tl.load(row + a)
+        m_post += tl.load(row + N + a)
+        m_comb += tl.load(row + 2 * N + a[:, None] * N + a[None, :])
+        sq += tl.load(sq_ptr + s * sps + t)
+    r = 1.0 / tl.sqrt(sq / (N * D) + norm_eps)
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(m_pre * r * s0 + tl.load(base_ptr + a)) + hc_eps
+    post = 2.0 * tl.sigmoid(m_post * r * s1 + tl.load(base_ptr + N + a))
+    lg = m_comb * r * s2 + tl.load(base_ptr + 2 * N + a[:, None] * N + a[None, :])
+    c = tl.exp(lg - tl.max(lg, axis=1)[:, None])
+    c = c / tl.sum(c, axis=1)[:, None] + hc_eps
+    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    tl.store(pre_ptr + t * N + a, pre)
+    tl.store(post_ptr + t * N + a, post)
+    tl.store(comb_ptr + t * N * N + a[:, None] * N + a[None, :], c)
+    p = tl.load(pin_ptr + t * N + a) if HAS_PRE_IN else pre
+    csq = tl.zeros((BD,), tl.float32)
+    for d0 in range(0, D, BD):
+        dd = d0 + tl.arange(0, BD)
+        xs = tl.load(x_ptr + t * sxt + a[:, None] * sxj + dd[None, :], mask=dd[None, :] < D,
+                     other=0.0).to(tl.float32)  # fmt: skip
+        col = tl.sum(p[:, None] * xs, axis=0)
+        csq += col * col
+    rs = 1.0 / tl.sqrt(tl.sum(csq) / D + rms_eps)
+    for d0 in range(0, D, BD):
+        dd = d0 + tl.arange(0, BD)
+        xs = tl.load(x_ptr + t * sxt + a[:, None] * sxj + dd[None, :], mask=dd[None, :] < D,
+                     other=0.0).to(tl.float32)  # fmt: skip
+        nw = tl.load(nw_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+        y = tl.sum(p[:, None] * xs, axis=0) * rs * nw
+        tl.store(y_ptr + t * syt + dd, y.to(y_ptr.dtype.element_ty), mask=dd < D)
+
+
+@triton.jit
+def _hc_post(
+    out_ptr, sot, x_ptr, sxt, sxj, post_ptr, comb_ptr, xn_ptr, snt, snj, D,
+    N: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    """``X'[t, k] = post[t, k] out[t] + sum_j comb[t, j, k] X[t, j]``."""
+    t, pid_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    a = tl.arange(0, N)
+    dd = pid_d * BD + tl.arange(0, BD)
+    msk = dd[None, :] < D
+    xs = tl.load(x_ptr + t * sxt + a[:, None] * sxj + dd[None, :], mask=msk, other=0.0)
+    o = tl.load(out_ptr + t * sot + dd, mask=dd < D, other=0.0).to(tl.float32)
+    c = tl.load(comb_ptr + t * N * N + a[:, None] * N + a[None, :])
+    mixed = tl.sum(c[:, :, None] * xs.to(tl.float32)[:, None, :], axis=0)
+    y = tl.load(post_ptr + t * N + a)[:, None] * o[None, :] + mixed
+    tl.store(xn_ptr + t * snt + a[:, None] * snj + dd[None, :], y.to(xn_ptr.dtype.element_ty),
+             mask=msk)  # fmt: skip
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_streams(x: torch.Tensor, fn: torch.Tensor) -> tuple[int, int, int]:
+    if x.dim() != 3 or x.stride(2) != 1:
+        raise ValueError(f"x must be [T, n, d] with unit stride in d, got {tuple(x.shape)}")
+    t, n, d = x.shape
+    if n & (n - 1) or tuple(fn.shape) != (n * (n + 2), n * d) or not fn.is_contiguous():
+        raise ValueError(f"fn must be contiguous [{n * (n + 2)}, {n * d}] (n a power of 2)")
+    return t, n, d
+
+
+def _mix_and_finish(
+    src: torch.Tensor,
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_w: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    rms_eps: float,
+    pre_in: torch.Tensor | None,
+    post_args: tuple | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the split-d mix (reading ``src``; writing ``x`` when ``post_args``) + finish."""
+    t, n, d = x.shape
+    dev = x.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    bt, bd = 16, min(64, triton.next_power_of_2(d))
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 4
+    chunks = triton.cdiv(d, bd)
+    split = max(1, min(chunks, triton.cdiv(2 * sms, triton.cdiv(t, bt))))
+    d_per = triton.cdiv(chunks, split) * bd
+    wp = triton.next_power_of_2(n * (n + 2))
+    mp = torch.empty(split, t, wp, **f32)
+    sq = torch.empty(split, t, **f32)
+    out, post, comb = post_args if post_args is not None else (x, x, x)
+    _hc_mix_partial[(triton.cdiv(t, bt), split)](
+        src, src.stride(0), src.stride(1), fn, fn.stride(0), mp, sq, t,
+        out, out.stride(0), post, comb, x, x.stride(0), x.stride(1), t, d, d_per,
+        N=n, W=n * (n + 2), WP=wp, HAS_POST=post_args is not None,
+        PREC="ieee" if _interpret() else "tf32x3", BT=bt, BD=bd,
+    )  # fmt: skip
+    pre, post2, comb2 = (
+        torch.empty(t, n, **f32),
+        torch.empty(t, n, **f32),
+        torch.empty(t, n, n, **f32),
+    )
+    y = torch.empty(t, d, dtype=x.dtype, device=dev)
+    _hc_finish[(t,)](
+        x, x.stride(0), x.stride(1), mp, sq, t, base.float().contiguous(),
+        scale.float().contiguous(), norm_w.contiguous(),
+        pre_in.float().contiguous() if pre_in is not None else mp, pre, post2, comb2,
+        y, y.stride(0), d, iters, hc_eps, norm_eps, rms_eps,
+        N=n, WP=wp, SPLIT=split, HAS_PRE_IN=pre_in is not None,
+        BD=min(1024, triton.next_power_of_2(d)),
+    )  # fmt: skip
+    return y, post2, comb2, pre
+
+
+def hc_pre_triton(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_w: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    rms_eps: float,
+    pre_in: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused mix + Sinkhorn + collapse + RMSNorm: ``x`` [T, n, d] -> (normed [T, d] x.dtype,
+    post [T, n], comb [T, n, n], pre [T, n]) fp32; collapse with ``pre_in`` when given."""
+    t, n, d = _check_streams(x, fn)
+    if t == 0:
+        return hc_pre_ref(x, fn, base, scale, norm_w, iters, hc_eps, norm_eps, rms_eps, pre_in)
+    return _mix_and_finish(x, x, fn, base, scale, norm_w, iters, hc_eps, norm_eps, rms_eps,
+                           pre_in, None)  # fmt: skip
+
+
+def hc_post_triton(
+    out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """``X'_k = post_k out + sum_j comb[j, k] X_j``: -> [T, n, d] in out.dtype."""
+    if x.dim() != 3 or x.stride(2) != 1 or out.shape != (x.shape[0], x.shape[2]):
+        raise ValueError(
+            f"out [T, d] and x [T, n, d] expected: {tuple(out.shape)} {tuple(x.shape)}"
+        )
+    t, n, d = x.shape
+    x_new = torch.empty(t, n, d, dtype=out.dtype, device=x.device)
+    bd = min(256, triton.next_power_of_2(d))
+    if t:
+        _hc_post[(t, triton.cdiv(d, bd))](
+            out, out.stride(0), x, x.stride(0), x.stride(1), post.float().contiguous(),
+            comb.float().contiguous(), x_new, x_new.stride(0), x_new.stride(1), d, N=n, BD=bd,
+        )  # fmt: skip
+    return x_new
+
+
+def hc_post_pre_triton(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_w: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    rms_eps: float,
+    pre_in: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Post update of one sublayer fused with the mix + collapse + norm of the next.
+
+    -> (X' [T, n, d] out.dtype, normed [T, d], post', comb', pre')."""
+    t, n, d = _check_streams(x, fn)
+    if out.shape != (t, d) or out.stride(1) != 1:
+        raise ValueError(f"out must be [T, d] with unit stride, got {tuple(out.shape)}")
+    if t == 0:
+        return hc_post_pre_ref(out, x, post, comb, fn, base, scale, norm_w, iters, hc_eps,
+                               norm_eps, rms_eps, pre_in)  # fmt: skip
+    x_new = torch.empty(t, n, d, dtype=out.dtype, device=x.device)
+    post_args = (out, post.float().contiguous(), comb.float().contiguous())
+    res = _mix_and_finish(x, x_new, fn, base, scale, norm_w, iters, hc_eps, norm_eps, rms_eps,
+                          pre_in, post_args)  # fmt: skip
+    return (x_new, *res)
+
+
+def hc_pre(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """:func:`hc_pre_triton` on CUDA tensors, else :func:`hc_pre_ref`."""
+    return (hc_pre_triton if x.is_cuda else hc_pre_ref)(x, *args, **kwargs)
+
+
+def hc_post(out: torch.Tensor, *args: Any) -> torch.Tensor:
+    """:func:`hc_post_triton` on CUDA tensors, else :func:`hc_expand_ref`."""
+    return (hc_post_triton if out.is_cuda else hc_expand_ref)(out, *args)
+
+
+def hc_post_pre(out: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """:func:`hc_post_pre_triton` on CUDA tensors, else :func:`hc_post_pre_ref`."""
+    return (hc_post_pre_triton if out.is_cuda else hc_post_pre_ref)(out, *args, **kwargs)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run under the interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from app.model.config import ModelConfig
 from app.model.engram_hash import compressed_token_map

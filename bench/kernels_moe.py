@@ -1,0 +1,232 @@
+"""W3 / W5 kernel sweeps on one GPU: MegaMoE (fp8, fp4), MegaGate, Mega-mHC, Engram lookup.
+
+``python -m bench.kernels_moe [--quick]``; writes ``bench/results/kernels_moe.json``. Ceilings
+(copy bandwidth, bf16 and fp8 matmul) are measured in the same run; every record is a median
+time in µs with its roofline floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton.testing
+
+from bench.common import machine, record, write
+from kernels import engram, mhc
+from kernels.gate import moe_gate_ref, moe_gate_triton
+from kernels.moe import moe_experts_ref, moe_fp4_triton, moe_fp8_triton
+from kernels.norm import rms_norm_ref
+from kernels.quant_ref import dequant_fp8_blocks
+
+D, INTER, E_LOCAL, E_ALL, TOPK, N = 5120, 2304, 48, 384, 6, 4
+
+
+def _us(fn: Callable[[], Any], rep: int = 60, graph: bool = True) -> float:
+    """Median µs; inside a CUDA graph (as the engine runs) unless ``graph`` is False."""
+    if graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")) * 1e3
+
+
+def _rotating(fn: Callable[[Any], Any], inputs: list[Any]) -> Callable[[], Any]:
+    it = itertools.cycle(inputs)
+    return lambda: fn(next(it))
+
+
+def ceilings() -> dict[str, float]:
+    a = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    bw = 2 * a.numel() / (_us(lambda: b.copy_(a), graph=False) * 1e-6)
+    m = torch.randn(8192, 8192, device="cuda").bfloat16()
+    bf16 = 2 * 8192**3 / (_us(lambda: m @ m) * 1e-6)
+    f8 = m.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    fp8 = (
+        2
+        * 8192**3
+        / (_us(lambda: torch._scaled_mm(f8, f8.t(), one, one, out_dtype=torch.bfloat16)) * 1e-6)
+    )
+    return {"copy_bw_Bps": bw, "bf16_flops": bf16, "fp8_flops": fp8}
+
+
+def moe_sweep(tokens: list[int], ceil: dict[str, float], recs: list[dict]) -> list[str]:
+    dev = "cuda"
+    w13 = (torch.randn(E_LOCAL, 2 * INTER, D, device=dev) * 64).to(torch.float8_e4m3fn)
+    s13 = torch.randint(117, 121, (E_LOCAL, 2 * INTER // 32, D // 32), device=dev).byte()
+    w2 = (torch.randn(E_LOCAL, D, INTER, device=dev) * 64).to(torch.float8_e4m3fn)
+    s2 = torch.randint(117, 121, (E_LOCAL, D // 32, INTER // 32), device=dev).byte()
+    p13 = torch.randint(-128, 128, (E_LOCAL, 2 * INTER, D // 2), device=dev, dtype=torch.int8)
+    q13 = torch.randint(121, 125, (E_LOCAL, 2 * INTER, D // 32), device=dev).byte()
+    p2 = torch.randint(-128, 128, (E_LOCAL, D, INTER // 2), device=dev, dtype=torch.int8)
+    q2 = torch.randint(121, 125, (E_LOCAL, D, INTER // 32), device=dev).byte()
+    bf13 = dequant_fp8_blocks(w13, s13, (32, 32), torch.bfloat16)
+    bf2 = dequant_fp8_blocks(w2, s2, (32, 32), torch.bfloat16)
+    w1l = [bf13[e, :INTER] for e in range(E_LOCAL)] + [None] * (E_ALL - E_LOCAL)
+    w3l = [bf13[e, INTER:] for e in range(E_LOCAL)] + [None] * (E_ALL - E_LOCAL)
+    w2l = [bf2[e] for e in range(E_LOCAL)] + [bf2[0]] * (E_ALL - E_LOCAL)
+    fp8_bytes = 3 * INTER * D * (1 + 4 / 1024)  # e8m0 scales stored as bytes: 1/1024
+    fp4_bytes = 3 * INTER * D * (0.5 + 1 / 32)
+    bw, f8 = ceil["copy_bw_Bps"], ceil["fp8_flops"]
+    lines = []
+    for t in tokens:
+        sets = []
+        for _ in range(4):
+            ids = torch.rand(t, E_ALL, device=dev).argsort(-1)[:, :TOPK]
+            ids[0, 0] = torch.where((ids[0] < E_LOCAL).any(), ids[0, 0], 0)  # >= 1 local
+            sets.append(
+                (torch.randn(t, D, device=dev).bfloat16(), ids, torch.rand(t, TOPK, device=dev))
+            )
+        touched = sum(len(torch.unique(s[1][s[1] < E_LOCAL])) for s in sets) / len(sets)
+        e_t = E_LOCAL * (1 - (1 - TOPK / E_ALL) ** t)
+        slots = t * TOPK * E_LOCAL / E_ALL
+        flops = slots * 6 * INTER * D
+        t8 = _us(
+            _rotating(
+                lambda s: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0), sets
+            )
+        )
+        t4 = _us(
+            _rotating(lambda s: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0), sets)
+        )
+        tref = _us(
+            _rotating(lambda s: moe_experts_ref(s[0], s[1], s[2], w1l, w2l, w3l, 10.0), sets),
+            30,
+            False,
+        )
+        for name, val, wb in (("moe.fp8", t8, fp8_bytes), ("moe.fp4", t4, fp4_bytes)):
+            floor = max(touched * wb / bw, flops / f8) * 1e6
+            gbps = touched * wb / (val * 1e-6) / 1e9
+            params = {
+                "tokens": t,
+                "experts_touched": touched,
+                "E_t_formula": e_t,
+                "weight_GBps": gbps,
+                "tflops": flops / (val * 1e-6) / 1e12,
+                "fp8_peak_frac": flops / (val * 1e-6) / f8,
+                "speedup_vs_torch_ref": tref / val,
+            }
+            recs.append(
+                record(
+                    name,
+                    val,
+                    "us",
+                    params,
+                    floor,
+                    {"name": "torch bf16 expert loop", "value": tref},
+                )
+            )
+            lines.append(
+                f"{name:10s} T={t:5d} {val:9.1f} us  floor {floor:8.1f}  "
+                f"{gbps:7.0f} GB/s  {params['tflops']:6.1f} TF  ref {tref:9.1f} us"
+            )
+    return lines
+
+
+def gate_sweep(tokens: list[int], ceil: dict[str, float], recs: list[dict]) -> list[str]:
+    w = (torch.randn(E_ALL, D, device="cuda") / D**0.5).bfloat16()
+    bias = 0.1 * torch.randn(E_ALL, device="cuda")
+    lines = []
+    for t in tokens:
+        xs = [torch.randn(t, D, device="cuda").bfloat16() for _ in range(4)]
+        val = _us(_rotating(lambda x: moe_gate_triton(x, w, bias, TOPK, 2.5), xs))
+        ref = _us(_rotating(lambda x: moe_gate_ref(x.float() @ w.float().t(), bias, TOPK, 2.5), xs))
+        floor = (
+            max(
+                (w.numel() + t * D) * 2 / ceil["copy_bw_Bps"],
+                2 * t * D * E_ALL / ceil["bf16_flops"],
+            )
+            * 1e6
+        )
+        recs.append(
+            record("moe.gate", val, "us", {"tokens": t}, floor, {"name": "torch", "value": ref})
+        )
+        lines.append(f"gate       T={t:5d} {val:9.1f} us  floor {floor:8.1f}  torch {ref:8.1f} us")
+    return lines
+
+
+def mhc_sweep(tokens: list[int], ceil: dict[str, float], recs: list[dict]) -> list[str]:
+    fn = torch.randn(N * (N + 2), N * D, device="cuda") / (N * D) ** 0.5
+    base, scale = 0.5 * torch.randn(24, device="cuda"), torch.ones(3, device="cuda")
+    nw = torch.ones(D, device="cuda")
+    eps = (20, 1e-6, 1e-6, 1e-6)
+
+    def unfused(x: torch.Tensor) -> torch.Tensor:
+        pre, post, comb = mhc.hc_mix_ref(x, fn, base, scale, *eps[:3])
+        return rms_norm_ref(mhc.hc_collapse_ref(x, pre), nw, eps[3])
+
+    lines = []
+    for t in tokens:
+        xs = [torch.randn(t, N, D, device="cuda").bfloat16() for _ in range(4)]
+        val = _us(_rotating(lambda x: mhc.hc_pre_triton(x, fn, base, scale, nw, *eps), xs))
+        ref = _us(_rotating(unfused, xs))
+        floor = (t * (N * D + D) * 2 + fn.numel() * 4) / ceil["copy_bw_Bps"] * 1e6
+        recs.append(
+            record(
+                "mhc.pre",
+                val,
+                "us",
+                {"tokens": t, "speedup": ref / val},
+                floor,
+                {"name": "unfused torch", "value": ref},
+            )
+        )
+        lines.append(f"mhc.pre    T={t:5d} {val:9.1f} us  floor {floor:8.1f}  torch {ref:8.1f} us")
+    return lines
+
+
+def engram_sweep(tokens: list[int], recs: list[dict]) -> list[str]:
+    rows_n = 1 << 20
+    host = (torch.randn(rows_n, 256) * 8).to(torch.float8_e4m3fn).pin_memory()
+    hscale = torch.randint(118, 122, (rows_n, 8), dtype=torch.uint8).pin_memory()
+    dev, dscale = host.cuda(), hscale.cuda()
+    lines = []
+    for t in tokens:
+        rows = [torch.randint(0, rows_n, (t, 24), device="cuda") for _ in range(4)]
+        for name, tab, sc in (("device", dev, dscale), ("host_uva", host, hscale)):
+            val = _us(
+                _rotating(
+                    lambda r, tab=tab, sc=sc: engram.engram_gather_triton(
+                        tab, r, sc, torch.bfloat16
+                    ),
+                    rows,
+                )
+            )
+            recs.append(record("engram.lookup", val, "us", {"tokens": t, "table": name}))
+            lines.append(f"engram     T={t:5d} {name:9s} {val:9.1f} us")
+        val = _us(
+            _rotating(lambda r: engram.engram_gather_host(host, r, hscale, torch.bfloat16), rows),
+            30,
+            False,
+        )
+        recs.append(record("engram.lookup", val, "us", {"tokens": t, "table": "host_copy"}))
+        lines.append(f"engram     T={t:5d} host_copy {val:9.1f} us")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes (< 90 s)")
+    args = ap.parse_args()
+    ceil = ceilings()
+    recs: list[dict] = [record(f"ceiling.{k}", v, k.split("_")[-1]) for k, v in ceil.items()]
+    moe_t = [1, 64, 4096] if args.quick else [1, 8, 64, 512, 4096]
+    small = [1, 64, 4096]
+    lines = moe_sweep(moe_t, ceil, recs)
+    lines += gate_sweep(small, ceil, recs)
+    lines += mhc_sweep(small, ceil, recs)
+    lines += engram_sweep([1, 64] if args.quick else small, recs)
+    path = write("kernels_moe", recs)
+    print(machine())
+    print(
+        f"copy {ceil['copy_bw_Bps'] / 1e12:.2f} TB/s  bf16 {ceil['bf16_flops'] / 1e12:.0f} TF  "
+        f"fp8 {ceil['fp8_flops'] / 1e12:.0f} TF  -> {path}"
+    )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Mega-mHC under the Triton interpreter vs the fp64 reference.
+
+fp32 streams: ||out - ref|| / ||ref|| <= 1e-5; bf16 streams: <= 1e-2 (the reference rounds the
+collapsed input to bf16 before its norm, the fused kernel does not).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported before the env
+    pytest.skip("run with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
+
+from kernels import mhc  # noqa: E402
+
+T, N, D, ITERS, HC_EPS, NORM_EPS, RMS_EPS = 5, 4, 96, 20, 1e-6, 1e-6, 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every float buffer the wrappers allocate starts as NaN: unwritten outputs fail."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(empty_like(*a, **k)))
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _params(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    fn = torch.randn(N * (N + 2), N * D, generator=g) / (N * D) ** 0.5
+    base = 0.5 * torch.randn(N * (N + 2), generator=g)
+    scale = 1 + 0.2 * torch.randn(3, generator=g)
+    norm_w = 1 + 0.1 * torch.randn(D, generator=g)
+    return fn, base, scale, norm_w
+
+
+def _f64(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.double() for t in ts)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("v41", [False, True])
+def test_hc_pre(dtype: torch.dtype, tol: float, v41: bool) -> None:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, N, D, generator=g).to(dtype)
+    params = _params(g)
+    pre_in = torch.rand(T, N, generator=g) + 0.1 if v41 else None
+    eps = (ITERS, HC_EPS, NORM_EPS, RMS_EPS)
+    ref = mhc.hc_pre_ref(x.double(), *_f64(params), *eps, pre_in)
+    out = mhc.hc_pre_triton(x, *params, *eps, pre_in)
+    assert out[0].dtype == dtype and out[0].shape == (T, D)
+    for o, r in zip(out[1:], ref[1:], strict=True):  # post, comb, pre: fp32 math
+        assert _rel(o, r) < 1e-5
+    assert _rel(out[0], ref[0]) < tol
+
+
+def test_hc_post() -> None:
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(T, N, D, generator=g)
+    out = torch.randn(T, D, generator=g)
+    post, comb = torch.rand(T, N, generator=g), torch.rand(T, N, N, generator=g)
+    ref = mhc.hc_expand_ref(out.double(), x.double(), post, comb)  # refs mix in fp32
+    assert _rel(mhc.hc_post_triton(out, x, post, comb), ref) < 1e-6
+
+
+@pytest.mark.parametrize("v41", [False, True])
+def test_hc_post_pre(v41: bool) -> None:
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(T, N, D, generator=g)
+    out = torch.randn(T, D, generator=g)
+    post, comb = 2 * torch.rand(T, N, generator=g), torch.rand(T, N, N, generator=g)
+    params = _params(g)
+    pre_in = torch.rand(T, N, generator=g) + 0.1 if v41 else None
+    eps = (ITERS, HC_EPS, NORM_EPS, RMS_EPS)
+    ref = mhc.hc_post_pre_ref(out.double(), x.double(), post, comb, *_f64(params), *eps, pre_in)
+    res = mhc.hc_post_pre_triton(out, x, post, comb, *params, *eps, pre_in)
+    for o, r in zip(res, ref, strict=True):
+        assert _rel(o, r) < 1e-5
