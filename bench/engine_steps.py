@@ -48,6 +48,7 @@ def measure(path: str, device: str, batch: int, steps: int, overlap: bool) -> di
     for _ in range(steps):
         eng.step()
     wall = (time.perf_counter() - t0) / steps
+    eng.close()  # nothing of this engine may run while the next one starts
     out = {p: (getattr(eng.stats, p) - before[p]) / steps for p in PHASES}
     out["wall"] = wall
     return out

@@ -107,11 +107,14 @@ def _attn_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_attn_configs(), key=["H", "K", "SPLITS", "T_BUCKET", "D", "FP8", "ROPE"])
-@triton.jit(do_not_specialize=["T", "SPLITS", "T_BUCKET"])
+# Tuned per power-of-two bucket of T and K (both change every engine step).
+@triton.autotune(
+    configs=_attn_configs(), key=["H", "K_BUCKET", "SPLITS", "T_BUCKET", "D", "FP8", "ROPE"]
+)
+@triton.jit(do_not_specialize=["T", "K", "SPLITS", "T_BUCKET", "K_BUCKET"])
 def _sparse_attn_kernel(
     q_ptr, kv_ptr, sc_ptr, idx_ptr, sink_ptr, ang_ptr, out_ptr, part_ptr, ml_ptr,
-    T, H, K, SPLITS, T_BUCKET, scale_log2,
+    T, H, K, SPLITS, T_BUCKET, K_BUCKET, scale_log2,
     s_qt, s_qh, s_kv, s_sc, s_it, s_at, s_ot, s_oh,
     D: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr,
     F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -278,7 +281,7 @@ def sparse_attention_triton(
 
     _sparse_attn_kernel[grid](
         q, kv, sc, idx, sink, ang, out, part, ml,
-        T, H, K, S, triton.next_power_of_2(T), scale * _LOG2E,
+        T, H, K, S, triton.next_power_of_2(T), triton.next_power_of_2(K), scale * _LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), sc.stride(0), idx.stride(0),
         ang.stride(0), out.stride(0), out.stride(1),
         D=D, R=R, FP8=fp8, ROPE=R > 0, F32_DOT=q.dtype == torch.float32 or not q.is_cuda,

@@ -99,10 +99,11 @@ def _pool_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_pool_configs(), key=["E", "SPAN", "DIM", "ROPE", "HAS_ROWS"])
-@triton.jit
+# Tuned per power-of-two bucket of E (E changes every engine step; exact E would re-tune).
+@triton.autotune(configs=_pool_configs(), key=["E_BUCKET", "SPAN", "DIM", "ROPE", "HAS_ROWS"])
+@triton.jit(do_not_specialize=["E", "E_BUCKET"])
 def _pool_kernel(
-    kv_ptr, g_ptr, first_ptr, w_ptr, ang_ptr, out_ptr, rows_ptr, E, eps,
+    kv_ptr, g_ptr, first_ptr, w_ptr, ang_ptr, out_ptr, rows_ptr, E, E_BUCKET, eps,
     s_ke, s_ks, s_ge, s_gs, s_at, s_o,
     SPAN: tl.constexpr, RATIO: tl.constexpr, DIM: tl.constexpr, R: tl.constexpr,
     OVERLAP: tl.constexpr, HAS_GATE: tl.constexpr, ROPE: tl.constexpr, HAS_ROWS: tl.constexpr,
@@ -204,7 +205,7 @@ def compress_pool_triton(
         return (triton.cdiv(E, meta["BLOCK_E"]),)
 
     _pool_kernel[grid](
-        kv, g, first_t, norm_w, ang, out, rows, E, eps,
+        kv, g, first_t, norm_w, ang, out, rows, E, triton.next_power_of_2(E), eps,
         kv.stride(0), kv.stride(1), g.stride(0), g.stride(1), ang.stride(0), out.stride(0),
         SPAN=span, RATIO=ratio, DIM=dim, R=R, OVERLAP=overlap, HAS_GATE=gate is not None,
         ROPE=R > 0, HAS_ROWS=out_rows is not None,

@@ -70,10 +70,11 @@ def _scores_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_scores_configs(), key=["C", "T_BUCKET", "HP", "DP"])
-@triton.jit(do_not_specialize=["T", "T_BUCKET"])
+# Tuned per power-of-two bucket of C and T (both change every engine step).
+@triton.autotune(configs=_scores_configs(), key=["C_BUCKET", "T_BUCKET", "HP", "DP"])
+@triton.jit(do_not_specialize=["T", "T_BUCKET", "C", "C_BUCKET"])
 def _scores_kernel(
-    q_ptr, k_ptr, w_ptr, vis_ptr, out_ptr, T, C, HI, DI, T_BUCKET,
+    q_ptr, k_ptr, w_ptr, vis_ptr, out_ptr, T, C, HI, DI, T_BUCKET, C_BUCKET,
     s_qt, s_qh, s_k, s_wt, s_ot,
     HP: tl.constexpr, DP: tl.constexpr, BLOCK_T: tl.constexpr, F32_DOT: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -147,6 +148,7 @@ def indexer_scores_triton(
 
     _scores_kernel[grid](
         q, k, w, visible.contiguous(), out, T, C, HI, DI, triton.next_power_of_2(T),
+        triton.next_power_of_2(C),
         q.stride(0), q.stride(1), k.stride(0), w.stride(0), out.stride(0),
         HP=HP, DP=DP, BLOCK_T=bt, F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
     )  # fmt: skip
@@ -185,7 +187,7 @@ def _select_kernel(
     need = KK
     tau = 0
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         if p == 0:
             digit = ((key >> 24) & 0xFF) ^ 0x80
             hist = tl.histogram(digit, 256)

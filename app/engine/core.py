@@ -387,6 +387,11 @@ class EngineCore:
         else:
             self.scheduler.remove(seq)
 
+    def close(self) -> None:
+        """Finish the step in flight and stop the worker thread (no kernels run after)."""
+        self.drain()
+        self._executor.shutdown(wait=True)
+
     def drain_after_error(self) -> None:
         """After a failed step (every request aborted): wait out the step in flight, ignore
         its result and free what it held."""

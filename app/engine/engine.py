@@ -79,6 +79,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.core.close()
 
     # ---- loop thread -------------------------------------------------------------------
     def _submit(self, fn: Callable[[], object]) -> Future:
