@@ -1,0 +1,171 @@
+"""The engine as the HTTP layer sees it: :class:`EngineClient`, a local adapter over
+:class:`~app.engine.engine.AsyncEngine`, and :class:`EngineStream` (one request's deltas, with
+abort on close). The Ray ingress implements the same protocol over Serve handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import anyio
+
+from app.engine.request import EngineRequest, RequestError, RequestOutput
+
+if TYPE_CHECKING:
+    from app.engine.engine import AsyncEngine
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's queue is full; the API answers 429 with ``Retry-After``."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is not ready (starting, draining or failed); the API answers 503."""
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the API needs from an engine (local, or DP ranks behind Ray Serve).
+
+    ``generate`` streams one request's :class:`RequestOutput` deltas; the last one has
+    ``finished=True``. Before any delta it raises :class:`RequestError` for an invalid request
+    (the API answers 400), :class:`EngineOverloadedError` (429) or
+    :class:`EngineUnavailableError` (503). It may first yield an empty *ack* delta (no token ids,
+    not finished) once the request is accepted, so a stream can start before the first token.
+    Closing the iterator early, or ``abort``, cancels the request and frees its KV.
+    """
+
+    def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def stats(self) -> dict: ...
+
+    async def ready(self) -> bool: ...
+
+
+class LocalEngineClient:
+    """:class:`EngineClient` over an in-process :class:`AsyncEngine` (tests, one-process serving).
+
+    ``max_pending``: more unfinished requests than this -> :class:`EngineOverloadedError`.
+    :meth:`drain` stops taking requests (503) while running ones finish.
+    """
+
+    def __init__(self, engine: AsyncEngine, max_pending: int | None = None) -> None:
+        self.engine = engine
+        self.max_pending = max_pending
+        self._draining = False
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        if self._draining:
+            raise EngineUnavailableError("the engine is draining and takes no new requests")
+        if self.max_pending is not None and self.engine.num_unfinished >= self.max_pending:
+            raise EngineOverloadedError(
+                f"{self.engine.num_unfinished} requests pending (limit {self.max_pending})"
+            )
+        await self._check(req)
+        yield RequestOutput(req.request_id, num_prompt_tokens=len(req.prompt_token_ids))
+        try:
+            async for out in self.engine.generate(req):
+                yield out
+        except RuntimeError as e:
+            if isinstance(e, RequestError):
+                raise
+            raise EngineUnavailableError(str(e)) from e
+
+    async def _check(self, req: EngineRequest) -> None:
+        """The checks ``EngineCore.add_request`` makes, run before the ack so a stream's errors
+        still get a 4xx status (the constraint compile is cached: the engine's is then a hit)."""
+        core = self.engine.core
+        vocab = core.model.cfg.vocab_size
+        bad = next((t for t in req.prompt_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError("prompt_token_ids", f"token id {bad} >= vocab size {vocab}")
+        n, limit, p = len(req.prompt_token_ids), core.max_model_len, req.params
+        if n >= limit:
+            raise RequestError("prompt_token_ids", f"prompt of {n} tokens >= limit {limit}")
+        if p.max_tokens is not None and n + p.max_tokens > limit:
+            raise RequestError(
+                "max_tokens", f"prompt ({n}) + max_tokens ({p.max_tokens}) exceeds {limit}"
+            )
+        if p.constraint is not None:
+            from app.engine.grammar import GrammarError
+
+            try:
+                await asyncio.to_thread(core.grammar.compile, p.constraint)
+            except GrammarError as e:
+                raise RequestError("constraint", str(e)) from e
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def stats(self) -> dict:
+        return {**self.engine.stats(), "num_unfinished": self.engine.num_unfinished}
+
+    async def ready(self) -> bool:
+        return not self._draining
+
+    def drain(self, draining: bool = True) -> None:
+        """Stop (or resume) taking new requests."""
+        self._draining = draining
+
+
+class EngineStream:
+    """One request's deltas: :meth:`start` waits for the first one (so request errors surface
+    before any response is sent), iteration yields it and the rest, :meth:`close` aborts the
+    request unless it finished."""
+
+    def __init__(self, client: EngineClient, req: EngineRequest, timeout_s: float | None) -> None:
+        self.client = client
+        self.request_id = req.request_id
+        self._it = aiter(client.generate(req))
+        self._first: RequestOutput | None = None
+        self._timeout = timeout_s
+        self._deadline: float | None = None
+        self.finished = False
+        self.timed_out = False
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._deadline = None if self._timeout is None else loop.time() + self._timeout
+        try:
+            self._first = await self._next()
+        except StopAsyncIteration:
+            why = "within the request timeout" if self.timed_out else "at all"
+            raise EngineUnavailableError(f"the engine gave no output {why}") from None
+
+    async def _next(self) -> RequestOutput:
+        if self._deadline is None:
+            out = await anext(self._it)
+        else:
+            left = self._deadline - asyncio.get_running_loop().time()
+            try:
+                out = await asyncio.wait_for(anext(self._it), max(left, 0.0))
+            except TimeoutError:
+                self.timed_out = True
+                raise StopAsyncIteration from None
+        self.finished = out.finished
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        while not self.finished:
+            try:
+                out = await self._next()
+            except StopAsyncIteration:
+                return
+            yield out
+
+    async def close(self) -> None:
+        """Close the engine iterator and abort the request if it has not finished (shielded:
+        this runs while a disconnected client's task is being cancelled)."""
+        with anyio.CancelScope(shield=True):
+            aclose = getattr(self._it, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if not self.finished:
+                await self.client.abort(self.request_id)

@@ -1,0 +1,254 @@
+"""``/v1/completions``: a plain text prompt or a list of token ids, no chat template.
+
+The body is validated with pydantic (strict types); text is detokenized incrementally, holding
+back an incomplete UTF-8 sequence and, while stop strings are set, the tail that could still
+become one (the engine stops on the string; the text is cut before it).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tokenizers import Tokenizer
+
+from app.api.client import EngineStream
+from app.api.errors import ApiError
+from app.engine.request import (
+    EngineRequest,
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
+
+StopList = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False
+
+
+class CompletionBody(BaseModel):
+    """The accepted fields (others are ignored, as OpenAI-compatible servers do)."""
+
+    model_config = ConfigDict(strict=True)
+
+    model: str
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: int = 0
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | StopList | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    seed: int | None = None
+    echo: bool = False
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+def parse_body(raw: Mapping[str, Any]) -> CompletionBody:
+    try:
+        body = CompletionBody.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or p == 0)
+        param = str(err["loc"][0]) if err["loc"] else None
+        raise ApiError(400, f"{loc}: {err['msg']}", param=param) from None
+    if body.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    return body
+
+
+@dataclass
+class Detokenizer:
+    """Incremental text of a growing token list (see module docstring)."""
+
+    tokenizer: Tokenizer
+    stop: tuple[str, ...] = ()
+    ids: list[int] = field(default_factory=list)
+    sent: int = 0  # characters already emitted
+
+    def push(self, ids: list[int], final: bool, stop_hit: str | None) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if stop_hit is not None and stop_hit in text:
+            text, final = text[: text.index(stop_hit)], True
+        if not final:
+            if text.endswith("\ufffd"):
+                text = text[:-1]
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+            text = text[: max(len(text) - hold, self.sent)]
+        new, self.sent = text[self.sent :], max(self.sent, len(text))
+        return new
+
+
+class CompletionsFrontend:
+    """Builds engine requests and OpenAI ``text_completion`` objects."""
+
+    def __init__(
+        self, tokenizer_path: str, served: list[str], context_limit: int, max_prompt: int
+    ) -> None:
+        self.tokenizer = Tokenizer.from_file(tokenizer_path)
+        self.served = served
+        self.context_limit = context_limit
+        self.max_prompt = max_prompt
+        self.bos = self.tokenizer.token_to_id("<｜begin▁of▁sentence｜>")
+
+    def prepare(self, body: CompletionBody) -> EngineRequest:
+        if body.model not in self.served:
+            raise ApiError(
+                404,
+                f"model {body.model!r} does not exist; served models: {', '.join(self.served)}",
+                param="model",
+                code="model_not_found",
+            )
+        if isinstance(body.prompt, str):
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=False).ids
+            ids = ([self.bos] if self.bos is not None else []) + ids
+        else:
+            ids = body.prompt
+        n = len(ids)
+        if n > self.max_prompt:
+            raise ApiError(
+                413, f"prompt is {n} tokens; the limit is {self.max_prompt}", param="prompt"
+            )
+        room = self.context_limit - n
+        max_tokens = room if body.max_tokens is None else body.max_tokens
+        if max_tokens > room:
+            raise ApiError(
+                400,
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context limit "
+                f"{self.context_limit}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        try:
+            params = SamplingParams(
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                seed=body.seed,
+                max_tokens=max_tokens,
+                stop=stop,
+                logprobs=body.logprobs,
+                ignore_eos=body.ignore_eos,
+            )
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            return EngineRequest(rid, tuple(ids), params, arrival_time=time.time())
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from None
+
+    def _logprobs(self, out: RequestOutput, offset: int) -> dict[str, Any]:
+        lps = out.logprobs or []
+        tokens = [self.tokenizer.decode([lp.token_id], skip_special_tokens=False) for lp in lps]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        top = [
+            {self.tokenizer.decode([i], skip_special_tokens=False): v for i, v in lp.top}
+            for lp in lps
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    async def events(
+        self, body: CompletionBody, req: EngineRequest, stream: EngineStream
+    ) -> AsyncIterator[dict[str, Any]]:
+        """``text_completion`` chunks (the last has ``finish_reason``; usage when asked)."""
+        rid, created = req.request_id, int(time.time())
+        detok = Detokenizer(self.tokenizer, req.params.stop)
+        n_out, cached, finish, offset = 0, 0, None, 0
+        async for out in stream:
+            cached = max(cached, out.num_cached_tokens)
+            n_out += len(out.token_ids)
+            if out.finished:
+                if out.finish_reason is FinishReason.ERROR:
+                    raise ApiError(500, f"the engine failed: {out.error}", code="engine")
+                if out.finish_reason is FinishReason.ABORT:
+                    raise ApiError(503, "the engine aborted the request", code="aborted")
+                finish = out.finish_reason.value
+            stop_hit = out.stop_reason if isinstance(out.stop_reason, str) else None
+            text = detok.push(out.token_ids, out.finished, stop_hit)
+            if not (text or out.finished or (body.logprobs is not None and out.token_ids)):
+                continue
+            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
+            choice["logprobs"] = self._logprobs(out, offset) if body.logprobs is not None else None
+            offset += len(text)
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [choice],
+            }
+        if finish is None:  # timed out
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": detok.push([], True, None),
+                        "finish_reason": "length",
+                        "logprobs": None,
+                    }
+                ],
+            }
+        n_prompt = len(req.prompt_token_ids)
+        yield {
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out,
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "prompt_cache_hit_tokens": cached,
+                "prompt_cache_miss_tokens": n_prompt - cached,
+            }
+        }
+
+
+def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The non-streaming ``text_completion`` object from the streamed chunks."""
+    head = next(c for c in chunks if "choices" in c)
+    choice: dict[str, Any] = {"index": 0, "text": "", "finish_reason": None, "logprobs": None}
+    for c in chunks:
+        for ch in c.get("choices", []):
+            choice["text"] += ch["text"]
+            choice["finish_reason"] = ch["finish_reason"] or choice["finish_reason"]
+            if ch["logprobs"] is not None:
+                acc = choice["logprobs"] or {k: [] for k in ch["logprobs"]}
+                for k, v in ch["logprobs"].items():
+                    acc[k] += v
+                choice["logprobs"] = acc
+    usage = next((c["usage"] for c in chunks if "usage" in c), None)
+    return {
+        **{k: head[k] for k in ("id", "object", "created", "model")},
+        "choices": [choice],
+        "usage": usage,
+    }

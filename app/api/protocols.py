@@ -1,0 +1,359 @@
+"""Chat Completions, Responses and Messages through deepseek-recipe.
+
+    body --Request(body).convert(options)--> ConversationRequest
+         --encoding.encode(conversation)-->  prompt token ids  --> EngineRequest
+    deltas --InferenceChunk.ready/tokens/finish--> StreamProcessor --> protocol events
+
+The ``ready`` chunk is pushed before the first token (the role / ``message_start`` event goes
+out at once). The prefix-cache hit count is only known with the first delta, so usage in the
+final events is corrected afterwards (:func:`patch_usage`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import deepseek_recipe as dr
+
+from app.api.client import EngineStream
+from app.api.errors import ApiError, from_recipe_error
+from app.engine.request import (
+    EngineRequest,
+    FinishReason,
+    OutputConstraint,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
+
+_VERSIONS = {"v41": dr.ModelVersion.DeepseekV41Flash, "v4": dr.ModelVersion.DeepseekV4Pro}
+# Sampling fields beyond what the recipe extracts, read from the raw body (per protocol).
+_EXTRAS = {
+    "chat": ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"),
+    "responses": (),
+    "messages": ("top_k",),
+}
+
+# Top-level field types checked before conversion, so a wrong type is reported by name (the
+# recipe's parse errors do not say which field): name -> (accepted types, description).
+_INT = ((int,), "an integer")
+_NUM = ((int, float), "a number")
+_BOOL = ((bool,), "a boolean")
+_STR = ((str,), "a string")
+_LIST = ((list,), "an array")
+_COMMON = {"model": _STR, "stream": _BOOL, "temperature": _NUM, "top_p": _NUM}
+_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
+    "chat": {
+        **_COMMON,
+        "messages": _LIST,
+        "max_tokens": _INT,
+        "max_completion_tokens": _INT,
+        "n": _INT,
+        "logprobs": _BOOL,
+        "top_logprobs": _INT,
+        "seed": _INT,
+        "top_k": _INT,
+        "min_p": _NUM,
+        "repetition_penalty": _NUM,
+        "presence_penalty": _NUM,
+        "frequency_penalty": _NUM,
+    },
+    "responses": {**_COMMON, "max_output_tokens": _INT, "top_logprobs": _INT},
+    "messages": {**_COMMON, "messages": _LIST, "max_tokens": _INT, "top_k": _INT},
+}
+_AT_LEAST_ONE = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n")
+
+
+def check_fields(proto_name: str, raw: Mapping[str, Any]) -> None:
+    """400 naming the field for a wrong JSON type or a count below 1."""
+    for name, (types, what) in _FIELDS[proto_name].items():
+        v = raw.get(name)
+        if v is None:
+            continue
+        ok = isinstance(v, types) and (bool in types or not isinstance(v, bool))
+        if not ok:
+            got = type(v).__name__ if not isinstance(v, bool) else "boolean"
+            raise ApiError(400, f"{name} must be {what}, got {got}", param=name)
+        if name in _AT_LEAST_ONE and v < 1:
+            raise ApiError(400, f"{name} must be >= 1, got {v}", param=name)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One recipe protocol: its request and response classes and response-id prefix."""
+
+    name: str
+    request_cls: Any
+    response_cls: Any
+    id_prefix: str
+
+
+CHAT = Protocol("chat", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-")
+RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_")
+MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_")
+
+
+@dataclass
+class Prepared:
+    """A converted request: the engine request plus what turns its deltas into events."""
+
+    proto: Protocol
+    engine_request: EngineRequest
+    processor: dr.StreamProcessor
+    response_id: str
+    model: str
+    created: int
+    stream: bool
+    logprobs: bool
+    in_reasoning: bool  # the answer starts inside reasoning content (thinking mode)
+
+
+class RecipeFrontend:
+    """Converts protocol bodies to engine requests for one served model."""
+
+    def __init__(
+        self,
+        served_names: list[str],
+        model_version: str,
+        tokenizer_path: str,
+        context_limit: int,
+        max_prompt_tokens: int,
+        default_max_tokens: int | None,
+    ) -> None:
+        if model_version not in _VERSIONS:
+            raise ValueError(f"model_version must be one of {sorted(_VERSIONS)}")
+        version = _VERSIONS[model_version]
+        self.served = list(served_names)
+        self.options = dr.ConversionOptions().with_model_versions_by_name(
+            {name: version for name in served_names}
+        )
+        self.tokenizer = dr.Tokenizer.from_file(tokenizer_path)
+        enc = dr.DeepseekV41Encoding() if model_version == "v41" else dr.DeepseekV4Encoding()
+        self.encoding = enc.with_tokenizer(self.tokenizer)
+        self.context_limit = context_limit
+        self.max_prompt_tokens = max_prompt_tokens
+        self.default_max_tokens = default_max_tokens
+        eos = self.tokenizer.encode(dr.SpecialToken.Eos.default_str())
+        self.stop_ids = frozenset(eos if len(eos) == 1 else ())
+        end = self.tokenizer.encode(dr.SpecialToken.ThinkingEnd.default_str())
+        self.think_end_id = end[0] if len(end) == 1 else None
+
+    def usage_fix(self, prep: Prepared) -> UsageFix:
+        n = len(prep.engine_request.prompt_token_ids)
+        return UsageFix(n, self.think_end_id if prep.in_reasoning else None)
+
+    def prepare(self, proto: Protocol, body: bytes, raw: Mapping[str, Any]) -> Prepared:
+        """Validate and convert; raises :class:`ApiError` saying what was wrong."""
+        check_fields(proto.name, raw)
+        try:
+            request = proto.request_cls(body)
+            model = request.model
+        except (dr.ConversionError, ValueError, TypeError) as e:
+            raise from_recipe_error(e) from None
+        if model not in self.served:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; served models: {', '.join(self.served)}",
+                param="model",
+                code="model_not_found",
+            )
+        echo = request.echo() if proto is RESPONSES else None
+        try:
+            conv = request.convert(self.options)
+        except (dr.ConversionError, ValueError, TypeError) as e:
+            raise from_recipe_error(e) from None
+        conversation = conv.conversation
+        if any(m.image_sources for m in conversation.messages):
+            raise ApiError(400, "images are not supported by this server", param="messages")
+        try:
+            ids = self.encoding.encode(conversation)
+        except (RuntimeError, ValueError) as e:
+            raise ApiError(400, f"the conversation could not be encoded: {e}") from None
+        n = len(ids)
+        if n > self.max_prompt_tokens:
+            raise ApiError(
+                413,
+                f"prompt is {n} tokens; the limit is {self.max_prompt_tokens}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        io = conv.inference_options
+        try:
+            max_tokens = conv.resolve_max_tokens(n, self.context_limit)
+        except (dr.ConversionError, ValueError, TypeError) as e:
+            err = from_recipe_error(e)
+            code = "context_length_exceeded"
+            raise ApiError(400, err.message, param="max_tokens", code=code) from None
+        if io.max_tokens is None and self.default_max_tokens is not None:
+            max_tokens = min(max_tokens, self.default_max_tokens)
+        parsing = conv.parsing_options
+        stage = parsing.thinking_initial_stage
+        rid = f"{proto.id_prefix}{uuid.uuid4().hex}"
+        params = self._sampling(proto, conv, raw, max_tokens, list(parsing.stop_sequences))
+        try:
+            engine_request = EngineRequest(rid, tuple(ids), params, arrival_time=time.time())
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from None
+        gen = proto.request_cls.chunk_generator(conv, rid, model)
+        if echo is not None:
+            gen = gen.with_echo(echo)
+        return Prepared(
+            proto=proto,
+            engine_request=engine_request,
+            processor=dr.StreamProcessor(gen, parsing, self.tokenizer),
+            response_id=rid,
+            model=model,
+            created=int(time.time()),
+            stream=conv.stream,
+            logprobs=io.logprobs,
+            in_reasoning=stage is not None and stage.starts_in_reasoning(),
+        )
+
+    @staticmethod
+    def _sampling(
+        proto: Protocol,
+        conv: dr.ConversationRequest,
+        raw: Mapping[str, Any],
+        max_tokens: int,
+        stop: list[str],
+    ) -> SamplingParams:
+        io = conv.inference_options
+        constraint = None
+        if (oc := io.output_constraint) is not None:
+            think = conv.conversation.thinking_mode
+            constraint = OutputConstraint(oc.kind, oc.schema, think_first=think)
+        extras = {k: raw[k] for k in _EXTRAS[proto.name] if raw.get(k) is not None}
+        try:
+            return SamplingParams(
+                temperature=1.0 if io.temperature is None else io.temperature,
+                top_p=1.0 if io.top_p is None else io.top_p,
+                seed=io.seed,
+                max_tokens=max_tokens,
+                stop=tuple(stop),
+                logprobs=(io.top_logprobs or 0) if io.logprobs else None,
+                constraint=constraint,
+                **extras,
+            )
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from None
+
+
+def _finish_reason(out: RequestOutput) -> dr.InferenceFinishReason:
+    if out.finish_reason is FinishReason.LENGTH:
+        return dr.InferenceFinishReason.Length
+    if out.finish_reason is FinishReason.ERROR:
+        raise ApiError(500, f"the engine failed: {out.error or 'unknown error'}", code="engine")
+    if out.finish_reason is FinishReason.ABORT:
+        raise ApiError(503, "the engine aborted the request", code="aborted")
+    return dr.InferenceFinishReason.Stop
+
+
+def _tokens_chunk(
+    out: RequestOutput, stop_ids: frozenset[int], logprobs: bool
+) -> dr.InferenceChunk | None:
+    """The delta's tokens without EOS / stop tokens (the processor does not strip them)."""
+    keep = [i for i, t in enumerate(out.token_ids) if t not in stop_ids]
+    if not keep:
+        return None
+    ids = [out.token_ids[i] for i in keep]
+    if not logprobs or out.logprobs is None or len(out.logprobs) != len(out.token_ids):
+        return dr.InferenceChunk.tokens(ids)
+    lps = [(out.logprobs[i].logprob, list(out.logprobs[i].top)) for i in keep]
+    return dr.InferenceChunk.tokens(ids, lps)
+
+
+class UsageFix:
+    """Usage numbers from the engine rather than the recipe: the prompt-cache hit count (only
+    known with the deltas, after the ``ready`` event went out), the generated token count and
+    the reasoning token count (generated tokens before ``</think>``); the recipe re-counts
+    decoded text, which drops leading newlines and over-counts broken UTF-8."""
+
+    def __init__(self, prompt_tokens: int, think_end_id: int | None) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.cached = 0
+        self.generated = 0
+        self.reasoning: int | None = None if think_end_id is None else 0
+        self._think_end = think_end_id
+
+    def count(self, out: RequestOutput) -> None:
+        self.cached = max(self.cached, out.num_cached_tokens)
+        self.generated += len(out.token_ids)
+        if self._think_end is None:
+            return
+        if self._think_end in out.token_ids:
+            assert self.reasoning is not None
+            self.reasoning += out.token_ids.index(self._think_end)
+            self._think_end = None
+        else:
+            self.reasoning = (self.reasoning or 0) + len(out.token_ids)
+
+    def apply(self, text: str) -> str:
+        if '"usage"' not in text:
+            return text
+        obj = patch_usage(json.loads(text), self)
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def patch_usage(obj: Any, fix: UsageFix) -> Any:
+    """Set the token counts of every usage object in ``obj`` (in place): Chat
+    ``completion_tokens``, ``prompt_cache_hit/miss_tokens`` and the ``*_details``; Responses
+    ``output_tokens`` and the ``*_details``; Messages ``output_tokens`` and
+    ``cache_read_input_tokens`` (its ``input_tokens`` counts the uncached prompt tokens)."""
+    prompt_tokens, cached, reasoning = fix.prompt_tokens, fix.cached, fix.reasoning
+    if isinstance(obj, list):
+        for v in obj:
+            patch_usage(v, fix)
+    elif isinstance(obj, dict):
+        for key in ("completion_tokens", "output_tokens"):
+            if key in obj:
+                obj[key] = fix.generated
+        if "total_tokens" in obj:
+            obj["total_tokens"] = prompt_tokens + fix.generated
+        if "prompt_cache_hit_tokens" in obj:
+            obj["prompt_cache_hit_tokens"] = cached
+            obj["prompt_cache_miss_tokens"] = prompt_tokens - cached
+        for key in ("prompt_tokens_details", "input_tokens_details"):
+            if isinstance(obj.get(key), dict):
+                obj[key]["cached_tokens"] = cached
+        for key in ("completion_tokens_details", "output_tokens_details"):
+            if reasoning is not None and isinstance(obj.get(key), dict):
+                obj[key]["reasoning_tokens"] = reasoning
+        if "cache_read_input_tokens" in obj:
+            obj["cache_read_input_tokens"] = cached
+            obj["input_tokens"] = prompt_tokens - cached
+        for v in obj.values():
+            if isinstance(v, dict | list):
+                patch_usage(v, fix)
+    return obj
+
+
+async def run_events(
+    prep: Prepared, stream: EngineStream, stop_ids: frozenset[int], usage: UsageFix
+) -> AsyncIterator[Any]:
+    """Protocol events of one request; raises :class:`ApiError` if the engine fails."""
+    proc = prep.processor
+    ready = dr.PromptUsage(prompt_tokens=usage.prompt_tokens, prompt_cache_hit_tokens=0)
+    for ev in proc.push(dr.InferenceChunk.ready(prompt_usage=ready)):
+        yield ev
+    finish = dr.InferenceFinishReason.Stop
+    async for out in stream:
+        usage.count(out)
+        chunk = _tokens_chunk(out, stop_ids, prep.logprobs)
+        if chunk is not None:
+            for ev in proc.push(chunk):
+                yield ev
+        if proc.finished:  # a stop sequence ended the answer: stop the engine too
+            return
+        if out.finished:
+            finish = _finish_reason(out)
+    if stream.timed_out:
+        finish = dr.InferenceFinishReason.Length
+    for ev in proc.push(dr.InferenceChunk.finish(finish)):
+        yield ev
+    for ev in proc.finish():
+        yield ev

@@ -1,0 +1,335 @@
+"""The HTTP app: OpenAI Chat Completions / Responses / Completions, Anthropic Messages,
+models, health and metrics, over any :class:`~app.api.client.EngineClient`.
+
+    app = build_api(ApiConfig(["tiny-v41"], tokenizer_path=..., context_limit=4096), client)
+    uvicorn.run(app)          # or mount it under a Ray Serve ingress
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from app.api import completions as cmpl
+from app.api.client import (
+    EngineClient,
+    EngineOverloadedError,
+    EngineStream,
+    EngineUnavailableError,
+)
+from app.api.errors import (
+    ApiError,
+    api_error_handler,
+    http_error_handler,
+    internal_error_handler,
+    shape_for,
+    sse_error_event,
+)
+from app.api.protocols import (
+    CHAT,
+    MESSAGES,
+    RESPONSES,
+    Protocol,
+    RecipeFrontend,
+    run_events,
+)
+from app.api.sse import SSEResponse, sse_event
+from app.engine.request import EngineRequest, RequestError
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ApiConfig:
+    """HTTP layer options. ``context_limit`` is the engine's ``max_model_len``;
+    ``max_prompt_tokens`` None = ``context_limit - 1``; ``api_keys`` empty = no auth;
+    ``default_max_tokens`` caps an unspecified ``max_tokens`` (None = the recipe's default,
+    lowered to the context left); ``request_timeout_s`` None = no limit (on expiry the request
+    is aborted and the answer ends with finish reason ``length``)."""
+
+    served_model_names: list[str]
+    tokenizer_path: str
+    context_limit: int
+    model_version: Literal["v41", "v4"] = "v41"
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int | None = None
+    api_keys: list[str] = field(default_factory=list)
+    default_max_tokens: int | None = None
+    request_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError("served_model_names must name at least one model")
+        if self.context_limit < 2:
+            raise ValueError(f"context_limit must be >= 2, got {self.context_limit}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.max_prompt_tokens is None:
+            self.max_prompt_tokens = self.context_limit - 1
+        if not 1 <= self.max_prompt_tokens < self.context_limit:
+            raise ValueError("max_prompt_tokens must be in [1, context_limit)")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be positive")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it exceeds ``limit`` (before any parsing)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, "the client disconnected while sending the body") from None
+    return b"".join(chunks)
+
+
+def _parse_json(body: bytes) -> dict[str, Any]:
+    """A JSON object with valid unicode (no lone surrogates), or a 400 saying why not."""
+    if not body.strip():
+        raise ApiError(400, "request body is empty; expected a JSON object")
+    try:
+        obj = json.loads(body)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not valid UTF-8: {e.reason} at {e.start}") from None
+    except json.JSONDecodeError as e:
+        where = f"line {e.lineno} column {e.colno}"
+        raise ApiError(400, f"malformed JSON: {e.msg} at {where}") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ApiError(400, "request body holds invalid unicode (a lone surrogate)") from None
+    return obj
+
+
+class _Api:
+    """Route handlers bound to one config and engine client."""
+
+    def __init__(self, cfg: ApiConfig, client: EngineClient) -> None:
+        self.cfg = cfg
+        self.client = client
+        assert cfg.max_prompt_tokens is not None
+        self.recipe = RecipeFrontend(
+            cfg.served_model_names,
+            cfg.model_version,
+            cfg.tokenizer_path,
+            cfg.context_limit,
+            cfg.max_prompt_tokens,
+            cfg.default_max_tokens,
+        )
+        self.completions = cmpl.CompletionsFrontend(
+            cfg.tokenizer_path, cfg.served_model_names, cfg.context_limit, cfg.max_prompt_tokens
+        )
+        self.created = int(time.time())
+
+    def check_auth(self, request: Request) -> None:
+        if not self.cfg.api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        key = key or request.headers.get("x-api-key")
+        if not key:
+            raise ApiError(
+                401, "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+            )
+        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.cfg.api_keys):
+            raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+    async def _body(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+        self.check_auth(request)
+        body = await _read_body(request, self.cfg.max_body_bytes)
+        return body, _parse_json(body)
+
+    async def _start(self, req: EngineRequest) -> EngineStream:
+        """Submit and wait for the first delta (or ack): request errors become 4xx here."""
+        stream = EngineStream(self.client, req, self.cfg.request_timeout_s)
+        try:
+            await stream.start()
+        except BaseException as e:
+            await stream.close()
+            if isinstance(e, RequestError):
+                raise ApiError(400, str(e), param=e.field) from None
+            if isinstance(e, EngineOverloadedError):
+                msg = f"the server is overloaded ({e}); retry later"
+                raise ApiError(429, msg, headers={"Retry-After": "1"}) from None
+            if isinstance(e, EngineUnavailableError):
+                raise ApiError(503, f"the engine is not available: {e}") from None
+            raise
+        return stream
+
+    async def recipe_route(self, proto: Protocol, request: Request) -> Response:
+        body, raw = await self._body(request)
+        prep = self.recipe.prepare(proto, body, raw)
+        req = prep.engine_request
+        stream = await self._start(req)
+        usage = self.recipe.usage_fix(prep)
+        events = run_events(prep, stream, self.recipe.stop_ids, usage)
+        resp_cls = proto.response_cls
+        headers = {"x-request-id": req.request_id}
+        if prep.stream:
+            shape = shape_for(request.url.path)
+
+            async def sse() -> AsyncIterator[bytes]:
+                try:
+                    async for ev in events:
+                        yield sse_event(usage.apply(ev.to_json()), resp_cls.sse_event_name(ev))
+                    if (done := resp_cls.sse_done_data()) is not None:
+                        yield sse_event(done)
+                except ApiError as e:
+                    yield sse_error_event(e, shape)
+                except Exception:
+                    logger.exception("stream %s failed", req.request_id)
+                    yield sse_error_event(ApiError(500, "internal error in the stream"), shape)
+                finally:
+                    await events.aclose()
+                    await stream.close()
+
+            return SSEResponse(sse(), headers=headers)
+        acc = resp_cls(prep.response_id, prep.model, prep.created, usage.prompt_tokens, 0)
+        try:
+            async for ev in events:
+                acc.accumulate(ev)
+        finally:
+            await stream.close()
+        text = usage.apply(acc.to_json())
+        return Response(text, media_type="application/json", headers=headers)
+
+    async def completions_route(self, request: Request) -> Response:
+        _, raw = await self._body(request)
+        body = cmpl.parse_body(raw)
+        req = self.completions.prepare(body)
+        stream = await self._start(req)
+        events = self.completions.events(body, req, stream)
+        headers = {"x-request-id": req.request_id}
+        if body.stream:
+            with_usage = body.stream_options is not None and body.stream_options.include_usage
+
+            async def sse() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in events:
+                        if "usage" in chunk:
+                            if not with_usage:
+                                continue
+                            chunk = {**_head(req, body), "choices": [], **chunk}
+                        yield sse_event(json.dumps(chunk, ensure_ascii=False))
+                    yield sse_event("[DONE]")
+                except ApiError as e:
+                    yield sse_error_event(e, "openai")
+                finally:
+                    await events.aclose()
+                    await stream.close()
+
+            return SSEResponse(sse(), headers=headers)
+        try:
+            chunks = [c async for c in events]
+        finally:
+            await stream.close()
+        return JSONResponse(cmpl.accumulate(chunks), headers=headers)
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "fathom",
+            "max_model_len": self.cfg.context_limit,
+        }
+
+
+def _head(req: EngineRequest, body: cmpl.CompletionBody) -> dict[str, Any]:
+    return {
+        "id": req.request_id,
+        "object": "text_completion",
+        "created": int(req.arrival_time),
+        "model": body.model,
+    }
+
+
+def _metrics_text(stats: Mapping[str, Any]) -> str:
+    lines = [
+        f"fathom_{k} {float(v)}"
+        for k, v in stats.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def build_api(cfg: ApiConfig, client: EngineClient, metrics_app: ASGIApp | None = None) -> FastAPI:
+    """The FastAPI app. ``metrics_app`` (e.g. a Prometheus ASGI app) is mounted at
+    ``/metrics``; without one, ``/metrics`` lists the client's numeric stats as gauges."""
+    api = _Api(cfg, client)
+    app = FastAPI(title="Fathom", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.api = api
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await api.recipe_route(CHAT, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await api.recipe_route(RESPONSES, request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await api.recipe_route(MESSAGES, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await api.completions_route(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        api.check_auth(request)
+        return {"object": "list", "data": [api.model_card(n) for n in cfg.served_model_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> dict[str, Any]:
+        api.check_auth(request)
+        if name not in cfg.served_model_names:
+            raise ApiError(404, f"model {name!r} does not exist", param="model")
+        return api.model_card(name)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            ok = await client.ready()
+        except Exception as e:  # an unreachable engine is just not ready
+            logger.warning("readiness check failed: %r", e)
+            ok = False
+        status = 200 if ok else 503
+        return JSONResponse({"status": "ok" if ok else "not ready"}, status_code=status)
+
+    if metrics_app is not None:
+        app.mount("/metrics", metrics_app)
+    else:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return PlainTextResponse(_metrics_text(await client.stats()))
+
+    return app

@@ -1,0 +1,383 @@
+"""HTTP API over a real tiny V4.1 engine: the official openai / anthropic SDKs against a real
+uvicorn server (streaming, structured output, tools, responses, completions, logprobs), client
+disconnect aborts, auth, overload and readiness hooks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from app.api import (
+    ApiConfig,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    LocalEngineClient,
+    build_api,
+)
+from app.config import EngineConfig
+from app.engine.engine import AsyncEngine
+
+MODEL = "tiny-v41"
+NO_THINK = {"thinking": {"type": "disabled"}}
+HI = [{"role": "user", "content": "hi"}]
+
+
+class SpyClient(LocalEngineClient):
+    """Records aborts so tests can see a disconnect reach the engine."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine)
+        self.aborted: list[str] = []
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        await super().abort(request_id)
+
+
+class Server:
+    """A uvicorn server on a free 127.0.0.1 port in a background thread."""
+
+    def __init__(self, app) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt) -> Iterator[AsyncEngine]:
+    eng = AsyncEngine(EngineConfig.from_options(tiny_ckpt("v41"), kv_cache_bytes=1 << 24))
+    yield eng
+    eng.shutdown()
+
+
+def api_config(tiny_ckpt, engine: AsyncEngine, **kw: object) -> ApiConfig:
+    return ApiConfig(
+        served_model_names=[MODEL],
+        tokenizer_path=f"{tiny_ckpt('v41')}/tokenizer.json",
+        context_limit=engine.core.max_model_len,
+        max_prompt_tokens=2000,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, engine) -> Iterator[tuple[Server, SpyClient]]:
+    client = SpyClient(engine)
+    with Server(build_api(api_config(tiny_ckpt, engine), client)) as srv:
+        yield srv, client
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[0].url}/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_non_stream(oai):
+    r = oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=6)
+    assert r.model == MODEL and r.id.startswith("chatcmpl-")
+    msg = r.choices[0].message
+    assert msg.role == "assistant"
+    assert msg.model_extra.get("reasoning_content")  # thinking mode is on by default
+    assert r.choices[0].finish_reason == "length"
+    u = r.usage
+    assert u.completion_tokens == 6 and u.prompt_tokens > 0
+    assert u.completion_tokens_details.reasoning_tokens == 6
+    assert "prompt_cache_hit_tokens" in u.model_extra
+
+
+def test_chat_stream_role_first_and_usage(oai):
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=5, stream=True, extra_body=NO_THINK
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 5
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(text, str)
+
+
+def test_prompt_cache_hits_in_usage(oai):
+    msgs = [{"role": "user", "content": "a longer prompt that repeats " * 12}]
+    oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    hit = r.usage.model_extra["prompt_cache_hit_tokens"]
+    assert 0 < hit <= r.usage.prompt_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == hit
+
+
+def test_json_schema_output_validates(oai):
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        extra_body=NO_THINK,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"n", "ok"}
+    assert obj["n"] in (1, 2, 3) and isinstance(obj["ok"], bool)
+
+
+def test_regex_output_matches(oai):
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=20,
+        response_format={"type": "regex", "regex": "(yes|no)"},
+        extra_body=NO_THINK,
+    )
+    assert r.choices[0].message.content in ("yes", "no")
+
+
+def test_required_tool_call_is_parsed(oai):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "weather?"}],
+        tools=tools,
+        tool_choice="required",
+        max_tokens=200,
+        seed=1,  # random weights may repeat calls until max_tokens; this seed closes the block
+        extra_body=NO_THINK,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather" and call.id
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_chat_logprobs(oai):
+    r = oai.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=4, logprobs=True, top_logprobs=3, extra_body=NO_THINK
+    )
+    lps = r.choices[0].logprobs.content
+    assert lps and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in lps)
+
+
+def test_responses_non_stream_and_stream(oai):
+    r = oai.responses.create(model=MODEL, input="hello", max_output_tokens=6)
+    assert r.id.startswith("resp_") and r.usage.output_tokens == 6
+    assert r.status == "incomplete"
+    events = list(
+        oai.responses.create(model=MODEL, input="hello", max_output_tokens=4, stream=True)
+    )
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+
+
+def test_completions_text_ids_logprobs_and_stream(oai):
+    r = oai.completions.create(model=MODEL, prompt="hello there", max_tokens=5, logprobs=2)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 and all(len(t) <= 2 for t in lp.top_logprobs)
+    r2 = oai.completions.create(model=MODEL, prompt=[0, 40, 41, 42], max_tokens=3)
+    assert r2.usage.prompt_tokens == 4 and r2.usage.completion_tokens == 3
+    chunks = list(
+        oai.completions.create(
+            model=MODEL,
+            prompt="hi",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 4
+    assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+
+
+def test_completions_stop_string_cuts_text(oai):
+    ids = [0, 50, 60, 70]
+    full = oai.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    stop = next((text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].strip()), None)
+    if stop is None:
+        pytest.skip("greedy output too short for a stop string")
+    cut = oai.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_models_lists_alias(oai):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    assert oai.models.retrieve(MODEL).id == MODEL
+
+
+def test_anthropic_messages(server):
+    ac = anthropic.Anthropic(base_url=server[0].url, api_key="unused", max_retries=0)
+    m = ac.messages.create(model=MODEL, max_tokens=6, messages=HI)
+    assert m.role == "assistant" and m.stop_reason == "max_tokens"
+    assert m.content[0].type == "thinking" and m.usage.output_tokens == 6
+    with ac.messages.stream(
+        model=MODEL, max_tokens=5, messages=HI, thinking={"type": "disabled"}
+    ) as s:
+        types = [ev.type for ev in s]
+        final = s.get_final_message()
+    assert types[0] == "message_start" and "message_stop" in types
+    assert final.usage.output_tokens == 5
+
+
+def test_disconnect_aborts_and_frees_kv(server, engine):
+    srv, client = server
+    body = {"model": MODEL, "messages": HI, "max_tokens": 5000, "stream": True, **NO_THINK}
+    with (
+        httpx.Client(base_url=srv.url, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert '"role":"assistant"' in first
+        next(line for line in lines if line)  # a token chunk: the request is running
+    pool = engine.core.cache.pool
+    deadline = time.time() + 20
+    while engine.num_unfinished or pool.num_available != pool.num_blocks:
+        assert time.time() < deadline, "the disconnected request was not aborted"
+        time.sleep(0.05)
+    assert rid in client.aborted
+    engine.core.cache.check_integrity()
+
+
+def _asgi(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+
+def test_api_keys(tiny_ckpt, engine):
+    app = build_api(api_config(tiny_ckpt, engine, api_keys=["k1"]), LocalEngineClient(engine))
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+
+    async def main() -> list[httpx.Response]:
+        async with _asgi(app) as c:
+            return [
+                await c.post("/v1/completions", json=body),
+                await c.post("/v1/completions", json=body, headers={"Authorization": "Bearer x"}),
+                await c.post("/v1/messages", json=body, headers={"x-api-key": "bad"}),
+                await c.post("/v1/completions", json=body, headers={"Authorization": "Bearer k1"}),
+                await c.get("/health"),
+            ]
+
+    missing, wrong, wrong_anthropic, ok, health = asyncio.run(main())
+    assert missing.status_code == 401 and "missing API key" in missing.json()["error"]["message"]
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert wrong_anthropic.json()["error"]["type"] == "authentication_error"
+    assert ok.status_code == 200 and health.status_code == 200
+
+
+class _StubClient:
+    """An EngineClient whose generate fails the way a full or stopped engine does."""
+
+    def __init__(self, exc: Exception, ready: bool) -> None:
+        self.exc, self._ready = exc, ready
+
+    async def generate(self, req):
+        raise self.exc
+        yield  # an async generator
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def stats(self) -> dict:
+        return {"num_waiting": 7}
+
+    async def ready(self) -> bool:
+        return self._ready
+
+
+def test_overloaded_and_not_ready(tiny_ckpt, engine):
+    full = build_api(
+        api_config(tiny_ckpt, engine), _StubClient(EngineOverloadedError("queue full"), True)
+    )
+    down = build_api(
+        api_config(tiny_ckpt, engine), _StubClient(EngineUnavailableError("starting"), False)
+    )
+    body = {"model": MODEL, "messages": HI, "max_tokens": 2}
+
+    async def main():
+        async with _asgi(full) as c1, _asgi(down) as c2:
+            return (
+                await c1.post("/v1/chat/completions", json=body),
+                await c1.post("/v1/messages", json=body),
+                await c2.post("/v1/chat/completions", json=body),
+                await c2.get("/health"),
+                await c1.get("/metrics"),
+            )
+
+    r429, r429a, r503, health, metrics = asyncio.run(main())
+    assert r429.status_code == 429 and r429.headers["retry-after"] == "1"
+    assert "overloaded" in r429.json()["error"]["message"]
+    assert r429a.json()["error"]["type"] == "rate_limit_error"
+    assert r503.status_code == 503 and "not available" in r503.json()["error"]["message"]
+    assert health.status_code == 503
+    assert "fathom_num_waiting 7.0" in metrics.text
+
+
+def test_local_client_drain_and_max_pending(tiny_ckpt, engine):
+    client = LocalEngineClient(engine, max_pending=0)
+    app = build_api(api_config(tiny_ckpt, engine), client)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+
+    async def main():
+        async with _asgi(app) as c:
+            busy = await c.post("/v1/completions", json=body)
+            client.max_pending = None
+            client.drain()
+            drained = (await c.post("/v1/completions", json=body), await c.get("/health"))
+            client.drain(False)
+            return busy, drained, await c.post("/v1/completions", json=body)
+
+    busy, (drained, health), ok = asyncio.run(main())
+    assert busy.status_code == 429
+    assert drained.status_code == 503 and health.status_code == 503
+    assert ok.status_code == 200

@@ -1,0 +1,174 @@
+"""A table of bad requests against a real uvicorn server: each gets a 4xx in its protocol's
+error shape with a message naming what was wrong, and the server stays healthy."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.unit.test_api import HI, MODEL, NO_THINK, engine, server  # noqa: F401 (fixtures)
+
+CHAT, MSGS, CMPL, RESP = "/v1/chat/completions", "/v1/messages", "/v1/completions", "/v1/responses"
+SCHEMA_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": HI, "max_tokens": 4, **kw}
+
+
+def msgs(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": HI, "max_tokens": 4, **kw}
+
+
+def cmpl(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 4, **kw}
+
+
+LONG = "hello world " * 2000  # > max_prompt_tokens (2000)
+
+# (id, path, body: dict | bytes, status, words the message must contain)
+CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
+    ("malformed-json", CHAT, b'{"model": "tiny-v41", "messages": [', 400, "malformed JSON"),
+    ("not-an-object", CHAT, b"[1, 2, 3]", 400, "JSON object"),
+    ("empty-body", CHAT, b"", 400, "empty"),
+    ("bad-utf8", CHAT, b'{"model": "tiny-v41", "x": "\xff\xfe"}', 400, "UTF-8"),
+    (
+        "lone-surrogate",
+        CHAT,
+        b'{"model": "tiny-v41", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        "surrogate",
+    ),
+    ("unknown-model", CHAT, chat(model="gpt-9"), 404, "gpt-9"),
+    ("model-wrong-type", CHAT, chat(model=7), 400, "model must be a string"),
+    ("max-tokens-string", CHAT, chat(max_tokens="5"), 400, "max_tokens must be an integer"),
+    ("max-tokens-negative", CHAT, chat(max_tokens=-1), 400, "max_tokens must be >= 1"),
+    ("max-tokens-oversized", CHAT, chat(max_tokens=10**9), 400, "max_tokens"),
+    ("max-tokens-over-context", CHAT, chat(max_tokens=300000), 400, "maximum context length"),
+    ("temperature-5", CHAT, chat(temperature=5, **NO_THINK), 400, "temperature"),
+    ("top-p-0", CHAT, chat(top_p=0), 400, "top_p"),
+    ("stream-not-bool", CHAT, chat(stream="yes"), 400, "stream must be a boolean"),
+    ("n-2", CHAT, chat(n=2), 400, "n = 1"),
+    ("top-logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("frequency-penalty", CHAT, chat(frequency_penalty=5.0), 400, "frequency_penalty"),
+    ("empty-messages", CHAT, chat(messages=[]), 400, "Empty input messages"),
+    ("missing-messages", CHAT, {"model": MODEL}, 400, "messages"),
+    ("messages-not-list", CHAT, chat(messages="hi"), 400, "messages must be an array"),
+    ("bad-role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "wizard"),
+    (
+        "invalid-json-schema",
+        CHAT,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+            }
+        ),
+        400,
+        "json schema",
+    ),
+    (
+        "invalid-regex",
+        CHAT,
+        chat(response_format={"type": "regex", "regex": "[a-"}),
+        400,
+        "regex",
+    ),
+    (
+        "json-object-without-json-word",
+        CHAT,
+        chat(response_format={"type": "json_object"}),
+        400,
+        "json",
+    ),
+    (
+        "tool-choice-missing-tool",
+        CHAT,
+        chat(
+            tools=[SCHEMA_TOOL],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+            **NO_THINK,
+        ),
+        400,
+        "nope",
+    ),
+    (
+        "tool-choice-required-thinking",
+        CHAT,
+        chat(tools=[SCHEMA_TOOL], tool_choice="required"),
+        400,
+        "tool_choice",
+    ),
+    ("prompt-too-long", CHAT, chat(messages=[{"role": "user", "content": LONG}]), 413, "prompt"),
+    ("body-too-large", CHAT, b"{" + b" " * (5 << 20) + b"}", 413, "limit"),
+    ("msg-unknown-model", MSGS, msgs(model="claude-9"), 404, "claude-9"),
+    ("msg-bad-role", MSGS, msgs(messages=[{"role": "robot", "content": "x"}]), 400, "robot"),
+    ("msg-temperature", MSGS, msgs(temperature=-1), 400, "temperature"),
+    ("msg-max-tokens-type", MSGS, msgs(max_tokens=[1]), 400, "max_tokens must be an integer"),
+    (
+        "resp-max-output-tokens",
+        RESP,
+        {"model": MODEL, "input": "hi", "max_output_tokens": 0},
+        400,
+        "max_output_tokens",
+    ),  # fmt: skip
+    ("cmpl-prompt-type", CMPL, cmpl(prompt=5), 400, "prompt"),
+    ("cmpl-empty-prompt", CMPL, cmpl(prompt=""), 400, "prompt"),
+    ("cmpl-token-out-of-vocab", CMPL, cmpl(prompt=[0, 10**6]), 400, "vocab"),
+    ("cmpl-logprobs-21", CMPL, cmpl(logprobs=21), 400, "logprobs"),
+    ("cmpl-max-tokens-over-context", CMPL, cmpl(max_tokens=10**6), 400, "max_tokens"),
+    ("cmpl-unknown-model", CMPL, cmpl(model="nope"), 404, "nope"),
+    ("cmpl-prompt-too-long", CMPL, cmpl(prompt=LONG), 413, "prompt"),
+    ("cmpl-stream-streaming-error", CMPL, cmpl(stream=1), 400, "stream"),
+    ("unknown-route", "/v1/nothing", {}, 404, "no route"),
+]
+
+
+@pytest.fixture(scope="module")
+def http(server):  # noqa: F811 (the imported fixture)
+    with httpx.Client(base_url=server[0].url, timeout=60) as c:
+        yield c
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])  # fmt: skip
+def test_bad_request(http, path, body, status, words):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()
+    if path == MSGS:
+        assert err["type"] == "error" and set(err["error"]) == {"type", "message"}
+    else:
+        assert set(err["error"]) == {"message", "type", "param", "code"}
+    message = err["error"]["message"]
+    assert words.lower() in message.lower(), message
+    assert http.get("/health").status_code == 200
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 25
+
+
+def test_streaming_request_errors_before_the_stream(http):
+    body = chat(stream=True, response_format={"type": "regex", "regex": "(unclosed"}, **NO_THINK)
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 400 and "regex" in r.json()["error"]["message"]
+    r = http.post(MSGS, json=msgs(stream=True, model="x"))
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_wrong_method_and_server_still_serves(http):
+    r = http.get(CHAT)
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+    ok = http.post(CHAT, json=chat(**NO_THINK))
+    assert ok.status_code == 200 and json.loads(ok.text)["choices"][0]["finish_reason"]
+    assert http.get("/health").status_code == 200
