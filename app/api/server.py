@@ -276,6 +276,17 @@ def _metrics_text(stats: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _Asgi:
+    """Wraps an ASGI callable so Starlette routes to it as an app (a plain function would be
+    taken for a request handler)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
+
+
 def build_api(cfg: ApiConfig, client: EngineClient, metrics_app: ASGIApp | None = None) -> FastAPI:
     """The FastAPI app. ``metrics_app`` (e.g. a Prometheus ASGI app) is mounted at
     ``/metrics``; without one, ``/metrics`` lists the client's numeric stats as gauges."""
@@ -325,7 +336,8 @@ def build_api(cfg: ApiConfig, client: EngineClient, metrics_app: ASGIApp | None 
         return JSONResponse({"status": "ok" if ok else "not ready"}, status_code=status)
 
     if metrics_app is not None:
-        app.mount("/metrics", metrics_app)
+        # a route, not a mount: "/metrics" answers directly (a mount redirects to "/metrics/")
+        app.add_route("/metrics", _Asgi(metrics_app), include_in_schema=False)
     else:
 
         @app.get("/metrics")

@@ -20,6 +20,10 @@ class RequestError(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
+
+    def __reduce__(self):  # picklable across the Ray boundary (two-argument constructor)
+        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True)

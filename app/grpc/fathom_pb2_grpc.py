@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from app.grpc import fathom_pb2 as fathom__pb2
+from app.grpc import fathom_pb2 as app_dot_grpc_dot_fathom__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in fathom_pb2_grpc.py depends on'
+        + ' but the generated code in app/grpc/fathom_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class GenerateServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/fathom.GenerateService/Generate',
-                request_serializer=fathom__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=fathom__pb2.GenerateResponse.FromString,
+                request_serializer=app_dot_grpc_dot_fathom__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=app_dot_grpc_dot_fathom__pb2.GenerateResponse.FromString,
                 _registered_method=True)
 
 
@@ -56,8 +56,8 @@ def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=fathom__pb2.GenerateRequest.FromString,
-                    response_serializer=fathom__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=app_dot_grpc_dot_fathom__pb2.GenerateRequest.FromString,
+                    response_serializer=app_dot_grpc_dot_fathom__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -85,8 +85,8 @@ class GenerateService:
             request,
             target,
             '/fathom.GenerateService/Generate',
-            fathom__pb2.GenerateRequest.SerializeToString,
-            fathom__pb2.GenerateResponse.FromString,
+            app_dot_grpc_dot_fathom__pb2.GenerateRequest.SerializeToString,
+            app_dot_grpc_dot_fathom__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

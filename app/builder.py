@@ -1,0 +1,60 @@
+"""``build_app(args)``: the Ray Serve application (``import_path: app.builder:build_app``).
+
+Ingress (HTTP + gRPC) --choose--> Router          (one replica: load, later prefix index)
+        \\-----stream (pinned)--> DPRank x dp_size (one engine each)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from app.api.server import ApiConfig
+from app.deployments.ingress import Ingress
+from app.deployments.rank import DPRank
+from app.deployments.router import PinnedRequestRouter, Router
+from app.model.config import ModelConfig
+from app.serve_args import ServeArgs
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Validate ``args`` (ServeArgs) and bind Router, DPRank and Ingress."""
+    sa = ServeArgs.model_validate(args or {})
+    path = sa.model_path()
+    mcfg = ModelConfig.from_file(path)
+    engine_cfg = sa.engine_config(path)
+    limit = engine_cfg.scheduler.max_model_len or mcfg.max_position_embeddings
+    api_cfg = ApiConfig(
+        served_model_names=sa.names(),
+        tokenizer_path=str(path / "tokenizer.json"),
+        context_limit=min(limit, mcfg.max_position_embeddings),
+        model_version=mcfg.arch,
+        max_body_bytes=sa.api.max_body_bytes,
+        max_prompt_tokens=sa.api.max_prompt_tokens,
+        api_keys=list(sa.api.api_keys),
+        default_max_tokens=sa.api.default_max_tokens,
+        request_timeout_s=sa.api.request_timeout_s,
+    )
+    router = Router.bind()
+    rank = serve.deployment(
+        DPRank,
+        name="DPRank",
+        num_replicas=sa.dp_size,
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": sa.rank_num_cpus, "num_gpus": sa.rank_num_gpus},
+        request_router_config=RequestRouterConfig(request_router_class=PinnedRequestRouter),
+        health_check_period_s=10,
+    ).bind(engine_cfg, router, sa.api.max_pending_per_rank)
+    obs = sa.observability
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        name="Ingress",
+        num_replicas=sa.ingress_replicas,
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": sa.ingress_num_cpus},
+    ).bind(
+        api_cfg, rank, router, mcfg.bos_token_id, (obs.tracing, obs.otlp_endpoint, obs.service_name)
+    )
+    return ingress

@@ -1,0 +1,138 @@
+"""The engine as the ingress sees it under Ray Serve: ask the Router for a rank, then stream
+from that rank directly (pinned), aborting there when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray.serve.handle import DeploymentHandle
+
+from app.api.client import EngineOverloadedError, EngineUnavailableError
+from app.engine.request import EngineRequest, RequestError, RequestOutput
+from app.observability import RequestMetrics, carrier, tracer
+
+logger = logging.getLogger(__name__)
+_PASS_THROUGH = (RequestError, EngineOverloadedError, EngineUnavailableError)
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The original exception of a Ray task error (RequestError etc. keep their meaning)."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, _PASS_THROUGH) else e
+
+
+class ServeEngineClient:
+    """:class:`app.api.client.EngineClient` over the Router and DPRank deployment handles."""
+
+    def __init__(self, rank: DeploymentHandle, router: DeploymentHandle) -> None:
+        self.rank = rank
+        self.router = router
+        self._where: dict[str, str | None] = {}
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        with tracer.start_as_current_span(
+            "ingress.dispatch",
+            attributes={"request_id": req.request_id, "prompt_tokens": len(req.prompt_token_ids)},
+        ):
+            with tracer.start_as_current_span("router.choose"):
+                target = await self.router.choose.remote(len(req.prompt_token_ids))
+            if target is None:
+                raise EngineUnavailableError("no engine rank is ready yet")
+            req = _with_trace(req)
+        self._where[req.request_id] = target
+        stream = self.rank.options(stream=True).generate.remote(req, target=target)
+        finished = False
+        try:
+            async for out in stream:
+                finished = out.finished
+                yield out
+        except Exception as e:
+            err = _unwrap(e)
+            if err is e:
+                raise
+            raise err from None
+        finally:
+            if not finished:
+                stream.cancel()
+                await self.abort(req.request_id)
+            self._where.pop(req.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        target = self._where.get(request_id)
+        if target is not None:
+            await self.rank.abort.remote(request_id, target=target)
+
+    async def stats(self) -> dict:
+        ranks = await self.router.ranks_stats.remote()
+        total: dict[str, float] = {"num_ranks": len(ranks)}
+        for s in ranks.values():
+            for k, v in s.items():
+                if isinstance(v, int | float) and k in (
+                    "num_running",
+                    "num_waiting",
+                    "num_unfinished",
+                    "prefix_hit_tokens",
+                ):
+                    total[k] = total.get(k, 0) + v
+        return total
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self.router.ranks_stats.remote(), 5.0))
+        except Exception:
+            return False
+
+
+class MeteredClient:
+    """Wraps an engine client: records TTFT, TPOT, latency and token counts of every request
+    (HTTP and gRPC alike) in :class:`app.observability.RequestMetrics`."""
+
+    def __init__(self, inner: ServeEngineClient, metrics: RequestMetrics, model: str) -> None:
+        self.inner, self.metrics, self.model = inner, metrics, model
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        t0, ttft, n_gen, last = time.perf_counter(), None, 0, None
+        try:
+            async for out in self.inner.generate(req):
+                if out.token_ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                n_gen += len(out.token_ids)
+                last = out
+                yield out
+        finally:
+            reason = "disconnect"
+            if last is not None and last.finished and last.finish_reason is not None:
+                reason = last.finish_reason.value
+            self._observe(
+                self.model,
+                ttft,
+                time.perf_counter() - t0,
+                len(req.prompt_token_ids),
+                n_gen,
+                last.num_cached_tokens if last else 0,
+                reason,
+            )
+
+    def _observe(self, *args) -> None:
+        try:  # metrics never fail a request
+            self.metrics.observe(*args)
+        except Exception:
+            logger.exception("recording request metrics failed")
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def stats(self) -> dict:
+        return await self.inner.stats()
+
+    async def ready(self) -> bool:
+        return await self.inner.ready()
+
+
+def _with_trace(req: EngineRequest) -> EngineRequest:
+    from dataclasses import replace
+
+    return replace(req, trace_context=carrier())

@@ -1,0 +1,81 @@
+"""DPRank: one replica = one data-parallel rank = one engine. Streams token deltas to the
+ingress and reports its load to the Router."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app.api.client import LocalEngineClient
+from app.config import EngineConfig
+from app.deployments.router import REPORT_S
+from app.engine.engine import AsyncEngine
+from app.engine.request import EngineRequest, RequestOutput
+from app.observability import span_from
+
+logger = logging.getLogger(__name__)
+
+
+class DPRank:
+    """Holds an :class:`AsyncEngine` (built from ``engine_cfg``) on this replica's devices."""
+
+    def __init__(
+        self, engine_cfg: EngineConfig, router: DeploymentHandle, max_pending: int | None = None
+    ) -> None:
+        self.engine = AsyncEngine(engine_cfg)
+        self.client = LocalEngineClient(self.engine, max_pending=max_pending)
+        self.router = router
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._stop = threading.Event()
+        self._reporter = threading.Thread(target=self._report_loop, daemon=True)
+        self._reporter.start()
+        logger.info(
+            "DP rank %s ready (max_model_len %d)", self.replica_id, self.engine.core.max_model_len
+        )
+
+    def _report_loop(self) -> None:
+        meta = {"max_model_len": self.engine.core.max_model_len}
+        while not self._stop.wait(REPORT_S):
+            try:
+                stats = {**self.engine.stats(), "num_unfinished": self.engine.num_unfinished}
+                self.router.report.remote(self.replica_id, stats, meta)
+            except Exception:  # the router may be restarting; report again next period
+                logger.debug("rank report failed", exc_info=True)
+
+    async def generate(
+        self, req: EngineRequest, target: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream ``req``'s deltas (an empty ack first, then tokens; the last is finished)."""
+        del target  # consumed by PinnedRequestRouter
+        with span_from(
+            req.trace_context,
+            "rank.generate",
+            rank=self.replica_id,
+            prompt_tokens=len(req.prompt_token_ids),
+        ) as span:
+            first = True
+            async for out in self.client.generate(req):
+                if first and out.token_ids:
+                    span.add_event("first_token")
+                    first = False
+                yield out
+            span.set_attribute("finish_reason", str(out.finish_reason))
+
+    async def abort(self, request_id: str, target: str | None = None) -> None:
+        del target
+        self.engine.abort(request_id)
+
+    async def stats(self, target: str | None = None) -> dict:
+        del target
+        return {**self.engine.stats(), "replica_id": self.replica_id}
+
+    def check_health(self) -> None:
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("the engine loop thread died")
+
+    def __del__(self) -> None:
+        self._stop.set()

@@ -1,0 +1,247 @@
+"""The real application on Ray Serve (CPU): Ingress + Router + 2 DP ranks of the tiny V4.1
+model, driven by the official openai / anthropic SDKs, a gRPC client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+
+import grpc
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+from ray.serve.config import gRPCOptions  # noqa: E402
+
+from app.builder import build_app  # noqa: E402
+from app.grpc import fathom_pb2 as pb  # noqa: E402
+from app.grpc import fathom_pb2_grpc as pbg  # noqa: E402
+from tests.unit.test_api_errors import CASES  # noqa: E402
+
+MODEL = "tiny-v41"
+NO_THINK = {"thinking": {"type": "disabled"}}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_urls(tmp_path_factory):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    http_port, grpc_port = _port(), _port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": http_port},
+        grpc_options=gRPCOptions(
+            port=grpc_port,
+            grpc_servicer_functions=[
+                "app.grpc.fathom_pb2_grpc.add_GenerateServiceServicer_to_server"
+            ],
+        ),
+    )
+    args = {
+        "model": MODEL,
+        "cache_dir": str(tmp_path_factory.mktemp("cache")),
+        "dp_size": 2,
+        "engine": {
+            "kv_cache_bytes": 1 << 24,
+            "max_model_len": 8192,
+            "max_num_seqs": 48,
+            "max_num_batched_tokens": 512,
+        },
+        "api": {"max_prompt_tokens": 2000, "request_timeout_s": 120},
+    }
+    serve.run(build_app(args), name="fathom", route_prefix="/")
+    base = f"http://127.0.0.1:{http_port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    yield base, f"127.0.0.1:{grpc_port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def oai(app_urls):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{app_urls[0]}/v1", api_key="unused", timeout=120)
+
+
+def test_chat_stream_and_non_stream(oai):
+    r = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, extra_body=NO_THINK
+    )
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 1
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert any(c.usage for c in chunks)
+
+
+def test_json_schema_output_validates(oai):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "blue"]}, "n": {"enum": [1, 2, 3]}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Pick."}],
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        extra_body=NO_THINK,
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_tool_call_required(oai):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather of a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=tools,
+        tool_choice="required",
+        max_tokens=96,
+        seed=1,
+        extra_body=NO_THINK,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Oslo")
+
+
+def test_responses_api(oai):
+    r = oai.responses.create(model=MODEL, input="Say something.", max_output_tokens=8)
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
+
+
+def test_anthropic_messages(app_urls):
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=app_urls[0], api_key="unused", timeout=120)
+    m = c.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert m.role == "assistant" and m.usage.output_tokens >= 1
+    with c.messages.stream(
+        model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "hello"}]
+    ) as s:
+        events = list(s)
+    assert events[0].type == "message_start"
+
+
+def test_grpc_streams_token_ids_and_text(app_urls):
+    with grpc.insecure_channel(app_urls[1]) as ch:
+        stub = pbg.GenerateServiceStub(ch)
+        req = pb.GenerateRequest(
+            model=MODEL,
+            text="Hello there",
+            sampling=pb.SamplingOptions(max_tokens=5, temperature=0),
+        )
+        outs = list(stub.Generate(req, metadata=(("application", "fathom"),), timeout=120))
+        ids = pb.GenerateRequest(
+            model=MODEL,
+            token_ids=pb.TokenIds(ids=[0, 5, 9]),
+            sampling=pb.SamplingOptions(max_tokens=3, ignore_eos=True),
+        )
+        outs2 = list(stub.Generate(ids, metadata=(("application", "fathom"),), timeout=120))
+    assert outs[-1].finished and outs[-1].completion_tokens == sum(len(o.token_ids) for o in outs)
+    assert outs2[-1].finish_reason == "length" and outs2[-1].completion_tokens == 3
+
+
+def test_32_concurrent_streams_complete(app_urls):
+    openai = pytest.importorskip("openai")
+
+    async def main() -> list[int]:
+        client = openai.AsyncOpenAI(base_url=f"{app_urls[0]}/v1", api_key="x", timeout=300)
+
+        async def one(i: int) -> int:
+            n = 0
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"hello {i}"}],
+                max_tokens=8,
+                stream=True,
+                extra_body={**NO_THINK, "ignore_eos": True},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    n += 1
+            return n
+
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    assert asyncio.run(main()) == [1] * 32
+
+
+def _unfinished(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    vals = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("fathom_rank_stat{") and 'stat="num_unfinished"' in line
+    ]
+    return sum(vals)
+
+
+def test_disconnected_stream_frees_its_kv(app_urls):
+    base = app_urls[0]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 4000,
+        "stream": True,
+        **NO_THINK,
+    }
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+    deadline = time.time() + 30
+    while time.time() < deadline and _unfinished(base) > 0:
+        time.sleep(0.5)
+    assert _unfinished(base) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_requests_through_ray(app_urls, path, body, status, words):
+    base = app_urls[0]
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{base}{path}", headers={"content-type": "application/json"}, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    assert words.lower() in r.text.lower()
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
