@@ -51,9 +51,10 @@ class _Flight:
     """A launched step: its inputs, the worker's future, and the event that lets it sample."""
 
     inputs: StepInputs
-    future: Future
     ready: threading.Event
+    future: Future | None = None
     finished_while_in_flight: list[Sequence] = field(default_factory=list)
+    masks: tuple[torch.Tensor, dict[str, int]] | None = None  # grammar rows, filled by host
 
     @property
     def items(self) -> list[Scheduled]:
@@ -247,13 +248,15 @@ class EngineCore:
         if inputs is not None:
             if inputs.pending:
                 self._fill_pending(inputs, prev, prev_res)
-            ready = threading.Event()
-            fut = self._executor.submit(self._run_and_sample, inputs, ready)
-            self._flight = _Flight(inputs, fut, ready)
+            flight = _Flight(inputs, threading.Event())
+            flight.future = self._executor.submit(self._run_and_sample, flight)
+            self._flight = flight
         t2 = time.perf_counter()
         outs = self._update(prev, prev_res) if prev is not None else []
         st.t_update += time.perf_counter() - t2
         if self._flight is not None:
+            # grammar masks need token N (just accepted): fill them while N+1's forward runs
+            self._flight.masks = self._fill_masks(self._flight.inputs)
             self._flight.ready.set()
             if not self.cfg.overlap_schedule:
                 flight, self._flight = self._flight, None
@@ -265,19 +268,22 @@ class EngineCore:
         self._stats(time.perf_counter() - t0)
         return outs
 
-    def _run_and_sample(self, inputs: StepInputs, ready: threading.Event) -> _StepResult:
-        """Worker: forward, then (once the previous step's tokens are applied) sample."""
+    def _run_and_sample(self, flight: _Flight) -> _StepResult:
+        """Worker: forward, then (once the previous step's tokens are applied and the grammar
+        masks filled) sample."""
+        inputs = flight.inputs
         t0 = time.perf_counter()
         logits, prompt_logits = self.runner.run(inputs)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.stats.t_forward += time.perf_counter() - t0
-        ready.wait()
+        flight.ready.wait()
         t1 = time.perf_counter()
         live = [i for i, it in enumerate(inputs.sample_items) if it.seq.finish_reason is None]
         res = None
         if live:
-            res = self._sample([inputs.sample_items[i] for i in live], logits[live])
+            items = [inputs.sample_items[i] for i in live]
+            res = self._sample(items, logits[live], flight.masks)
             if res.tokens.is_cuda:
                 torch.cuda.synchronize(res.tokens.device)
         self.stats.t_sample += time.perf_counter() - t1
@@ -306,7 +312,23 @@ class EngineCore:
         for seq in flight.finished_while_in_flight:
             self.scheduler.remove(seq)
 
-    def _sample(self, items: list[Scheduled], logits: torch.Tensor) -> SampleOutput:
+    def _fill_masks(self, inputs: StepInputs) -> tuple[torch.Tensor, dict[str, int]] | None:
+        """Grammar bitmask rows of the constrained requests that sample in ``inputs``."""
+        rows = {it.seq.request_id: it.seq.matcher for it in inputs.sample_items if it.seq.matcher}
+        if not rows:
+            return None
+        from app.engine.grammar import allocate_bitmask, fill_bitmasks
+
+        mask = allocate_bitmask(len(rows), self.model.cfg.vocab_size)
+        fill_bitmasks(list(rows.values()), mask, list(range(len(rows))))
+        return mask, {rid: i for i, rid in enumerate(rows)}
+
+    def _sample(
+        self,
+        items: list[Scheduled],
+        logits: torch.Tensor,
+        masks: tuple[torch.Tensor, dict[str, int]] | None,
+    ) -> SampleOutput:
         rows = []
         for it in items:
             s = it.seq
@@ -322,18 +344,22 @@ class EngineCore:
                     eos_ids=(() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids),
                 )
             )
-        matchers = [(i, it.seq.matcher) for i, it in enumerate(items) if it.seq.matcher]
         apply = None
-        if matchers:
-            from app.engine.grammar import allocate_bitmask, apply_bitmask, fill_bitmasks
+        if masks is not None:
+            from app.engine.grammar import apply_bitmask
 
-            mask = allocate_bitmask(len(matchers), logits.shape[1])
-            fill_bitmasks([m for _, m in matchers], mask, list(range(len(matchers))))
-            idx = [i for i, _ in matchers]
+            mask, where = masks
+            pairs = [
+                (i, where[it.seq.request_id])
+                for i, it in enumerate(items)
+                if it.seq.request_id in where
+            ]
+            idx = [i for i, _ in pairs]
+            sel = mask[[r for _, r in pairs]]
 
             def apply(lg: torch.Tensor) -> None:
                 sub = lg[idx]
-                apply_bitmask(sub, mask.to(sub.device), list(range(len(idx))))
+                apply_bitmask(sub, sel.to(sub.device), list(range(len(idx))))
                 lg[idx] = sub
 
         return sample(logits, rows, apply)
