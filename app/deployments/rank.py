@@ -57,12 +57,16 @@ class DPRank:
             rank=self.replica_id,
             prompt_tokens=len(req.prompt_token_ids),
         ) as span:
+            # engine phases as span events: queued (admitted) -> prefill -> decode -> done
             first = True
             async for out in self.client.generate(req):
-                if first and out.token_ids:
-                    span.add_event("first_token")
+                if not out.token_ids and not out.finished:
+                    span.add_event("queued")
+                elif first and out.token_ids:
+                    span.add_event("prefill_done", {"cached_tokens": out.num_cached_tokens})
                     first = False
                 yield out
+            span.add_event("decode_done")
             span.set_attribute("finish_reason", str(out.finish_reason))
 
     async def abort(self, request_id: str, target: str | None = None) -> None:
