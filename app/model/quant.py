@@ -16,29 +16,15 @@ from __future__ import annotations
 
 import torch
 
+from kernels.quant_ref import FP4_VALUES as _FP4_VALUES
+from kernels.quant_ref import scale_to_float
+
 E4M3_MAX = 448.0
 FP4_MAX = 6.0
 FP4_GROUP = 32
 E8M0_BIAS = 127
-# E2M1 code -> value; bit 3 is the sign.
-FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
+# E2M1 code -> value (bit 3 is the sign): one table shared with the kernel references.
+FP4_VALUES = _FP4_VALUES
 # Midpoints between successive magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _HAS_E8M0 = hasattr(torch, "float8_e8m0fnu")
@@ -56,12 +42,9 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
 
     Float scales (some checkpoints store fp32 powers of two) pass through as fp32.
     """
-    if scale.dtype == torch.uint8 or (_HAS_E8M0 and scale.dtype == torch.float8_e8m0fnu):
-        exp = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
-        return torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
-    if scale.is_floating_point():
-        return scale.float()
-    raise TypeError(f"not an e8m0 or float scale dtype: {scale.dtype}")
+    if scale.dtype != torch.uint8 and not scale.is_floating_point():
+        raise TypeError(f"not an e8m0 or float scale dtype: {scale.dtype}")
+    return scale_to_float(scale)
 
 
 def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
