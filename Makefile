@@ -2,28 +2,34 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+DEV_STAMP := $(VENV)/.installed-dev
+# torch is pinned in every install command, so nothing resolves an unpinned torch to a CUDA
+# build; --no-compile skips byte-compiling ray & co. at install time (Python does it lazily).
+PIP := $(BIN)/pip install -q --disable-pip-version-check --no-compile "torch==2.13.0" "numpy<2.4"
 
 .PHONY: serve test lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# torch is installed first, pinned, so nothing resolves an unpinned torch to a CUDA build.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0" "numpy<2.4"
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
-	touch $(STAMP)
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	$(PIP) -e .
+	touch $@
+
+$(DEV_STAMP): $(RUN_STAMP)
+	$(PIP) -e ".[dev]"
+	touch $@
 
 # Ray writes an auth token unless told not to; a background `serve run` stops on SIGTERM.
-serve: $(STAMP)
+serve: $(RUN_STAMP)
 	RAY_AUTH_MODE=disabled $(BIN)/serve run serve_config.yaml
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/ruff check app kernels tests bench
 	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest tests
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check app kernels tests bench
 
 clean:
