@@ -23,8 +23,7 @@ from app.model.forward_batch import ForwardBatch
 from app.model.kv_store import DenseKVStore, KVStore
 from app.model.layers import Linear, RMSNorm
 from app.model.moe import MoE
-from kernels.mhc import hc_collapse, hc_expand, hc_mix
-from kernels.norm import rms_norm
+from kernels.mhc import hc_collapse, hc_post, hc_pre
 
 
 def _hc_params(module: nn.Module, prefix: str, n: int, d: int) -> None:
@@ -68,16 +67,21 @@ class Block(nn.Module):
         if engram is not None:
             self.engram = Engram(cfg, engram[0], engram[1])
 
-    def _mix(self, X: torch.Tensor, which: str):
+    def _pre(self, X: torch.Tensor, which: str, norm: RMSNorm, pre_in: torch.Tensor | None):
+        """Fused mix + Sinkhorn + collapse + RMSNorm -> (sublayer input, post, comb, pre);
+        collapses with ``pre_in`` when given (V4.1 single pass)."""
         c = self.cfg
-        return hc_mix(
+        return hc_pre(
             X,
             getattr(self, f"{which}_fn"),
             getattr(self, f"{which}_base"),
             getattr(self, f"{which}_scale"),
+            norm.weight,
             c.hc_sinkhorn_iters,
             c.hc_eps,
             c.rms_norm_eps,
+            norm.eps,
+            pre_in=pre_in,
         )
 
     def forward(
@@ -92,21 +96,14 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``X`` [T, n, d]; ``p`` the carried pre-mix [T, n] (V4.1) -> (X', p')."""
         ids = batch.input_ids
-        if self.cfg.is_v41:
-            if hasattr(self, "engram"):
-                X = self.engram(X, ngram, pad_id)
-            a_pre, a_post, a_comb = self._mix(X, "hc_attn")
-            o = self.attn(self.attn_norm(hc_collapse(X, p)), batch, state, store)
-            X = hc_expand(o, X, a_post, a_comb)
-            f_pre, f_post, f_comb = self._mix(X, "hc_ffn")
-            o = self.ffn(self.ffn_norm(hc_collapse(X, a_pre)), ids)
-            return hc_expand(o, X, f_post, f_comb), f_pre
-        pre, post, comb = self._mix(X, "hc_attn")
-        o = self.attn(self.attn_norm(hc_collapse(X, pre)), batch, state, store)
-        X = hc_expand(o, X, post, comb)
-        pre, post, comb = self._mix(X, "hc_ffn")
-        o = self.ffn(self.ffn_norm(hc_collapse(X, pre)), ids)
-        return hc_expand(o, X, post, comb), None
+        v41 = self.cfg.is_v41
+        if v41 and hasattr(self, "engram"):
+            X = self.engram(X, ngram, pad_id)
+        h, post, comb, a_pre = self._pre(X, "hc_attn", self.attn_norm, p if v41 else None)
+        X = hc_post(self.attn(h, batch, state, store), X, post, comb)
+        h, post, comb, f_pre = self._pre(X, "hc_ffn", self.ffn_norm, a_pre if v41 else None)
+        X = hc_post(self.ffn(h, ids), X, post, comb)
+        return X, (f_pre if v41 else None)
 
 
 class MTPBlock(Block):
@@ -373,4 +370,4 @@ class _SubsetStore(KVStore):
         return self.parent.read_keys(layer, self.slots[s], n)
 
 
-__all__ = ["Block", "DeepseekModel", "MTPBlock", "rms_norm"]
+__all__ = ["Block", "DeepseekModel", "MTPBlock"]

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from app.model.layers import Linear
-from kernels.gate import moe_gate
+from kernels.gate import moe_gate_fused
 from kernels.moe import moe_experts, swiglu_clamp
 
 
@@ -39,9 +39,8 @@ class Gate(nn.Module):
         self, x: torch.Tensor, token_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (expert ids [T, k], weights [T, k] fp32)."""
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())
         hash_idx = self.tid2eid[token_ids] if self.bias is None else None
-        return moe_gate(logits, self.bias, self.k, self.route_scale, hash_idx)
+        return moe_gate_fused(x, self.weight, self.bias, self.k, self.route_scale, hash_idx)
 
 
 class Expert(nn.Module):
