@@ -14,6 +14,8 @@ Entries are normalized and *unrotated*; attention applies RoPE at ``w*ratio``.
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import nn
 
@@ -21,15 +23,16 @@ from app.model.layers import Linear, RMSNorm
 from kernels.compressor import compress_pool
 
 
-class Compressor(nn.Module):
+class Compressor(nn.Module, abc.ABC):
     """Base: ``wkv``/``wgate`` projections, RMSNorm ``norm`` of the pooled entry."""
 
     ratio: int
     span: int
     width: int
 
+    @abc.abstractmethod
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """Per-token (kv, gate) projections [n, width] fp32 (gate includes ape)."""
 
     def pool(
         self,
