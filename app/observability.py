@@ -12,6 +12,8 @@ from contextlib import contextmanager
 
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
+
+__all__ = ["RequestMetrics", "carrier", "extract", "setup_tracing", "span_from", "tracer"]
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
