@@ -12,8 +12,6 @@ from contextlib import contextmanager
 
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
-
-__all__ = ["RequestMetrics", "carrier", "extract", "setup_tracing", "span_from", "tracer"]
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -22,6 +20,8 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["RequestMetrics", "carrier", "extract", "setup_tracing", "span_from", "tracer"]
 
 logger = logging.getLogger(__name__)
 _configured = False
