@@ -252,19 +252,22 @@ class EngineCore:
             flight.future = self._executor.submit(self._run_and_sample, flight)
             self._flight = flight
         t2 = time.perf_counter()
-        outs = self._update(prev, prev_res) if prev is not None else []
+        try:
+            outs = self._update(prev, prev_res) if prev is not None else []
+            if self._flight is not None:
+                # grammar masks need token N (just accepted): fill them while N+1's forward runs
+                self._flight.masks = self._fill_masks(self._flight.inputs)
+        finally:  # the worker must never be left waiting (an error here fails every request)
+            if self._flight is not None:
+                self._flight.ready.set()
         st.t_update += time.perf_counter() - t2
-        if self._flight is not None:
-            # grammar masks need token N (just accepted): fill them while N+1's forward runs
-            self._flight.masks = self._fill_masks(self._flight.inputs)
-            self._flight.ready.set()
-            if not self.cfg.overlap_schedule:
-                flight, self._flight = self._flight, None
-                res = flight.future.result()
-                self._release(flight)
-                t3 = time.perf_counter()
-                outs += self._update(flight, res)
-                st.t_update += time.perf_counter() - t3
+        if self._flight is not None and not self.cfg.overlap_schedule:
+            flight, self._flight = self._flight, None
+            res = flight.future.result()
+            self._release(flight)
+            t3 = time.perf_counter()
+            outs += self._update(flight, res)
+            st.t_update += time.perf_counter() - t3
         self._stats(time.perf_counter() - t0)
         return outs
 
@@ -377,6 +380,7 @@ class EngineCore:
             seq = it.seq
             rid = seq.request_id
             seq.num_in_flight -= 1
+            seq.num_done = max(seq.num_done, it.start + it.num_tokens)
             if it.samples:
                 seq.num_pending -= 1
             if seq.finish_reason is not None:  # finished or aborted meanwhile: drop
@@ -386,7 +390,7 @@ class EngineCore:
                 pairs = inputs.prompt_rows[rid]
                 plp = self._prompt_logprobs(seq, pairs, res.prompt_logits[rid], it.start)
             if rid not in sampled:
-                self.cache.commit(rid, seq.tokens, seq.num_computed)
+                self.cache.commit(rid, seq.tokens, seq.num_done)
                 if plp is not None:
                     outs.append(self._output(seq, [], None, prompt_logprobs=plp))
                 continue
@@ -395,7 +399,7 @@ class EngineCore:
             if seq.req.params.logprobs is not None:
                 lp = [self._token_logprob(res.sample, k, tok, seq.req.params.logprobs)]
             new = self._append(seq, tok)
-            self.cache.commit(rid, seq.tokens, min(seq.num_computed, len(seq.tokens)))
+            self.cache.commit(rid, seq.tokens, min(seq.num_done, len(seq.tokens)))
             finished = seq.finish_reason is not None
             outs.append(self._output(seq, new, lp if new else None, finished, plp))
             if finished:
@@ -424,6 +428,7 @@ class EngineCore:
         flight, self._flight = self._flight, None
         if flight is None:
             return
+        flight.ready.set()
         try:
             flight.future.result()
         except Exception:  # the failure was already reported
@@ -485,21 +490,27 @@ class EngineCore:
 
     def _prompt_logprobs(
         self, seq: Sequence, pairs: list[tuple[int, int]], logits: torch.Tensor, start: int
-    ) -> list[TokenLogprob | None]:
-        """Logprob of each next prompt token given the prefix (position 0 has none)."""
+    ) -> list[TokenLogprob | None] | None:
+        """Logprob of each next prompt token given the prefix (position 0 has none). Each
+        position is emitted once: a preempted request recomputes rows it already reported."""
         k = seq.req.params.prompt_logprobs or 0
+        done = seq.prompt_logprobs_done
         logp = torch.log_softmax(logits.float(), dim=-1)
-        out: list[TokenLogprob | None] = [None] if start == 0 else []
+        out: list[TokenLogprob | None] = [None] if start == 0 and done == 0 else []
         for j, (_, p) in enumerate(pairs):
             if p + 1 >= seq.num_prompt:
                 break
+            if p + 1 < done:  # token p+1 was reported before a preemption
+                continue
             nxt = seq.tokens[p + 1]
             top = ()
             if k:
                 t = torch.topk(logp[j], k)
                 top = tuple(zip(t.indices.tolist(), t.values.tolist(), strict=True))
             out.append(TokenLogprob(nxt, float(logp[j, nxt]), top))
-        return out
+        if pairs:
+            seq.prompt_logprobs_done = max(done, min(pairs[-1][1] + 2, seq.num_prompt))
+        return out or None
 
     def _output(
         self, seq: Sequence, new: list[int], lp, finished: bool = False, prompt_logprobs=None

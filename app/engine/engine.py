@@ -52,9 +52,9 @@ class AsyncEngine:
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        await asyncio.wrap_future(self._submit(lambda: self._add(req, sink)))
         finished = False
         try:
+            await asyncio.wrap_future(self._submit(lambda: self._add(req, sink)))
             while not finished:
                 out = await queue.get()
                 finished = out.finished
@@ -89,6 +89,8 @@ class AsyncEngine:
             return fut
 
         def run() -> None:
+            if not fut.set_running_or_notify_cancel():  # the caller went away first
+                return
             try:
                 fut.set_result(fn())
             except BaseException as e:  # delivered to the caller

@@ -1,10 +1,10 @@
 """Offline API: ``LLM(model=DIR, device="cpu", dtype="float32", **engine options).generate()``.
 
-    >>> from app.engine.llm import LLM
-    >>> from app.engine.request import SamplingParams
-    >>> llm = LLM(model="/tmp/tiny-v41", enable_prefix_caching=True)
-    >>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
-    >>> outs[0].text, outs[0].token_ids, outs[0].finish_reason
+>>> from app.engine.llm import LLM
+>>> from app.engine.request import SamplingParams
+>>> llm = LLM(model="/tmp/tiny-v41", enable_prefix_caching=True)
+>>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+>>> outs[0].text, outs[0].token_ids, outs[0].finish_reason
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ class ModelRunner:
                 ]
             )
             floors.append(self.cache.window_floor(rid))
-            cached.append(max(a, seq.num_cached))
+            # groups ending at or before the prefix hit are shared blocks: never rewritten
+            cached.append(max(a, self.cache.num_cached(rid)))
             L = seq.num_prompt
             use_dec = decoder_replay and not seq.wants_prompt_logprobs and a < L
             dec.append(self.cache.decoder_floor(L, a) if use_dec else 0)

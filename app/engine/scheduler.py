@@ -47,6 +47,8 @@ class Sequence:
     num_pending: int = 0  # sampled on the device, not yet appended to ``tokens``
     num_in_flight: int = 0  # launched steps that include this request
     num_cached: int = 0  # prompt tokens served from the prefix cache (last admission)
+    num_done: int = 0  # positions whose KV a completed step wrote (prefix-cache commits)
+    prompt_logprobs_done: int = 0  # prompt positions whose logprobs were already emitted
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -132,7 +134,7 @@ class Scheduler:
         assert seq.num_in_flight == 0, "a request in a launched step cannot be preempted"
         self.running.remove(seq)
         self.cache.free(seq.request_id)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_done = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self._enqueue(seq)
