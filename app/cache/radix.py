@@ -208,14 +208,17 @@ class PrefixIndex:
 
         The caller must hold a reference to each new block. Where a block with the same content
         is already cached under another id, the cached one is kept and the caller's id is
-        returned as redundant (still owned by the caller; freed by its ``decref``). Insertion
-        stops at a hash collision: the rest of the sequence simply stays uncached.
+        returned as redundant (still owned by the caller; freed by its ``decref``); the caller's
+        blocks after such a block stay uncached, since their parent in the index would be a
+        block the caller does not hold. Insertion stops at a hash collision: the rest of the
+        sequence simply stays uncached.
         """
         key, node = as_key(extra_key), self._root
         blocks = self._blocks(token_ids)[: len(block_ids)]
         self._clock += 1
         redundant: list[int] = []
         new: list[_Node] = []
+        foreign = False  # walking blocks another request cached: the caller does not hold them
         try:
             for tokens, bid in zip(blocks, block_ids, strict=False):
                 h = block_hash(node.hash or None, tokens, key)
@@ -225,9 +228,14 @@ class PrefixIndex:
                         break  # collision: leave the rest uncached
                     if old.block_id != bid:
                         redundant.append(bid)
+                        foreign = True
                     node = old
                     self._touch(node)
                     continue
+                if foreign:
+                    # Never hang a new block under a parent the caller does not reference: an
+                    # unreferenced cached block must stay reclaimable by leaf eviction.
+                    break
                 if self.pool.refcount(bid) <= 0 or bid in self._by_block:
                     raise ValueError(f"block {bid} must be held by the caller and not yet cached")
                 self._drop_evictable(node)  # gains a child: no longer a leaf
