@@ -46,6 +46,7 @@ class _Seq:
     window_floor: int = 0
     num_cached: int = 0
     committed: int = 0  # blocks registered in the prefix index
+    query_tokens: int = 0  # prefix-cache query not yet counted in the index statistics
 
 
 class CacheManager:
@@ -83,11 +84,13 @@ class CacheManager:
         slot = self.kv.alloc_slot()
         seq = _Seq(slot=slot, extra_key=extra_key)
         if self.index is not None and use_prefix_cache and len(token_ids) > 1:
-            m = self.index.match(token_ids[:-1], extra_key)
+            # statistics count the admission once its blocks are reserved (see ensure)
+            m = self.index.match(token_ids[:-1], extra_key, record=False)
             self.pool.incref(m.block_ids)
             seq.blocks = list(m.block_ids)
             seq.num_cached = m.num_tokens
             seq.committed = len(m.block_ids)
+            seq.query_tokens = len(token_ids) - 1
         H, W = seq.num_cached, self.model_cfg.sliding_window
         start = 0 if self.cfg.bounded_replay == "off" else max(0, H - W)
         seq.window_floor = start
@@ -101,6 +104,9 @@ class CacheManager:
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
         if need > 0:
             seq.blocks.extend(self.pool.allocate(need))
+        if seq.query_tokens and self.index is not None:  # the admission stuck: count its hit
+            self.index.record(seq.query_tokens, seq.num_cached)
+            seq.query_tokens = 0
 
     def commit(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register every block whose positions are all computed (their compressed entries

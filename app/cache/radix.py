@@ -181,8 +181,11 @@ class PrefixIndex:
         P = self.block_size
         return [tuple(token_ids[i * P : (i + 1) * P]) for i in range(len(token_ids) // P)]
 
-    def match(self, token_ids: Sequence[int], extra_key: str | bytes = "") -> Match:
-        """Longest cached prefix in whole blocks; touches it for LRU. Does not take references."""
+    def match(
+        self, token_ids: Sequence[int], extra_key: str | bytes = "", record: bool = True
+    ) -> Match:
+        """Longest cached prefix in whole blocks; touches it for LRU. Does not take references.
+        ``record=False`` leaves the hit statistics alone (see :meth:`record`)."""
         key, node, found = as_key(extra_key), self._root, []
         for tokens in self._blocks(token_ids):
             nxt = self._by_hash.get(block_hash(node.hash or None, tokens, key))
@@ -194,11 +197,16 @@ class PrefixIndex:
         for n in found:
             self._touch(n)
         num_tokens = len(found) * self.block_size
-        self.stats.queries += 1
-        self.stats.hits += bool(found)
-        self.stats.query_tokens += len(token_ids)
-        self.stats.hit_tokens += num_tokens
+        if record:
+            self.record(len(token_ids), num_tokens)
         return Match([n.block_id for n in found], num_tokens)
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one query in the hit statistics."""
+        self.stats.queries += 1
+        self.stats.hits += bool(hit_tokens)
+        self.stats.query_tokens += query_tokens
+        self.stats.hit_tokens += hit_tokens
 
     # ---- insertion ------------------------------------------------------------------------
     def insert(
