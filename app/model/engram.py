@@ -6,15 +6,16 @@ import torch
 from torch import nn
 
 from app.model.config import ModelConfig
-from app.model.engram_hash import EngramHashSpec, engram_rows
+from app.model.engram_hash import EngramHashSpec
 from app.model.layers import Linear
+from kernels.engram import engram_gate, engram_gather, engram_rows
 
 
 class Engram(nn.Module):
     """``e = table[rows]`` [T, heads*dim]; ``[key(n*d) | val(d)] = wkv(e)``; per stream j:
 
-        dot = sum(X_j * q_w_j * k_w_j * key_j) * rsqrt(ms(X_j)+eps) * rsqrt(ms(key_j)+eps) / sqrt(d)
-        X_j += sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))) * val     (gate 0 on masked tokens)
+    dot = sum(X_j * q_w_j * k_w_j * key_j) * rsqrt(ms(X_j)+eps) * rsqrt(ms(key_j)+eps) / sqrt(d)
+    X_j += sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))) * val     (gate 0 on masked tokens)
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int, spec: EngramHashSpec):
@@ -29,19 +30,26 @@ class Engram(nn.Module):
         self.wkv = Linear(spec.hash_heads * cfg.engram_head_dim, cfg.hidden_size * (self.n + 1))
         self.q_weight = nn.Parameter(torch.ones(self.n, self.d))
         self.k_weight = nn.Parameter(torch.ones(self.n, self.d))
+        # this layer's hash constants (derived, not in the checkpoint; real even on "meta")
+        for name, vals in (
+            ("hash_mult", spec.multipliers[layer_index]),
+            ("hash_primes", spec.primes[layer_index]),
+            ("hash_offsets", spec.offsets[layer_index]),
+        ):
+            t = torch.tensor(vals, dtype=torch.int64, device="cpu")
+            self.register_buffer(name, t, persistent=False)
 
     def forward(self, X: torch.Tensor, ngram: torch.Tensor, pad_id: int) -> torch.Tensor:
         """``X`` [T, n, d]; ``ngram`` [T, max_ngram] compressed ids (-1 = blocked)."""
-        rows = engram_rows(ngram, self.hash_spec, self.layer_index, pad_id)
-        e = self.embed.weight[rows].flatten(1)
-        key, val = self.wkv(e).float().split((self.n * self.d, self.d), dim=-1)
-        key = key.view(-1, self.n, self.d)
-        h = X.float()
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(
-            key.square().mean(-1) + self.eps
+        rows = engram_rows(
+            ngram,
+            self.hash_mult,
+            self.hash_primes,
+            self.hash_offsets,
+            self.hash_spec.n_heads,
+            pad_id,
         )
-        w = self.q_weight.float() * self.k_weight.float()
-        dot = (h * w * key).sum(-1) * rstd * self.d**-0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        gate = gate.masked_fill((ngram[:, :1] < 0), 0.0)
-        return (h + gate.unsqueeze(-1) * val.unsqueeze(1)).to(X.dtype)
+        e = engram_gather(self.embed.weight, rows, None, self.wkv.weight.dtype)
+        key, val = self.wkv(e).split((self.n * self.d, self.d), dim=-1)
+        key = key.view(-1, self.n, self.d)
+        return engram_gate(X, key, val, self.q_weight, self.k_weight, self.eps, ngram[:, 0] < 0)

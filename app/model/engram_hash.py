@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
 _SENTINEL = "\ue000"
@@ -108,27 +107,3 @@ def engram_hash_spec(
     return EngramHashSpec(
         tuple(layer_ids), max_ngram, n_heads, tuple(primes), tuple(offsets), tuple(mults)
     )
-
-
-def engram_rows(
-    compressed: torch.Tensor, spec: EngramHashSpec, layer_index: int, pad_id: int
-) -> torch.Tensor:
-    """Row ids [T, hash_heads] for one layer from compressed ids of shape [T, max_ngram].
-
-    ``compressed[:, s]`` is the compressed id of the token ``s`` positions back, or -1 when
-    that position is out of range or masked; once a shift is blocked, it and every larger
-    shift become ``pad_id``. Example (max_ngram 3): [[7, 5, -1]] -> shifts (7, 5, pad).
-    """
-    blocked = torch.cumsum((compressed < 0).to(torch.int64), dim=1) > 0
-    toks = torch.where(blocked, torch.full_like(compressed, pad_id), compressed)
-    mult = torch.tensor(spec.multipliers[layer_index], dtype=torch.int64, device=toks.device)
-    primes = torch.tensor(spec.primes[layer_index], dtype=torch.int64, device=toks.device)
-    offs = torch.tensor(spec.offsets[layer_index], dtype=torch.int64, device=toks.device)
-    prod = toks * mult  # int64 wrap-around, as the reference
-    rolling = prod[:, 0]
-    rows = []
-    for s in range(1, spec.max_ngram):
-        rolling = torch.bitwise_xor(rolling, prod[:, s])
-        p = primes[(s - 1) * spec.n_heads : s * spec.n_heads]
-        rows.append(torch.remainder(rolling.unsqueeze(-1), p))
-    return torch.cat(rows, dim=-1) + offs

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import torch
 
-from app.model.engram_hash import compressed_token_map, engram_hash_spec, engram_rows
+from app.model.engram_hash import compressed_token_map, engram_hash_spec
+from kernels.engram import engram_rows_ref
 
 
 def test_compressed_map_normalizes(tiny_tokenizer):
@@ -47,7 +48,14 @@ def test_real_table_sizes_match_release():
 def test_rows_match_python_loop():
     spec = engram_hash_spec((3,), 4, 2, 97, 50)
     ngram = torch.tensor([[7, -1, 5, 6], [7, 5, 9, 2], [0, 0, 0, 0]])
-    rows = engram_rows(ngram, spec, 0, pad_id=11)
+    rows = engram_rows_ref(
+        ngram,
+        torch.tensor(spec.multipliers[0]),
+        torch.tensor(spec.primes[0]),
+        torch.tensor(spec.offsets[0]),
+        spec.n_heads,
+        11,
+    )
     mask = (1 << 64) - 1
     for t in range(3):
         toks, blocked = [], False
