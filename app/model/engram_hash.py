@@ -1,6 +1,6 @@
-"""Engram n-gram hashing (V4.1): compressed token map, primes, offsets, multipliers, row ids.
+"""Engram n-gram hashing constants (V4.1): compressed token map, primes, offsets, multipliers.
 
-Pure integer arithmetic shared by the model, the tiny-checkpoint maker and (later) the
+Shared by the model (row hashing itself: kernels/engram.py), the tiny-checkpoint maker and
 router's Engram placement. MODEL_SPEC §2 "Engram".
 """
 
