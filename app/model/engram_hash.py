@@ -1,7 +1,7 @@
 """Engram n-gram hashing constants (V4.1): compressed token map, primes, offsets, multipliers.
 
 Shared by the model (row hashing itself: kernels/engram.py), the tiny-checkpoint maker and
-router's Engram placement. MODEL_SPEC §2 "Engram".
+(later) the router's Engram placement. MODEL_SPEC §2 "Engram".
 """
 
 from __future__ import annotations
