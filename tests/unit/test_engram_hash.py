@@ -45,31 +45,31 @@ def test_real_table_sizes_match_release():
     assert spec.table_rows() == (384006168, 384016682)
 
 
+def python_rows(comp: torch.Tensor, mult, primes, offsets, n_heads: int, pad: int):
+    """Plain-Python 64-bit (wrap-around) hashing of MODEL_SPEC §2, as an independent check:
+    once a shift is blocked (-1), it and every larger shift hash the pad id."""
+    mask, out = (1 << 64) - 1, []
+    for row in comp.tolist():
+        toks, blocked = [], False
+        for c in row:
+            blocked = blocked or c < 0
+            toks.append(pad if blocked else c)
+        h, rows = 0, []
+        for s, t in enumerate(toks):
+            prod = (t * mult[s]) & mask
+            h = prod if s == 0 else h ^ prod
+            if s:
+                signed = h - (1 << 64) if h >= 1 << 63 else h
+                for k in range(n_heads):
+                    i = (s - 1) * n_heads + k
+                    rows.append(signed % primes[i] + offsets[i])
+        out.append(rows)
+    return torch.tensor(out)
+
+
 def test_rows_match_python_loop():
     spec = engram_hash_spec((3,), 4, 2, 97, 50)
     ngram = torch.tensor([[7, -1, 5, 6], [7, 5, 9, 2], [0, 0, 0, 0]])
-    rows = engram_rows_ref(
-        ngram,
-        torch.tensor(spec.multipliers[0]),
-        torch.tensor(spec.primes[0]),
-        torch.tensor(spec.offsets[0]),
-        spec.n_heads,
-        11,
-    )
-    mask = (1 << 64) - 1
-    for t in range(3):
-        toks, blocked = [], False
-        for s in range(4):
-            blocked = blocked or int(ngram[t, s]) < 0
-            toks.append(11 if blocked else int(ngram[t, s]))
-        h, want = 0, []
-        for s in range(4):
-            prod = (toks[s] * spec.multipliers[0][s]) & mask
-            h = prod if s == 0 else h ^ prod
-            if s == 0:
-                continue
-            signed = h - (1 << 64) if h >= 1 << 63 else h
-            for k in range(2):
-                idx = (s - 1) * 2 + k
-                want.append(signed % spec.primes[0][idx] + spec.offsets[0][idx])
-        assert rows[t].tolist() == want
+    consts = (spec.multipliers[0], spec.primes[0], spec.offsets[0])
+    rows = engram_rows_ref(ngram, *(torch.tensor(c) for c in consts), spec.n_heads, 11)
+    assert torch.equal(rows, python_rows(ngram, *consts, spec.n_heads, 11))
