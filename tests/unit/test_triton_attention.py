@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from kernels import attention as attn  # noqa: E402
 from kernels.kv_quant import pow2_ceil  # noqa: E402
+from tests.unit.triton_util import rel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not attn._INTERPRET and not torch.cuda.is_available(),
@@ -32,10 +33,6 @@ def _case(seed: int, T=3, H=20, D=64, N=40, K=37):
     idx[-1] = -1
     angles = torch.rand(T, 8, generator=g) * 6.0
     return q, kv, idx, sink, angles
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).norm() / ref.norm())
 
 
 def _fp8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +59,7 @@ def test_matches_fp64_reference(splits, rope):
         inv_rope_angles=None if ang is None else ang.double(),
     )
     assert not out.isnan().any()
-    assert _rel(out, ref) < 1e-5
+    assert rel(out, ref) < 1e-5
     assert out[-1].abs().max() == 0  # no keys: the sink takes all the mass
 
 
@@ -84,7 +81,7 @@ def test_fp8_kv_dequantized_in_kernel(qdtype):
         inv_rope_angles=angles.double(),
     )
     assert out.dtype == qdtype
-    assert _rel(out, ref) < (1e-5 if qdtype == torch.float32 else 1e-2)
+    assert rel(out, ref) < (1e-5 if qdtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -93,7 +90,7 @@ def test_half_precision_kv(dtype):
     q, kv = q.to(dtype), kv.to(dtype)
     out = attn.sparse_attention_triton(q, kv, idx, sink, 0.2)
     ref = attn.sparse_attention_ref(q.double(), kv.double(), idx, sink.double(), 0.2)
-    assert out.dtype == dtype and _rel(out, ref) < 1e-2
+    assert out.dtype == dtype and rel(out, ref) < 1e-2
 
 
 def test_strided_q_and_int32_idx():
@@ -102,7 +99,7 @@ def test_strided_q_and_int32_idx():
     wide[..., :32] = q
     out = attn.sparse_attention_triton(wide[..., :32], kv, idx.int(), sink, 0.3)
     ref = attn.sparse_attention_ref(q.double(), kv.double(), idx, sink.double(), 0.3)
-    assert _rel(out, ref) < 1e-5
+    assert rel(out, ref) < 1e-5
 
 
 def test_wrapper_rejects_bad_inputs():

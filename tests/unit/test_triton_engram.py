@@ -18,24 +18,12 @@ from app.model.engram_hash import engram_hash_spec  # noqa: E402
 from app.model.quant import quantize_fp8_rowwise  # noqa: E402
 from kernels import engram  # noqa: E402
 from tests.unit.test_engram_hash import python_rows  # noqa: E402
+from tests.unit.triton_util import rel  # noqa: E402
 
 T, N, D = 7, 4, 48
 
 
-@pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float buffer the wrappers allocate starts as NaN: unwritten outputs fail."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(empty_like(*a, **k)))
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # unwritten outputs stay NaN
 
 
 def test_rows_match_python_hash() -> None:
@@ -76,5 +64,5 @@ def test_gate() -> None:
     blocked[2] = True
     ref = engram.engram_gate_ref(*(v.double() for v in (x, key, val, q_w, k_w)), 1e-6, blocked)
     out = engram.engram_gate_triton(x, key, val, q_w, k_w, 1e-6, blocked)
-    assert _rel(out, ref) < 1e-5
+    assert rel(out, ref) < 1e-5
     assert torch.equal(out[2], x[2])

@@ -17,24 +17,12 @@ if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported be
     pytest.skip("run with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
 
 from kernels.gate import moe_gate_fused, moe_gate_ref, moe_gate_triton  # noqa: E402
+from tests.unit.triton_util import rel  # noqa: E402
 
 T, D, E, K = 6, 64, 40, 6
 
 
-@pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float buffer the wrappers allocate starts as NaN: unwritten outputs fail."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(empty_like(*a, **k)))
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # unwritten outputs stay NaN
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,7 +36,7 @@ def test_gate_topk(dtype: torch.dtype, with_bias: bool) -> None:
     ids, wts = moe_gate_triton(x, w, bias, K, 2.5)
     assert ids.dtype == torch.int64 and wts.dtype == torch.float32
     assert torch.equal(ids, ref_ids)
-    assert _rel(wts, ref_w) < 1e-5
+    assert rel(wts, ref_w) < 1e-5
 
 
 def test_gate_ties_go_to_lower_id() -> None:
@@ -68,6 +56,6 @@ def test_gate_hash_ids_and_fallback() -> None:
     ref_ids, ref_w = moe_gate_ref(x.double() @ w.double().t(), None, K, 1.5, hash_idx)
     ids, wts = moe_gate_triton(x, w, None, K, 1.5, hash_idx)
     assert torch.equal(ids, ref_ids)
-    assert _rel(wts, ref_w) < 1e-5
+    assert rel(wts, ref_w) < 1e-5
     cpu_ids, _ = moe_gate_fused(x, w, None, K, 1.5, hash_idx)  # CPU tensors -> reference
     assert torch.equal(cpu_ids, ref_ids)

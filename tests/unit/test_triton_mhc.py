@@ -18,24 +18,12 @@ if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported be
     pytest.skip("run with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
 
 from kernels import mhc  # noqa: E402
+from tests.unit.triton_util import rel  # noqa: E402
 
 T, N, D, ITERS, HC_EPS, NORM_EPS, RMS_EPS = 5, 4, 96, 20, 1e-6, 1e-6, 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float buffer the wrappers allocate starts as NaN: unwritten outputs fail."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(empty_like(*a, **k)))
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # unwritten outputs stay NaN
 
 
 def _params(g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -62,8 +50,8 @@ def test_hc_pre(dtype: torch.dtype, tol: float, v41: bool) -> None:
     out = mhc.hc_pre_triton(x, *params, *eps, pre_in)
     assert out[0].dtype == dtype and out[0].shape == (T, D)
     for o, r in zip(out[1:], ref[1:], strict=True):  # post, comb, pre: fp32 math
-        assert _rel(o, r) < 1e-5
-    assert _rel(out[0], ref[0]) < tol
+        assert rel(o, r) < 1e-5
+    assert rel(out[0], ref[0]) < tol
 
 
 def test_hc_post() -> None:
@@ -72,7 +60,7 @@ def test_hc_post() -> None:
     out = torch.randn(T, D, generator=g)
     post, comb = torch.rand(T, N, generator=g), torch.rand(T, N, N, generator=g)
     ref = mhc.hc_expand_ref(out.double(), x.double(), post, comb)  # refs mix in fp32
-    assert _rel(mhc.hc_post_triton(out, x, post, comb), ref) < 1e-6
+    assert rel(mhc.hc_post_triton(out, x, post, comb), ref) < 1e-6
 
 
 @pytest.mark.parametrize("v41", [False, True])
@@ -87,4 +75,4 @@ def test_hc_post_pre(v41: bool) -> None:
     ref = mhc.hc_post_pre_ref(out.double(), x.double(), post, comb, *_f64(params), *eps, pre_in)
     res = mhc.hc_post_pre_triton(out, x, post, comb, *params, *eps, pre_in)
     for o, r in zip(res, ref, strict=True):
-        assert _rel(o, r) < 1e-5
+        assert rel(o, r) < 1e-5

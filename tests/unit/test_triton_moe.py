@@ -18,24 +18,12 @@ if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported be
 
 from app.model.quant import quantize_fp4, quantize_fp8_block, unpack_fp4  # noqa: E402
 from kernels import moe, quant_ref  # noqa: E402
+from tests.unit.triton_util import rel  # noqa: E402
 
 T, D, INTER, E, K, LIMIT = 5, 64, 32, 4, 2, 0.7
 
 
-@pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float buffer the wrappers allocate starts as NaN: unwritten outputs fail."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(empty_like(*a, **k)))
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # unwritten outputs stay NaN
 
 
 def _routing(g: torch.Generator, t: int, n_exp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +79,7 @@ def test_moe_fp8(block: tuple[int, int], split_k: int, scale_fp32: bool) -> None
     ref = moe.moe_fp8_ref(x.double(), ids, w.double(), w13, s13, w2, s2, block, LIMIT)
     out = moe.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, block, LIMIT, split_k=split_k)
     assert out.dtype == torch.bfloat16 and out.shape == (T, D)
-    assert _rel(out, ref) < 1e-2
+    assert rel(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
@@ -103,7 +91,7 @@ def test_moe_fp4_with_expert_parallel_offset(split_k: int) -> None:
     ref = moe.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT, E)
     out = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, E, split_k=split_k)
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < 1e-2
+    assert rel(out, ref) < 1e-2
 
 
 def test_align_tiles() -> None:
