@@ -18,7 +18,14 @@ import triton.testing
 from bench.common import machine, record, write
 from kernels import engram, mhc
 from kernels.gate import moe_gate_ref, moe_gate_triton
-from kernels.moe import moe_experts_ref, moe_fp4_triton, moe_fp8_triton
+from kernels.moe import (
+    GemmTiles,
+    MoeTiles,
+    moe_experts_ref,
+    moe_fp4_triton,
+    moe_fp8_triton,
+    pick_tiles,
+)
 from kernels.norm import rms_norm_ref
 from kernels.quant_ref import dequant_fp8_blocks
 
@@ -53,8 +60,13 @@ def ceilings() -> dict[str, float]:
     return {"copy_bw_Bps": bw, "bf16_flops": bf16, "fp8_flops": fp8}
 
 
-def moe_sweep(tokens: list[int], ceil: dict[str, float], recs: list[dict]) -> list[str]:
+def moe_sweep(
+    tokens: list[int], ceil: dict[str, float], recs: list[dict], all_local: bool = False
+) -> list[str]:
+    """Routing over 384 experts of which 48 are local (expert parallel, decode), or with
+    ``all_local`` every slot on the 48 local experts (a rank's dispatched prefill tokens)."""
     dev = "cuda"
+    n_all = E_LOCAL if all_local else E_ALL
     w13 = (torch.randn(E_LOCAL, 2 * INTER, D, device=dev) * 64).to(torch.float8_e4m3fn)
     s13 = torch.randint(117, 121, (E_LOCAL, 2 * INTER // 32, D // 32), device=dev).byte()
     w2 = (torch.randn(E_LOCAL, D, INTER, device=dev) * 64).to(torch.float8_e4m3fn)
@@ -75,33 +87,56 @@ def moe_sweep(tokens: list[int], ceil: dict[str, float], recs: list[dict]) -> li
     for t in tokens:
         sets = []
         for _ in range(4):
-            ids = torch.rand(t, E_ALL, device=dev).argsort(-1)[:, :TOPK]
+            ids = torch.rand(t, n_all, device=dev).argsort(-1)[:, :TOPK]
             ids[0, 0] = torch.where((ids[0] < E_LOCAL).any(), ids[0, 0], 0)  # >= 1 local
             sets.append(
                 (torch.randn(t, D, device=dev).bfloat16(), ids, torch.rand(t, TOPK, device=dev))
             )
         touched = sum(len(torch.unique(s[1][s[1] < E_LOCAL])) for s in sets) / len(sets)
-        e_t = E_LOCAL * (1 - (1 - TOPK / E_ALL) ** t)
-        slots = t * TOPK * E_LOCAL / E_ALL
+        e_t = E_LOCAL * (1 - (1 - TOPK / n_all) ** t)
+        slots = t * TOPK * E_LOCAL / n_all
         flops = slots * 6 * INTER * D
         t8 = _us(
             _rotating(
-                lambda s: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0), sets
+                lambda s: moe_fp8_triton(
+                    s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0, n_experts=n_all
+                ),
+                sets,
             )
         )
         t4 = _us(
-            _rotating(lambda s: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0), sets)
+            _rotating(
+                lambda s: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0, n_experts=n_all),
+                sets,
+            )
         )
         tref = _us(
             _rotating(lambda s: moe_experts_ref(s[0], s[1], s[2], w1l, w2l, w3l, 10.0), sets),
             30,
             False,
         )
-        for name, val, wb in (("moe.fp8", t8, fp8_bytes), ("moe.fp4", t4, fp4_bytes)):
+        t8a = _us(
+            _rotating(
+                lambda s: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0,
+                                         n_experts=n_all, act_fp8=True),
+                sets,
+            )
+        )  # fmt: skip
+        t4a = _us(
+            _rotating(
+                lambda s: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0,
+                                         n_experts=n_all, act_fp8=True),
+                sets,
+            )
+        )  # fmt: skip
+        for name, val, wb in (("moe.fp8", t8, fp8_bytes), ("moe.fp4", t4, fp4_bytes),
+                              ("moe.fp8.act_fp8", t8a, fp8_bytes),
+                              ("moe.fp4.act_fp8", t4a, fp4_bytes)):  # fmt: skip
             floor = max(touched * wb / bw, flops / f8) * 1e6
             gbps = touched * wb / (val * 1e-6) / 1e9
             params = {
                 "tokens": t,
+                "routing": "all_local" if all_local else f"{E_LOCAL}_of_{E_ALL}",
                 "experts_touched": touched,
                 "E_t_formula": e_t,
                 "weight_GBps": gbps,
@@ -120,9 +155,72 @@ def moe_sweep(tokens: list[int], ceil: dict[str, float], recs: list[dict]) -> li
                 )
             )
             lines.append(
-                f"{name:10s} T={t:5d} {val:9.1f} us  floor {floor:8.1f}  "
+                f"{name:16s} T={t:5d}{' local' if all_local else ''} {val:9.1f} us  "
+                f"floor {floor:8.1f}  "
                 f"{gbps:7.0f} GB/s  {params['tflops']:6.1f} TF  ref {tref:9.1f} us"
             )
+    return lines
+
+
+def _tile_choices(t: int, act_fp8: bool, n_all: int) -> list[MoeTiles]:
+    """The heuristic's pick and neighbours (BM, BN, BK, split, warps, stages)."""
+    base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, act_fp8)
+    out = [base]
+    if base.bm <= 32:
+        for bn, bk, w, st in ((64, 256, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3)):
+            g1 = GemmTiles(bn, bk, base.gate_up.split, w, st)
+            g2 = GemmTiles(bn, bk, base.down.split, w, st)
+            out.append(MoeTiles(base.bm, g1, g2))
+    else:
+        for bm, bn1, bn2, bk, w, st in (
+            (64, 128, 128, 64, 4, 4), (128, 64, 128, 128, 8, 3),
+            (128, 64, 64, 128, 8, 4), (64, 64, 128, 128, 4, 3),
+        ):  # fmt: skip
+            out.append(MoeTiles(bm, GemmTiles(bn1, bk, 1, w, st), GemmTiles(bn2, bk, 1, w, st)))
+    return out
+
+
+def tile_sweep(cases: list[tuple[int, bool, bool]]) -> list[str]:
+    """Time tile choices around the heuristic for (tokens, all_local, act_fp8) cases (fp8 and
+    fp4 weights); the first row of each case is the pick."""
+    dev = "cuda"
+    w13 = (torch.randn(E_LOCAL, 2 * INTER, D, device=dev) * 64).to(torch.float8_e4m3fn)
+    s13 = torch.randint(117, 121, (E_LOCAL, 2 * INTER // 32, D // 32), device=dev).byte()
+    w2 = (torch.randn(E_LOCAL, D, INTER, device=dev) * 64).to(torch.float8_e4m3fn)
+    s2 = torch.randint(117, 121, (E_LOCAL, D // 32, INTER // 32), device=dev).byte()
+    p13 = torch.randint(-128, 128, (E_LOCAL, 2 * INTER, D // 2), device=dev, dtype=torch.int8)
+    q13 = torch.randint(121, 125, (E_LOCAL, 2 * INTER, D // 32), device=dev).byte()
+    p2 = torch.randint(-128, 128, (E_LOCAL, D, INTER // 2), device=dev, dtype=torch.int8)
+    q2 = torch.randint(121, 125, (E_LOCAL, D, INTER // 32), device=dev).byte()
+    lines = []
+    for t, all_local, act8 in cases:
+        n_all = E_LOCAL if all_local else E_ALL
+        sets = []
+        for _ in range(4):
+            ids = torch.rand(t, n_all, device=dev).argsort(-1)[:, :TOPK]
+            ids[0, 0] = torch.where((ids[0] < E_LOCAL).any(), ids[0, 0], 0)
+            sets.append((torch.randn(t, D, device=dev).bfloat16(), ids,
+                         torch.rand(t, TOPK, device=dev)))  # fmt: skip
+        for i, tiles in enumerate(_tile_choices(t, act8, n_all)):
+            for name, fn in (
+                ("fp8", lambda s, tl_=tiles, a8=act8: moe_fp8_triton(
+                    s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0, tiles=tl_,
+                    act_fp8=a8)),
+                ("fp4", lambda s, tl_=tiles, a8=act8: moe_fp4_triton(
+                    s[0], s[1], s[2], p13, q13, p2, q2, 10.0, tiles=tl_, act_fp8=a8)),
+            ):  # fmt: skip
+                try:
+                    us = _us(_rotating(fn, sets))
+                except Exception as e:  # resources exceeded for this tile shape
+                    us = float("nan")
+                    lines.append(f"  ({type(e).__name__}: {str(e)[:80]})")
+                g1, g2 = tiles.gate_up, tiles.down
+                lines.append(
+                    f"tiles {name} act8={act8:d} T={t:5d}{' local' if all_local else '      '} "
+                    f"{'pick' if i == 0 else '    '} bm={tiles.bm:3d} "
+                    f"up=({g1.bn},{g1.bk},s{g1.split},w{g1.warps},st{g1.stages}) "
+                    f"down=({g2.bn},{g2.bk},s{g2.split},w{g2.warps},st{g2.stages}) {us:9.1f} us"
+                )
     return lines
 
 
@@ -210,12 +308,28 @@ def engram_sweep(tokens: list[int], recs: list[dict]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer sizes (< 90 s)")
+    ap.add_argument("--tiles", action="store_true", help="only the MoE tile sweep")
     args = ap.parse_args()
+    if args.tiles:
+        print(
+            "\n".join(
+                tile_sweep(
+                    [
+                        (64, False, True),
+                        (4096, True, True),
+                        (4096, True, False),
+                        (4096, False, False),
+                    ]
+                )
+            )
+        )
+        return
     ceil = ceilings()
     recs: list[dict] = [record(f"ceiling.{k}", v, k.split("_")[-1]) for k, v in ceil.items()]
     moe_t = [1, 64, 4096] if args.quick else [1, 8, 64, 512, 4096]
     small = [1, 64, 4096]
     lines = moe_sweep(moe_t, ceil, recs)
+    lines += moe_sweep([4096], ceil, recs, all_local=True)
     lines += gate_sweep(small, ceil, recs)
     lines += mhc_sweep(small, ceil, recs)
     lines += engram_sweep([1, 64] if args.quick else small, recs)

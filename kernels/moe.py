@@ -4,12 +4,12 @@
 
 Triton path (``moe_fp8_triton`` / ``moe_fp4_triton``), no host sync (CUDA-graph safe):
 
-1. align (torch, on device): the T*k (token, slot) pairs sorted by local expert into tiles of
-   BM rows, each tile one expert; e.g. BM=2, slot experts [1,0,1] ->
-   sorted slots [1,-,0,2] (``-`` = padding), tile experts [0,1]; non-local experts dropped.
+1. ``_moe_align`` (one program): the T*k (token, slot) pairs grouped by local expert into
+   tiles of BM rows, each tile one expert; non-local experts dropped.
 2. ``_moe_gemm`` gated: ``[W1|W3] x`` for each tile, weights dequantized in registers
-   (fp8 blocks or packed fp4), bf16 MMA with fp32 accumulation, clamped SwiGLU in the
-   epilogue -> H [rows, I] bf16; with split-K (small batches) fp32 partials + ``_swiglu_reduce``.
+   (fp8 blocks or packed fp4: two values per PTX op), one bf16 MMA per scale group (32 or 128
+   K columns) with its block scales applied to the fp32 partial, clamped SwiGLU in the epilogue
+   -> H [rows, I] bf16; with split-K (small batches) fp32 partials + ``_swiglu_reduce``.
 3. ``_moe_gemm`` plain: ``W2 h`` -> Y [split, rows, d] fp32.
 4. ``_moe_combine``: ``out[t] = sum_j w[t,j] * sum_s Y[s, row(t,j)]`` in a fixed order
    (deterministic; no atomics).
@@ -18,6 +18,7 @@ Triton path (``moe_fp8_triton`` / ``moe_fp4_triton``), no host sync (CUDA-graph 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,10 +44,13 @@ def moe_experts_ref(
     w2: list[torch.Tensor],
     w3: list[torch.Tensor],
     limit: float,
+    act_fp8: bool = False,
 ) -> torch.Tensor:
     """``x`` [T, d], ``ids``/``weights`` [T, k]; per-expert weights w1/w3 [I, d], w2 [d, I].
 
     Experts absent from ``w1`` (None) are not local to this rank and contribute nothing.
+    ``act_fp8``: both GEMMs' activations rounded by :func:`fake_quant_act` (h after a bf16
+    round trip, as the kernels store it).
     """
     out = torch.zeros(
         x.shape[0], w2[0].shape[0] if w2 else x.shape[1], dtype=torch.float32, device=x.device
@@ -59,14 +63,27 @@ def moe_experts_ref(
             continue
         sel = (flat_ids == e).nonzero(as_tuple=True)[0]
         t = tok[sel]
-        xe = x[t]
+        xe = fake_quant_act(x[t]) if act_fp8 else x[t]
         h = swiglu_clamp(xe @ w1[e].t(), xe @ w3[e].t(), limit)
+        if act_fp8:
+            h = fake_quant_act(h.to(torch.bfloat16).to(h.dtype))
         y = (h @ w2[e].t()).float() * flat_w[sel].unsqueeze(-1)
         out.index_add_(0, t, y)
     return out.to(x.dtype)
 
 
 moe_experts = moe_experts_ref
+
+ACT_GROUP = 32  # fp8 activations: one scale per row and 32 columns
+
+
+def fake_quant_act(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
+    """Round ``x`` [..., K] like the kernels' fp8 activations: per row and ``group`` columns,
+    scale = amax / 448 (fp32), values rounded to e4m3; returns dequantized values."""
+    xf = x.float().unflatten(-1, (-1, group))
+    scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0
+    q = (xf / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.flatten(-2).to(x.dtype)
 
 
 def _stacked_ref(
@@ -77,6 +94,7 @@ def _stacked_ref(
     w2: torch.Tensor,
     limit: float,
     offset: int,
+    act_fp8: bool = False,
 ) -> torch.Tensor:
     n_exp = max(int(ids.max()) + 1, offset + w13.shape[0])
     inter = w13.shape[1] // 2
@@ -87,7 +105,7 @@ def _stacked_ref(
         w1[offset + i], w3[offset + i] = w13[i, :inter], w13[i, inter:]
         w2s[offset + i] = w2[i]
     w2s = [w if w is not None else w2[0] for w in w2s]  # only shapes are read for non-local
-    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit)
+    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit, act_fp8)
 
 
 def moe_fp8_ref(
@@ -101,12 +119,13 @@ def moe_fp8_ref(
     block: tuple[int, int],
     limit: float,
     local_expert_offset: int = 0,
+    act_fp8: bool = False,
 ) -> torch.Tensor:
     """Dequantize stacked fp8 experts (``w13`` [E, 2I, d] = W1|W3, ``w2`` [E, d, I]) to
     ``x.dtype`` and run :func:`moe_experts_ref`; expert ``offset + i`` is ``w13[i]``."""
     w13f = dequant_fp8_blocks(w13, s13, block, x.dtype)
     w2f = dequant_fp8_blocks(w2, s2, block, x.dtype)
-    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset)
+    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8)
 
 
 def moe_fp4_ref(
@@ -119,15 +138,87 @@ def moe_fp4_ref(
     s2: torch.Tensor,
     limit: float,
     local_expert_offset: int = 0,
+    act_fp8: bool = False,
 ) -> torch.Tensor:
     """Packed fp4 experts (``w13`` [E, 2I, d/2] int8 + [E, 2I, d/32] scales, ``w2``
     [E, d, I/2] + [E, d, I/32]) dequantized to ``x.dtype``, then :func:`moe_experts_ref`."""
     w13f = dequant_fp4(w13, s13, x.dtype)
     w2f = dequant_fp4(w2, s2, x.dtype)
-    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset)
+    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8)
 
 
 # ---- Triton ---------------------------------------------------------------------------
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Packed dequantization in PTX (GPU only; the interpreter runs the plain-Triton twin below).
+# Two bytes are spread into the two 16-bit halves of a register (prmt), their bits moved to
+# bf16 positions (shift/and/or), and one bf16x2 multiply re-biases the exponent:
+# e4m3 s.eeee.mmm -> bf16 bits (s<<15 | eeeemmm<<4) * 2^120; e2m1 s.ee.m -> bf16 bits
+# (s<<15 | eem<<6) * 2^126. Subnormal codes (e = 0) become bf16 subnormals that the multiply
+# makes exact. Two values per op, no lookup tables; block scales go on the accumulator.
+_FP8_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a0, a1, u0, u1, c, z;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+shl.b32 a0, t0, 4;  and.b32 a0, a0, 0x07F007F0;
+shl.b32 u0, t0, 8;  and.b32 u0, u0, 0x80008000;  or.b32 a0, a0, u0;
+shl.b32 a1, t1, 4;  and.b32 a1, a1, 0x07F007F0;
+shl.b32 u1, t1, 8;  and.b32 u1, u1, 0x80008000;  or.b32 a1, a1, u1;
+mov.b32 c, 0x7B807B80;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, a0, c, z;
+fma.rn.bf16x2 $1, a1, c, z;
+}""")
+
+_FP4_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a, u, c, z;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+mov.b32 c, 0x7E807E80;
+mov.b32 z, 0x80008000;
+shl.b32 a, t0, 6;  and.b32 a, a, 0x01C001C0;
+shl.b32 u, t0, 12; and.b32 u, u, 0x80008000;  or.b32 a, a, u;  fma.rn.bf16x2 $0, a, c, z;
+shl.b32 a, t1, 6;  and.b32 a, a, 0x01C001C0;
+shl.b32 u, t1, 12; and.b32 u, u, 0x80008000;  or.b32 a, a, u;  fma.rn.bf16x2 $1, a, c, z;
+shl.b32 a, t0, 2;  and.b32 a, a, 0x01C001C0;
+shl.b32 u, t0, 8;  and.b32 u, u, 0x80008000;  or.b32 a, a, u;  fma.rn.bf16x2 $2, a, c, z;
+shl.b32 a, t1, 2;  and.b32 a, a, 0x01C001C0;
+shl.b32 u, t1, 8;  and.b32 u, u, 0x80008000;  or.b32 a, a, u;  fma.rn.bf16x2 $3, a, c, z;
+}""")
+
+
+# fp4 -> e4m3 for the fp8 tensor cores, four bytes (eight codes) at a time: the code's
+# magnitude bits e1 e0 m land on e4m3's low exponent bits and top mantissa bit, which is the
+# value times 2^-6 (e = 0 lands on the e4m3 subnormal of the same weight), the sign on bit 7.
+_FP4_E4M3_ASM = tl.constexpr("""{
+.reg .b32 a, u;
+and.b32 a, $2, 0x07070707;  shl.b32 a, a, 2;
+and.b32 u, $2, 0x08080808;  shl.b32 u, u, 4;  or.b32 $0, a, u;
+shr.b32 a, $2, 2;  and.b32 a, a, 0x1C1C1C1C;
+and.b32 u, $2, 0x80808080;  or.b32 $1, a, u;
+}""")
+
+
+@triton.jit
+def _dot(a, b, acc, CDT: tl.constexpr):
+    """``acc + a @ b``; fp32 operands multiply exactly (not tf32)."""
+    if tl.float32 == CDT:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _e4m3_rne(v):
+    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32:
+    3 mantissa bits for normals (|v| >= 2^-6), steps of 2^-9 below."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 of 23 mantissa bits
+    normal = bits.to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting rounds to an integer, ties to even
+    sub = ((v * 512.0 + magic) - magic) * 0.001953125
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
 @triton.jit
@@ -152,21 +243,79 @@ def _e2m1(code):
 
 
 @triton.jit
-def _w_tile_fp8(w_ptr, s_ptr, e, n, k, swe, swn, sse, ssn, ssk, SB_N, SB_K, SCALE_E8M0, CDT):
-    """Dequantized [BK, BN] tile of expert ``e`` (rows ``n``, columns ``k``)."""
-    w = tl.load(w_ptr + e * swe + n[None, :] * swn + k[:, None]).to(tl.float32)
-    s = _scale(
-        s_ptr + e * sse + (n // SB_N)[None, :] * ssn + (k // SB_K)[:, None] * ssk, SCALE_E8M0
-    )
-    return (w * s).to(CDT)
+def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, USE_ASM: tl.constexpr,
+             SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
+             CDT: tl.constexpr, GK: tl.constexpr, A_FP8: tl.constexpr):  # fmt: skip
+    """One scale group of weight rows ``n``, columns ``[kg, kg+GK)``: the unscaled tile
+    [BN, GK] and its scales [BN] (fp32), W = tile * scale[:, None]. The tile is e4m3 when
+    ``A_FP8`` (fp8 weights as stored; fp4 codes re-encoded exactly as e4m3 * 2^-6, folded into
+    the scale), else CDT."""
+    s = _scale(s_base + (n // SB_N) * ssn + (kg // SB_K) * ssk, SCALE_E8M0)
+    if FP4:
+        kh = kg // 2 + tl.arange(0, GK // 2)
+        q = tl.load(w_base + n[:, None] * swn + kh[None, :])  # [BN, GK/2] packed bytes
+        if A_FP8:
+            if USE_ASM:
+                lo, hi = tl.inline_asm_elementwise(
+                    _FP4_E4M3_ASM, "=r,=r,r", [q], dtype=(tl.float8e4nv, tl.float8e4nv),
+                    is_pure=True, pack=4,
+                )  # fmt: skip
+            else:  # fp32 holding the e4m3 values (the interpreter's fp8 casts misround)
+                b = q.to(tl.int32) & 0xFF
+                lo = _e2m1(b & 0xF) * 0.015625
+                hi = _e2m1(b >> 4) * 0.015625
+            s = s * 64.0
+        elif USE_ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                _FP4_ASM, "=r,=r,=r,=r,r", [q], dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            b = q.to(tl.int32) & 0xFF
+            lo = _e2m1(b & 0xF).to(CDT)
+            hi = _e2m1(b >> 4).to(CDT)
+        w = tl.reshape(tl.join(lo, hi), (n.shape[0], GK))  # even column = low nibble
+    else:
+        q = tl.load(w_base + n[:, None] * swn + (kg + tl.arange(0, GK))[None, :])
+        if A_FP8:
+            w = q
+        elif USE_ASM:
+            w = tl.inline_asm_elementwise(
+                _FP8_ASM, "=r,=r,r", [q.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            w = q.to(tl.float32).to(CDT)
+    return w, s
 
 
 @triton.jit
-def _w_tile_fp4(w_ptr, s_ptr, e, n, kh, swe, swn, sse, ssn, ssk, SCALE_E8M0, CDT):
-    """Even / odd column [BK/2, BN] tiles of packed fp4 expert ``e`` (``kh`` byte columns)."""
-    b = tl.load(w_ptr + e * swe + n[None, :] * swn + kh[:, None]).to(tl.int32) & 0xFF
-    s = _scale(s_ptr + e * sse + n[None, :] * ssn + (kh // 16)[:, None] * ssk, SCALE_E8M0)
-    return (_e2m1(b & 0xF) * s).to(CDT), (_e2m1(b >> 4) * s).to(CDT)
+def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl.constexpr,
+               USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr,
+               SB_K: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr,
+               SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr):  # fmt: skip
+    """``acc + A[:, kg:kg+GK] @ W[n, kg:kg+GK]^T`` for one scale group (GK = 32 or 128).
+
+    A_FP8: the activation group is quantized in registers (row amax / 448 -> e4m3, the
+    rounding of :func:`fake_quant_act`) and multiplied on the fp8 tensor cores; both scales
+    go on the fp32 partial. Else bf16 MMA: scales on the weight tile when many rows share it
+    (BM >= 64: fewer multiplies, no second accumulator), else on the partial."""
+    w, s = _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4, USE_ASM, SCALE_E8M0, SB_N, SB_K,
+                    CDT, GK, A_FP8)  # fmt: skip
+    a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
+    if A_FP8:
+        a = a.to(tl.float32)
+        sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-30) / 448.0
+        if USE_ASM:
+            part = tl.dot((a / sa[:, None]).to(tl.float8e4nv), tl.trans(w))
+        else:  # interpreter: e4m3 rounding emulated in fp32 (its fp8 casts misround)
+            part = tl.dot(_e4m3_rne(a / sa[:, None]), tl.trans(w.to(tl.float32)))
+        return acc + part * sa[:, None] * s[None, :]
+    elif SCALE_ON_W:
+        return _dot(a.to(CDT), tl.trans((w.to(tl.float32) * s[:, None]).to(CDT)), acc, CDT)
+    else:
+        zero = tl.zeros(acc.shape, tl.float32)
+        return acc + _dot(a.to(CDT), tl.trans(w.to(CDT)), zero, CDT) * s[None, :]
 
 
 @triton.jit
@@ -176,11 +325,12 @@ def _moe_gemm(
     out_ptr, sos, som,
     n_slots, topk, N, K, k_per_split, limit,
     A_GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
-    FP4: tl.constexpr, SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, CDT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FP4: tl.constexpr, USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    SB_N: tl.constexpr, SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr, CDT: tl.constexpr,
+    A_FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``."""
+    """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``; with
+    ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(tile_e_ptr + pid_m)
     if e < 0:
@@ -192,31 +342,21 @@ def _moe_gemm(
     arow = slot // topk if A_GATHER else pos
     a_base = a_ptr + arow.to(tl.int64)[:, None] * sam
     n = pid_n * BN + tl.arange(0, BN)
+    w_base, s_base = w_ptr + e * swe, s_ptr + e * sse
     acc1 = tl.zeros((BM, BN), tl.float32)
     acc3 = tl.zeros((BM, BN), tl.float32)
+    GK: tl.constexpr = SB_K if SB_K < BK else BK  # K columns sharing one scale
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BK):
-        if FP4:
-            kh = k0 // 2 + tl.arange(0, BK // 2)
-            a_ev = tl.load(a_base + 2 * kh[None, :], mask=rmask[:, None], other=0.0).to(CDT)
-            a_od = tl.load(a_base + 2 * kh[None, :] + 1, mask=rmask[:, None], other=0.0).to(CDT)
-            w_ev, w_od = _w_tile_fp4(w_ptr, s_ptr, e, n, kh, swe, swn, sse, ssn, ssk,
-                                     SCALE_E8M0, CDT)  # fmt: skip
-            acc1 = tl.dot(a_od, w_od, tl.dot(a_ev, w_ev, acc1))
+        for g in tl.static_range(BK // GK):
+            kg = k0 + g * GK
+            acc1 = _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc1, FP4,
+                              USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK, BM >= 64,
+                              A_FP8)  # fmt: skip
             if GATED:
-                w_ev, w_od = _w_tile_fp4(w_ptr, s_ptr, e, n + N, kh, swe, swn, sse, ssn, ssk,
-                                         SCALE_E8M0, CDT)  # fmt: skip
-                acc3 = tl.dot(a_od, w_od, tl.dot(a_ev, w_ev, acc3))
-        else:
-            k = k0 + tl.arange(0, BK)
-            a = tl.load(a_base + k[None, :], mask=rmask[:, None], other=0.0).to(CDT)
-            w = _w_tile_fp8(w_ptr, s_ptr, e, n, k, swe, swn, sse, ssn, ssk, SB_N, SB_K,
-                            SCALE_E8M0, CDT)  # fmt: skip
-            acc1 = tl.dot(a, w, acc1)
-            if GATED:
-                w = _w_tile_fp8(w_ptr, s_ptr, e, n + N, k, swe, swn, sse, ssn, ssk, SB_N, SB_K,
-                                SCALE_E8M0, CDT)  # fmt: skip
-                acc3 = tl.dot(a, w, acc3)
+                acc3 = _group_dot(a_base, rmask, kg, w_base, s_base, n + N, swn, ssn, ssk, acc3,
+                                  FP4, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK, BM >= 64,
+                                  A_FP8)  # fmt: skip
     o_ptrs = out_ptr + pid_k * sos + pos.to(tl.int64)[:, None] * som + n[None, :]
     if FUSE_SWIGLU:
         if HAS_LIMIT:
@@ -277,40 +417,72 @@ def _moe_combine(
     tl.store(out_ptr + t * som + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-def _dot_dtype() -> tl.dtype:
-    """bf16 MMA operands; fp32 under the interpreter (it computes bf16 dots wrongly)."""
-    return tl.float32 if os.environ.get("TRITON_INTERPRET", "0") == "1" else tl.bfloat16
+@triton.jit
+def _moe_align(
+    ids_ptr, n_slots, offset, n_local, rows_ptr, inv_ptr, tile_e_ptr, cursor_ptr,
+    n_tiles, n_rows, BM: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """One program: count slots per local expert (histogram), lay out BM-row tiles per expert
+    (prefix sum), write each tile's expert, pad rows, then place every slot with an atomic
+    cursor per expert. Row order inside an expert varies between runs; results do not (rows
+    of a matrix product are independent, and the combine reads in slot order)."""
+    bins = tl.arange(0, NB)
+    counts = tl.zeros((NB,), tl.int32)
+    for s0 in range(0, n_slots, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + s, mask=s < n_slots, other=0).to(tl.int32) - offset
+        local = (s < n_slots) & (e >= 0) & (e < n_local)
+        counts += tl.histogram(tl.where(local, e, 0), NB, mask=local)
+    tiles = (counts + BM - 1) // BM
+    tile_end = tl.cumsum(tiles, 0)
+    first_row = (tile_end - tiles) * BM
+    for t0 in range(0, n_tiles, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        ex = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        tl.store(tile_e_ptr + t, tl.where(ex < n_local, ex, -1), mask=t < n_tiles)
+    for r0 in range(0, n_rows, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        tl.store(rows_ptr + r, tl.full((BLOCK,), 0, tl.int32) + n_slots, mask=r < n_rows)
+    tl.store(cursor_ptr + bins, first_row)
+    tl.debug_barrier()
+    for s0 in range(0, n_slots, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + s, mask=s < n_slots, other=0).to(tl.int32) - offset
+        local = (s < n_slots) & (e >= 0) & (e < n_local)
+        p = tl.atomic_add(cursor_ptr + tl.where(local, e, 0), 1, mask=local)
+        tl.store(rows_ptr + p, s, mask=local)
+        tl.store(inv_ptr + s, tl.where(local, p, -1), mask=s < n_slots)
+
+
+def _dot_dtype(x: torch.Tensor) -> tl.dtype:
+    """MMA operands: bf16 (fp32 accumulation) for bf16/fp16 activations; fp32 (exact
+    products) for fp32 activations and under the interpreter (it computes bf16 dots wrongly)."""
+    return tl.float32 if _INTERPRET or x.dtype == torch.float32 else tl.bfloat16
 
 
 def _align(
     ids: torch.Tensor, n_local: int, offset: int, bm: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted slots [tiles*BM] int32 (pad = T*k), inverse [T*k] int32 (-1 = not local),
-    tile experts [tiles] int32 (-1 = idle)); all on device, no host sync."""
-    dev = ids.device
-    flat = ids.reshape(-1).long() - offset
-    n_slots = flat.numel()
-    local = (flat >= 0) & (flat < n_local)
-    e = torch.where(local, flat, torch.full_like(flat, n_local))  # bucket n_local = dropped
-    counts = torch.zeros(n_local + 1, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, e, torch.ones_like(e))
-    is_local = torch.arange(n_local + 1, device=dev) < n_local
-    tiles = (counts + bm - 1) // bm * is_local  # no tiles for the dropped bucket
-    tile_end = torch.cumsum(tiles, 0)
-    first_row = (tile_end - tiles) * bm
-    order = torch.argsort(e, stable=True)
-    se = e[order]
-    rank = torch.arange(n_slots, device=dev) - (torch.cumsum(counts, 0) - counts)[se]
+    """(slots by tile row [tiles*BM] int32 (pad = T*k), row of each slot [T*k] int32
+    (-1 = not local), tile experts [tiles] int32 (-1 = idle)); one launch, no host sync.
+
+    e.g. BM=2, slot experts [1,0,1] -> rows [1,-,0,2] (``-`` = pad; 0 and 2 in either
+    order), tile experts [0,1]."""
+    n_slots = ids.numel()
     n_tiles = min(n_slots, -(-n_slots // bm) + n_local)
-    dump = n_tiles * bm
-    dest = torch.where(se < n_local, first_row[se] + rank, torch.full_like(rank, dump))
-    sorted_slots = torch.full((dump + 1,), n_slots, dtype=torch.int32, device=dev)
-    sorted_slots.scatter_(0, dest, order.to(torch.int32))
+    n_rows = n_tiles * bm
+    dev = ids.device
+    rows = torch.empty(n_rows, dtype=torch.int32, device=dev)
     inv = torch.empty(n_slots, dtype=torch.int32, device=dev)
-    inv.scatter_(0, order, torch.where(dest < dump, dest, -1).to(torch.int32))
-    tile_e = torch.searchsorted(tile_end, torch.arange(n_tiles, device=dev), right=True)
-    tile_e = torch.where(tile_e < n_local, tile_e, -1).to(torch.int32)
-    return sorted_slots[:dump], inv, tile_e
+    tile_e = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    nb = triton.next_power_of_2(n_local + 1)
+    cursor = torch.empty(nb, dtype=torch.int32, device=dev)
+    _moe_align[(1,)](
+        ids.reshape(-1), n_slots, offset, n_local, rows, inv, tile_e, cursor, n_tiles, n_rows,
+        BM=bm, NB=nb, BLOCK=1024, BLOCK_T=max(16, 8192 // nb), num_warps=8,
+    )  # fmt: skip
+    return rows, inv, tile_e
 
 
 def _num_sms(dev: torch.device) -> int:
@@ -319,15 +491,66 @@ def _num_sms(dev: torch.device) -> int:
     return 4
 
 
-def _pick(n_slots: int, n_local: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, split_k) heuristics: small tiles + split-K at decode sizes."""
-    per_expert = n_slots / max(1, min(n_local, n_slots))
+@dataclass(frozen=True)
+class GemmTiles:
+    """Launch shape of one grouped GEMM: N/K tile, K splits, warps, pipeline stages."""
+
+    bn: int
+    bk: int
+    split: int = 1
+    warps: int = 4
+    stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Rows per tile (BM) and the two GEMMs' shapes; :func:`pick_tiles` chooses them."""
+
+    bm: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+
+def _gemm_tiles(
+    bm: int, n: int, k: int, tiles: int, sms: int, min_bk: int, gated: bool, act_fp8: bool
+) -> GemmTiles:
+    bk = max(min_bk, next(b for b in (128, 64, 32) if k % b == 0))
+    if bm >= 64:  # many rows per expert: no split (H200 sweep, bench.kernels_moe --tiles)
+        if act_fp8:  # fp8 MMA, scales on fp32 partials: gated keeps three accumulators
+            bn = next(b for b in ((64, 32) if gated else (128, 64, 32)) if n % b == 0)
+            return GemmTiles(bn, bk, 1, 8, 3)
+        bn = next(b for b in (128, 64, 32) if n % b == 0)
+        return GemmTiles(bn, min(bk, 64), 1, 4, 4)
+    bn = next(b for b in (64, 32) if n % b == 0)
+    blocks = max(1, tiles) * (n // bn)
+    split = max(1, min(k // bk // 2, -(-2 * sms // blocks)))
+    return GemmTiles(bn, bk, split, 4, 4)
+
+
+def pick_tiles(
+    n_slots: int,
+    n_local: int,
+    n_experts: int,
+    d: int,
+    inter: int,
+    sb_k: int,
+    sms: int,
+    act_fp8: bool = False,
+) -> MoeTiles:
+    """Heuristic tiles: BM from the expected rows per touched local expert; at decode sizes
+    small N tiles and split-K so that the weight stream fills every SM."""
+    local_slots = max(1.0, n_slots * n_local / max(n_local, n_experts))
+    touched = min(float(n_local), local_slots)
+    per_expert = local_slots / touched
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    bn = next(b for b in (128, 64, 32, 16) if n % b == 0 and (bm >= 64 or b <= 64))
-    bk = next(b for b in (128, 64, 32) if k % b == 0)
-    blocks = min(n_local, n_slots) * (n // bn)
-    split = max(1, min(k // bk // 4, -(-4 * sms // blocks))) if bm == 16 else 1
-    return bm, bn, bk, split
+    if act_fp8 and per_expert > 96:
+        bm = 128
+    tiles = int(touched) + int(local_slots // bm)
+    return MoeTiles(
+        bm,
+        _gemm_tiles(bm, inter, d, tiles, sms, min(sb_k, 128), True, act_fp8),
+        _gemm_tiles(bm, d, inter, tiles, sms, min(sb_k, 128), False, act_fp8),
+    )
 
 
 def _check_experts(
@@ -364,8 +587,11 @@ def _moe_run(
     block: tuple[int, int],
     limit: float,
     offset: int,
+    n_experts: int | None,
+    tiles: MoeTiles | None,
     block_m: int | None,
     split_k: int | None,
+    act_fp8: bool,
 ) -> torch.Tensor:
     t, d = x.shape
     topk = ids.shape[1]
@@ -373,51 +599,61 @@ def _moe_run(
     out = torch.empty_like(x)
     if n_slots == 0:
         return out
-    sms = _num_sms(x.device)
-    bm, bn1, bk1, split1 = _pick(n_slots, n_local, inter, d, sms)
-    _, bn2, bk2, split2 = _pick(n_slots, n_local, d, inter, sms)
-    bm = block_m or bm
-    if split_k is not None:
-        split1 = split2 = split_k
+    if tiles is None:
+        tiles = pick_tiles(n_slots, n_local, n_experts or n_local, d, inter, block[1],
+                           _num_sms(x.device), act_fp8)  # fmt: skip
+    tiles = _override(tiles, block_m, split_k)
+    bm, g1, g2 = tiles.bm, tiles.gate_up, tiles.down
     rows, inv, tile_e = _align(ids, n_local, offset, bm)
     n_tiles, n_rows = tile_e.numel(), rows.numel()
     s13, e8_13 = _scale_arg(s13)
     s2, e8_2 = _scale_arg(s2)
-    common = dict(
-        HAS_LIMIT=limit > 0, CDT=_dot_dtype(), FP4=fp4, SB_N=block[0], SB_K=block[1], BM=bm
-    )
-    h = torch.empty(n_rows, inter, dtype=torch.bfloat16, device=x.device)
-    k1 = -(-(d // bk1) // split1) * bk1
+    cdt = _dot_dtype(x)
+    common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, SB_N=block[0], SB_K=block[1],
+                  BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8)  # fmt: skip
+    h_dtype = torch.float32 if cdt == tl.float32 else torch.bfloat16
+    h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
+    k1 = -(-(d // g1.bk) // g1.split) * g1.bk
     gate_args = (x, x.stride(0), rows, tile_e, w13, w13.stride(0), w13.stride(1))
     gate_args += (s13, s13.stride(0), s13.stride(1), s13.stride(-1))
-    grid1 = (n_tiles, inter // bn1, split1)
-    if split1 == 1:
+    grid1 = (n_tiles, inter // g1.bn, g1.split)
+    launch1 = dict(BN=g1.bn, BK=g1.bk, num_warps=g1.warps, num_stages=g1.stages)
+    if g1.split == 1:
         _moe_gemm[grid1](*gate_args, h, 0, h.stride(0), n_slots, topk, inter, d, k1, limit,
                          A_GATHER=True, GATED=True, FUSE_SWIGLU=True, SCALE_E8M0=e8_13,
-                         BN=bn1, BK=bk1, **common)  # fmt: skip
+                         **launch1, **common)  # fmt: skip
     else:
-        part = torch.empty(split1, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
+        part = torch.empty(g1.split, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
         _moe_gemm[grid1](*gate_args, part, part.stride(0), part.stride(1), n_slots, topk, inter,
                          d, k1, limit, A_GATHER=True, GATED=True, FUSE_SWIGLU=False,
-                         SCALE_E8M0=e8_13, BN=bn1, BK=bk1, **common)  # fmt: skip
+                         SCALE_E8M0=e8_13, **launch1, **common)  # fmt: skip
         _swiglu_reduce[(n_tiles, triton.cdiv(inter, 64))](
             part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
-            SPLIT=split1, HAS_LIMIT=limit > 0, BM=bm, BN=64,
+            SPLIT=g1.split, HAS_LIMIT=limit > 0, BM=bm, BN=64,
         )  # fmt: skip
-    y = torch.empty(split2, n_rows, d, dtype=torch.float32, device=x.device)
-    k2 = -(-(inter // bk2) // split2) * bk2
-    _moe_gemm[(n_tiles, d // bn2, split2)](
+    y = torch.empty(g2.split, n_rows, d, dtype=torch.float32, device=x.device)
+    k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
+    _moe_gemm[(n_tiles, d // g2.bn, g2.split)](
         h, h.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
         s2, s2.stride(0), s2.stride(1), s2.stride(-1), y, y.stride(0), y.stride(1),
         n_slots, topk, d, inter, k2, limit, A_GATHER=False, GATED=False, FUSE_SWIGLU=False,
-        SCALE_E8M0=e8_2, BN=bn2, BK=bk2, **common,
+        SCALE_E8M0=e8_2, BN=g2.bn, BK=g2.bk, num_warps=g2.warps, num_stages=g2.stages,
+        **common,
     )  # fmt: skip
     w = weights.reshape(-1).float().contiguous()
     bd = min(1024, triton.next_power_of_2(d))
     _moe_combine[(t, triton.cdiv(d, bd))](
-        y, y.stride(0), y.stride(1), inv, w, out, out.stride(0), d, topk, SPLIT=split2, BD=bd
+        y, y.stride(0), y.stride(1), inv, w, out, out.stride(0), d, topk, SPLIT=g2.split, BD=bd
     )
     return out
+
+
+def _override(tiles: MoeTiles, block_m: int | None, split_k: int | None) -> MoeTiles:
+    """Test hooks: force BM and/or the K splits of both GEMMs."""
+    if split_k is not None:
+        tiles = replace(tiles, gate_up=replace(tiles.gate_up, split=split_k),
+                        down=replace(tiles.down, split=split_k))  # fmt: skip
+    return replace(tiles, bm=block_m) if block_m is not None else tiles
 
 
 def moe_fp8_triton(
@@ -433,11 +669,18 @@ def moe_fp8_triton(
     local_expert_offset: int = 0,
     block_m: int | None = None,
     split_k: int | None = None,
+    *,
+    n_experts: int | None = None,
+    tiles: MoeTiles | None = None,
+    act_fp8: bool = False,
 ) -> torch.Tensor:
     """MegaMoE over fp8 e4m3 block-scaled experts: ``w13`` [E, 2I, d] (W1 rows then W3 rows),
     ``s13`` [E, 2I/b0, d/b1], ``w2`` [E, d, I], ``s2`` [E, d/b0, I/b1] (e8m0 or fp32).
 
     ``x`` [T, d] bf16/fp32, ``ids``/``weights`` [T, k]; returns [T, d] in x.dtype.
+    ``n_experts`` (all experts, local or not) sizes the tiles; ``tiles`` overrides them.
+    ``act_fp8``: activations rounded to e4m3 per row and 32 columns (:func:`fake_quant_act`)
+    and multiplied on the fp8 tensor cores, as DeepSeek's own inference does; else bf16.
     """
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
@@ -453,7 +696,7 @@ def moe_fp8_triton(
     if tuple(s13.shape) != want13 or tuple(s2.shape) != want2:
         raise ValueError(f"scales {tuple(s13.shape)} {tuple(s2.shape)}, want {want13} {want2}")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, block, limit,
-                    local_expert_offset, block_m, split_k)  # fmt: skip
+                    local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8)  # fmt: skip
 
 
 def moe_fp4_triton(
@@ -468,10 +711,15 @@ def moe_fp4_triton(
     local_expert_offset: int = 0,
     block_m: int | None = None,
     split_k: int | None = None,
+    *,
+    n_experts: int | None = None,
+    tiles: MoeTiles | None = None,
+    act_fp8: bool = False,
 ) -> torch.Tensor:
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
-    ``w2`` int8 [E, d, I/2], ``s2`` [E, d, I/32]. Split-K fills the GPU at 1-64 tokens."""
+    ``w2`` int8 [E, d, I/2], ``s2`` [E, d, I/32]. Split-K fills the GPU at 1-64 tokens.
+    ``act_fp8`` as in :func:`moe_fp8_triton` (fp4 codes re-encoded as e4m3 in-kernel)."""
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
     d = x.shape[1]
@@ -488,14 +736,20 @@ def moe_fp4_triton(
     ):
         raise ValueError(f"fp4 scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
-                    local_expert_offset, block_m, split_k)  # fmt: skip
+                    local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8)  # fmt: skip
 
 
 def moe_fp8(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """:func:`moe_fp8_triton` on CUDA tensors, else :func:`moe_fp8_ref` (same arguments)."""
-    return (moe_fp8_triton if x.is_cuda else moe_fp8_ref)(x, *args, **kwargs)
+    if x.is_cuda:
+        return moe_fp8_triton(x, *args, **kwargs)
+    kwargs.pop("n_experts", None)
+    return moe_fp8_ref(x, *args, **kwargs)
 
 
 def moe_fp4(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """:func:`moe_fp4_triton` on CUDA tensors, else :func:`moe_fp4_ref` (same arguments)."""
-    return (moe_fp4_triton if x.is_cuda else moe_fp4_ref)(x, *args, **kwargs)
+    if x.is_cuda:
+        return moe_fp4_triton(x, *args, **kwargs)
+    kwargs.pop("n_experts", None)
+    return moe_fp4_ref(x, *args, **kwargs)

@@ -1,0 +1,96 @@
+"""Compile Triton kernels for sm_90 on a machine without a GPU and report registers, spills
+and shared memory (ptxas bundled with Triton), so that launch shapes can be checked before
+spending device time.
+
+    python -m bench.compile_report moe|attention
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int,
+                stages: int) -> str:  # fmt: skip
+    """One line: registers, spill bytes, shared memory of ``fn`` at these constants."""
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    k = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    regs, stack, _, local = use.groups() if use else ("?",) * 4
+    mma = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "HMMA", "QGMMA")}
+    mma_s = " ".join(f"{op}={n}" for op, n in mma.items() if n)
+    return f"regs {regs} stack {stack} local {local} smem {k.metadata.shared} {mma_s}"
+
+
+def moe() -> None:
+    import kernels.moe as m
+
+    types = {n: "i32" for n in m._moe_gemm.arg_names}
+    types.update(a_ptr="*bf16", rows_ptr="*i32", tile_e_ptr="*i32", w_ptr="*fp8e4nv",
+                 s_ptr="*u8", out_ptr="*bf16", limit="fp32")  # fmt: skip
+    for fp4, act8 in ((False, False), (True, False), (False, True), (True, True)):
+        for gated, fuse in ((True, True), (True, False), (False, False)):
+            for bm, bn, bk, w, st in ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
+                                      (128, 128, 128, 8, 3), (128, 64, 128, 8, 3),
+                                      (128, 128, 64, 8, 3), (64, 128, 64, 4, 4)):  # fmt: skip
+                t = dict(types)
+                t["w_ptr"] = "*i8" if fp4 else "*fp8e4nv"
+                t["out_ptr"] = "*bf16" if fuse else "*fp32"
+                t["a_ptr"] = "*bf16"
+                consts = dict(A_GATHER=gated, GATED=gated, FUSE_SWIGLU=fuse, FP4=fp4,
+                              USE_ASM=True, SCALE_E8M0=True, SB_N=1 if fp4 else 32, SB_K=32,
+                              HAS_LIMIT=True, CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk,
+                              A_FP8=act8)  # fmt: skip
+                try:
+                    rep = compile_one(m._moe_gemm, t, consts, w, st)
+                except Exception as e:  # report and go on
+                    rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
+                print(f"moe fp4={fp4:d} act8={act8:d} gated={gated:d} fuse={fuse:d} "
+                      f"BM={bm} BN={bn} BK={bk} w={w} st={st}: {rep}")  # fmt: skip
+
+
+def attention() -> None:
+    import kernels.attention as a
+
+    fn = a._sparse_attn_kernel.fn
+    types = {n: "i32" for n in fn.arg_names}
+    types.update(q_ptr="*bf16", kv_ptr="*bf16", sc_ptr="*fp32", idx_ptr="*i64",
+                 sink_ptr="*fp32", ang_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
+                 ml_ptr="*fp32", scale_log2="fp32")  # fmt: skip
+    for fp8 in (False, True):
+        for bh, bn, w, st in ((64, 32, 8, 1), (64, 16, 8, 2), (32, 32, 8, 2), (16, 64, 4, 2),
+                              (64, 32, 16, 1)):  # fmt: skip
+            t = dict(types)
+            t["kv_ptr"] = "*fp8e4nv" if fp8 else "*bf16"
+            consts = dict(D=512, R=64, FP8=fp8, ROPE=True, F32_DOT=False, BLOCK_H=bh,
+                          BLOCK_N=bn)  # fmt: skip
+            try:
+                rep = compile_one(fn, t, consts, w, st)
+            except Exception as e:
+                rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
+            print(f"attention fp8={fp8:d} BH={bh} BN={bn} w={w} st={st}: {rep}")
+
+
+if __name__ == "__main__":
+    {"moe": moe, "attention": attention}[sys.argv[1]]()
