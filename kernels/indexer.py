@@ -8,12 +8,16 @@ Triton designs:
   [Di, BLOCK_C] and loops over its token blocks; BLOCK_T tokens x Hi heads form the M side of one
   ``tl.dot`` (64 rows), then ReLU, head weights, and a head sum give [BLOCK_T, BLOCK_C] scores.
   Entry blocks that no token of the block can see are written as -inf without a dot.
-- ``topk_triton``: radix select in registers. A program takes a chunk of a row, maps scores to
+- ``topk_triton``, rows up to 16384: radix select in registers. A program maps scores to
   order-preserving int32 keys, finds the k-th key with four 8-bit histogram passes, keeps every
-  key above it plus the lowest-index ties, and compacts them in index order (a cumsum). Chunks
-  keep their own top-k (a superset of the row's: whatever beats a global pick beats it in its
-  chunk too); the survivors, still in index order, are selected again until one chunk remains.
-  256K candidates, k=512: 32 chunks of 8192 -> 16384 survivors -> one program.
+  key above it plus the lowest-index ties, and compacts them in index order (a cumsum).
+- Longer rows (256K candidates at 1M context): (1) every 4096-chunk adds a histogram of its
+  keys' top 11 bits to the row's (integer atomics); (2) each chunk finds the bin b* holding the
+  k-th largest key and appends its scores in bins >= b* to the row's list (about k + a few
+  entries); (3) one program per row selects exactly from the list with a unique 64-bit key
+  (score, then lower id: deterministic ties) and sorts the picks. A list longer than its
+  capacity (massive ties) sends the row to the chunked radix path: chunks keep their own
+  top-k (a superset of the row's), survivors are selected again until one chunk remains.
 """
 
 from __future__ import annotations
@@ -162,24 +166,33 @@ _CHUNK = 8192  # chunk of a longer row (>= 4 * k rounded up, so each pass shrink
 
 
 @triton.jit
+def _order_key(v):
+    """Order-preserving int32 key of fp32 scores (-0 -> +0; negatives' 31 low bits flipped)."""
+    bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
 def _select_kernel(
-    val_ptr, id_ptr, out_val_ptr, out_id_ptr, L, KK, s_v, s_i, s_ov, s_oi,
+    val_ptr, id_ptr, out_val_ptr, out_id_ptr, L, KK, s_v, s_i, s_ov, s_oi, cnt_ptr, cap,
     CHUNK: tl.constexpr, KK_P2: tl.constexpr, HAS_ID: tl.constexpr, FINAL: tl.constexpr,
+    ONLY_OVERFLOW: tl.constexpr,
 ):  # fmt: skip
     """Top-KK of row ``pid(1)``'s chunk ``pid(0)`` (elements ``[pid(0)*CHUNK, +CHUNK)`` of L).
 
     Intermediate: writes KK (score, id) survivors per chunk in index order (id -1 = padding).
     FINAL: writes the ascending ids, -1 for picks that are padding or score -inf.
+    ONLY_OVERFLOW: rows whose coarse candidate list fit (``cnt[row] <= cap``) are skipped.
     """
     row = tl.program_id(1).to(tl.int64)
+    if ONLY_OVERFLOW:  # noqa: SIM102 (a constexpr branch: no load when False)
+        if tl.load(cnt_ptr + row) <= cap:
+            return
     j = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     inb = j < L
     v = tl.load(val_ptr + row * s_v + j, mask=inb, other=float("-inf"))
     ids = tl.load(id_ptr + row * s_i + j, mask=inb, other=-1) if HAS_ID else tl.where(inb, j, -1)
-    # Order-preserving int32 key: float bits, negatives with the 31 low bits flipped (-0 -> +0).
-    bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = tl.where(ids >= 0, key, -2147483648)  # padding sorts below every score
+    key = tl.where(ids >= 0, _order_key(v), -2147483648)  # padding sorts below every score
 
     # Radix select the KK-th largest key tau, 8 bits per pass (top pass: sign bit flipped so
     # that digits order like the keys). need = how many keys equal to tau still to take.
@@ -214,10 +227,128 @@ def _select_kernel(
         tl.store(out_id_ptr + row * s_oi + pos, ids.to(tl.int32), mask=take)
 
 
+@triton.jit
+def _coarse_digit(v, NB: tl.constexpr):
+    """Top log2(NB) bits of the order key, sign bit flipped so that digits order like keys."""
+    BITS: tl.constexpr = NB.bit_length() - 1
+    return ((_order_key(v) >> (32 - BITS)) & (NB - 1)) ^ (NB // 2)
+
+
+@triton.jit
+def _coarse_hist_kernel(s_ptr, s_row, C, hist_ptr, CHUNK: tl.constexpr, NB: tl.constexpr):
+    """Row ``pid(1)``: add its chunk's histogram of the top key bits (finite-or-+inf scores
+    only; -inf is never picked) to ``hist`` [T, NB] (integer atomics: deterministic)."""
+    row = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    v = tl.load(s_ptr + row * s_row + j, mask=j < C, other=float("-inf"))
+    ok = v > float("-inf")
+    dig = _coarse_digit(v, NB)
+    h = tl.histogram(tl.where(ok, dig, 0), NB, mask=ok)
+    tl.atomic_add(hist_ptr + row * NB + tl.arange(0, NB), h, mask=h > 0)
+
+
+@triton.jit
+def _coarse_gather_kernel(
+    s_ptr, s_row, C, hist_ptr, KK, cnt_ptr, lv_ptr, li_ptr, CAP,
+    CHUNK: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """Bin b* = the coarse bin holding the KK-th largest score; append every score in bins
+    >= b* (a superset of the top-KK, usually KK + a few) to the row's list [CAP] with its id.
+    ``cnt`` gets the full count, also past CAP (then the exact fallback takes the row)."""
+    row = tl.program_id(1).to(tl.int64)
+    bins = tl.arange(0, NB)
+    at_least = tl.cumsum(tl.load(hist_ptr + row * NB + bins), 0, reverse=True)
+    bstar = tl.max(tl.where(at_least >= KK, bins, 0))
+    j = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    v = tl.load(s_ptr + row * s_row + j, mask=j < C, other=float("-inf"))
+    dig = _coarse_digit(v, NB)
+    sel = (v > float("-inf")) & (dig >= bstar)
+    base = tl.atomic_add(cnt_ptr + row, tl.sum(sel.to(tl.int32), 0))
+    pos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
+    keep = sel & (pos < CAP)
+    tl.store(lv_ptr + row * CAP + pos, v, mask=keep)
+    tl.store(li_ptr + row * CAP + pos, j, mask=keep)
+
+
+@triton.jit
+def _list_select_kernel(
+    lv_ptr, li_ptr, cnt_ptr, out_ptr, s_out, KK,
+    CAP: tl.constexpr, KK_P2: tl.constexpr,
+):  # fmt: skip
+    """Exact top-KK of the row's unordered list (<= CAP entries): radix select on the unique
+    64-bit key (score key, then the lower id) in eight 8-bit passes, then the picks sorted by
+    id; -1 after them. Rows whose list overflowed are left to the fallback."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.load(cnt_ptr + row)
+    if n > CAP:
+        return
+    e = tl.arange(0, CAP)
+    m = e < n
+    v = tl.load(lv_ptr + row * CAP + e, mask=m, other=float("-inf"))
+    ids = tl.load(li_ptr + row * CAP + e, mask=m, other=0)
+    hi = (_order_key(v).to(tl.int64) + 2147483648).to(tl.uint64)
+    lo = (4294967295 - ids.to(tl.int64)).to(tl.uint64)
+    key = tl.where(m, (hi << 32) | lo, 0)  # unique per entry; 0 = empty
+    bins = tl.arange(0, 256)
+    need = KK
+    tau = tl.zeros((), tl.uint64)
+    for p in tl.static_range(8):
+        shift = 56 - 8 * p
+        digit = ((key >> shift) & 0xFF).to(tl.int32)
+        if p == 0:
+            hist = tl.histogram(digit, 256)
+        else:
+            hist = tl.histogram(digit, 256, mask=(key >> (shift + 8)) == (tau >> (shift + 8)))
+        at_least = tl.cumsum(hist, 0, reverse=True)
+        b = tl.max(tl.where(at_least >= need, bins, 0))
+        need -= tl.sum(tl.where(bins > b, hist, 0))
+        tau = tau | (b.to(tl.uint64) << shift)
+    take = m & (key >= tau) & (v > float("-inf"))
+    big: tl.constexpr = 2147483647
+    pos = tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(out_ptr + row * s_out + pos, ids.to(tl.int64), mask=take)
+    n_take = tl.sum(take.to(tl.int32), 0)
+    tl.debug_barrier()
+    slot = tl.arange(0, KK_P2)
+    picked = tl.load(out_ptr + row * s_out + slot, mask=slot < n_take, other=big).to(tl.int32)
+    picked = tl.sort(picked)
+    tl.store(out_ptr + row * s_out + slot, tl.where(slot < n_take, picked, -1).to(tl.int64),
+             mask=slot < KK)  # fmt: skip
+
+
+_COARSE_CHUNK = 4096
+_COARSE_BINS = 2048  # 11-bit digits
+
+
+def _topk_coarse(scores: torch.Tensor, kk: int, out: torch.Tensor) -> torch.Tensor:
+    """Long rows: coarse histogram -> candidate list -> exact select (4 launches + a memset,
+    no host sync). Rows whose list exceeds its capacity (massive ties) take the chunked
+    radix path, launched for all rows and skipped by the others."""
+    T, C = scores.shape
+    kk_p2 = triton.next_power_of_2(kk)
+    cap = max(4096, 2 * kk_p2)
+    dev = scores.device
+    buf = torch.zeros(T * (_COARSE_BINS + 1), device=dev, dtype=torch.int32)  # one memset
+    hist, cnt = buf[: T * _COARSE_BINS], buf[T * _COARSE_BINS :]
+    lv = torch.empty((T, cap), device=dev, dtype=torch.float32)
+    li = torch.empty((T, cap), device=dev, dtype=torch.int32)
+    n = triton.cdiv(C, _COARSE_CHUNK)
+    _coarse_hist_kernel[(n, T)](scores, scores.stride(0), C, hist, CHUNK=_COARSE_CHUNK,
+                                NB=_COARSE_BINS, num_warps=8)  # fmt: skip
+    _coarse_gather_kernel[(n, T)](
+        scores, scores.stride(0), C, hist, kk, cnt, lv, li, cap,
+        CHUNK=_COARSE_CHUNK, NB=_COARSE_BINS, num_warps=8,
+    )  # fmt: skip
+    _list_select_kernel[(T,)](lv, li, cnt, out, out.stride(0), kk, CAP=cap, KK_P2=kk_p2,
+                              num_warps=8)  # fmt: skip
+    return _topk_chunked(scores, kk, out, overflow=(cnt, cap))
+
+
 def topk_triton(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``topk_ref``: ``scores`` [T, C] fp32 (+inf counts as a valid score) ->
     int64 [T, min(k, C)] ascending ids, -1 for picks scoring -inf (into ``out`` if given).
-    Needs min(k, C) <= 4096 when C > 16384 (chunks must shrink the row)."""
+    Rows up to 16384 wide: one program each; longer rows: the coarse-histogram path.
+    Needs min(k, C) <= 4096 when C > 16384."""
     if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"scores must be fp32 [T, C] with a contiguous last dim: {scores.shape}")
     T, C = scores.shape
@@ -228,9 +359,25 @@ def topk_triton(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
         raise ValueError(f"out must be int64 [T, min(k, C)]: {tuple(out.shape)}")
     if T == 0 or kk == 0:
         return out
-    kk_p2 = triton.next_power_of_2(kk)
-    if C > _ONE_CHUNK and 4 * kk_p2 > _ONE_CHUNK:
+    if C > _ONE_CHUNK and 4 * triton.next_power_of_2(kk) > _ONE_CHUNK:
         raise ValueError(f"top-{kk} of {C} candidates is beyond the chunked select")
+    if C > _ONE_CHUNK:
+        return _topk_coarse(scores, kk, out)
+    return _topk_chunked(scores, kk, out)
+
+
+def _topk_chunked(
+    scores: torch.Tensor,
+    kk: int,
+    out: torch.Tensor,
+    overflow: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """Chunked radix select: each chunk keeps its own top-kk until one program's worth is
+    left. With ``overflow`` = (list counts, capacity) only rows whose count exceeds it run."""
+    T, C = scores.shape
+    kk_p2 = triton.next_power_of_2(kk)
+    cnt, cap = overflow if overflow is not None else (scores, 0)
+    pred = dict(ONLY_OVERFLOW=overflow is not None)
     vals, ids, L = scores, scores, C
     while L > _ONE_CHUNK:  # shrink: every chunk keeps its own top-kk
         chunk = max(_CHUNK, 4 * kk_p2)
@@ -239,14 +386,15 @@ def topk_triton(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
         ni = torch.empty((T, n * kk), device=scores.device, dtype=torch.int32)
         _select_kernel[(n, T)](
             vals, ids, nv, ni, L, kk, vals.stride(0), ids.stride(0), nv.stride(0), ni.stride(0),
-            CHUNK=chunk, KK_P2=kk_p2, HAS_ID=ids is not scores, FINAL=False, num_warps=16,
+            cnt, cap, CHUNK=chunk, KK_P2=kk_p2, HAS_ID=ids is not scores, FINAL=False,
+            num_warps=16, **pred,
         )  # fmt: skip
         vals, ids, L = nv, ni, n * kk
     chunk = max(16, triton.next_power_of_2(L))
     _select_kernel[(1, T)](
-        vals, ids, out, out, L, kk, vals.stride(0), ids.stride(0), 0, out.stride(0),
+        vals, ids, out, out, L, kk, vals.stride(0), ids.stride(0), 0, out.stride(0), cnt, cap,
         CHUNK=chunk, KK_P2=kk_p2, HAS_ID=ids is not scores, FINAL=True,
-        num_warps=16 if chunk >= 8192 else 8 if chunk >= 2048 else 4,
+        num_warps=16 if chunk >= 8192 else 8 if chunk >= 2048 else 4, **pred,
     )  # fmt: skip
     return out
 

@@ -81,3 +81,29 @@ def test_dispatch_uses_reference_on_cpu():
     assert torch.equal(ix.indexer_scores(q, k, w, visible), ix.indexer_scores_ref(q, k, w, visible))
     s = _hard_scores(5, 2, 40)
     assert torch.equal(ix.topk(s, 7), ix.topk_ref(s, 7))
+
+
+@pytest.mark.parametrize("k", [1, 64, 300])
+def test_topk_coarse_path_long_rows(k):
+    """Rows longer than one program: coarse histogram + candidate list; row 1's heavy ties
+    (3 values, ~6700 entries in the top bin > the 4096-entry list) take the chunked fallback."""
+    g = torch.Generator().manual_seed(k)
+    T, C = 4, 20000
+    s = torch.randn(T, C, generator=g)
+    s[1] = torch.randint(0, 3, (C,), generator=g).float()
+    s[2, : C - 100] = float("-inf")  # fewer visible than some k
+    s[3, 5::9] = float("inf")
+    s[3, 1::7] = -0.0
+    assert torch.equal(ix.topk_triton(s, k), ix.topk_ref(s, k))
+
+
+def test_topk_coarse_ties_at_threshold():
+    """Equal scores straddling the k-th place: the lower ids win, in list order or not."""
+    C = 17000
+    s = torch.full((1, C), -5.0)
+    s[0, 3000:3010] = 2.0
+    s[0, ::1000] = 1.5  # 17 entries tie for the last places
+    got = ix.topk_triton(s, 15)
+    assert torch.equal(got, ix.topk_ref(s, 15))
+    # 2.0 at 3001..3009 (3000 was overwritten by 1.5), then the 6 lowest of 17 tied 1.5s
+    assert got[0].tolist() == [0, 1000, 2000, 3000, *range(3001, 3010), 4000, 5000]
