@@ -98,6 +98,24 @@ def rope_angles(ang_ptr, D: tl.constexpr, R: tl.constexpr):
     return tl.load(ang_ptr + j, mask=j >= 0, other=0.0)[None, :]
 
 
+@triton.jit
+def _gather_kv(kv_ptr, sc_ptr, idx_row, n0, hi, s_kv, s_sc, D: tl.constexpr, FP8: tl.constexpr,
+               BLOCK_N: tl.constexpr, dot_t: tl.constexpr):  # fmt: skip
+    """Key rows ``idx_row[n0 : n0+BLOCK_N]`` (< hi) as [BLOCK_N, D] in ``dot_t`` (fp8 rows
+    times their per-32-channel scales) and the valid mask (id >= 0)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    rows = tl.load(idx_row + n, mask=n < hi, other=-1).to(tl.int64)
+    valid = rows >= 0
+    d = tl.arange(0, D)
+    k = tl.load(kv_ptr + rows[:, None] * s_kv + d[None, :], mask=valid[:, None], other=0.0)
+    if FP8:
+        g = tl.arange(0, D // 32)
+        sc = tl.load(sc_ptr + rows[:, None] * s_sc + g[None, :], mask=valid[:, None], other=0.0)
+        k = tl.reshape(tl.reshape(k.to(tl.float32), (BLOCK_N, D // 32, 32)) * sc[:, :, None],
+                       (BLOCK_N, D))  # fmt: skip
+    return k.to(dot_t), valid
+
+
 def _attn_configs() -> list[triton.Config]:
     if _INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4)]
@@ -140,16 +158,8 @@ def _sparse_attn_kernel(
     lo = split * per
     hi = tl.minimum(lo + per, K)
     for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        rows = tl.load(idx_ptr + t * s_it + n, mask=n < hi, other=-1).to(tl.int64)
-        valid = rows >= 0
-        k = tl.load(kv_ptr + rows[:, None] * s_kv + d[None, :], mask=valid[:, None], other=0.0)
-        if FP8:
-            g = tl.arange(0, D // 32)
-            sc = tl.load(sc_ptr + rows[:, None] * s_sc + g[None, :], mask=valid[:, None], other=0.0)
-            k = tl.reshape(tl.reshape(k.to(tl.float32), (BLOCK_N, D // 32, 32)) * sc[:, :, None],
-                           (BLOCK_N, D))  # fmt: skip
-        k = k.to(dot_t)
+        k, valid = _gather_kv(kv_ptr, sc_ptr, idx_ptr + t * s_it, n0, hi, s_kv, s_sc,
+                              D, FP8, BLOCK_N, dot_t)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=prec) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -230,10 +240,12 @@ def sparse_attention_triton(
     kv_scale: torch.Tensor | None = None,
     splits: int | None = None,
     out: torch.Tensor | None = None,
+    launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Triton ``sparse_attention_ref`` (same arguments). ``kv`` in q.dtype, or fp8 e4m3 with
     ``kv_scale`` [N, D/32] fp32; ``splits`` overrides the KV split count (``default_splits``);
-    ``out`` [T, H, D] (contiguous last dim) receives the result."""
+    ``out`` [T, H, D] (contiguous last dim) receives the result; ``launch`` (BLOCK_H, BLOCK_N,
+    num_warps, num_stages) bypasses the autotuner (benchmark sweeps)."""
     T, H, D = q.shape
     if kv.dim() != 2 or kv.shape[1] != D or idx.dim() != 2 or idx.shape[0] != T:
         raise ValueError(f"bad shapes q{tuple(q.shape)} kv{tuple(kv.shape)} idx{tuple(idx.shape)}")
@@ -279,12 +291,14 @@ def sparse_attention_triton(
     def grid(meta):
         return (T, triton.cdiv(H, meta["BLOCK_H"]), S)
 
-    _sparse_attn_kernel[grid](
+    kernel = _sparse_attn_kernel if launch is None else _sparse_attn_kernel.fn
+    kernel[grid](
         q, kv, sc, idx, sink, ang, out, part, ml,
         T, H, K, S, triton.next_power_of_2(T), triton.next_power_of_2(K), scale * _LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), sc.stride(0), idx.stride(0),
         ang.stride(0), out.stride(0), out.stride(1),
         D=D, R=R, FP8=fp8, ROPE=R > 0, F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+        **(launch or {}),
     )  # fmt: skip
     if S > 1:
         bh = 16

@@ -95,7 +95,8 @@ def _pool_configs() -> list[triton.Config]:
     if _INTERPRET:
         return [triton.Config({"BLOCK_E": 2}, num_warps=4)]
     return [
-        triton.Config({"BLOCK_E": be}, num_warps=w) for be, w in ((1, 4), (2, 4), (4, 4), (8, 8))
+        triton.Config({"BLOCK_E": be}, num_warps=w)
+        for be, w in ((1, 4), (2, 4), (4, 4), (8, 8), (2, 8), (4, 8), (16, 8))
     ]
 
 
@@ -118,7 +119,8 @@ def _pool_kernel(
     m = tl.full([BLOCK_E, DIM], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_E, DIM], tl.float32)
     acc = tl.zeros([BLOCK_E, DIM], tl.float32)
-    for s in range(SPAN):
+    # unrolled for short spans (V4.1 ratio 2, V4 CSA): every slot's loads in flight together
+    for s in tl.range(0, SPAN, loop_unroll_factor=SPAN if SPAN <= 8 else 1):
         col = d
         if OVERLAP:
             col = d + tl.where(s >= RATIO, DIM, 0)  # Cb half for this window's slots
