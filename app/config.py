@@ -15,6 +15,8 @@ from app.model.config import ModelConfig
 
 ReplayMode = Literal["off", "encoder", "encoder+decoder"]
 REPLAY_MODES: tuple[str, ...] = ("off", "encoder", "encoder+decoder")
+PackedExpertsMode = Literal["auto", "on", "off"]
+PACKED_EXPERTS_MODES: tuple[str, ...] = ("auto", "on", "off")
 
 
 class EngineConfigError(ValueError):
@@ -91,11 +93,17 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one DP rank's engine needs."""
+    """Everything one DP rank's engine needs.
+
+    ``packed_experts``: keep fp8 / fp4 routed experts packed per layer for the MegaMoE
+    kernels ("on": required, a checkpoint that cannot be packed fails to load; "off":
+    dequantize to ``dtype``; "auto": packed on CUDA when every MoE layer can be).
+    """
 
     model: str
     device: str = "cpu"
     dtype: str = "float32"
+    packed_experts: PackedExpertsMode = "auto"
     overlap_schedule: bool = True
     seed: int = 0
     cache: CacheConfig = CacheConfig()
@@ -108,6 +116,14 @@ class EngineConfig:
             raise EngineConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.packed_experts not in PACKED_EXPERTS_MODES:
+            raise EngineConfigError(
+                f"packed_experts must be one of {PACKED_EXPERTS_MODES}, got {self.packed_experts!r}"
+            )
+
+    def packed_experts_flag(self) -> bool | None:
+        """``packed_experts`` as :func:`app.model.loader.load_model` takes it (None = auto)."""
+        return {"auto": None, "on": True, "off": False}[self.packed_experts]
 
     @classmethod
     def from_options(cls, model: str, **options: object) -> EngineConfig:

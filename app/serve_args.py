@@ -23,6 +23,7 @@ class EngineArgs(BaseModel):
 
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    packed_experts: Literal["auto", "on", "off"] = "auto"
     overlap_schedule: bool = True
     seed: int = 0
     max_num_seqs: int = Field(64, gt=0)
@@ -111,6 +112,7 @@ class ServeArgs(BaseModel):
             model=str(path),
             device=e.device,
             dtype=e.dtype,
+            packed_experts=e.packed_experts,
             overlap_schedule=e.overlap_schedule,
             seed=e.seed,
             cache=CacheConfig(

@@ -68,17 +68,19 @@ def tiny_model(tiny_cfg, tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    """Path of a tiny official-layout checkpoint (seed 0), made once per session."""
+    """Path of a tiny official-layout checkpoint (seed 0), made once per session and options
+    (``make_tiny_checkpoint``'s keywords, e.g. ``expert_dtype="fp8", block=32``)."""
     from app.model.tiny import make_tiny_checkpoint
 
-    paths: dict[str, str] = {}
+    paths: dict[tuple, str] = {}
 
-    def make(arch: str) -> str:
-        if arch not in paths:
+    def make(arch: str, **options: object) -> str:
+        key = (arch, *sorted(options.items()))
+        if key not in paths:
             out = tmp_path_factory.mktemp(f"tiny-{arch}")
-            make_tiny_checkpoint(out, arch=arch, seed=0)
-            paths[arch] = str(out)
-        return paths[arch]
+            make_tiny_checkpoint(out, arch=arch, seed=0, **options)
+            paths[key] = str(out)
+        return paths[key]
 
     return make
 

@@ -52,9 +52,7 @@ class PagedKVCache:
         self.cfg, self.block_size, self.num_blocks = cfg, block_size, num_blocks
         self.max_slots, self.dtype, self.device = max_slots, dtype, torch.device(device)
         W, D = cfg.sliding_window, cfg.head_dim
-        self.window = [
-            torch.zeros(max_slots, W, D, dtype=dtype, device=device) for _ in cfg.layers
-        ]
+        self.window = [torch.zeros(max_slots, W, D, dtype=dtype, device=device) for _ in cfg.layers]
         self.entries: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}
         self.tails: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

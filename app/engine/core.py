@@ -101,7 +101,13 @@ class EngineCore:
         dtype = _DTYPES[cfg.dtype]
         path = Path(cfg.model)
         if model is None:
-            model = load_model(path, self.device, dtype, kv_quant=cfg.cache.kv_quant)
+            model = load_model(
+                path,
+                self.device,
+                dtype,
+                kv_quant=cfg.cache.kv_quant,
+                packed_experts=cfg.packed_experts_flag(),
+            )
         self.model = model
         mcfg = model.cfg
         tok_file = path / "tokenizer.json"

@@ -102,4 +102,3 @@ class CompressorV4(Compressor):
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate = self.wgate(x.float()) + self.ape.float()[pos % self.ratio]
         return self.wkv(x.float()), gate
-

@@ -10,6 +10,13 @@ Two phases, so that a bad checkpoint fails before any weight is read:
    device and dequantized on its own (fp8 blocks, fp4 experts, rowwise Engram tables), then the
    model's meta parameters are replaced with ``load_state_dict(assign=True)``.
 
+Packed experts (``packed_experts``; auto = on CUDA when the experts are fp8 / fp4): each MoE
+layer's routed experts skip dequantization; their bytes and scales are stacked into one
+:class:`~app.model.moe.PackedExperts` (``w13`` = W1 rows then W3 rows, ``w2``), which replaces
+the layer's ``ffn.experts`` ModuleList and runs the MegaMoE kernels. The plan is the same;
+whether every layer can be packed (one format, one block, kernel shapes) is decided from the
+headers too, before any data is read.
+
 Storage -> model (``dtype`` is the compute dtype of dequantized weights):
 
     F8_E4M3 + .scale [ceil(R/br), ceil(C/bc)]   -> fp8 block dequant        -> dtype
@@ -41,7 +48,8 @@ from tqdm import tqdm
 from app.model.config import ModelConfig
 from app.model.engram_hash import compressed_token_map
 from app.model.model import DeepseekModel
-from app.model.quant import dequantize_fp4, dequantize_fp8_block
+from app.model.moe import MoE, PackedExperts, PackedFormat, packing_problem
+from app.model.quant import dequantize_fp4, dequantize_fp8_block, e8m0_dtype, e8m0_to_float
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +66,11 @@ _FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.floa
 _INT_DTYPES = {"I32", "I64"}
 _PACKED_FP4_DTYPES = {"I8", "U8"}
 _SCALE_DTYPES = {"F8_E8M0", "U8", "F32"}
+_E8M0_SCALE_DTYPES = {"F8_E8M0", "U8"}
+# A routed expert weight: "layers.3.ffn.experts.5.w1.weight", "mtp.0.ffn.experts.2.w3.weight".
+_EXPERT_WEIGHT = re.compile(
+    r"^(?P<layer>(?:.+\.)?ffn\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$"
+)
 
 
 class CheckpointError(ValueError):
@@ -286,6 +299,114 @@ def _plan(
     return loads
 
 
+@dataclass(frozen=True)
+class ExpertPacking:
+    """How one MoE layer's routed experts are kept packed (decided from the headers).
+
+    ``layer``: the module path of the experts (``layers.3.ffn.experts``); ``block``: the fp8
+    weight block, or (1, 32) for fp4; ``experts``: the global expert ids held, stacked in this
+    order (all of them today; expert parallelism will hold a contiguous range).
+    """
+
+    layer: str
+    fmt: PackedFormat
+    block: tuple[int, int]
+    experts: range
+    scale_dtype: torch.dtype
+
+    def names(self, e: int) -> tuple[str, str, str]:
+        """Checkpoint names of expert ``e``'s W1, W3, W2 weights."""
+        base = f"{self.layer}.{e}"
+        return f"{base}.w1.weight", f"{base}.w3.weight", f"{base}.w2.weight"
+
+
+class _Unpackable(Exception):
+    """A layer whose experts cannot be packed; ``quantized`` False = stored unquantized."""
+
+    def __init__(self, why: str, quantized: bool = True) -> None:
+        super().__init__(why)
+        self.quantized = quantized
+
+
+def _expert_groups(loads: list[_Load]) -> dict[str, dict[int, dict[str, _Load]]]:
+    """Routed expert weights by layer, expert id and ``w1`` / ``w2`` / ``w3``."""
+    groups: dict[str, dict[int, dict[str, _Load]]] = {}
+    for ld in loads:
+        m = _EXPERT_WEIGHT.match(ld.name)
+        if m:
+            groups.setdefault(m["layer"], {}).setdefault(int(m["e"]), {})[m["w"]] = ld
+    return groups
+
+
+def _pack_layer(
+    ckpt: _Checkpoint, layer: str, experts: dict[int, dict[str, _Load]]
+) -> ExpertPacking:
+    """How ``layer``'s experts are stacked for the MegaMoE kernels; :class:`_Unpackable` if
+    they cannot be (unquantized, mixed formats or blocks, shapes the kernels cannot take)."""
+    loads = [ld for e in sorted(experts) for ld in experts[e].values()]
+    plain = next((ld for ld in loads if ld.how == "plain"), None)
+    if plain is not None:
+        st = ckpt.header(plain.name)[0]
+        raise _Unpackable(f"'{plain.name}' is stored unquantized ({st}); packing needs fp8 "
+                          "or fp4 experts", quantized=False)  # fmt: skip
+    fmts = {ld.how for ld in loads}
+    if len(fmts) != 1:
+        raise _Unpackable(f"experts mix formats {sorted(fmts)}; packing needs one")
+    fmt: PackedFormat = "fp8" if fmts == {"fp8"} else "fp4"
+    inter, cols = ckpt.header(experts[min(experts)]["w1"].name)[1]
+    d = cols * 2 if fmt == "fp4" else cols
+    if fmt == "fp8":
+        blocks = {ld.block for ld in loads}
+    else:  # (1, columns per scale) of every fp4 weight
+        blocks = {(1, 2 * ckpt.header(ld.name)[1][1] // ckpt.header(scale_name(ld.name))[1][1])
+                  for ld in loads}  # fmt: skip
+    if len(blocks) != 1:
+        raise _Unpackable(f"experts use scale blocks {sorted(blocks)}; the kernels take one")
+    (block,) = blocks
+    problem = packing_problem(fmt, d, inter, block)
+    if problem is not None:
+        raise _Unpackable(problem)
+    ids = sorted(experts)
+    if ids != list(range(ids[0], ids[0] + len(ids))):
+        raise _Unpackable(f"expert ids {ids} are not contiguous")
+    sdts = {ckpt.header(scale_name(ld.name))[0] for ld in loads}
+    sdt = e8m0_dtype() if sdts <= _E8M0_SCALE_DTYPES else torch.float32  # fp32 if any is
+    return ExpertPacking(layer, fmt, block, range(ids[0], ids[-1] + 1), sdt)
+
+
+def _plan_packing(
+    ckpt: _Checkpoint, loads: list[_Load], packed_experts: bool | None, device: torch.device
+) -> dict[str, ExpertPacking]:
+    """Which MoE layers keep their experts packed. ``packed_experts`` True: every layer (a
+    :class:`CheckpointError` names each one that cannot); None (auto): every layer when on
+    CUDA and all can be packed, else none; False: none."""
+    if packed_experts is False or (packed_experts is None and device.type != "cuda"):
+        return {}
+    packings: dict[str, ExpertPacking] = {}
+    problems: dict[str, _Unpackable] = {}
+    for layer, experts in _expert_groups(loads).items():
+        try:
+            packings[layer] = _pack_layer(ckpt, layer, experts)
+        except _Unpackable as e:
+            problems[layer] = e
+    if not problems:
+        return packings
+    lines = [f"{layer}: {why}" for layer, why in problems.items()]
+    if packed_experts:
+        shown = "\n  ".join(lines[:_MAX_REPORTED])
+        more = len(lines) - _MAX_REPORTED
+        raise CheckpointError(
+            f"checkpoint {ckpt.root}: packed_experts is on, but {len(lines)} MoE layers cannot "
+            f"keep their routed experts packed for the MegaMoE kernels:\n  {shown}"
+            + (f"\n  ... and {more} more" if more > 0 else "")
+            + "\n(turn packed_experts off to load them dequantized)"
+        )
+    log = logger.warning if any(e.quantized for e in problems.values()) else logger.info
+    log("routed experts stay dequantized (%d layers cannot be packed; first: %s)",
+        len(lines), lines[0])  # fmt: skip
+    return {}
+
+
 # ---- phase 2: read ----------------------------------------------------------------------
 
 
@@ -299,8 +420,60 @@ def _read(ckpt: _Checkpoint, load: _Load, device: torch.device) -> torch.Tensor:
     return dequantize_fp4(raw, scale, load.dtype)
 
 
+def _read_packed(
+    ckpt: _Checkpoint, p: ExpertPacking, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """``{layer}.w13 / .s13 / .w2 / .s2``: the experts' raw bytes and scales stacked on
+    ``device``, copied one expert at a time (no full-size temporary, nothing dequantized)."""
+    w1, _, w2 = p.names(p.experts.start)
+    wdt = torch.int8 if p.fmt == "fp4" else torch.float8_e4m3fn
+    (_, w1s), (_, s1s) = ckpt.header(w1), ckpt.header(scale_name(w1))
+    (_, w2s), (_, s2s) = ckpt.header(w2), ckpt.header(scale_name(w2))
+    n = len(p.experts)
+    out = {
+        "w13": torch.empty(n, 2 * w1s[0], w1s[1], dtype=wdt, device=device),
+        "s13": torch.empty(n, 2 * s1s[0], s1s[1], dtype=p.scale_dtype, device=device),
+        "w2": torch.empty(n, *w2s, dtype=wdt, device=device),
+        "s2": torch.empty(n, *s2s, dtype=p.scale_dtype, device=device),
+    }
+
+    def weight(name: str) -> torch.Tensor:
+        t = ckpt.read(name)
+        return t.view(torch.int8) if p.fmt == "fp4" else t  # fp4 bytes may be stored as U8
+
+    def scale(name: str) -> torch.Tensor:
+        s = ckpt.read(scale_name(name))
+        if p.scale_dtype == torch.float32:
+            return e8m0_to_float(s)
+        return s.view(p.scale_dtype)  # U8 codes are e8m0 exponents
+
+    def put(dst: torch.Tensor, src: torch.Tensor) -> None:  # bytes as bytes (no fp8 casts)
+        if dst.element_size() == 1:
+            dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+        dst.copy_(src)
+
+    for i, e in enumerate(p.experts):
+        n1, n3, n2 = p.names(e)
+        put(out["w13"][i, : w1s[0]], weight(n1))
+        put(out["w13"][i, w1s[0] :], weight(n3))
+        put(out["s13"][i, : s1s[0]], scale(n1))
+        put(out["s13"][i, s1s[0] :], scale(n3))
+        put(out["w2"][i], weight(n2))
+        put(out["s2"][i], scale(n2))
+    return {f"{p.layer}.{k}": t for k, t in out.items()}
+
+
 def _progress_disabled() -> bool:
     return os.environ.get(NO_PROGRESS_ENV, "") not in ("", "0") or not sys.stderr.isatty()
+
+
+@dataclass(frozen=True)
+class LoadedState:
+    """The read phase's result: ``tensors`` by state-dict name (checkpoint names; a packed
+    layer's experts as ``{layer}.w13 / .s13 / .w2 / .s2``) and the packed layers."""
+
+    tensors: dict[str, torch.Tensor]
+    packed: dict[str, ExpertPacking]
 
 
 def load_state(
@@ -309,25 +482,48 @@ def load_state(
     cfg: ModelConfig,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> dict[str, torch.Tensor]:
-    """Validate the checkpoint at ``path`` against ``expected`` and read it dequantized.
+    packed_experts: bool | None = None,
+) -> LoadedState:
+    """Validate the checkpoint at ``path`` against ``expected`` and read it.
 
-    Quantized weights come back in ``dtype``; other tensors in their expected dtype.
-    Raises :class:`CheckpointError` naming the offending tensors and files. A progress bar
-    goes to stderr when it is a terminal and ``FATHOM_NO_PROGRESS`` is unset (or ``0``).
+    Quantized weights come back dequantized in ``dtype``, other tensors in their expected
+    dtype, except routed experts kept packed (see :func:`_plan_packing` for
+    ``packed_experts``). Raises :class:`CheckpointError` naming the offending tensors and
+    files. A progress bar goes to stderr when it is a terminal and ``FATHOM_NO_PROGRESS`` is
+    unset (or ``0``).
     """
     root, dev = Path(path), torch.device(device)
     with contextlib.ExitStack() as stack:
         ckpt = _Checkpoint(root, stack)
         loads = _plan(ckpt, expected, cfg, dtype)
+        packed = _plan_packing(ckpt, loads, packed_experts, dev)
+        in_packed = {n for p in packed.values() for e in p.experts for n in p.names(e)}
         # Shard by shard keeps reads sequential within each memory map.
-        loads.sort(key=lambda ld: (ckpt.weight_map[ld.name], ld.name))
+        rest = sorted((ld for ld in loads if ld.name not in in_packed),
+                      key=lambda ld: (ckpt.weight_map[ld.name], ld.name))  # fmt: skip
         out: dict[str, torch.Tensor] = {}
-        bar = tqdm(loads, desc="loading weights", unit="tensor", file=sys.stderr,
-                   disable=_progress_disabled())  # fmt: skip
-        for load in bar:
-            out[load.name] = _read(ckpt, load, dev)
-        return out
+        with tqdm(total=len(loads), desc="loading weights", unit="tensor", file=sys.stderr,
+                  disable=_progress_disabled()) as bar:  # fmt: skip
+            for load in rest:
+                out[load.name] = _read(ckpt, load, dev)
+                bar.update()
+            for p in packed.values():
+                out.update(_read_packed(ckpt, p, dev))
+                bar.update(3 * len(p.experts))
+        return LoadedState(out, packed)
+
+
+def expert_packing(
+    path: str | Path, device: str | torch.device = "cpu", packed_experts: bool | None = None
+) -> dict[str, ExpertPacking]:
+    """Which MoE layers :func:`load_model` would keep packed, from the headers only (no
+    weight is read); raises what it would raise."""
+    cfg = ModelConfig.from_file(path)
+    specs = tensor_specs(_empty_model(path, cfg, kv_quant=False))
+    with contextlib.ExitStack() as stack:
+        ckpt = _Checkpoint(Path(path), stack)
+        loads = _plan(ckpt, specs, cfg, torch.float32)
+        return _plan_packing(ckpt, loads, packed_experts, torch.device(device))
 
 
 def checkpoint_names(path: str | Path) -> set[str]:
@@ -349,26 +545,51 @@ def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
     return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in model.state_dict().items()}
 
 
+def _empty_model(path: str | Path, cfg: ModelConfig, kv_quant: bool) -> DeepseekModel:
+    """:func:`build_empty_model`, without ``mtp`` when the checkpoint has no ``mtp.*``."""
+    model = build_empty_model(cfg, kv_quant)
+    if len(model.mtp) and not any(n.startswith("mtp.") for n in checkpoint_names(path)):
+        # e.g. checkpoints exported by Hugging Face transformers, which drops mtp.*
+        logger.warning("%s has no mtp.* weights: speculative decoding will be unavailable", path)
+        model.mtp = nn.ModuleList()
+    return model
+
+
+def _install_packed(model: DeepseekModel, state: LoadedState) -> None:
+    """Swap each packed layer's ``ffn.experts`` ModuleList for its :class:`PackedExperts`."""
+    for layer, p in state.packed.items():
+        moe = model.get_submodule(layer.removesuffix(".experts"))
+        assert isinstance(moe, MoE), layer
+        t = {k: state.tensors[f"{layer}.{k}"] for k in ("w13", "s13", "w2", "s2")}
+        try:
+            moe.experts = PackedExperts(**t, fmt=p.fmt, block=p.block, limit=moe.limit,
+                                        local_expert_offset=p.experts.start)  # fmt: skip
+        except ValueError as e:
+            raise CheckpointError(f"{layer}: cannot keep the experts packed: {e}") from e
+
+
 def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     kv_quant: bool = False,
+    packed_experts: bool | None = None,
 ) -> DeepseekModel:
     """Build :class:`DeepseekModel` from ``path/config.json`` and load its weights.
 
     Parameters start on the meta device and are replaced by the loaded tensors, so the
     weights exist once in memory. ``dtype`` is the compute dtype of dequantized weights;
     ``kv_quant`` rounds V4.1 KV like the released cache formats (see ``kernels.kv_quant``).
+    ``packed_experts``: keep fp8 / fp4 routed experts packed per layer
+    (:class:`~app.model.moe.PackedExperts`, MegaMoE kernels) — True requires it of every MoE
+    layer (else :class:`CheckpointError`), None (auto) packs on CUDA when every layer can be
+    packed and dequantizes otherwise, False always dequantizes.
     """
     cfg = ModelConfig.from_file(path)
-    model = build_empty_model(cfg, kv_quant)
-    if len(model.mtp) and not any(n.startswith("mtp.") for n in checkpoint_names(path)):
-        # e.g. checkpoints exported by Hugging Face transformers, which drops mtp.*
-        logger.warning("%s has no mtp.* weights: speculative decoding will be unavailable", path)
-        model.mtp = nn.ModuleList()
-    state = load_state(path, tensor_specs(model), cfg, device, dtype)
-    model.load_state_dict(state, assign=True, strict=True)
+    model = _empty_model(path, cfg, kv_quant)
+    state = load_state(path, tensor_specs(model), cfg, device, dtype, packed_experts)
+    _install_packed(model, state)
+    model.load_state_dict(state.tensors, assign=True, strict=True)
     if model.hash_spec is not None:
         model.set_engram_token_map(engram_token_map(path, cfg))
     return model.to(device).eval()

@@ -1,13 +1,24 @@
-"""Mixture of experts: gate (sqrtsoftplus, bias or hash selection), routed + shared experts."""
+"""Mixture of experts: gate (sqrtsoftplus, bias or hash selection), routed + shared experts.
+
+Routed experts are held either as per-expert dequantized :class:`Expert` s (``experts.E.w1``,
+checkpoint names) or, for fp8 / fp4 checkpoints, as one :class:`PackedExperts` per layer: the
+checkpoint's bytes stacked for the MegaMoE kernels (``kernels.moe.moe_fp8`` / ``moe_fp4``).
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
 
 from app.model.layers import Linear
 from kernels.gate import moe_gate_fused
-from kernels.moe import moe_experts, swiglu_clamp
+from kernels.moe import moe_experts, moe_fp4, moe_fp8, swiglu_clamp
+
+PackedFormat = Literal["fp8", "fp4"]
+FP4_GROUP = 32  # packed fp4: one e8m0 scale per 32 values of a row (what the kernels read)
+_KERNEL_ALIGN = 32  # the MegaMoE kernels tile d and I in multiples of 32
 
 
 class Gate(nn.Module):
@@ -55,8 +66,113 @@ class Expert(nn.Module):
         return self.w2(swiglu_clamp(self.w1(x), self.w3(x), self.limit))
 
 
+def packing_problem(fmt: PackedFormat, d: int, inter: int, block: tuple[int, int]) -> str | None:
+    """Why experts of hidden size ``d`` and width ``inter`` cannot run in the MegaMoE kernels
+    (same checks as ``moe_fp8_triton`` / ``moe_fp4_triton``), or None when they can.
+
+    fp8: ``block`` (b0, b1) is the weight block, the same for W1, W3 and W2, and b0 must divide
+    I (W1 and W3 scale rows are stacked). fp4: ``block`` is (1, columns per scale) = (1, 32).
+    """
+    if d % _KERNEL_ALIGN or inter % _KERNEL_ALIGN:
+        return f"hidden size {d} and expert width {inter} must be multiples of {_KERNEL_ALIGN}"
+    if fmt == "fp8" and inter % block[0]:
+        return f"expert width {inter} is not a multiple of the fp8 block rows {block[0]}"
+    if fmt == "fp4" and block != (1, FP4_GROUP):
+        return f"fp4 scales cover {block[1]} columns each, the kernels need {FP4_GROUP}"
+    return None
+
+
+class PackedExperts(nn.Module):
+    """One layer's routed experts as stored in the checkpoint, stacked (no dequantized copy).
+
+    Buffers (expert ``offset + i`` is row ``i``; n_local = ``w13.shape[0]``):
+
+        fp8   w13 [n, 2I, d]   e4m3   s13 [n, 2I/b0, d/b1]   (W1 rows, then W3 rows)
+              w2  [n, d, I]    e4m3   s2  [n, d/b0, I/b1]
+        fp4   w13 [n, 2I, d/2] int8   s13 [n, 2I, d/32]      (even column in the low nibble)
+              w2  [n, d, I/2]  int8   s2  [n, d, I/32]
+
+    Scales are e8m0 (``float8_e8m0fnu``) or fp32. On CUDA the Triton MegaMoE kernels dequantize
+    in registers; on CPU the kernels' torch reference dequantizes per call. Experts outside
+    ``[offset, offset + n_local)`` contribute nothing (expert parallelism sums over ranks).
+    """
+
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        s13: torch.Tensor,
+        w2: torch.Tensor,
+        s2: torch.Tensor,
+        fmt: PackedFormat,
+        block: tuple[int, int],
+        limit: float,
+        local_expert_offset: int = 0,
+    ):
+        super().__init__()
+        if fmt not in ("fp8", "fp4"):
+            raise ValueError(f"packed experts are 'fp8' or 'fp4', got {fmt!r}")
+        want = torch.float8_e4m3fn if fmt == "fp8" else torch.int8
+        if w13.dtype != want or w2.dtype != want:
+            raise ValueError(f"{fmt} experts must be {want}, got {w13.dtype} / {w2.dtype}")
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0] or w13.shape[1] % 2:
+            raise ValueError(f"stacked experts expected: {tuple(w13.shape)} {tuple(w2.shape)}")
+        if local_expert_offset < 0:
+            raise ValueError(f"local_expert_offset must be >= 0, got {local_expert_offset}")
+        pack = 2 if fmt == "fp4" else 1
+        n, inter, d = w13.shape[0], w13.shape[1] // 2, w13.shape[2] * pack
+        if tuple(w2.shape) != (n, d, inter // pack):
+            raise ValueError(f"w2 {tuple(w2.shape)} does not fit w13 {tuple(w13.shape)}")
+        problem = packing_problem(fmt, d, inter, block)
+        if problem is not None:
+            raise ValueError(problem)
+        b0, b1 = block
+        want13 = (n, -(-2 * inter // b0), -(-d // b1))
+        want2 = (n, -(-d // b0), -(-inter // b1))
+        if tuple(s13.shape) != want13 or tuple(s2.shape) != want2:
+            raise ValueError(
+                f"scales {tuple(s13.shape)} {tuple(s2.shape)}, expected {want13} {want2}"
+            )
+        self.fmt, self.block, self.limit = fmt, block, limit
+        self.local_expert_offset = local_expert_offset
+        self.register_buffer("w13", w13)
+        self.register_buffer("s13", s13)
+        self.register_buffer("w2", w2)
+        self.register_buffer("s2", s2)
+
+    @property
+    def n_local(self) -> int:
+        """Experts held here: global ids ``[local_expert_offset, local_expert_offset + n)``."""
+        return self.w13.shape[0]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        n_experts: int | None = None,
+    ) -> torch.Tensor:
+        """``x`` [T, d], ``ids`` / ``weights`` [T, k] (global expert ids out of ``n_experts``,
+        which sizes the kernels' tiles; default: all local) -> [T, d]."""
+        x = x.contiguous()
+        off = self.local_expert_offset
+        kw = {"n_experts": n_experts}
+        if self.fmt == "fp8":
+            return moe_fp8(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.block,
+                           self.limit, off, **kw)  # fmt: skip
+        return moe_fp4(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.limit, off,
+                       **kw)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (f"{self.fmt}, block={self.block}, n_local={self.n_local}, "
+                f"offset={self.local_expert_offset}, limit={self.limit}")  # fmt: skip
+
+
 class MoE(nn.Module):
-    """``sum_k w_k expert_{e_k}(x) + shared(x)``."""
+    """``sum_k w_k expert_{e_k}(x) + shared(x)``.
+
+    ``experts`` is built as a ModuleList of :class:`Expert`; the loader may swap it for a
+    :class:`PackedExperts` (fp8 / fp4 checkpoints), which ``forward`` then runs.
+    """
 
     def __init__(
         self,
@@ -75,11 +191,16 @@ class MoE(nn.Module):
         self.gate = Gate(
             d, n_experts, k, route_scale, hash_vocab=hash_vocab, has_bias_vl=has_bias_vl
         )
-        self.experts = nn.ModuleList(Expert(d, inter, limit) for _ in range(n_experts))
+        self.experts: nn.ModuleList | PackedExperts = nn.ModuleList(
+            Expert(d, inter, limit) for _ in range(n_experts)
+        )
         self.shared_experts = Expert(d, inter, limit)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x, token_ids)
+        if isinstance(self.experts, PackedExperts):
+            n_experts = self.gate.weight.shape[0]
+            return self.experts(x, ids, w, n_experts) + self.shared_experts(x)
         routed = moe_experts(
             x, ids, w,
             [e.w1.weight for e in self.experts],

@@ -78,17 +78,29 @@ def _cuts(entries: list[tuple[str, torch.Tensor]], n_shards: int) -> list[int]:
     return sorted(cuts)
 
 
-def make_tiny_checkpoint(out_dir: str | Path, arch: str = "v41", seed: int = 0) -> Path:
-    """Write tokenizer, config.json, shards and index of a tiny ``arch`` model into ``out_dir``."""
+def make_tiny_checkpoint(
+    out_dir: str | Path,
+    arch: str = "v41",
+    seed: int = 0,
+    *,
+    expert_dtype: str = "fp4",
+    block: int | None = None,
+) -> Path:
+    """Write tokenizer, config.json, shards and index of a tiny ``arch`` model into ``out_dir``.
+
+    ``expert_dtype`` ("fp4" or "fp8") stores the routed experts; ``block`` overrides the fp8
+    weight block (default 32 for V4.1, 128 for V4)."""
+    if arch not in ("v41", "v4"):
+        raise ValueError(f"unknown tiny arch {arch!r} (v41 or v4)")
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"unknown expert dtype {expert_dtype!r} (fp4 or fp8)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = write_tiny_tokenizer(out)
     if arch == "v41":
-        raw = tiny_config_v41(tok)
-    elif arch == "v4":
-        raw = tiny_config_v4()
+        raw = tiny_config_v41(tok, block or 32, expert_dtype)
     else:
-        raise ValueError(f"unknown tiny arch {arch!r} (v41 or v4)")
+        raw = tiny_config_v4(block or 128, expert_dtype)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     cfg = ModelConfig.from_dict(raw)
 

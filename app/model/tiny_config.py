@@ -66,8 +66,11 @@ def _common() -> dict[str, Any]:
     }
 
 
-def tiny_config_v41(tokenizer: Tokenizer, block: int = 32) -> dict[str, Any]:
-    """Official-layout config.json (``text_config`` nested) of the tiny V4.1 model."""
+def tiny_config_v41(
+    tokenizer: Tokenizer, block: int = 32, expert_dtype: str = "fp4"
+) -> dict[str, Any]:
+    """Official-layout config.json (``text_config`` nested) of the tiny V4.1 model;
+    ``block`` is the fp8 weight block, ``expert_dtype`` how routed experts are stored."""
     _, n_compressed = compressed_token_map(tokenizer)
     engram_layers = (1, 3)
     spec = engram_hash_spec(engram_layers, 4, 2, 97, n_compressed)
@@ -116,13 +119,14 @@ def tiny_config_v41(tokenizer: Tokenizer, block: int = 32) -> dict[str, Any]:
             "fmt": "e4m3",
             "scale_fmt": "ue8m0",
             "weight_block_size": [block, block],
-            "expert_dtype": "fp4",
+            "expert_dtype": expert_dtype,
         },
     }
 
 
-def tiny_config_v4(block: int = 128) -> dict[str, Any]:
-    """Official-layout config.json of the tiny V4 model."""
+def tiny_config_v4(block: int = 128, expert_dtype: str = "fp4") -> dict[str, Any]:
+    """Official-layout config.json of the tiny V4 model (``block``, ``expert_dtype`` as for
+    :func:`tiny_config_v41`)."""
     return {
         "architectures": ["DeepseekV4ForCausalLM"],
         "model_type": "deepseek_v4",
@@ -139,6 +143,6 @@ def tiny_config_v4(block: int = 128) -> dict[str, Any]:
             "fmt": "e4m3",
             "scale_fmt": "ue8m0",
             "weight_block_size": [block, block],
-            "expert_dtype": "fp4",
+            "expert_dtype": expert_dtype,
         },
     }

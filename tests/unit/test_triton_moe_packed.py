@@ -1,0 +1,63 @@
+"""MegaMoE Triton kernels (interpreter) on the loader's packed tensors of the tiny checkpoints
+vs the dequantized ``Expert`` modules of the same layer.
+
+Tolerance ||out - ref|| / ||ref|| <= 1e-2 although x, weights and accumulation are fp32 here:
+the kernels keep the SwiGLU output H in bf16 between the two GEMMs (and the interpreter
+truncates to bf16), which alone gives 2.6-3.8e-3 on these layers. A layout error (W1 / W3
+swapped, scales of another expert or block) gives O(1).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported before the env
+    pytest.skip("run with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
+
+from app.model.loader import load_model  # noqa: E402
+from app.model.moe import MoE, PackedExperts  # noqa: E402
+from kernels import moe  # noqa: E402
+from tests.unit.triton_util import rel  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # unwritten outputs stay NaN
+
+T = 11
+
+
+def _expert_path(m: MoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_j w_j Expert_{ids_j}(x)`` token by token with the dequantized modules."""
+    rows = []
+    for t in range(x.shape[0]):
+        ys = [w[t, j] * m.experts[int(e)](x[t : t + 1])[0] for j, e in enumerate(ids[t])]
+        rows.append(torch.stack(ys).sum(0))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    ("arch", "options", "layer"),
+    [("v41", {}, "layers.2"), ("v41", {}, "mtp.0"),
+     ("v4", {"expert_dtype": "fp8", "block": 32}, "layers.0"),
+     ("v4", {"expert_dtype": "fp8", "block": 32}, "layers.3")],
+)  # fmt: skip
+@torch.no_grad()
+def test_triton_on_packed_layer(tiny_ckpt, arch: str, options: dict, layer: str) -> None:
+    path = tiny_ckpt(arch, **options)
+    ref_moe = load_model(path, packed_experts=False).get_submodule(f"{layer}.ffn")
+    pe = load_model(path, packed_experts=True).get_submodule(f"{layer}.ffn.experts")
+    assert isinstance(ref_moe, MoE) and isinstance(pe, PackedExperts)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, ref_moe.gate.weight.shape[1], generator=g)
+    ids, w = ref_moe.gate(x, torch.randint(3, 500, (T,), generator=g))
+    ref = _expert_path(ref_moe, x, ids, w)
+    if pe.fmt == "fp8":
+        out = moe.moe_fp8_triton(x, ids, w, pe.w13, pe.s13, pe.w2, pe.s2, pe.block, pe.limit)
+    else:
+        out = moe.moe_fp4_triton(x, ids, w, pe.w13, pe.s13, pe.w2, pe.s2, pe.limit)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert rel(out, ref) < 1e-2
