@@ -57,7 +57,7 @@ def write(benchmark: str, records: list[dict[str, Any]]) -> Path:
     out = RESULTS / f"{benchmark}.json"
     doc = {
         "machine": machine(),
-        "command": " ".join(["python", "-m", *sys.argv]),
+        "command": " ".join(["python", "-m", f"bench.{Path(sys.argv[0]).stem}", *sys.argv[1:]]),
         "records": records,
     }
     out.write_text(json.dumps(doc, indent=2) + "\n")

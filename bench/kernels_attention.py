@@ -37,6 +37,12 @@ def bench_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 40) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def graph_us(fn: Callable[[], Any], rep: int = 40) -> float:
+    """Median µs of CUDA-graph replays of ``fn`` (launch costs gone, as in the engine's
+    graph-captured decode step)."""
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
 def rotating(make: Callable[[int], Any], set_bytes: float) -> Callable[[], Any]:
     """Input sets ``make(i)`` (enough to exceed 2x L2, at most 8) served round-robin."""
     n = max(1, min(8, math.ceil(2 * L2_BYTES / max(set_bytes, 1.0))))
@@ -192,6 +198,8 @@ def sweep_indexer(ceil: dict[str, float], batches: list[int], sizes: list[int]) 
         s_sets = rotating(lambda i, s=s: s.clone(), T * C * 4)
         us_s = bench_us(lambda nxt=nxt: ix.indexer_scores_triton(*nxt()))
         us_k = bench_us(lambda s_sets=s_sets: ix.topk_triton(s_sets(), TOP))
+        s_fixed = s_sets()
+        us_k_graph = graph_us(lambda s_fixed=s_fixed: ix.topk_triton(s_fixed, TOP))
         us_all = bench_us(lambda nxt=nxt: ix.indexer_topk_triton(*nxt(), TOP))
         eager = _time_or_none(lambda a=a: ix.topk_ref(ix.indexer_scores_ref(*a), TOP))
         flops = 2 * T * HI * DI * C
@@ -208,6 +216,8 @@ def sweep_indexer(ceil: dict[str, float], batches: list[int], sizes: list[int]) 
         recs.append(rec("indexer.scores", us_s, "us", {**p, "TFLOPs": flops / us_s / 1e6}, f_s))
         anchor = {"name": "top-k at 256K candidates, H200 (PERFORMANCE.md)", "value": 15.0}
         recs.append(rec("indexer.topk", us_k, "us", p, f_k, anchor if C == 262144 else None))
+        recs.append(rec("indexer.topk.graph", us_k_graph, "us", p, f_k,
+                        anchor if C == 262144 else None))  # fmt: skip
         p_all = {**p, "speedup_vs_torch_eager": eager / us_all if eager else None}
         recs.append(rec("indexer.scores_topk", us_all, "us", p_all, f_s + f_k))
         recs.append(rec("indexer.scores_topk.torch_eager", eager, "us", p, f_s + f_k))
