@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 # build; --no-compile skips byte-compiling ray & co. at install time (Python does it lazily).
 PIP := $(BIN)/pip install -q --disable-pip-version-check --no-compile "torch==2.13.0" "numpy<2.4"
 
-.PHONY: serve test lint clean
+.PHONY: serve test lint gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,13 @@ serve: $(RUN_STAMP)
 test: $(DEV_STAMP)
 	$(BIN)/ruff check app kernels tests bench
 	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest tests
+
+# On a CUDA machine with torch + triton already there (the lent H200 has no network, so no
+# venv): the GPU tests, then the quick kernel benchmarks (JSON into bench/results/).
+gpu-check:
+	PYTHONPATH=. $(PY) -m pytest tests/gpu -q -p no:cacheprovider
+	PYTHONPATH=. $(PY) -m bench.kernels_moe --quick
+	PYTHONPATH=. $(PY) -m bench.kernels_attention --quick
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check app kernels tests bench
