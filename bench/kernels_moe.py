@@ -60,13 +60,9 @@ def ceilings() -> dict[str, float]:
     return {"copy_bw_Bps": bw, "bf16_flops": bf16, "fp8_flops": fp8}
 
 
-def moe_sweep(
-    tokens: list[int], ceil: dict[str, float], recs: list[dict], all_local: bool = False
-) -> list[str]:
-    """Routing over 384 experts of which 48 are local (expert parallel, decode), or with
-    ``all_local`` every slot on the 48 local experts (a rank's dispatched prefill tokens)."""
-    dev = "cuda"
-    n_all = E_LOCAL if all_local else E_ALL
+def _experts(dev: str) -> tuple[torch.Tensor, ...]:
+    """Random local experts of V4.1-Flash shape: fp8 (32x32 e8m0 blocks) w13, s13, w2, s2,
+    then packed fp4 (e8m0 per 32) w13, s13, w2, s2."""
     w13 = (torch.randn(E_LOCAL, 2 * INTER, D, device=dev) * 64).to(torch.float8_e4m3fn)
     s13 = torch.randint(117, 121, (E_LOCAL, 2 * INTER // 32, D // 32), device=dev).byte()
     w2 = (torch.randn(E_LOCAL, D, INTER, device=dev) * 64).to(torch.float8_e4m3fn)
@@ -75,6 +71,17 @@ def moe_sweep(
     q13 = torch.randint(121, 125, (E_LOCAL, 2 * INTER, D // 32), device=dev).byte()
     p2 = torch.randint(-128, 128, (E_LOCAL, D, INTER // 2), device=dev, dtype=torch.int8)
     q2 = torch.randint(121, 125, (E_LOCAL, D, INTER // 32), device=dev).byte()
+    return w13, s13, w2, s2, p13, q13, p2, q2
+
+
+def moe_sweep(
+    tokens: list[int], ceil: dict[str, float], recs: list[dict], all_local: bool = False
+) -> list[str]:
+    """Routing over 384 experts of which 48 are local (expert parallel, decode), or with
+    ``all_local`` every slot on the 48 local experts (a rank's dispatched prefill tokens)."""
+    dev = "cuda"
+    n_all = E_LOCAL if all_local else E_ALL
+    w13, s13, w2, s2, p13, q13, p2, q2 = _experts(dev)
     bf13 = dequant_fp8_blocks(w13, s13, (32, 32), torch.bfloat16)
     bf2 = dequant_fp8_blocks(w2, s2, (32, 32), torch.bfloat16)
     w1l = [bf13[e, :INTER] for e in range(E_LOCAL)] + [None] * (E_ALL - E_LOCAL)
@@ -184,14 +191,7 @@ def tile_sweep(cases: list[tuple[int, bool, bool]]) -> list[str]:
     """Time tile choices around the heuristic for (tokens, all_local, act_fp8) cases (fp8 and
     fp4 weights); the first row of each case is the pick."""
     dev = "cuda"
-    w13 = (torch.randn(E_LOCAL, 2 * INTER, D, device=dev) * 64).to(torch.float8_e4m3fn)
-    s13 = torch.randint(117, 121, (E_LOCAL, 2 * INTER // 32, D // 32), device=dev).byte()
-    w2 = (torch.randn(E_LOCAL, D, INTER, device=dev) * 64).to(torch.float8_e4m3fn)
-    s2 = torch.randint(117, 121, (E_LOCAL, D // 32, INTER // 32), device=dev).byte()
-    p13 = torch.randint(-128, 128, (E_LOCAL, 2 * INTER, D // 2), device=dev, dtype=torch.int8)
-    q13 = torch.randint(121, 125, (E_LOCAL, 2 * INTER, D // 32), device=dev).byte()
-    p2 = torch.randint(-128, 128, (E_LOCAL, D, INTER // 2), device=dev, dtype=torch.int8)
-    q2 = torch.randint(121, 125, (E_LOCAL, D, INTER // 32), device=dev).byte()
+    w13, s13, w2, s2, p13, q13, p2, q2 = _experts(dev)
     lines = []
     for t, all_local, act8 in cases:
         n_all = E_LOCAL if all_local else E_ALL
