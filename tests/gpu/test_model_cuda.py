@@ -1,7 +1,8 @@
 """The model and engine on CUDA use the Triton kernels; outputs match the CPU reference path.
 
-Routed experts: dequantized (``packed_experts=False``) the match is tight; packed (the default
-on CUDA) they run the MegaMoE kernels with bf16 activations, so the logits match to 1e-2.
+Routed experts: dequantized (``packed_experts=False``) or packed (the default on CUDA: the
+MegaMoE kernels, which multiply fp32 activations with exact fp32 products and keep the SwiGLU
+output in fp32), both matching the CPU reference closely enough for identical greedy tokens.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def test_packed_experts_logits_match_cpu(ckpts, arch):
     ref = cpu.logits(ids).double()
     got = gpu.logits(ids.cuda()).cpu().double()
     rel = ((got - ref).norm() / ref.norm()).item()
-    assert rel < 1e-2, rel
+    assert rel < 1e-4, rel
 
 
 @pytest.mark.parametrize("packed", ["off", "on"])
