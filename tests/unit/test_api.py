@@ -102,7 +102,7 @@ def oai(server) -> openai.OpenAI:
 
 
 def test_chat_non_stream(oai):
-    r = oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=6)
+    r = oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0)
     assert r.model == MODEL and r.id.startswith("chatcmpl-")
     msg = r.choices[0].message
     assert msg.role == "assistant"
@@ -117,7 +117,12 @@ def test_chat_non_stream(oai):
 def test_chat_stream_role_first_and_usage(oai):
     chunks = list(
         oai.chat.completions.create(
-            model=MODEL, messages=HI, max_tokens=5, stream=True, extra_body=NO_THINK
+            model=MODEL,
+            messages=HI,
+            max_tokens=5,
+            stream=True,
+            extra_body=NO_THINK,
+            temperature=0,
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -207,7 +212,9 @@ def test_chat_logprobs(oai):
 
 
 def test_responses_non_stream_and_stream(oai):
-    r = oai.responses.create(model=MODEL, input="hello", max_output_tokens=6)
+    # greedy here and wherever a length is checked: a sampled stop token would end the reply
+    # early (the tiny model's random weights give its special tokens real probability)
+    r = oai.responses.create(model=MODEL, input="hello", max_output_tokens=6, temperature=0)
     assert r.id.startswith("resp_") and r.usage.output_tokens == 6
     assert r.status == "incomplete"
     events = list(
@@ -218,17 +225,20 @@ def test_responses_non_stream_and_stream(oai):
 
 
 def test_completions_text_ids_logprobs_and_stream(oai):
-    r = oai.completions.create(model=MODEL, prompt="hello there", max_tokens=5, logprobs=2)
+    r = oai.completions.create(
+        model=MODEL, prompt="hello there", max_tokens=5, logprobs=2, temperature=0
+    )
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 5 and all(len(t) <= 2 for t in lp.top_logprobs)
-    r2 = oai.completions.create(model=MODEL, prompt=[0, 40, 41, 42], max_tokens=3)
+    r2 = oai.completions.create(model=MODEL, prompt=[0, 40, 41, 42], max_tokens=3, temperature=0)
     assert r2.usage.prompt_tokens == 4 and r2.usage.completion_tokens == 3
     chunks = list(
         oai.completions.create(
             model=MODEL,
             prompt="hi",
             max_tokens=4,
+            temperature=0,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -255,11 +265,12 @@ def test_models_lists_alias(oai):
 
 def test_anthropic_messages(server):
     ac = anthropic.Anthropic(base_url=server[0].url, api_key="unused", max_retries=0)
-    m = ac.messages.create(model=MODEL, max_tokens=6, messages=HI)
+    greedy = {"temperature": 0}  # through extra_body: this SDK's signature has no temperature
+    m = ac.messages.create(model=MODEL, max_tokens=6, messages=HI, extra_body=greedy)
     assert m.role == "assistant" and m.stop_reason == "max_tokens"
     assert m.content[0].type == "thinking" and m.usage.output_tokens == 6
     with ac.messages.stream(
-        model=MODEL, max_tokens=5, messages=HI, thinking={"type": "disabled"}
+        model=MODEL, max_tokens=5, messages=HI, thinking={"type": "disabled"}, extra_body=greedy
     ) as s:
         types = [ev.type for ev in s]
         final = s.get_final_message()
