@@ -2,7 +2,7 @@
 and shared memory (ptxas bundled with Triton), so that launch shapes can be checked before
 spending device time.
 
-    python -m bench.compile_report moe|attention
+    python -m bench.compile_report moe|attention|indexer
 """
 
 from __future__ import annotations
@@ -92,5 +92,27 @@ def attention() -> None:
             print(f"attention fp8={fp8:d} BH={bh} BN={bn} w={w} st={st}: {rep}")
 
 
+def indexer() -> None:
+    import kernels.indexer as ix
+
+    ptrs = dict(s_ptr="*fp32", hist_ptr="*i32", cnt_ptr="*i32", lv_ptr="*fp32", li_ptr="*i32",
+                slot_ptr="*i32", out_ptr="*i64")  # fmt: skip
+    cap, kk_p2 = 4096, 512
+    cases = (
+        (ix._prefix_hist_kernel, dict(LEVEL=0, CHUNK=ix._PREFIX_CHUNK), 4),
+        (ix._prefix_hist_kernel, dict(LEVEL=1, CHUNK=ix._PREFIX_CHUNK), 4),
+        (ix._prefix_gather_kernel, dict(CHUNK=ix._PREFIX_CHUNK), 4),
+        (ix._list_rank_kernel, dict(CAP=cap, KK_P2=kk_p2, BI=ix._RANK_BI, BJ=ix._RANK_BJ), 4),
+        (ix._slot_sort_kernel, dict(CAP=cap, KK_P2=kk_p2), 4),
+    )
+    for fn, consts, w in cases:
+        types = {n: ptrs.get(n, "i32") for n in fn.arg_names}
+        try:
+            rep = compile_one(fn, types, consts, w, 1)
+        except Exception as e:
+            rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
+        print(f"{fn.__name__} {consts}: {rep}")
+
+
 if __name__ == "__main__":
-    {"moe": moe, "attention": attention}[sys.argv[1]]()
+    {"moe": moe, "attention": attention, "indexer": indexer}[sys.argv[1]]()

@@ -150,6 +150,7 @@ def sweep_attention(ceil: dict[str, float], batches: list[int], compile_at: set[
             )
 
         us = bench_us(run)
+        us_graph = graph_us(run)  # rotating inputs inside the graph too: a cold L2
         eager = _time_or_none(lambda a=a: _ref_attention(*a))
         comp = _time_or_none(lambda a=a: compiled(*a)) if compiled and B in compile_at else None
         floor = nbytes / bw * 1e6
@@ -170,6 +171,8 @@ def sweep_attention(ceil: dict[str, float], batches: list[int], compile_at: set[
             "value": floor / 0.9,
         }
         recs.append(rec("attention.decode", us, "us", params, floor, peer))
+        recs.append(rec("attention.decode.graph", us_graph, "us",
+                        {**params, "GBps": nbytes / us_graph / 1e3}, floor, peer))  # fmt: skip
         recs.append(rec("attention.decode.torch_eager", eager, "us", params, floor))
         recs.append(rec("attention.decode.torch_compile", comp, "us", params, floor))
     return recs
@@ -198,8 +201,7 @@ def sweep_indexer(ceil: dict[str, float], batches: list[int], sizes: list[int]) 
         s_sets = rotating(lambda i, s=s: s.clone(), T * C * 4)
         us_s = bench_us(lambda nxt=nxt: ix.indexer_scores_triton(*nxt()))
         us_k = bench_us(lambda s_sets=s_sets: ix.topk_triton(s_sets(), TOP))
-        s_fixed = s_sets()
-        us_k_graph = graph_us(lambda s_fixed=s_fixed: ix.topk_triton(s_fixed, TOP))
+        us_k_graph = graph_us(lambda s_sets=s_sets: ix.topk_triton(s_sets(), TOP))
         us_all = bench_us(lambda nxt=nxt: ix.indexer_topk_triton(*nxt(), TOP))
         eager = _time_or_none(lambda a=a: ix.topk_ref(ix.indexer_scores_ref(*a), TOP))
         flops = 2 * T * HI * DI * C
@@ -259,6 +261,7 @@ def sweep_compressor(ceil: dict[str, float], sizes: list[int]) -> list:
             )
 
         us = bench_us(run)
+        us_graph = graph_us(run)
         eager = _time_or_none(
             lambda a=a, kw=kw: cp.compress_pool_ref(
                 *a[:4], 1e-20, angles=a[4], out=a[5], out_rows=a[6], **kw
@@ -274,6 +277,8 @@ def sweep_compressor(ceil: dict[str, float], sizes: list[int]) -> list:
         }
         peer = {"name": "SGLang compressor at 80% of HBM BW", "value": floor / 0.8}
         recs.append(rec("compressor.pool", us, "us", params, floor, peer))
+        recs.append(rec("compressor.pool.graph", us_graph, "us",
+                        {**params, "GBps": nbytes / us_graph / 1e3}, floor, peer))  # fmt: skip
         recs.append(rec("compressor.pool.torch_eager", eager, "us", params, floor))
     return recs
 
@@ -314,7 +319,7 @@ def main() -> None:
     if args.quick:
         recs += sweep_attention(ceil, [1, 64], compile_at=set())
         recs += sweep_indexer(ceil, [1], [262144])
-        recs += sweep_compressor(ceil, [4096])
+        recs += sweep_compressor(ceil, [4096, 16384])
     else:
         recs += sweep_attention(ceil, [1, 8, 32, 64, 128], compile_at={8, 64})
         recs += sweep_indexer(ceil, [1, 8, 64], [16384, 65536, 262144])

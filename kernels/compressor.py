@@ -199,7 +199,7 @@ def compress_pool_triton(
         return out
     g = kv if gate is None else gate
     norm_w = norm_w.float().contiguous()
-    first_t = first.to(torch.int8).contiguous() if overlap else norm_w
+    first_t = first.contiguous() if overlap else norm_w  # bool loads as int1: no cast launch
     ang = angles if R else norm_w
     rows = out_rows.contiguous() if out_rows is not None else norm_w
 

@@ -11,13 +11,16 @@ Triton designs:
 - ``topk_triton``, rows up to 16384: radix select in registers. A program maps scores to
   order-preserving int32 keys, finds the k-th key with four 8-bit histogram passes, keeps every
   key above it plus the lowest-index ties, and compacts them in index order (a cumsum).
-- Longer rows (256K candidates at 1M context): (1) every 4096-chunk adds a histogram of its
-  keys' top 11 bits to the row's (integer atomics); (2) each chunk finds the bin b* holding the
-  k-th largest key and appends its scores in bins >= b* to the row's list (about k + a few
-  entries); (3) one program per row selects exactly from the list with a unique 64-bit key
-  (score, then lower id: deterministic ties) and sorts the picks. A list longer than its
-  capacity (massive ties) sends the row to the chunked radix path: chunks keep their own
-  top-k (a superset of the row's), survivors are selected again until one chunk remains.
+- Longer rows (256K candidates at 1M context): (1) every 2048-chunk adds a 256-bin histogram
+  of its keys' top byte to the row's (integer atomics), then (2) of the second byte of the keys
+  in the top-byte bin holding the k-th largest; (3) each chunk appends its scores whose 16-bit
+  prefix is >= the prefix holding the k-th largest to the row's list (k + that prefix's ties);
+  (4) list entries are ranked in parallel by a unique 64-bit key (score, then lower id:
+  deterministic ties), the k best land in rank order, and (5) are sorted by id. A list longer
+  than its capacity (massive ties) sends the row to the chunked radix path: chunks keep their
+  own top-k (a superset of the row's), survivors are selected again until one chunk remains.
+  (256-bin histograms: ``tl.histogram``'s cost grows with bins per lane; 2048 bins made the
+  one-level histogram the slowest launch.)
 """
 
 from __future__ import annotations
@@ -228,41 +231,59 @@ def _select_kernel(
 
 
 @triton.jit
-def _coarse_digit(v, NB: tl.constexpr):
-    """Top log2(NB) bits of the order key, sign bit flipped so that digits order like keys."""
-    BITS: tl.constexpr = NB.bit_length() - 1
-    return ((_order_key(v) >> (32 - BITS)) & (NB - 1)) ^ (NB // 2)
+def _key16(v):
+    """Top 16 bits of the order key as an unsigned digit pair (sign flipped: orders like keys)."""
+    return ((_order_key(v) >> 16) & 0xFFFF) ^ 0x8000
 
 
 @triton.jit
-def _coarse_hist_kernel(s_ptr, s_row, C, hist_ptr, CHUNK: tl.constexpr, NB: tl.constexpr):
-    """Row ``pid(1)``: add its chunk's histogram of the top key bits (finite-or-+inf scores
-    only; -inf is never picked) to ``hist`` [T, NB] (integer atomics: deterministic)."""
+def _bin_of_kth(hist_ptr, need):
+    """In a 256-bin histogram: the bin b holding the need-th largest entry, and how many of
+    b's entries are still needed (need minus the entries in bins above b). With fewer than
+    ``need`` entries in all: bin 0 (everything qualifies)."""
+    bins = tl.arange(0, 256)
+    hist = tl.load(hist_ptr + bins)
+    at_least = tl.cumsum(hist, 0, reverse=True)
+    b = tl.max(tl.where(at_least >= need, bins, 0))
+    return b, need - tl.sum(tl.where(bins > b, hist, 0))
+
+
+@triton.jit
+def _prefix_hist_kernel(s_ptr, s_row, C, hist_ptr, KK, LEVEL: tl.constexpr,
+                        CHUNK: tl.constexpr):  # fmt: skip
+    """Row ``pid(1)``, chunk ``pid(0)``: add a 256-bin histogram of one byte of the keys to
+    ``hist`` [T, 2, 256] (integer atomics: deterministic). LEVEL 0: the top byte of every
+    finite-or-+inf score (-inf is never picked); LEVEL 1: the second byte of the scores whose
+    top byte is the level-0 bin that holds the KK-th largest."""
     row = tl.program_id(1).to(tl.int64)
     j = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     v = tl.load(s_ptr + row * s_row + j, mask=j < C, other=float("-inf"))
     ok = v > float("-inf")
-    dig = _coarse_digit(v, NB)
-    h = tl.histogram(tl.where(ok, dig, 0), NB, mask=ok)
-    tl.atomic_add(hist_ptr + row * NB + tl.arange(0, NB), h, mask=h > 0)
+    k16 = _key16(v)
+    if LEVEL == 0:
+        dig = k16 >> 8
+    else:
+        b0, _ = _bin_of_kth(hist_ptr + row * 512, KK)
+        ok = ok & ((k16 >> 8) == b0)
+        dig = k16 & 0xFF
+    h = tl.histogram(tl.where(ok, dig, 0), 256, mask=ok)
+    tl.atomic_add(hist_ptr + row * 512 + LEVEL * 256 + tl.arange(0, 256), h, mask=h > 0)
 
 
 @triton.jit
-def _coarse_gather_kernel(
-    s_ptr, s_row, C, hist_ptr, KK, cnt_ptr, lv_ptr, li_ptr, CAP,
-    CHUNK: tl.constexpr, NB: tl.constexpr,
+def _prefix_gather_kernel(
+    s_ptr, s_row, C, hist_ptr, KK, cnt_ptr, lv_ptr, li_ptr, CAP, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Bin b* = the coarse bin holding the KK-th largest score; append every score in bins
-    >= b* (a superset of the top-KK, usually KK + a few) to the row's list [CAP] with its id.
-    ``cnt`` gets the full count, also past CAP (then the exact fallback takes the row)."""
+    """The 16-bit key prefix p* holding the KK-th largest score (from both histogram levels);
+    append every score with prefix >= p* (a superset of the top-KK: KK + the ties of p*'s
+    bin) to the row's list [CAP] with its id. ``cnt`` gets the full count, also past CAP
+    (then the exact fallback takes the row)."""
     row = tl.program_id(1).to(tl.int64)
-    bins = tl.arange(0, NB)
-    at_least = tl.cumsum(tl.load(hist_ptr + row * NB + bins), 0, reverse=True)
-    bstar = tl.max(tl.where(at_least >= KK, bins, 0))
+    b0, need = _bin_of_kth(hist_ptr + row * 512, KK)
+    b1, _ = _bin_of_kth(hist_ptr + row * 512 + 256, need)
     j = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     v = tl.load(s_ptr + row * s_row + j, mask=j < C, other=float("-inf"))
-    dig = _coarse_digit(v, NB)
-    sel = (v > float("-inf")) & (dig >= bstar)
+    sel = (v > float("-inf")) & (_key16(v) >= ((b0 << 8) | b1))
     base = tl.atomic_add(cnt_ptr + row, tl.sum(sel.to(tl.int32), 0))
     pos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
     keep = sel & (pos < CAP)
@@ -271,76 +292,81 @@ def _coarse_gather_kernel(
 
 
 @triton.jit
-def _list_select_kernel(
-    lv_ptr, li_ptr, cnt_ptr, out_ptr, s_out, KK,
-    CAP: tl.constexpr, KK_P2: tl.constexpr,
+def _list_key(lv_ptr, li_ptr, e, m):
+    """Unique uint64 order key of list entries ``e`` (score key, then the lower id); 0 = none."""
+    v = tl.load(lv_ptr + e, mask=m, other=0.0)
+    ids = tl.load(li_ptr + e, mask=m, other=0)
+    hi = (_order_key(v).to(tl.int64) + 2147483648).to(tl.uint64)
+    lo = (4294967295 - ids.to(tl.int64)).to(tl.uint64)
+    return tl.where(m, (hi << 32) | lo, 0), ids
+
+
+@triton.jit
+def _list_rank_kernel(
+    lv_ptr, li_ptr, cnt_ptr, slot_ptr, KK,
+    CAP: tl.constexpr, KK_P2: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr,
 ):  # fmt: skip
-    """Exact top-KK of the row's unordered list (<= CAP entries): radix select on the unique
-    64-bit key (score key, then the lower id) in eight 8-bit passes, then the picks sorted by
-    id; -1 after them. Rows whose list overflowed are left to the fallback."""
+    """Entries ``[pid(0)*BI, +BI)`` of row ``pid(1)``'s list: rank = how many list keys are
+    larger (keys are unique, so the ranks are a permutation); the entries ranked < KK write
+    their id to ``slot[row, rank]``. Rows whose list overflowed are left to the fallback."""
+    row = tl.program_id(1).to(tl.int64)
+    n = tl.load(cnt_ptr + row)
+    i0 = tl.program_id(0) * BI
+    if (n > CAP) | (i0 >= n):
+        return
+    i = i0 + tl.arange(0, BI)
+    key_i, id_i = _list_key(lv_ptr + row * CAP, li_ptr + row * CAP, i, i < n)
+    rank = tl.zeros([BI], tl.int32)
+    for j0 in range(0, n, BJ):
+        j = j0 + tl.arange(0, BJ)
+        key_j, _ = _list_key(lv_ptr + row * CAP, li_ptr + row * CAP, j, j < n)
+        rank += tl.sum((key_j[None, :] > key_i[:, None]).to(tl.int32), axis=1)
+    tl.store(slot_ptr + row * KK_P2 + rank, id_i, mask=(i < n) & (rank < KK))
+
+
+@triton.jit
+def _slot_sort_kernel(slot_ptr, cnt_ptr, out_ptr, s_out, KK, CAP: tl.constexpr,
+                      KK_P2: tl.constexpr):  # fmt: skip
+    """Row ``pid(0)``: its min(n, KK) picked ids sorted ascending into ``out``, -1 after them."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.load(cnt_ptr + row)
     if n > CAP:
         return
-    e = tl.arange(0, CAP)
-    m = e < n
-    v = tl.load(lv_ptr + row * CAP + e, mask=m, other=float("-inf"))
-    ids = tl.load(li_ptr + row * CAP + e, mask=m, other=0)
-    hi = (_order_key(v).to(tl.int64) + 2147483648).to(tl.uint64)
-    lo = (4294967295 - ids.to(tl.int64)).to(tl.uint64)
-    key = tl.where(m, (hi << 32) | lo, 0)  # unique per entry; 0 = empty
-    bins = tl.arange(0, 256)
-    need = KK
-    tau = tl.zeros((), tl.uint64)
-    for p in tl.static_range(8):
-        shift = 56 - 8 * p
-        digit = ((key >> shift) & 0xFF).to(tl.int32)
-        if p == 0:
-            hist = tl.histogram(digit, 256)
-        else:
-            hist = tl.histogram(digit, 256, mask=(key >> (shift + 8)) == (tau >> (shift + 8)))
-        at_least = tl.cumsum(hist, 0, reverse=True)
-        b = tl.max(tl.where(at_least >= need, bins, 0))
-        need -= tl.sum(tl.where(bins > b, hist, 0))
-        tau = tau | (b.to(tl.uint64) << shift)
-    take = m & (key >= tau) & (v > float("-inf"))
-    big: tl.constexpr = 2147483647
-    pos = tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(out_ptr + row * s_out + pos, ids.to(tl.int64), mask=take)
-    n_take = tl.sum(take.to(tl.int32), 0)
-    tl.debug_barrier()
+    taken = tl.minimum(n, KK)
     slot = tl.arange(0, KK_P2)
-    picked = tl.load(out_ptr + row * s_out + slot, mask=slot < n_take, other=big).to(tl.int32)
-    picked = tl.sort(picked)
-    tl.store(out_ptr + row * s_out + slot, tl.where(slot < n_take, picked, -1).to(tl.int64),
+    big: tl.constexpr = 2147483647
+    ids = tl.sort(tl.load(slot_ptr + row * KK_P2 + slot, mask=slot < taken, other=big))
+    tl.store(out_ptr + row * s_out + slot, tl.where(slot < taken, ids, -1).to(tl.int64),
              mask=slot < KK)  # fmt: skip
 
 
-_COARSE_CHUNK = 4096
-_COARSE_BINS = 2048  # 11-bit digits
+_PREFIX_CHUNK = 2048  # scores per program of the histogram / gather launches
+_RANK_BI, _RANK_BJ = 128, 32
 
 
 def _topk_coarse(scores: torch.Tensor, kk: int, out: torch.Tensor) -> torch.Tensor:
-    """Long rows: coarse histogram -> candidate list -> exact select (4 launches + a memset,
-    no host sync). Rows whose list exceeds its capacity (massive ties) take the chunked
-    radix path, launched for all rows and skipped by the others."""
+    """Long rows: two 256-bin prefix histograms -> candidate list -> parallel exact ranks ->
+    sorted ids (5 launches + a memset, no host sync). Rows whose list exceeds its capacity
+    (massive ties) take the chunked radix path, launched for all rows, skipped by the others."""
     T, C = scores.shape
     kk_p2 = triton.next_power_of_2(kk)
     cap = max(4096, 2 * kk_p2)
     dev = scores.device
-    buf = torch.zeros(T * (_COARSE_BINS + 1), device=dev, dtype=torch.int32)  # one memset
-    hist, cnt = buf[: T * _COARSE_BINS], buf[T * _COARSE_BINS :]
+    buf = torch.zeros(T * (2 * 256 + 1), device=dev, dtype=torch.int32)  # one memset
+    hist, cnt = buf[: T * 512], buf[T * 512 :]
     lv = torch.empty((T, cap), device=dev, dtype=torch.float32)
     li = torch.empty((T, cap), device=dev, dtype=torch.int32)
-    n = triton.cdiv(C, _COARSE_CHUNK)
-    _coarse_hist_kernel[(n, T)](scores, scores.stride(0), C, hist, CHUNK=_COARSE_CHUNK,
-                                NB=_COARSE_BINS, num_warps=8)  # fmt: skip
-    _coarse_gather_kernel[(n, T)](
-        scores, scores.stride(0), C, hist, kk, cnt, lv, li, cap,
-        CHUNK=_COARSE_CHUNK, NB=_COARSE_BINS, num_warps=8,
-    )  # fmt: skip
-    _list_select_kernel[(T,)](lv, li, cnt, out, out.stride(0), kk, CAP=cap, KK_P2=kk_p2,
-                              num_warps=8)  # fmt: skip
+    slots = torch.empty((T, kk_p2), device=dev, dtype=torch.int32)
+    n = triton.cdiv(C, _PREFIX_CHUNK)
+    for level in (0, 1):
+        _prefix_hist_kernel[(n, T)](scores, scores.stride(0), C, hist, kk, LEVEL=level,
+                                    CHUNK=_PREFIX_CHUNK, num_warps=4)  # fmt: skip
+    _prefix_gather_kernel[(n, T)](scores, scores.stride(0), C, hist, kk, cnt, lv, li, cap,
+                                  CHUNK=_PREFIX_CHUNK, num_warps=4)  # fmt: skip
+    _list_rank_kernel[(cap // _RANK_BI, T)](lv, li, cnt, slots, kk, CAP=cap, KK_P2=kk_p2,
+                                            BI=_RANK_BI, BJ=_RANK_BJ, num_warps=4)  # fmt: skip
+    _slot_sort_kernel[(T,)](slots, cnt, out, out.stride(0), kk, CAP=cap, KK_P2=kk_p2,
+                            num_warps=4)  # fmt: skip
     return _topk_chunked(scores, kk, out, overflow=(cnt, cap))
 
 

@@ -195,8 +195,10 @@ def test_gate(t: int) -> None:
     bias = 0.1 * torch.randn(E_ALL, device="cuda")
     ids, wts = moe_gate_triton(x, w, bias, TOPK, 2.5)
     ref_ids, ref_w = moe_gate_ref(x.float() @ w.float().t(), bias, TOPK, 2.5)
-    assert (ids == ref_ids).float().mean() > 0.999  # near-ties may flip with summation order
-    assert _rel(wts, ref_w) < 1e-3
+    same = (ids == ref_ids).all(dim=1)  # near-ties may flip with summation order
+    assert same.float().mean() > 0.99
+    # a row whose picks differ has different weights by design: compare the rows that agree
+    assert _rel(wts[same], ref_w[same]) < 1e-3
 
 
 @pytest.mark.parametrize("t", [1, 64, 4096])

@@ -97,6 +97,17 @@ def test_topk_coarse_path_long_rows(k):
     assert torch.equal(ix.topk_triton(s, k), ix.topk_ref(s, k))
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_topk_coarse_one_octave(sign):
+    """Every score in one binade (one top-byte bin): the second-byte histogram picks the
+    threshold; the list stays near k and the result is exact (positive and negative keys)."""
+    g = torch.Generator().manual_seed(7)
+    s = sign * (1.0 + torch.rand(2, 20000, generator=g))
+    s[1, ::5] = sign * 1.5  # a tied prefix bin at the threshold for one of the signs
+    for k in (1, 300, 4000):
+        assert torch.equal(ix.topk_triton(s, k), ix.topk_ref(s, k)), k
+
+
 def test_topk_coarse_ties_at_threshold():
     """Equal scores straddling the k-th place: the lower ids win, in list order or not."""
     C = 17000
