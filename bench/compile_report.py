@@ -2,7 +2,12 @@
 and shared memory (ptxas bundled with Triton), so that launch shapes can be checked before
 spending device time.
 
-    python -m bench.compile_report moe|attention|indexer
+    python -m bench.compile_report moe|attention|indexer [DUMP_DIR]
+
+Besides registers/stack/smem/MMA counts each line gives ``async`` (TTGIR
+``ttg.async_copy_global_to_local`` ops: loads the software pipeliner made cp.async), ``LDGSTS``
+(their SASS instructions), TMA loads, and ``loop LDL/STL`` (local-memory ops inside the MMA
+loop: spills on the hot path). With DUMP_DIR every variant's TTGIR is written there.
 """
 
 from __future__ import annotations
@@ -23,11 +28,35 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
+DUMP_DIR = sys.argv[2] if len(sys.argv) > 2 else None
+
+
+def _loop_local_ops(sass: str) -> int:
+    """LDL/STL inside the loops that hold MMA instructions: register spills on the hot path
+    (``stack`` also counts frames such as sin/cos range reduction outside the loop)."""
+    ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    spans = []
+    for addr, op in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            if any(lo <= a <= addr and re.search(r"\b[HQ]G?MMA\b", o) for a, o in ins):
+                spans.append((lo, addr))
+    return sum(1 for a, o in ins if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", o)
+               and any(lo <= a <= hi for lo, hi in spans))  # fmt: skip
+
+
 def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int,
-                stages: int) -> str:  # fmt: skip
-    """One line: registers, spill bytes, shared memory of ``fn`` at these constants."""
+                stages: int, name: str = "", aligned: tuple[str, ...] = ()) -> str:  # fmt: skip
+    """One line: registers, spill bytes, shared memory, async copies of ``fn`` at these constants.
+
+    ``aligned`` names the arguments the JIT would mark divisible by 16 (pointers from the
+    caching allocator, strides and sizes that are multiples of 16): without that hint a row
+    gather's address is not known to be 16-byte aligned, its load is too narrow for cp.async
+    and the pipeliner leaves it alone, which a real launch would not."""
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -36,11 +65,23 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: i
                              text=True, check=True).stdout  # fmt: skip
         sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True,
                               text=True, check=True).stdout  # fmt: skip
+    ttgir = k.asm["ttgir"]
+    if DUMP_DIR and name:
+        os.makedirs(DUMP_DIR, exist_ok=True)
+        with open(os.path.join(DUMP_DIR, re.sub(r"[^\w.=-]+", "_", name) + ".ttgir"), "w") as f:
+            f.write(ttgir)
+    n_async = ttgir.count("ttg.async_copy_global_to_local")
+    n_tma = ttgir.count("async_tma_copy_global_to_local") + ttgir.count("async_tma_gather")
+    n_ldgsts = len(re.findall(r"\bLDGSTS\b", sass))
+    n_utma = len(re.findall(r"\bUTMALDG\b", sass))
     use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
     regs, stack, _, local = use.groups() if use else ("?",) * 4
     mma = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "HMMA", "QGMMA")}
+    loop_ldst = _loop_local_ops(sass)
     mma_s = " ".join(f"{op}={n}" for op, n in mma.items() if n)
-    return f"regs {regs} stack {stack} local {local} smem {k.metadata.shared} {mma_s}"
+    return (f"regs {regs} stack {stack} local {local} smem {k.metadata.shared} {mma_s} "
+            f"async {n_async} LDGSTS {n_ldgsts} tma {n_tma} UTMALDG {n_utma} "
+            f"loop LDL/STL {loop_ldst}")  # fmt: skip
 
 
 def moe() -> None:
@@ -70,7 +111,9 @@ def moe() -> None:
                       f"BM={bm} BN={bn} BK={bk} w={w} st={st}: {rep}")  # fmt: skip
 
 
-def attention() -> None:
+def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> None:
+    """The autotune configs of ``kernels.attention`` (or ``shapes``: (BLOCK_H, BLOCK_N,
+    num_warps, num_stages) tuples), bf16 and fp8 KV, D 512 with RoPE as in decode."""
     import kernels.attention as a
 
     fn = a._sparse_attn_kernel.fn
@@ -78,18 +121,24 @@ def attention() -> None:
     types.update(q_ptr="*bf16", kv_ptr="*bf16", sc_ptr="*fp32", idx_ptr="*i64",
                  sink_ptr="*fp32", ang_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
                  ml_ptr="*fp32", scale_log2="fp32")  # fmt: skip
+    # What a decode launch specializes (do_not_specialize keeps T, K, SPLITS, buckets generic).
+    aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("s_") or n == "H")
+    if shapes is None:
+        shapes = tuple((c.kwargs["BLOCK_H"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                       for c in a._attn_configs())  # fmt: skip
+        shapes += ((64, 32, 8, 1),)  # the former default, no pipelining: for comparison
     for fp8 in (False, True):
-        for bh, bn, w, st in ((64, 32, 8, 1), (64, 16, 8, 2), (32, 32, 8, 2), (16, 64, 4, 2),
-                              (64, 32, 16, 1)):  # fmt: skip
+        for bh, bn, w, st in shapes:
             t = dict(types)
             t["kv_ptr"] = "*fp8e4nv" if fp8 else "*bf16"
             consts = dict(D=512, R=64, FP8=fp8, ROPE=True, F32_DOT=False, BLOCK_H=bh,
                           BLOCK_N=bn)  # fmt: skip
+            name = f"attn_fp8{fp8:d}_bh{bh}_bn{bn}_w{w}_s{st}"
             try:
-                rep = compile_one(fn, t, consts, w, st)
+                rep = compile_one(fn, t, consts, w, st, name, aligned)
             except Exception as e:
                 rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-            print(f"attention fp8={fp8:d} BH={bh} BN={bn} w={w} st={st}: {rep}")
+            print(f"attention fp8={fp8:d} BH={bh} BN={bn} w={w} st={st}: {rep}", flush=True)
 
 
 def indexer() -> None:

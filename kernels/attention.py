@@ -99,12 +99,17 @@ def rope_angles(ang_ptr, D: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _gather_kv(kv_ptr, sc_ptr, idx_row, n0, hi, s_kv, s_sc, D: tl.constexpr, FP8: tl.constexpr,
-               BLOCK_N: tl.constexpr, dot_t: tl.constexpr):  # fmt: skip
-    """Key rows ``idx_row[n0 : n0+BLOCK_N]`` (< hi) as [BLOCK_N, D] in ``dot_t`` (fp8 rows
-    times their per-32-channel scales) and the valid mask (id >= 0)."""
+def _block_ids(idx_row, n0, hi, BLOCK_N: tl.constexpr):
+    """Key row ids ``idx_row[n0 : n0+BLOCK_N]`` as int64 (-1 past ``hi``)."""
     n = n0 + tl.arange(0, BLOCK_N)
-    rows = tl.load(idx_row + n, mask=n < hi, other=-1).to(tl.int64)
+    return tl.load(idx_row + n, mask=n < hi, other=-1).to(tl.int64)
+
+
+@triton.jit
+def _gather_kv(kv_ptr, sc_ptr, rows, s_kv, s_sc, D: tl.constexpr, FP8: tl.constexpr,
+               BLOCK_N: tl.constexpr, dot_t: tl.constexpr):  # fmt: skip
+    """Key rows ``rows`` (-1 = empty) as [BLOCK_N, D] in ``dot_t`` (fp8 rows times their
+    per-32-channel scales) and the valid mask (id >= 0)."""
     valid = rows >= 0
     d = tl.arange(0, D)
     k = tl.load(kv_ptr + rows[:, None] * s_kv + d[None, :], mask=valid[:, None], other=0.0)
@@ -119,9 +124,13 @@ def _gather_kv(kv_ptr, sc_ptr, idx_row, n0, hi, s_kv, s_sc, D: tl.constexpr, FP8
 def _attn_configs() -> list[triton.Config]:
     if _INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4)]
+    # num_stages >= 3: the KV gather becomes cp.async, num_stages - 1 blocks in flight (sm_90
+    # compile, bench.compile_report attention). BLOCK_H 64 (wgmma) pipelines bf16 and fp8 KV;
+    # below 64 heads (mma.sync) the fp8 rows stay synchronous loads, only their scales are async.
+    shapes = ((64, 16, 8, 4), (64, 32, 8, 3), (64, 32, 8, 4), (32, 32, 8, 3), (16, 32, 4, 4))
     return [
         triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bh, bn, w, s in ((16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 2))
+        for bh, bn, w, s in shapes
     ]
 
 
@@ -157,9 +166,15 @@ def _sparse_attn_kernel(
     per = tl.cdiv(tl.cdiv(K, BLOCK_N), SPLITS) * BLOCK_N  # keys per split, whole blocks
     lo = split * per
     hi = tl.minimum(lo + per, K)
+    # The ids of block n0 + BLOCK_N are loaded one iteration ahead and carried: the gather's
+    # address then comes from a loop argument, not from a load of the same iteration, and the
+    # software pipeliner turns it into cp.async copies num_stages - 1 blocks ahead (with the
+    # ids loaded in the same iteration it keeps only one block in flight at any num_stages).
+    idx_row = idx_ptr + t * s_it
+    rows = _block_ids(idx_row, lo, hi, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
-        k, valid = _gather_kv(kv_ptr, sc_ptr, idx_ptr + t * s_it, n0, hi, s_kv, s_sc,
-                              D, FP8, BLOCK_N, dot_t)  # fmt: skip
+        rows_next = _block_ids(idx_row, n0 + BLOCK_N, hi, BLOCK_N)
+        k, valid = _gather_kv(kv_ptr, sc_ptr, rows, s_kv, s_sc, D, FP8, BLOCK_N, dot_t)
         s = tl.dot(q, tl.trans(k), input_precision=prec) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -168,6 +183,7 @@ def _sparse_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(dot_t), k, acc * alpha[:, None], input_precision=prec)
         m_i = m_new
+        rows = rows_next
 
     if SPLITS == 1:
         o = acc / l_i[:, None]
