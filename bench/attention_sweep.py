@@ -26,10 +26,12 @@ from kernels import attention as attn
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages)
 LAUNCHES = [
-    (64, 16, 8, 2), (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2),
-    (16, 64, 4, 2), (64, 16, 16, 2), (64, 32, 16, 1),
+    (64, 16, 8, 4), (64, 32, 8, 3), (64, 32, 8, 4), (64, 16, 8, 3), (64, 64, 8, 3),
+    (64, 32, 8, 2), (32, 32, 8, 3), (32, 32, 8, 4), (32, 16, 4, 4), (16, 32, 4, 4),
+    (16, 64, 4, 3),
 ]  # fmt: skip
-QUICK = [(64, 32, 8, 1), (64, 16, 8, 2), (32, 32, 8, 2), (16, 64, 4, 2)]
+QUICK = [(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+         for c in attn._attn_configs()]  # fmt: skip
 
 
 def main() -> None:
