@@ -90,25 +90,33 @@ def moe() -> None:
     types = {n: "i32" for n in m._moe_gemm.arg_names}
     types.update(a_ptr="*bf16", rows_ptr="*i32", tile_e_ptr="*i32", w_ptr="*fp8e4nv",
                  s_ptr="*u8", out_ptr="*bf16", limit="fp32")  # fmt: skip
-    for fp4, act8 in ((False, False), (True, False), (False, True), (True, True)):
+    for fp4, act8, f16 in (
+        (False, False, True),
+        (True, False, True),
+        (False, False, False),
+        (True, False, False),
+        (False, True, False),
+        (True, True, False),
+    ):
         for gated, fuse in ((True, True), (True, False), (False, False)):
             for bm, bn, bk, w, st in ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
                                       (128, 128, 128, 8, 3), (128, 64, 128, 8, 3),
                                       (128, 128, 64, 8, 3), (64, 128, 64, 4, 4)):  # fmt: skip
                 t = dict(types)
                 t["w_ptr"] = "*i8" if fp4 else "*fp8e4nv"
-                t["out_ptr"] = "*bf16" if fuse else "*fp32"
-                t["a_ptr"] = "*bf16"
+                h16 = f16 and bm < 64  # the fp16 MMA path runs at decode tile heights only
+                t["out_ptr"] = ("*fp16" if h16 else "*bf16") if fuse else "*fp32"
+                t["a_ptr"] = "*fp16" if h16 else "*bf16"
                 consts = dict(A_GATHER=gated, GATED=gated, FUSE_SWIGLU=fuse, FP4=fp4,
                               USE_ASM=True, SCALE_E8M0=True, SB_N=1 if fp4 else 32, SB_K=32,
                               HAS_LIMIT=True, CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk,
-                              A_FP8=act8)  # fmt: skip
+                              A_FP8=act8, F16=h16)  # fmt: skip
                 try:
                     rep = compile_one(m._moe_gemm, t, consts, w, st)
                 except Exception as e:  # report and go on
                     rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-                print(f"moe fp4={fp4:d} act8={act8:d} gated={gated:d} fuse={fuse:d} "
-                      f"BM={bm} BN={bn} BK={bk} w={w} st={st}: {rep}")  # fmt: skip
+                print(f"moe fp4={fp4:d} act8={act8:d} f16={h16:d} gated={gated:d} "
+                      f"fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} st={st}: {rep}")  # fmt: skip
 
 
 def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> None:

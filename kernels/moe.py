@@ -200,6 +200,19 @@ and.b32 u, $2, 0x80808080;  or.b32 $1, a, u;
 }""")
 
 
+# fp32 -> fp16 as an inline cvt after the fp32 multiply: the compiler otherwise may convert
+# first and scale in fp16, which overflows for |x| > 65504.
+_F16_ASM = tl.constexpr("cvt.rn.f16.f32 $0, $1;")
+
+
+@triton.jit
+def _f16_sixteenth(v):
+    """fp16(v * 2^-4) of fp32 ``v``: the input convention of the F16 GEMM path. The scale
+    is exact; it keeps |v| up to 2^20 finite and bf16's 8 significant bits down to 2^-12."""
+    return tl.inline_asm_elementwise(_F16_ASM, "=h,r", [v * 0.0625], dtype=tl.float16,
+                                     is_pure=True, pack=1)  # fmt: skip
+
+
 @triton.jit
 def _dot(a, b, acc, CDT: tl.constexpr):
     """``acc + a @ b``; fp32 operands multiply exactly (not tf32)."""
@@ -245,16 +258,18 @@ def _e2m1(code):
 @triton.jit
 def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, USE_ASM: tl.constexpr,
              SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
-             CDT: tl.constexpr, GK: tl.constexpr, A_FP8: tl.constexpr):  # fmt: skip
+             CDT: tl.constexpr, GK: tl.constexpr, A_FP8: tl.constexpr,
+             F16: tl.constexpr):  # fmt: skip
     """One scale group of weight rows ``n``, columns ``[kg, kg+GK)``: the unscaled tile
     [BN, GK] and its scales [BN] (fp32), W = tile * scale[:, None]. The tile is e4m3 when
     ``A_FP8`` (fp8 weights as stored; fp4 codes re-encoded exactly as e4m3 * 2^-6, folded into
-    the scale), else CDT."""
+    the scale), fp16 when ``F16`` (e4m3 -> fp16 is exact and one ``cvt`` per two values on
+    sm_90; fp4 goes through the same e4m3 re-encoding first), else CDT."""
     s = _scale(s_base + (n // SB_N) * ssn + (kg // SB_K) * ssk, SCALE_E8M0)
     if FP4:
         kh = kg // 2 + tl.arange(0, GK // 2)
         q = tl.load(w_base + n[:, None] * swn + kh[None, :])  # [BN, GK/2] packed bytes
-        if A_FP8:
+        if A_FP8 or F16:
             if USE_ASM:
                 lo, hi = tl.inline_asm_elementwise(
                     _FP4_E4M3_ASM, "=r,=r,r", [q], dtype=(tl.float8e4nv, tl.float8e4nv),
@@ -275,10 +290,14 @@ def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, USE_ASM: t
             lo = _e2m1(b & 0xF).to(CDT)
             hi = _e2m1(b >> 4).to(CDT)
         w = tl.reshape(tl.join(lo, hi), (n.shape[0], GK))  # even column = low nibble
+        if F16:
+            w = w.to(tl.float16)
     else:
         q = tl.load(w_base + n[:, None] * swn + (kg + tl.arange(0, GK))[None, :])
         if A_FP8:
             w = q
+        elif F16:
+            w = q.to(tl.float16)
         elif USE_ASM:
             w = tl.inline_asm_elementwise(
                 _FP8_ASM, "=r,=r,r", [q.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
@@ -293,15 +312,19 @@ def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, USE_ASM: t
 def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl.constexpr,
                USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr,
                SB_K: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr,
-               SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr):  # fmt: skip
+               SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr):  # fmt: skip
     """``acc + A[:, kg:kg+GK] @ W[n, kg:kg+GK]^T`` for one scale group (GK = 32 or 128).
 
     A_FP8: the activation group is quantized in registers (row amax / 448 -> e4m3, the
     rounding of :func:`fake_quant_act`) and multiplied on the fp8 tensor cores; both scales
-    go on the fp32 partial. Else bf16 MMA: scales on the weight tile when many rows share it
-    (BM >= 64: fewer multiplies, no second accumulator), else on the partial."""
+    go on the fp32 partial. F16 (bf16 activations, scales on the partial): fp16 MMA on
+    activations stored as fp16 times 2^-4 (see :func:`_to_f16_kernel`; the 2^4 goes back in
+    the scale), so the weights' dequantization is one ``cvt`` per two values instead of
+    integer bit surgery. Else bf16 MMA: scales on
+    the weight tile when many rows share it (BM >= 64: fewer multiplies, no second
+    accumulator), else on the partial."""
     w, s = _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4, USE_ASM, SCALE_E8M0, SB_N, SB_K,
-                    CDT, GK, A_FP8)  # fmt: skip
+                    CDT, GK, A_FP8, F16)  # fmt: skip
     a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
     if A_FP8:
         a = a.to(tl.float32)
@@ -311,6 +334,8 @@ def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl
         else:  # interpreter: e4m3 rounding emulated in fp32 (its fp8 casts misround)
             part = tl.dot(_e4m3_rne(a / sa[:, None]), tl.trans(w.to(tl.float32)))
         return acc + part * sa[:, None] * s[None, :]
+    elif F16:
+        return acc + tl.dot(a, tl.trans(w)) * (s * 16.0)[None, :]
     elif SCALE_ON_W:
         return _dot(a.to(CDT), tl.trans((w.to(tl.float32) * s[:, None]).to(CDT)), acc, CDT)
     else:
@@ -327,7 +352,8 @@ def _moe_gemm(
     A_GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
     FP4: tl.constexpr, USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr,
     SB_N: tl.constexpr, SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr, CDT: tl.constexpr,
-    A_FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    A_FP8: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):  # fmt: skip
     """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``; with
     ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked)."""
@@ -352,18 +378,21 @@ def _moe_gemm(
             kg = k0 + g * GK
             acc1 = _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc1, FP4,
                               USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK, BM >= 64,
-                              A_FP8)  # fmt: skip
+                              A_FP8, F16)  # fmt: skip
             if GATED:
                 acc3 = _group_dot(a_base, rmask, kg, w_base, s_base, n + N, swn, ssn, ssk, acc3,
                                   FP4, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK, BM >= 64,
-                                  A_FP8)  # fmt: skip
+                                  A_FP8, F16)  # fmt: skip
     o_ptrs = out_ptr + pid_k * sos + pos.to(tl.int64)[:, None] * som + n[None, :]
     if FUSE_SWIGLU:
         if HAS_LIMIT:
             acc1 = tl.minimum(acc1, limit)
             acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = acc1 * tl.sigmoid(acc1) * acc3
-        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty))
+        if F16:  # H is the next GEMM's fp16 input: stored times 2^-4 like x
+            tl.store(o_ptrs, _f16_sixteenth(h))
+        else:
+            tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty))
     else:
         tl.store(o_ptrs, acc1)
         if GATED:
@@ -373,9 +402,11 @@ def _moe_gemm(
 @triton.jit
 def _swiglu_reduce(
     p_ptr, sps, spm, h_ptr, shm, tile_e_ptr, N, limit,
-    SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr,
 ):  # fmt: skip
-    """H = swiglu(sum_s P[s, :, :N], sum_s P[s, :, N:]) for one tile and column block."""
+    """H = swiglu(sum_s P[s, :, :N], sum_s P[s, :, N:]) for one tile and column block
+    (F16: times 2^-4, the fp16 input convention of the next GEMM)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if tl.load(tile_e_ptr + pid_m) < 0:
         return
@@ -392,7 +423,11 @@ def _swiglu_reduce(
         h1 = tl.minimum(h1, limit)
         h3 = tl.minimum(tl.maximum(h3, -limit), limit)
     h = h1 * tl.sigmoid(h1) * h3
-    tl.store(h_ptr + pos[:, None] * shm + n[None, :], h.to(h_ptr.dtype.element_ty), mask=cmask)
+    hp = h_ptr + pos[:, None] * shm + n[None, :]
+    if F16:
+        tl.store(hp, _f16_sixteenth(h), mask=cmask)
+    else:
+        tl.store(hp, h.to(h_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -453,6 +488,14 @@ def _moe_align(
         p = tl.atomic_add(cursor_ptr + tl.where(local, e, 0), 1, mask=local)
         tl.store(rows_ptr + p, s, mask=local)
         tl.store(inv_ptr + s, tl.where(local, p, -1), mask=s < n_slots)
+
+
+@triton.jit
+def _to_f16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """``y = fp16(x * 2^-4)``: the F16 GEMM input convention (see :func:`_f16_sixteenth`)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, _f16_sixteenth(v), mask=i < n)
 
 
 def _dot_dtype(x: torch.Tensor) -> tl.dtype:
@@ -609,12 +652,21 @@ def _moe_run(
     s13, e8_13 = _scale_arg(s13)
     s2, e8_2 = _scale_arg(s2)
     cdt = _dot_dtype(x)
+    # fp16 MMA for bf16 activations at decode tile heights (see _group_dot); BM >= 64 keeps
+    # bf16 with the scales on the weight tile (fp16 could not hold every scaled weight). The
+    # SwiGLU clamp bounds H by limit^2 (V4/V4.1: 10 -> 100), inside fp16 * 2^4's 2^20; no
+    # clamp, no bound: bf16.
+    f16 = cdt == tl.bfloat16 and not act_fp8 and bm < 64 and 0 < limit <= 1024 and not _INTERPRET
     common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, SB_N=block[0], SB_K=block[1],
-                  BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8)  # fmt: skip
-    h_dtype = torch.float32 if cdt == tl.float32 else torch.bfloat16
+                  BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8, F16=f16)  # fmt: skip
+    h_dtype = torch.float32 if cdt == tl.float32 else torch.float16 if f16 else torch.bfloat16
     h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
     k1 = -(-(d // g1.bk) // g1.split) * g1.bk
-    gate_args = (x, x.stride(0), rows, tile_e, w13, w13.stride(0), w13.stride(1))
+    xa = x
+    if f16:
+        xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        _to_f16_kernel[(triton.cdiv(x.numel(), 1024),)](x, xa, x.numel(), BLOCK=1024)
+    gate_args = (xa, xa.stride(0), rows, tile_e, w13, w13.stride(0), w13.stride(1))
     gate_args += (s13, s13.stride(0), s13.stride(1), s13.stride(-1))
     grid1 = (n_tiles, inter // g1.bn, g1.split)
     launch1 = dict(BN=g1.bn, BK=g1.bk, num_warps=g1.warps, num_stages=g1.stages)
@@ -629,7 +681,7 @@ def _moe_run(
                          SCALE_E8M0=e8_13, **launch1, **common)  # fmt: skip
         _swiglu_reduce[(n_tiles, triton.cdiv(inter, 64))](
             part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
-            SPLIT=g1.split, HAS_LIMIT=limit > 0, BM=bm, BN=64,
+            SPLIT=g1.split, HAS_LIMIT=limit > 0, F16=f16, BM=bm, BN=64,
         )  # fmt: skip
     y = torch.empty(g2.split, n_rows, d, dtype=torch.float32, device=x.device)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk

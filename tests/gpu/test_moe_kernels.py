@@ -138,10 +138,12 @@ def test_moe_fp8_activations(fp4: bool, t: int, all_local: bool, fp8_experts: tu
     assert _rel(out, ref) < 0.6 * _rel(out, plain)
 
 
-def test_dequant_tiles_exact() -> None:
+@pytest.mark.parametrize("block_m,limit", [(None, 0.0), (16, 1024.0)])
+def test_dequant_tiles_exact(block_m: int | None, limit: float) -> None:
     """The PTX dequantization (fp8 incl. subnormals, every fp4 code): one-hot activations
-    read W1 back through the MoE (limit off, W3 = 1, W2 = identity), against the reference
-    dequantization put through the same SwiGLU."""
+    read W1 back through the MoE (W3 = 1, W2 = identity), against the reference
+    dequantization put through the same SwiGLU. 256 rows of one expert take the bf16 tiles;
+    16-row tiles with a SwiGLU limit take the fp16 MMA path (hardware e4m3 -> fp16)."""
     from kernels.moe import moe_fp4_triton, moe_fp8_triton
     from kernels.quant_ref import dequant_fp4, dequant_fp8_blocks
 
@@ -164,9 +166,13 @@ def test_dequant_tiles_exact() -> None:
     s13 = torch.cat([s_w1, torch.full_like(s_w1, 127)], 0)[None].contiguous()
     w2 = eye_w2.to(torch.float8_e4m3fn)[None].contiguous()
     s2 = torch.full((1, d // 32, inter // 32), 127, dtype=torch.uint8, device="cuda")
-    out = moe_fp8_triton(x.bfloat16(), ids, wts, w13, s13, w2, s2, (32, 32), 0.0)
+    out = moe_fp8_triton(x.bfloat16(), ids, wts, w13, s13, w2, s2, (32, 32), limit,
+                         block_m=block_m)  # fmt: skip
     h3 = (x @ one.t()).float()
-    want = (torch.nn.functional.silu(x @ deq.t()) * h3).bfloat16().float()
+    h1 = x @ deq.t()
+    if limit:
+        h1 = h1.clamp(max=limit)
+    want = (torch.nn.functional.silu(h1) * h3).bfloat16().float()
     # a wrong bit or a flushed subnormal moves a value by >= 1/8 (or by all of it)
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-6)
     # fp4: all 256 byte values in every row group
@@ -181,7 +187,8 @@ def test_dequant_tiles_exact() -> None:
         torch.arange(d, device="cuda") % 2 == 0, 0x02, 0x20
     ).to(torch.int8)  # W2 = identity (code 2 = 1.0 in the right nibble)
     s2_4 = torch.full((1, d, inter // 32), 127, dtype=torch.uint8, device="cuda")
-    out4 = moe_fp4_triton(x.bfloat16(), ids, wts, w13_4, s13_4, w2_4, s2_4, 0.0)
+    out4 = moe_fp4_triton(x.bfloat16(), ids, wts, w13_4, s13_4, w2_4, s2_4, limit,
+                          block_m=block_m)  # fmt: skip
     want4 = (torch.nn.functional.silu(x @ deq4.t()) * h3).bfloat16().float()
     torch.testing.assert_close(out4.float(), want4, rtol=1e-2, atol=1e-6)
 
