@@ -1,8 +1,9 @@
-"""Per-kernel GPU time of the multi-launch attention-path ops (torch.profiler), so that a
-miss can be pinned on the launch that causes it: indexer top-k (coarse histogram ->
-candidate list -> select -> fallback), compressor pooling, decode attention.
+"""Per-kernel GPU time of the multi-launch ops (torch.profiler), so that a miss can be
+pinned on the launch that causes it: indexer top-k (prefix histograms -> candidate list ->
+ranks -> sort -> fallback), compressor pooling, decode attention, the MoE layer (align,
+fp16 input, W13, SwiGLU reduce, W2, combine) at decode sizes.
 
-    python -m bench.kernel_profile [--only topk,compressor,attention]
+    python -m bench.kernel_profile [--only topk,compressor,attention,moe] [--plain]
 
 Prints, per case, every kernel's mean device µs over the profiled calls, the sum, and the
 CUDA-graph replay time of the whole op (what the engine's captured decode step pays).
@@ -111,6 +112,30 @@ def attention_cases() -> list:
     return recs
 
 
+def moe_cases() -> list:
+    from bench import kernels_moe as km
+    from kernels.moe import moe_fp4_triton, moe_fp8_triton
+
+    w13, s13, w2, s2, p13, q13, p2, q2 = km._experts("cuda")
+    recs = []
+    for fmt, t in (("fp4", 64), ("fp8", 64), ("fp4", 1), ("fp8", 1)):
+        g = torch.Generator(device="cuda").manual_seed(t)
+        x = torch.randn(t, km.D, device="cuda", generator=g).bfloat16()
+        ids = torch.rand(t, km.E_ALL, device="cuda", generator=g).argsort(-1)[:, : km.TOPK]
+        ids[:, 0] = torch.where((ids < km.E_LOCAL).any(-1), ids[:, 0], 0)
+        w = torch.rand(t, km.TOPK, device="cuda", generator=g)
+        if fmt == "fp8":
+            fn = lambda x=x, ids=ids, w=w: moe_fp8_triton(  # noqa: E731
+                x, ids, w, w13, s13, w2, s2, (32, 32), 10.0, n_experts=km.E_ALL
+            )
+        else:
+            fn = lambda x=x, ids=ids, w=w: moe_fp4_triton(  # noqa: E731
+                x, ids, w, p13, q13, p2, q2, 10.0, n_experts=km.E_ALL
+            )
+        recs += case("moe", fn, {"experts": fmt, "tokens": t, "local": km.E_LOCAL})
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="topk,compressor,attention")
@@ -120,7 +145,8 @@ def main() -> None:
     PLAIN = args.plain
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    cases = {"topk": topk_cases, "compressor": compressor_cases, "attention": attention_cases}
+    cases = {"topk": topk_cases, "compressor": compressor_cases, "attention": attention_cases,
+             "moe": moe_cases}  # fmt: skip
     recs = []
     for name in args.only.split(","):
         recs += cases[name]()

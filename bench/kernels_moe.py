@@ -308,21 +308,14 @@ def engram_sweep(tokens: list[int], recs: list[dict]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer sizes (< 90 s)")
-    ap.add_argument("--tiles", action="store_true", help="only the MoE tile sweep")
+    ap.add_argument("--tiles", choices=("decode", "all"), help="only the MoE tile sweep")
     args = ap.parse_args()
     if args.tiles:
-        print(
-            "\n".join(
-                tile_sweep(
-                    [
-                        (64, False, True),
-                        (4096, True, True),
-                        (4096, True, False),
-                        (4096, False, False),
-                    ]
-                )
-            )
-        )
+        cases = [(1, False, False), (64, False, False)]
+        if args.tiles == "all":
+            cases += [(64, False, True), (4096, True, True), (4096, True, False),
+                      (4096, False, False)]  # fmt: skip
+        print("\n".join(tile_sweep(cases)))
         return
     ceil = ceilings()
     recs: list[dict] = [record(f"ceiling.{k}", v, k.split("_")[-1]) for k, v in ceil.items()]
