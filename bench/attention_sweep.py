@@ -28,7 +28,7 @@ from kernels import attention as attn
 LAUNCHES = [
     (64, 16, 8, 4), (64, 32, 8, 3), (64, 32, 8, 4), (64, 16, 8, 3), (64, 64, 8, 3),
     (64, 32, 8, 2), (32, 32, 8, 3), (32, 32, 8, 4), (32, 16, 4, 4), (16, 32, 4, 4),
-    (16, 64, 4, 3),
+    (16, 64, 4, 3), (16, 16, 4, 4), (16, 32, 4, 3), (16, 32, 4, 2),
 ]  # fmt: skip
 QUICK = [(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
          for c in attn._attn_configs()]  # fmt: skip

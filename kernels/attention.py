@@ -127,7 +127,10 @@ def _attn_configs() -> list[triton.Config]:
     # num_stages >= 3: the KV gather becomes cp.async, num_stages - 1 blocks in flight (sm_90
     # compile, bench.compile_report attention). BLOCK_H 64 (wgmma) pipelines bf16 and fp8 KV;
     # below 64 heads (mma.sync) the fp8 rows stay synchronous loads, only their scales are async.
-    shapes = ((64, 16, 8, 4), (64, 32, 8, 3), (64, 32, 8, 4), (32, 32, 8, 3), (16, 32, 4, 4))
+    # (16, 16, 4, 4) and (16, 32, 4, 3): 66 / 83 KB of shared memory instead of 116 KB, so 3 / 2
+    # CTAs per SM -- ncu showed (16, 32, 4, 4) at one 4-warp CTA per SM, latency-bound.
+    shapes = ((64, 16, 8, 4), (64, 32, 8, 3), (64, 32, 8, 4), (32, 32, 8, 3), (16, 32, 4, 4),
+              (16, 16, 4, 4), (16, 32, 4, 3))  # fmt: skip
     return [
         triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bh, bn, w, s in shapes
