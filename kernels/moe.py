@@ -565,9 +565,12 @@ def _gemm_tiles(
         bn = next(b for b in (128, 64, 32) if n % b == 0)
         return GemmTiles(bn, min(bk, 64), 1, 4, 4)
     bn = next(b for b in (64, 32) if n % b == 0)
+    stages = 4
+    if k % 256 == 0 and not act_fp8:  # H200 decode sweep: 2-6% faster than 128 at 1 and 64 tokens
+        bk, stages = max(bk, 256), 3  # (bench.kernels_moe --tiles decode)
     blocks = max(1, tiles) * (n // bn)
     split = max(1, min(k // bk // 2, -(-2 * sms // blocks)))
-    return GemmTiles(bn, bk, split, 4, 4)
+    return GemmTiles(bn, bk, split, 4, stages)
 
 
 def pick_tiles(

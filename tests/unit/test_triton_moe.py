@@ -155,3 +155,35 @@ def test_fake_quant_act_groups() -> None:
     amax = y.abs().unflatten(-1, (-1, 32)).amax(-1).repeat_interleave(32, -1)
     # e4m3: 3 mantissa bits; values under 2^-6 of the group's amax go subnormal
     assert bool((err <= torch.maximum(y.abs() * 2**-4, amax * 2**-9 / 448 * 2**-1 * 2)).all())
+
+
+def test_decode_tiles_take_256_wide_k_blocks() -> None:
+    """V4.1-Flash decode shapes (1 token, 48 of 384 experts local): 256-wide K blocks with
+    the split-K of the H200 tile sweep; fp8 activations keep 128."""
+    t = moe.pick_tiles(6, 48, 384, 5120, 2304, 32, 132)
+    assert t.bm == 16
+    assert t.gate_up == moe.GemmTiles(64, 256, 8, 4, 3)
+    assert t.down == moe.GemmTiles(64, 256, 4, 4, 3)
+    assert moe.pick_tiles(6, 48, 384, 5120, 2304, 32, 132, act_fp8=True).gate_up.bk == 128
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_moe_256_wide_k_blocks(fp4: bool) -> None:
+    """BK = 256 (eight 32-column scale groups per step) and split-K against the reference."""
+    g = torch.Generator().manual_seed(11)
+    d, inter, e = 256, 256, 2
+    w13 = [torch.randn(2 * inter, d, generator=g) / d**0.5 for _ in range(e)]
+    w2 = [torch.randn(d, inter, generator=g) / inter**0.5 for _ in range(e)]
+    quant = quantize_fp4 if fp4 else (lambda w: quantize_fp8_block(w, (32, 32)))
+    q13, s13 = _stack(quant, w13)
+    q2, s2 = _stack(quant, w2)
+    x = torch.randn(3, d, generator=g).bfloat16()
+    ids, w = _routing(g, 3, e)
+    tiles = moe.MoeTiles(16, moe.GemmTiles(32, 256, 1, 4, 3), moe.GemmTiles(32, 128, 2, 4, 3))
+    if fp4:
+        out = moe.moe_fp4_triton(x, ids, w, q13, s13, q2, s2, LIMIT, tiles=tiles)
+        ref = moe.moe_fp4_ref(x.double(), ids, w.double(), q13, s13, q2, s2, LIMIT)
+    else:
+        out = moe.moe_fp8_triton(x, ids, w, q13, s13, q2, s2, (32, 32), LIMIT, tiles=tiles)
+        ref = moe.moe_fp8_ref(x.double(), ids, w.double(), q13, s13, q2, s2, (32, 32), LIMIT)
+    assert rel(out, ref) < 1e-2
