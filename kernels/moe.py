@@ -214,6 +214,15 @@ def _f16_sixteenth(v):
 
 
 @triton.jit
+def _as_gemm_input(h, dt: tl.constexpr, F16: tl.constexpr):
+    """SwiGLU output ``h`` (fp32) as the W2 GEMM reads it: fp16 x 2^-4 on the F16 path."""
+    if F16:
+        return _f16_sixteenth(h)
+    else:
+        return h.to(dt)
+
+
+@triton.jit
 def _dot(a, b, acc, CDT: tl.constexpr):
     """``acc + a @ b``; fp32 operands multiply exactly (not tf32)."""
     if tl.float32 == CDT:
@@ -320,9 +329,8 @@ def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl
     go on the fp32 partial. F16 (bf16 activations, scales on the partial): fp16 MMA on
     activations stored as fp16 times 2^-4 (see :func:`_to_f16_kernel`; the 2^4 goes back in
     the scale), so the weights' dequantization is one ``cvt`` per two values instead of
-    integer bit surgery. Else bf16 MMA: scales on
-    the weight tile when many rows share it (BM >= 64: fewer multiplies, no second
-    accumulator), else on the partial."""
+    integer bit surgery. Else bf16 MMA: scales on the weight tile when many rows share it
+    (BM >= 64: fewer multiplies, no second accumulator), else on the partial."""
     w, s = _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4, USE_ASM, SCALE_E8M0, SB_N, SB_K,
                     CDT, GK, A_FP8, F16)  # fmt: skip
     a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
@@ -389,10 +397,7 @@ def _moe_gemm(
             acc1 = tl.minimum(acc1, limit)
             acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = acc1 * tl.sigmoid(acc1) * acc3
-        if F16:  # H is the next GEMM's fp16 input: stored times 2^-4 like x
-            tl.store(o_ptrs, _f16_sixteenth(h))
-        else:
-            tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty))
+        tl.store(o_ptrs, _as_gemm_input(h, out_ptr.dtype.element_ty, F16))
     else:
         tl.store(o_ptrs, acc1)
         if GATED:
@@ -423,11 +428,8 @@ def _swiglu_reduce(
         h1 = tl.minimum(h1, limit)
         h3 = tl.minimum(tl.maximum(h3, -limit), limit)
     h = h1 * tl.sigmoid(h1) * h3
-    hp = h_ptr + pos[:, None] * shm + n[None, :]
-    if F16:
-        tl.store(hp, _f16_sixteenth(h), mask=cmask)
-    else:
-        tl.store(hp, h.to(h_ptr.dtype.element_ty), mask=cmask)
+    tl.store(h_ptr + pos[:, None] * shm + n[None, :],
+             _as_gemm_input(h, h_ptr.dtype.element_ty, F16), mask=cmask)  # fmt: skip
 
 
 @triton.jit
@@ -567,7 +569,7 @@ def _gemm_tiles(
     bn = next(b for b in (64, 32) if n % b == 0)
     stages = 4
     if k % 256 == 0 and not act_fp8:  # H200 decode sweep: 2-6% faster than 128 at 1 and 64 tokens
-        bk, stages = max(bk, 256), 3  # (bench.kernels_moe --tiles decode)
+        bk, stages = 256, 3  # (bench.kernels_moe --tiles decode)
     blocks = max(1, tiles) * (n // bn)
     split = max(1, min(k // bk // 2, -(-2 * sms // blocks)))
     return GemmTiles(bn, bk, split, 4, stages)
