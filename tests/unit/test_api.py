@@ -110,7 +110,13 @@ def test_chat_non_stream(oai):
     assert r.choices[0].finish_reason == "length"
     u = r.usage
     assert u.completion_tokens == 6 and u.prompt_tokens > 0
-    assert u.completion_tokens_details.reasoning_tokens == 6
+    # tokens before </think>: usually all 6 on the random tiny model, but a near-tie in its
+    # greedy logits can emit </think> earlier (seen once in a full CI run); then an answer
+    # may follow, and the count must leave room for it
+    reasoning = u.completion_tokens_details.reasoning_tokens
+    assert 0 < reasoning <= 6
+    if msg.content:
+        assert reasoning < 6
     assert "prompt_cache_hit_tokens" in u.model_extra
 
 
