@@ -33,10 +33,20 @@ from app.engine.request import (
 
 _VERSIONS = {"v41": dr.ModelVersion.DeepseekV41Flash, "v4": dr.ModelVersion.DeepseekV4Pro}
 # Sampling fields beyond what the recipe extracts, read from the raw body (per protocol).
+# Engine sampling options every protocol takes as extra body fields (as vLLM / SGLang do):
+# ``ignore_eos`` generates through EOS, ``min_tokens`` masks EOS / stop tokens until then.
+_ENGINE_EXTRAS = ("ignore_eos", "min_tokens")
 _EXTRAS = {
-    "chat": ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"),
-    "responses": (),
-    "messages": ("top_k",),
+    "chat": (
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        *_ENGINE_EXTRAS,
+    ),
+    "responses": _ENGINE_EXTRAS,
+    "messages": ("top_k", *_ENGINE_EXTRAS),
 }
 
 # Top-level field types checked before conversion, so a wrong type is reported by name (the
@@ -46,7 +56,14 @@ _NUM = ((int, float), "a number")
 _BOOL = ((bool,), "a boolean")
 _STR = ((str,), "a string")
 _LIST = ((list,), "an array")
-_COMMON = {"model": _STR, "stream": _BOOL, "temperature": _NUM, "top_p": _NUM}
+_COMMON = {
+    "model": _STR,
+    "stream": _BOOL,
+    "temperature": _NUM,
+    "top_p": _NUM,
+    "ignore_eos": _BOOL,
+    "min_tokens": _INT,
+}
 _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
     "chat": {
         **_COMMON,

@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import anthropic
 import httpx
@@ -26,18 +26,28 @@ from app.api import (
 )
 from app.config import EngineConfig
 from app.engine.engine import AsyncEngine
+from app.engine.request import EngineRequest, RequestOutput
 
 MODEL = "tiny-v41"
 NO_THINK = {"thinking": {"type": "disabled"}}
+# Wherever a reply's length is asserted: greedy, and through EOS. The tiny model's random
+# weights give its stop tokens real probability, and greedy near-ties can flip between runs
+# (CPU kernel numerics), so a reply could otherwise end early.
+FULL = {"ignore_eos": True}
 HI = [{"role": "user", "content": "hi"}]
 
 
 class SpyClient(LocalEngineClient):
-    """Records aborts so tests can see a disconnect reach the engine."""
+    """Records requests and aborts so tests can see what reaches the engine."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         super().__init__(engine)
         self.aborted: list[str] = []
+        self.requests: list[EngineRequest] = []
+
+    def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        self.requests.append(req)
+        return super().generate(req)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -102,7 +112,9 @@ def oai(server) -> openai.OpenAI:
 
 
 def test_chat_non_stream(oai):
-    r = oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0)
+    r = oai.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=6, temperature=0, extra_body=FULL
+    )
     assert r.model == MODEL and r.id.startswith("chatcmpl-")
     msg = r.choices[0].message
     assert msg.role == "assistant"
@@ -127,7 +139,7 @@ def test_chat_stream_role_first_and_usage(oai):
             messages=HI,
             max_tokens=5,
             stream=True,
-            extra_body=NO_THINK,
+            extra_body={**NO_THINK, **FULL},
             temperature=0,
         )
     )
@@ -218,9 +230,9 @@ def test_chat_logprobs(oai):
 
 
 def test_responses_non_stream_and_stream(oai):
-    # greedy here and wherever a length is checked: a sampled stop token would end the reply
-    # early (the tiny model's random weights give its special tokens real probability)
-    r = oai.responses.create(model=MODEL, input="hello", max_output_tokens=6, temperature=0)
+    r = oai.responses.create(
+        model=MODEL, input="hello", max_output_tokens=6, temperature=0, extra_body=FULL
+    )
     assert r.id.startswith("resp_") and r.usage.output_tokens == 6
     assert r.status == "incomplete"
     events = list(
@@ -232,12 +244,15 @@ def test_responses_non_stream_and_stream(oai):
 
 def test_completions_text_ids_logprobs_and_stream(oai):
     r = oai.completions.create(
-        model=MODEL, prompt="hello there", max_tokens=5, logprobs=2, temperature=0
-    )
+        model=MODEL, prompt="hello there", max_tokens=5, logprobs=2, temperature=0,
+        extra_body=FULL,
+    )  # fmt: skip
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 5 and all(len(t) <= 2 for t in lp.top_logprobs)
-    r2 = oai.completions.create(model=MODEL, prompt=[0, 40, 41, 42], max_tokens=3, temperature=0)
+    r2 = oai.completions.create(
+        model=MODEL, prompt=[0, 40, 41, 42], max_tokens=3, temperature=0, extra_body=FULL
+    )
     assert r2.usage.prompt_tokens == 4 and r2.usage.completion_tokens == 3
     chunks = list(
         oai.completions.create(
@@ -247,6 +262,7 @@ def test_completions_text_ids_logprobs_and_stream(oai):
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body=FULL,
         )
     )
     assert chunks[-1].usage.completion_tokens == 4
@@ -271,7 +287,7 @@ def test_models_lists_alias(oai):
 
 def test_anthropic_messages(server):
     ac = anthropic.Anthropic(base_url=server[0].url, api_key="unused", max_retries=0)
-    greedy = {"temperature": 0}  # through extra_body: this SDK's signature has no temperature
+    greedy = {"temperature": 0, **FULL}  # extra_body: this SDK's signature has no temperature
     m = ac.messages.create(model=MODEL, max_tokens=6, messages=HI, extra_body=greedy)
     assert m.role == "assistant" and m.stop_reason == "max_tokens"
     assert m.content[0].type == "thinking" and m.usage.output_tokens == 6
@@ -397,3 +413,21 @@ def test_local_client_drain_and_max_pending(tiny_ckpt, engine):
     assert busy.status_code == 429
     assert drained.status_code == 503 and health.status_code == 503
     assert ok.status_code == 200
+
+
+def test_engine_extras_reach_the_engine_and_are_type_checked(server, oai):
+    """``ignore_eos`` / ``min_tokens`` as extra body fields of every protocol (vLLM-style)."""
+    srv, client = server
+    oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
+                                extra_body={"ignore_eos": True, "min_tokens": 2})  # fmt: skip
+    p = client.requests[-1].params
+    assert p.ignore_eos and p.min_tokens == 2
+    oai.responses.create(model=MODEL, input="hi", max_output_tokens=3, extra_body={"min_tokens": 3})
+    assert client.requests[-1].params.min_tokens == 3
+    bad_type = {"model": MODEL, "max_tokens": 3, "messages": HI, "ignore_eos": "yes"}
+    negative = {"model": MODEL, "max_tokens": 3, "messages": HI, "min_tokens": -1}
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        bad = http.post("/v1/messages", json=bad_type)
+        neg = http.post("/v1/chat/completions", json=negative)
+    assert bad.status_code == 400 and "ignore_eos" in bad.json()["error"]["message"]
+    assert neg.status_code == 400 and "min_tokens" in neg.json()["error"]["message"]
