@@ -16,6 +16,7 @@ from app.observability import RequestMetrics, carrier, tracer
 
 logger = logging.getLogger(__name__)
 _PASS_THROUGH = (RequestError, EngineOverloadedError, EngineUnavailableError)
+CONTROL_TIMEOUT_S = 5.0  # Router calls of /health and /metrics
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -66,7 +67,7 @@ class ServeEngineClient:
             await self.rank.abort.remote(request_id, target=target)
 
     async def stats(self) -> dict:
-        ranks = await self.router.ranks_stats.remote()
+        ranks = await self.ranks_stats()
         total: dict[str, float] = {"num_ranks": len(ranks)}
         for s in ranks.values():
             for k, v in s.items():
@@ -79,9 +80,14 @@ class ServeEngineClient:
                     total[k] = total.get(k, 0) + v
         return total
 
+    async def ranks_stats(self) -> dict[str, dict]:
+        """Each live rank's last report, from the Router (``TimeoutError`` after
+        ``CONTROL_TIMEOUT_S``)."""
+        return await asyncio.wait_for(self.router.ranks_stats.remote(), CONTROL_TIMEOUT_S)
+
     async def ready(self) -> bool:
         try:
-            return bool(await asyncio.wait_for(self.router.ranks_stats.remote(), 5.0))
+            return bool(await self.ranks_stats())
         except Exception:
             return False
 

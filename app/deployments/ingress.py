@@ -3,6 +3,7 @@ both over the Router + DPRank handles. Tokenization and protocol conversion happ
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +17,8 @@ from app.deployments.client import MeteredClient, ServeEngineClient
 from app.engine.request import EngineRequest, RequestError, SamplingParams
 from app.grpc.fathom_pb2 import GenerateRequest, GenerateResponse
 from app.observability import RequestMetrics, setup_tracing
+
+logger = logging.getLogger(__name__)
 
 
 class Ingress:
@@ -41,7 +44,10 @@ class Ingress:
         metrics_app = make_asgi_app(self.metrics.registry)
 
         async def metrics(scope, receive, send):  # refresh rank gauges on each scrape
-            self.metrics.set_ranks(await self.engines.router.ranks_stats.remote())
+            try:
+                self.metrics.set_ranks(await self.engines.ranks_stats())
+            except Exception as e:  # a scrape still answers (with the last rank gauges)
+                logger.warning("rank stats for /metrics failed: %r", e)
             await metrics_app(scope, receive, send)
 
         return build_api(self.api_cfg, self.client, metrics_app=metrics)

@@ -32,6 +32,10 @@ class PinnedRequestRouter(RequestRouter):
         target = None
         if pending_request is not None:
             target = pending_request.kwargs.get("target")
+            # back off between attempts when the chosen replica is full or its queue-length
+            # probe times out; without it Serve retries in a busy loop that starves the
+            # caller's event loop (the probes then time out too: a livelock)
+            pending_request.routing_context.should_backoff = True
         if target:
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             if pinned:
@@ -52,7 +56,11 @@ class RankLoad:
         return queued + 4.0 * s.get("kv_usage", 0.0)
 
 
-@serve.deployment(name="Router", num_replicas=1, ray_actor_options={"num_cpus": 0.05})
+# every request calls ``choose`` (and each rank reports twice a second): Serve's default of 5
+# ongoing calls would queue a burst of arrivals behind queue-length probes
+@serve.deployment(
+    name="Router", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0.05}
+)
 class Router:
     """Global view of the DP ranks: load (and, later, their prefix-cache contents)."""
 
