@@ -31,9 +31,8 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 DUMP_DIR = sys.argv[2] if len(sys.argv) > 2 else None
 
 
-def _loop_local_ops(sass: str) -> int:
-    """LDL/STL inside the loops that hold MMA instructions: register spills on the hot path
-    (``stack`` also counts frames such as sin/cos range reduction outside the loop)."""
+def _mma_loops(sass: str) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
+    """The SASS instructions (address, text) and the address spans of loops holding MMAs."""
     ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     spans = []
     for addr, op in ins:
@@ -42,8 +41,21 @@ def _loop_local_ops(sass: str) -> int:
             lo = int(m.group(1), 16)
             if any(lo <= a <= addr and re.search(r"\b[HQ]G?MMA\b", o) for a, o in ins):
                 spans.append((lo, addr))
+    return ins, spans
+
+
+def _loop_local_ops(sass: str) -> int:
+    """LDL/STL inside the loops that hold MMA instructions: register spills on the hot path
+    (``stack`` also counts frames such as sin/cos range reduction outside the loop)."""
+    ins, spans = _mma_loops(sass)
     return sum(1 for a, o in ins if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", o)
                and any(lo <= a <= hi for lo, hi in spans))  # fmt: skip
+
+
+def _loop_len(sass: str) -> int:
+    """Instructions in the longest loop holding MMAs (the main loop's body, per iteration)."""
+    ins, spans = _mma_loops(sass)
+    return max((sum(1 for a, _ in ins if lo <= a <= hi) for lo, hi in spans), default=0)
 
 
 def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int,
@@ -78,10 +90,11 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: i
     regs, stack, _, local = use.groups() if use else ("?",) * 4
     mma = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "HMMA", "QGMMA")}
     loop_ldst = _loop_local_ops(sass)
+    loop_n = _loop_len(sass)
     mma_s = " ".join(f"{op}={n}" for op, n in mma.items() if n)
     return (f"regs {regs} stack {stack} local {local} smem {k.metadata.shared} {mma_s} "
             f"async {n_async} LDGSTS {n_ldgsts} tma {n_tma} UTMALDG {n_utma} "
-            f"loop LDL/STL {loop_ldst}")  # fmt: skip
+            f"loop LDL/STL {loop_ldst} loop instrs {loop_n}")  # fmt: skip
 
 
 def moe() -> None:
@@ -90,16 +103,20 @@ def moe() -> None:
     types = {n: "i32" for n in m._moe_gemm.arg_names}
     types.update(a_ptr="*bf16", rows_ptr="*i32", tile_e_ptr="*i32", w_ptr="*fp8e4nv",
                  s_ptr="*u8", out_ptr="*bf16", limit="fp32")  # fmt: skip
-    for fp4, act8, f16 in (
-        (False, False, True),
-        (True, False, True),
-        (False, False, False),
-        (True, False, False),
-        (False, True, False),
-        (True, True, False),
+    for fp4, halves, act8, f16 in (
+        (False, False, False, True),
+        (True, False, False, True),
+        (True, True, False, True),
+        (False, False, False, False),
+        (True, False, False, False),
+        (True, True, False, False),
+        (False, False, True, False),
+        (True, False, True, False),
+        (True, True, True, False),
     ):
         for gated, fuse in ((True, True), (True, False), (False, False)):
-            for bm, bn, bk, w, st in ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
+            for bm, bn, bk, w, st in ((16, 64, 256, 4, 3), (16, 64, 128, 4, 4),
+                                      (16, 32, 128, 4, 4),
                                       (128, 128, 128, 8, 3), (128, 64, 128, 8, 3),
                                       (128, 128, 64, 8, 3), (64, 128, 64, 4, 4)):  # fmt: skip
                 t = dict(types)
@@ -108,15 +125,20 @@ def moe() -> None:
                 t["out_ptr"] = ("*fp16" if h16 else "*bf16") if fuse else "*fp32"
                 t["a_ptr"] = "*fp16" if h16 else "*bf16"
                 consts = dict(A_GATHER=gated, GATED=gated, FUSE_SWIGLU=fuse, FP4=fp4,
-                              USE_ASM=True, SCALE_E8M0=True, SB_N=1 if fp4 else 32, SB_K=32,
+                              HALVES=halves, USE_ASM=True, SCALE_E8M0=True,
+                              SB_N=1 if fp4 else 32, SB_K=32,
                               HAS_LIMIT=True, CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk,
                               A_FP8=act8, F16=h16)  # fmt: skip
+                aligned = tuple(n for n in m._moe_gemm.arg_names if n.endswith("_ptr")
+                                or n in ("sam", "swe", "swn", "sse", "ssn", "sos", "som", "N",
+                                         "K", "k_per_split"))  # fmt: skip
                 try:
-                    rep = compile_one(m._moe_gemm, t, consts, w, st)
+                    rep = compile_one(m._moe_gemm, t, consts, w, st, aligned=aligned)
                 except Exception as e:  # report and go on
                     rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-                print(f"moe fp4={fp4:d} act8={act8:d} f16={h16:d} gated={gated:d} "
-                      f"fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} st={st}: {rep}")  # fmt: skip
+                print(f"moe fp4={fp4:d} halves={halves:d} act8={act8:d} f16={h16:d} "
+                      f"gated={gated:d} fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} "
+                      f"st={st}: {rep}")  # fmt: skip
 
 
 def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> None:

@@ -114,11 +114,12 @@ def attention_cases() -> list:
 
 def moe_cases() -> list:
     from bench import kernels_moe as km
-    from kernels.moe import moe_fp4_triton, moe_fp8_triton
+    from kernels.moe import fp4_to_halves, moe_fp4_triton, moe_fp8_triton
 
     w13, s13, w2, s2, p13, q13, p2, q2 = km._experts("cuda")
+    h13, h2 = fp4_to_halves(p13), fp4_to_halves(p2)
     recs = []
-    for fmt, t in (("fp4", 64), ("fp8", 64), ("fp4", 1), ("fp8", 1)):
+    for fmt, t in (("fp4", 64), ("fp4h", 64), ("fp8", 64), ("fp4", 1), ("fp4h", 1), ("fp8", 1)):
         g = torch.Generator(device="cuda").manual_seed(t)
         x = torch.randn(t, km.D, device="cuda", generator=g).bfloat16()
         ids = torch.rand(t, km.E_ALL, device="cuda", generator=g).argsort(-1)[:, : km.TOPK]
@@ -127,6 +128,10 @@ def moe_cases() -> list:
         if fmt == "fp8":
             fn = lambda x=x, ids=ids, w=w: moe_fp8_triton(  # noqa: E731
                 x, ids, w, w13, s13, w2, s2, (32, 32), 10.0, n_experts=km.E_ALL
+            )
+        elif fmt == "fp4h":  # the same experts in the halves layout
+            fn = lambda x=x, ids=ids, w=w: moe_fp4_triton(  # noqa: E731
+                x, ids, w, h13, q13, h2, q2, 10.0, n_experts=km.E_ALL, halves=True
             )
         else:
             fn = lambda x=x, ids=ids, w=w: moe_fp4_triton(  # noqa: E731

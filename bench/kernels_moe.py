@@ -21,6 +21,7 @@ from kernels.gate import moe_gate_ref, moe_gate_triton
 from kernels.moe import (
     GemmTiles,
     MoeTiles,
+    fp4_to_halves,
     moe_experts_ref,
     moe_fp4_triton,
     moe_fp8_triton,
@@ -90,6 +91,7 @@ def moe_sweep(
     fp8_bytes = 3 * INTER * D * (1 + 4 / 1024)  # e8m0 scales stored as bytes: 1/1024
     fp4_bytes = 3 * INTER * D * (0.5 + 1 / 32)
     bw, f8 = ceil["copy_bw_Bps"], ceil["fp8_flops"]
+    h13, h2 = fp4_to_halves(p13), fp4_to_halves(p2)  # the same experts, repacked (load time)
     lines = []
     for t in tokens:
         sets = []
@@ -117,6 +119,13 @@ def moe_sweep(
                 sets,
             )
         )
+        t4h = _us(
+            _rotating(
+                lambda s: moe_fp4_triton(s[0], s[1], s[2], h13, q13, h2, q2, 10.0,
+                                         n_experts=n_all, halves=True),
+                sets,
+            )
+        )  # fmt: skip
         tref = _us(
             _rotating(lambda s: moe_experts_ref(s[0], s[1], s[2], w1l, w2l, w3l, 10.0), sets),
             30,
@@ -137,6 +146,7 @@ def moe_sweep(
             )
         )  # fmt: skip
         for name, val, wb in (("moe.fp8", t8, fp8_bytes), ("moe.fp4", t4, fp4_bytes),
+                              ("moe.fp4.halves", t4h, fp4_bytes),
                               ("moe.fp8.act_fp8", t8a, fp8_bytes),
                               ("moe.fp4.act_fp8", t4a, fp4_bytes)):  # fmt: skip
             floor = max(touched * wb / bw, flops / f8) * 1e6
@@ -192,6 +202,7 @@ def tile_sweep(cases: list[tuple[int, bool, bool]]) -> list[str]:
     fp4 weights); the first row of each case is the pick."""
     dev = "cuda"
     w13, s13, w2, s2, p13, q13, p2, q2 = _experts(dev)
+    h13, h2 = fp4_to_halves(p13), fp4_to_halves(p2)
     lines = []
     for t, all_local, act8 in cases:
         n_all = E_LOCAL if all_local else E_ALL
@@ -208,6 +219,9 @@ def tile_sweep(cases: list[tuple[int, bool, bool]]) -> list[str]:
                     act_fp8=a8)),
                 ("fp4", lambda s, tl_=tiles, a8=act8: moe_fp4_triton(
                     s[0], s[1], s[2], p13, q13, p2, q2, 10.0, tiles=tl_, act_fp8=a8)),
+                ("fp4h", lambda s, tl_=tiles, a8=act8: moe_fp4_triton(
+                    s[0], s[1], s[2], h13, q13, h2, q2, 10.0, tiles=tl_, act_fp8=a8,
+                    halves=True)),
             ):  # fmt: skip
                 try:
                     us = _us(_rotating(fn, sets))

@@ -147,6 +147,26 @@ def moe_fp4_ref(
     return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8)
 
 
+def fp4_to_halves(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 [..., C/2] from the MX layout (byte j: column 2j low nibble, 2j+1 high)
+    to the *halves* layout of the Triton MoE: in each 32-column group, byte j holds column j
+    in the low nibble and column j+16 in the high one. Same bytes, same scales; C % 32 == 0."""
+    b = packed.view(torch.uint8)
+    g = b.reshape(*b.shape[:-1], -1, 16)
+    codes = torch.stack((g & 0xF, g >> 4), dim=-1).flatten(-2)  # [..., groups, 32] in order
+    out = codes[..., :16] | (codes[..., 16:] << 4)
+    return out.reshape(b.shape).view(packed.dtype)
+
+
+def fp4_from_halves(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`fp4_to_halves`."""
+    b = packed.view(torch.uint8)
+    g = b.reshape(*b.shape[:-1], -1, 16)
+    codes = torch.cat((g & 0xF, g >> 4), dim=-1)  # [..., groups, 32] in column order
+    out = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return out.reshape(b.shape).view(packed.dtype)
+
+
 # ---- Triton ---------------------------------------------------------------------------
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -244,13 +264,16 @@ def _e4m3_rne(v):
 
 
 @triton.jit
-def _scale(s_ptrs, SCALE_E8M0: tl.constexpr):
-    """Scales as fp32; e8m0 code c -> bits ``c << 23`` = 2^(c-127) (code 0 reads as 0)."""
+def _scale(s_ptrs, SCALE_E8M0: tl.constexpr, LOG2_MUL: tl.constexpr):
+    """Scales as fp32, times ``2^LOG2_MUL`` (the power-of-two factors of the F16 and e4m3
+    re-encodings): e8m0 code c -> bits ``(c + LOG2_MUL) << 23`` = 2^(c - 127 + LOG2_MUL), the
+    factor folded into the exponent for free (code 0, 2^-127, reads as 0 without a factor;
+    codes above 254 - LOG2_MUL, scales of 2^118 and more, would overflow the exponent)."""
     raw = tl.load(s_ptrs)
     if SCALE_E8M0:
-        return ((raw.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
+        return (((raw.to(tl.int32) & 0xFF) + LOG2_MUL) << 23).to(tl.float32, bitcast=True)
     else:
-        return raw.to(tl.float32)
+        return raw.to(tl.float32) * (2.0**LOG2_MUL)
 
 
 @triton.jit
@@ -265,43 +288,68 @@ def _e2m1(code):
 
 
 @triton.jit
-def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, USE_ASM: tl.constexpr,
-             SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
-             CDT: tl.constexpr, GK: tl.constexpr, A_FP8: tl.constexpr,
+def _fp4_split(w_base, s_base, n, kg, swn, ssn, ssk, USE_ASM: tl.constexpr,
+               SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
+               CDT: tl.constexpr, GK: tl.constexpr, A_FP8: tl.constexpr,
+               F16: tl.constexpr):  # fmt: skip
+    """The packed fp4 group of rows ``n`` at column ``kg``: the low-nibble and high-nibble
+    values [BN, GK/2] each and the row scales [BN] (fp32, factors folded in as in
+    :func:`_w_group`). Codes become e4m3 x 2^-6 when ``A_FP8`` or ``F16`` (then fp16: e4m3 ->
+    fp16 is exact, one ``cvt`` per two values on sm_90), else CDT. Which columns the nibbles
+    hold is the layout's business (:func:`_w_group`, :func:`_group_dot`)."""
+    s = _scale(s_base + (n // SB_N) * ssn + (kg // SB_K) * ssk, SCALE_E8M0,
+               (6 if A_FP8 or F16 else 0) + (4 if F16 else 0))  # fmt: skip
+    kh = kg // 2 + tl.arange(0, GK // 2)
+    q = tl.load(w_base + n[:, None] * swn + kh[None, :])  # [BN, GK/2] packed bytes
+    if A_FP8 or F16:
+        if USE_ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                _FP4_E4M3_ASM, "=r,=r,r", [q], dtype=(tl.float8e4nv, tl.float8e4nv),
+                is_pure=True, pack=4,
+            )  # fmt: skip
+        else:  # fp32 holding the e4m3 values (the interpreter's fp8 casts misround)
+            b = q.to(tl.int32) & 0xFF
+            lo = _e2m1(b & 0xF) * 0.015625
+            hi = _e2m1(b >> 4) * 0.015625
+        if F16:
+            lo = lo.to(tl.float16)
+            hi = hi.to(tl.float16)
+    elif USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _FP4_ASM, "=r,=r,=r,=r,r", [q], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        b = q.to(tl.int32) & 0xFF
+        lo = _e2m1(b & 0xF).to(CDT)
+        hi = _e2m1(b >> 4).to(CDT)
+    return lo, hi, s
+
+
+@triton.jit
+def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, HALVES: tl.constexpr,
+             USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr,
+             SB_K: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr, A_FP8: tl.constexpr,
              F16: tl.constexpr):  # fmt: skip
     """One scale group of weight rows ``n``, columns ``[kg, kg+GK)``: the unscaled tile
     [BN, GK] and its scales [BN] (fp32), W = tile * scale[:, None]. The tile is e4m3 when
-    ``A_FP8`` (fp8 weights as stored; fp4 codes re-encoded exactly as e4m3 * 2^-6, folded into
-    the scale), fp16 when ``F16`` (e4m3 -> fp16 is exact and one ``cvt`` per two values on
-    sm_90; fp4 goes through the same e4m3 re-encoding first), else CDT."""
-    s = _scale(s_base + (n // SB_N) * ssn + (kg // SB_K) * ssk, SCALE_E8M0)
+    ``A_FP8`` (fp8 weights as stored; fp4 codes re-encoded exactly as e4m3 * 2^-6), fp16 when
+    ``F16`` (e4m3 -> fp16 is exact and one ``cvt`` per two values on sm_90; fp4 goes through
+    the same e4m3 re-encoding first), else CDT. The re-encoding's 2^6 and, under ``F16``, the
+    2^4 of the activations' fp16 x 2^-4 are folded into the scales' exponents (no multiply).
+    Packed fp4 in the MX layout (even column in the low nibble) is interleaved back; in the
+    ``HALVES`` layout (see :func:`fp4_to_halves`) the low nibbles are the group's first 16
+    columns."""
     if FP4:
-        kh = kg // 2 + tl.arange(0, GK // 2)
-        q = tl.load(w_base + n[:, None] * swn + kh[None, :])  # [BN, GK/2] packed bytes
-        if A_FP8 or F16:
-            if USE_ASM:
-                lo, hi = tl.inline_asm_elementwise(
-                    _FP4_E4M3_ASM, "=r,=r,r", [q], dtype=(tl.float8e4nv, tl.float8e4nv),
-                    is_pure=True, pack=4,
-                )  # fmt: skip
-            else:  # fp32 holding the e4m3 values (the interpreter's fp8 casts misround)
-                b = q.to(tl.int32) & 0xFF
-                lo = _e2m1(b & 0xF) * 0.015625
-                hi = _e2m1(b >> 4) * 0.015625
-            s = s * 64.0
-        elif USE_ASM:
-            lo, hi = tl.inline_asm_elementwise(
-                _FP4_ASM, "=r,=r,=r,=r,r", [q], dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True, pack=4,
-            )  # fmt: skip
+        lo, hi, s = _fp4_split(w_base, s_base, n, kg, swn, ssn, ssk, USE_ASM, SCALE_E8M0, SB_N,
+                               SB_K, CDT, GK, A_FP8, F16)  # fmt: skip
+        if HALVES:
+            w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (n.shape[0], GK))
         else:
-            b = q.to(tl.int32) & 0xFF
-            lo = _e2m1(b & 0xF).to(CDT)
-            hi = _e2m1(b >> 4).to(CDT)
-        w = tl.reshape(tl.join(lo, hi), (n.shape[0], GK))  # even column = low nibble
-        if F16:
-            w = w.to(tl.float16)
+            w = tl.reshape(tl.join(lo, hi), (n.shape[0], GK))  # even column = low nibble
     else:
+        s = _scale(s_base + (n // SB_N) * ssn + (kg // SB_K) * ssk, SCALE_E8M0,
+                   4 if F16 else 0)  # fmt: skip
         q = tl.load(w_base + n[:, None] * swn + (kg + tl.arange(0, GK))[None, :])
         if A_FP8:
             w = q
@@ -319,8 +367,8 @@ def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, USE_ASM: t
 
 @triton.jit
 def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl.constexpr,
-               USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr,
-               SB_K: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr,
+               HALVES: tl.constexpr, USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr,
+               SB_N: tl.constexpr, SB_K: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr,
                SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr):  # fmt: skip
     """``acc + A[:, kg:kg+GK] @ W[n, kg:kg+GK]^T`` for one scale group (GK = 32 or 128).
 
@@ -330,9 +378,31 @@ def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl
     activations stored as fp16 times 2^-4 (see :func:`_to_f16_kernel`; the 2^4 goes back in
     the scale), so the weights' dequantization is one ``cvt`` per two values instead of
     integer bit surgery. Else bf16 MMA: scales on the weight tile when many rows share it
-    (BM >= 64: fewer multiplies, no second accumulator), else on the partial."""
-    w, s = _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4, USE_ASM, SCALE_E8M0, SB_N, SB_K,
-                    CDT, GK, A_FP8, F16)  # fmt: skip
+    (BM >= 64: fewer multiplies, no second accumulator), else on the partial.
+
+    fp4 in the ``HALVES`` layout (16-bit MMAs): two K=16 products, the low nibbles against the
+    group's first 16 activation columns and the high nibbles against the next 16, so the
+    nibbles are never interleaved (the MX layout's interleave costs about a quarter of the
+    decode loop's instructions)."""
+    if FP4 and HALVES and not A_FP8:
+        lo, hi, s = _fp4_split(w_base, s_base, n, kg, swn, ssn, ssk, USE_ASM, SCALE_E8M0, SB_N,
+                               SB_K, CDT, GK, A_FP8, F16)  # fmt: skip
+        ka = kg + tl.arange(0, GK // 2)
+        a_lo = tl.load(a_base + ka[None, :], mask=rmask[:, None], other=0.0)
+        a_hi = tl.load(a_base + (ka + GK // 2)[None, :], mask=rmask[:, None], other=0.0)
+        if F16:
+            part = tl.dot(a_lo, tl.trans(lo))
+            return acc + tl.dot(a_hi, tl.trans(hi), part) * s[None, :]
+        elif SCALE_ON_W:
+            acc = _dot(a_lo.to(CDT), tl.trans((lo.to(tl.float32) * s[:, None]).to(CDT)), acc,
+                       CDT)  # fmt: skip
+            return _dot(a_hi.to(CDT), tl.trans((hi.to(tl.float32) * s[:, None]).to(CDT)), acc,
+                        CDT)  # fmt: skip
+        else:
+            part = _dot(a_lo.to(CDT), tl.trans(lo.to(CDT)), tl.zeros(acc.shape, tl.float32), CDT)
+            return acc + _dot(a_hi.to(CDT), tl.trans(hi.to(CDT)), part, CDT) * s[None, :]
+    w, s = _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4, HALVES, USE_ASM, SCALE_E8M0, SB_N,
+                    SB_K, CDT, GK, A_FP8, F16)  # fmt: skip
     a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
     if A_FP8:
         a = a.to(tl.float32)
@@ -343,7 +413,7 @@ def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl
             part = tl.dot(_e4m3_rne(a / sa[:, None]), tl.trans(w.to(tl.float32)))
         return acc + part * sa[:, None] * s[None, :]
     elif F16:
-        return acc + tl.dot(a, tl.trans(w)) * (s * 16.0)[None, :]
+        return acc + tl.dot(a, tl.trans(w)) * s[None, :]
     elif SCALE_ON_W:
         return _dot(a.to(CDT), tl.trans((w.to(tl.float32) * s[:, None]).to(CDT)), acc, CDT)
     else:
@@ -358,10 +428,10 @@ def _moe_gemm(
     out_ptr, sos, som,
     n_slots, topk, N, K, k_per_split, limit,
     A_GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
-    FP4: tl.constexpr, USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    SB_N: tl.constexpr, SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr, CDT: tl.constexpr,
-    A_FP8: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr,
+    FP4: tl.constexpr, HALVES: tl.constexpr, USE_ASM: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    CDT: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``; with
     ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked)."""
@@ -385,12 +455,12 @@ def _moe_gemm(
         for g in tl.static_range(BK // GK):
             kg = k0 + g * GK
             acc1 = _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc1, FP4,
-                              USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK, BM >= 64,
+                              HALVES, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK, BM >= 64,
                               A_FP8, F16)  # fmt: skip
             if GATED:
                 acc3 = _group_dot(a_base, rmask, kg, w_base, s_base, n + N, swn, ssn, ssk, acc3,
-                                  FP4, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK, BM >= 64,
-                                  A_FP8, F16)  # fmt: skip
+                                  FP4, HALVES, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK,
+                                  BM >= 64, A_FP8, F16)  # fmt: skip
     o_ptrs = out_ptr + pid_k * sos + pos.to(tl.int64)[:, None] * som + n[None, :]
     if FUSE_SWIGLU:
         if HAS_LIMIT:
@@ -640,6 +710,7 @@ def _moe_run(
     block_m: int | None,
     split_k: int | None,
     act_fp8: bool,
+    halves: bool = False,
 ) -> torch.Tensor:
     t, d = x.shape
     topk = ids.shape[1]
@@ -662,8 +733,9 @@ def _moe_run(
     # SwiGLU clamp bounds H by limit^2 (V4/V4.1: 10 -> 100), inside fp16 * 2^4's 2^20; no
     # clamp, no bound: bf16.
     f16 = cdt == tl.bfloat16 and not act_fp8 and bm < 64 and 0 < limit <= 1024 and not _INTERPRET
-    common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, SB_N=block[0], SB_K=block[1],
-                  BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8, F16=f16)  # fmt: skip
+    common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, HALVES=halves, SB_N=block[0],
+                  SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8,
+                  F16=f16)  # fmt: skip
     h_dtype = torch.float32 if cdt == tl.float32 else torch.float16 if f16 else torch.bfloat16
     h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
     k1 = -(-(d // g1.bk) // g1.split) * g1.bk
@@ -772,11 +844,14 @@ def moe_fp4_triton(
     n_experts: int | None = None,
     tiles: MoeTiles | None = None,
     act_fp8: bool = False,
+    halves: bool = False,
 ) -> torch.Tensor:
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
     ``w2`` int8 [E, d, I/2], ``s2`` [E, d, I/32]. Split-K fills the GPU at 1-64 tokens.
-    ``act_fp8`` as in :func:`moe_fp8_triton` (fp4 codes re-encoded as e4m3 in-kernel)."""
+    ``act_fp8`` as in :func:`moe_fp8_triton` (fp4 codes re-encoded as e4m3 in-kernel).
+    ``halves``: ``w13`` and ``w2`` are in the layout of :func:`fp4_to_halves` (repacked once,
+    at load time), which the 16-bit MMA paths multiply without interleaving nibbles."""
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
     d = x.shape[1]
@@ -793,7 +868,8 @@ def moe_fp4_triton(
     ):
         raise ValueError(f"fp4 scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
-                    local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8)  # fmt: skip
+                    local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
+                    halves)  # fmt: skip
 
 
 def moe_fp8(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
