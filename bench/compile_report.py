@@ -101,18 +101,21 @@ def moe() -> None:
     import kernels.moe as m
 
     types = {n: "i32" for n in m._moe_gemm.arg_names}
-    types.update(a_ptr="*bf16", rows_ptr="*i32", tile_e_ptr="*i32", w_ptr="*fp8e4nv",
-                 s_ptr="*u8", out_ptr="*bf16", limit="fp32")  # fmt: skip
-    for fp4, halves, act8, f16 in (
-        (False, False, False, True),
-        (True, False, False, True),
-        (True, True, False, True),
-        (False, False, False, False),
-        (True, False, False, False),
-        (True, True, False, False),
-        (False, False, True, False),
-        (True, False, True, False),
-        (True, True, True, False),
+    types.update(a_ptr="*bf16", sa_ptr="*fp32", rows_ptr="*i32", tile_e_ptr="*i32",
+                 w_ptr="*fp8e4nv", s_ptr="*u8", out_ptr="*bf16", limit="fp32")  # fmt: skip
+    # (fp4, halves layout, fp8 activations, quantized before the GEMM, fp16 MMA at BM < 64)
+    for fp4, halves, act8, aq, f16 in (
+        (False, False, False, False, True),
+        (True, False, False, False, True),
+        (True, True, False, False, True),
+        (False, False, False, False, False),
+        (True, False, False, False, False),
+        (True, True, False, False, False),
+        (False, False, True, False, False),
+        (True, False, True, False, False),
+        (True, True, True, False, False),
+        (False, False, True, True, False),
+        (True, False, True, True, False),
     ):
         for gated, fuse in ((True, True), (True, False), (False, False)):
             for bm, bn, bk, w, st in ((16, 64, 256, 4, 3), (16, 64, 128, 4, 4),
@@ -123,12 +126,12 @@ def moe() -> None:
                 t["w_ptr"] = "*i8" if fp4 else "*fp8e4nv"
                 h16 = f16 and bm < 64  # the fp16 MMA path runs at decode tile heights only
                 t["out_ptr"] = ("*fp16" if h16 else "*bf16") if fuse else "*fp32"
-                t["a_ptr"] = "*fp16" if h16 else "*bf16"
+                t["a_ptr"] = "*fp8e4nv" if aq else "*fp16" if h16 else "*bf16"
                 consts = dict(A_GATHER=gated, GATED=gated, FUSE_SWIGLU=fuse, FP4=fp4,
                               HALVES=halves, USE_ASM=True, SCALE_E8M0=True,
                               SB_N=1 if fp4 else 32, SB_K=32,
                               HAS_LIMIT=True, CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk,
-                              A_FP8=act8, F16=h16)  # fmt: skip
+                              A_FP8=act8, A_Q=aq, F16=h16)  # fmt: skip
                 aligned = tuple(n for n in m._moe_gemm.arg_names if n.endswith("_ptr")
                                 or n in ("sam", "swe", "swn", "sse", "ssn", "sos", "som", "N",
                                          "K", "k_per_split"))  # fmt: skip
@@ -136,7 +139,7 @@ def moe() -> None:
                     rep = compile_one(m._moe_gemm, t, consts, w, st, aligned=aligned)
                 except Exception as e:  # report and go on
                     rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-                print(f"moe fp4={fp4:d} halves={halves:d} act8={act8:d} f16={h16:d} "
+                print(f"moe fp4={fp4:d} halves={halves:d} act8={act8:d} aq={aq:d} f16={h16:d} "
                       f"gated={gated:d} fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} "
                       f"st={st}: {rep}")  # fmt: skip
 

@@ -145,10 +145,26 @@ def moe_sweep(
                 sets,
             )
         )  # fmt: skip
+        t8q = _us(
+            _rotating(
+                lambda s: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0,
+                                         n_experts=n_all, act_fp8=True, prequant=True),
+                sets,
+            )
+        )  # fmt: skip
+        t4q = _us(
+            _rotating(
+                lambda s: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0,
+                                         n_experts=n_all, act_fp8=True, prequant=True),
+                sets,
+            )
+        )  # fmt: skip
         for name, val, wb in (("moe.fp8", t8, fp8_bytes), ("moe.fp4", t4, fp4_bytes),
                               ("moe.fp4.halves", t4h, fp4_bytes),
                               ("moe.fp8.act_fp8", t8a, fp8_bytes),
-                              ("moe.fp4.act_fp8", t4a, fp4_bytes)):  # fmt: skip
+                              ("moe.fp4.act_fp8", t4a, fp4_bytes),
+                              ("moe.fp8.act_fp8.prequant", t8q, fp8_bytes),
+                              ("moe.fp4.act_fp8.prequant", t4q, fp4_bytes)):  # fmt: skip
             floor = max(touched * wb / bw, flops / f8) * 1e6
             gbps = touched * wb / (val * 1e-6) / 1e9
             params = {
@@ -172,7 +188,7 @@ def moe_sweep(
                 )
             )
             lines.append(
-                f"{name:16s} T={t:5d}{' local' if all_local else ''} {val:9.1f} us  "
+                f"{name:26s} T={t:5d}{' local' if all_local else ''} {val:9.1f} us  "
                 f"floor {floor:8.1f}  "
                 f"{gbps:7.0f} GB/s  {params['tflops']:6.1f} TF  ref {tref:9.1f} us"
             )

@@ -7,9 +7,14 @@ Triton path (``moe_fp8_triton`` / ``moe_fp4_triton``), no host sync (CUDA-graph 
 1. ``_moe_align`` (one program): the T*k (token, slot) pairs grouped by local expert into
    tiles of BM rows, each tile one expert; non-local experts dropped.
 2. ``_moe_gemm`` gated: ``[W1|W3] x`` for each tile, weights dequantized in registers
-   (fp8 blocks or packed fp4: two values per PTX op), one bf16 MMA per scale group (32 or 128
+   (fp8 blocks or packed fp4: two values per PTX op), one MMA per scale group (32 or 128
    K columns) with its block scales applied to the fp32 partial, clamped SwiGLU in the epilogue
-   -> H [rows, I] bf16; with split-K (small batches) fp32 partials + ``_swiglu_reduce``.
+   -> H [rows, I]; with split-K (small batches) fp32 partials + ``_swiglu_reduce``. The MMA is
+   fp16 at decode tile heights (activations stored as fp16 x 2^-4), bf16 at prefill tiles, or
+   fp8 x fp8 with ``act_fp8`` (activations quantized per row and 32 columns, in the loop or,
+   with ``prequant``, once by ``_quant_act_kernel``). Packed fp4 may be repacked at load time
+   to the *halves* layout (:func:`fp4_to_halves`), which the 16-bit MMAs take without
+   interleaving nibbles.
 3. ``_moe_gemm`` plain: ``W2 h`` -> Y [split, rows, d] fp32.
 4. ``_moe_combine``: ``out[t] = sum_j w[t,j] * sum_s Y[s, row(t,j)]`` in a fixed order
    (deterministic; no atomics).
@@ -366,15 +371,19 @@ def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, HALVES: tl
 
 
 @triton.jit
-def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl.constexpr,
-               HALVES: tl.constexpr, USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr,
-               SB_N: tl.constexpr, SB_K: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr,
-               SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr):  # fmt: skip
+def _group_dot(a_base, sa_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc,
+               FP4: tl.constexpr, HALVES: tl.constexpr, USE_ASM: tl.constexpr,
+               SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
+               CDT: tl.constexpr, GK: tl.constexpr, SCALE_ON_W: tl.constexpr,
+               A_FP8: tl.constexpr, A_Q: tl.constexpr, F16: tl.constexpr):  # fmt: skip
     """``acc + A[:, kg:kg+GK] @ W[n, kg:kg+GK]^T`` for one scale group (GK = 32 or 128).
 
     A_FP8: the activation group is quantized in registers (row amax / 448 -> e4m3, the
     rounding of :func:`fake_quant_act`) and multiplied on the fp8 tensor cores; both scales
-    go on the fp32 partial. F16 (bf16 activations, scales on the partial): fp16 MMA on
+    go on the fp32 partial. A_Q (with A_FP8): the activations come quantized already
+    (:func:`_quant_act_kernel`: e4m3 values, one fp32 scale per row and group at
+    ``sa_base``), so the loop is loads, the fp8 MMA and the promotion of its partial.
+    F16 (bf16 activations, scales on the partial): fp16 MMA on
     activations stored as fp16 times 2^-4 (see :func:`_to_f16_kernel`; the 2^4 goes back in
     the scale), so the weights' dequantization is one ``cvt`` per two values instead of
     integer bit surgery. Else bf16 MMA: scales on the weight tile when many rows share it
@@ -404,7 +413,12 @@ def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl
     w, s = _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4, HALVES, USE_ASM, SCALE_E8M0, SB_N,
                     SB_K, CDT, GK, A_FP8, F16)  # fmt: skip
     a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
-    if A_FP8:
+    if A_Q:
+        sa = tl.load(sa_base + kg // GK, mask=rmask, other=0.0)
+        # the interpreter holds e4m3 values in fp32
+        part = tl.dot(a, tl.trans(w)) if USE_ASM else tl.dot(a, tl.trans(w.to(tl.float32)))
+        return acc + part * sa[:, None] * s[None, :]
+    elif A_FP8:
         a = a.to(tl.float32)
         sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-30) / 448.0
         if USE_ASM:
@@ -423,18 +437,19 @@ def _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc, FP4: tl
 
 @triton.jit
 def _moe_gemm(
-    a_ptr, sam, rows_ptr, tile_e_ptr,
+    a_ptr, sam, sa_ptr, ssa, rows_ptr, tile_e_ptr,
     w_ptr, swe, swn, s_ptr, sse, ssn, ssk,
     out_ptr, sos, som,
     n_slots, topk, N, K, k_per_split, limit,
     A_GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
     FP4: tl.constexpr, HALVES: tl.constexpr, USE_ASM: tl.constexpr,
     SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    CDT: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    CDT: tl.constexpr, A_FP8: tl.constexpr, A_Q: tl.constexpr, F16: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``; with
-    ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked)."""
+    ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked). ``A_Q``: A is e4m3 with one scale
+    per row and group at ``sa_ptr`` (row stride ``ssa``)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(tile_e_ptr + pid_m)
     if e < 0:
@@ -445,6 +460,7 @@ def _moe_gemm(
     rmask = slot < n_slots
     arow = slot // topk if A_GATHER else pos
     a_base = a_ptr + arow.to(tl.int64)[:, None] * sam
+    sa_base = sa_ptr + arow.to(tl.int64) * ssa
     n = pid_n * BN + tl.arange(0, BN)
     w_base, s_base = w_ptr + e * swe, s_ptr + e * sse
     acc1 = tl.zeros((BM, BN), tl.float32)
@@ -454,13 +470,13 @@ def _moe_gemm(
     for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BK):
         for g in tl.static_range(BK // GK):
             kg = k0 + g * GK
-            acc1 = _group_dot(a_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc1, FP4,
-                              HALVES, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK, BM >= 64,
-                              A_FP8, F16)  # fmt: skip
+            acc1 = _group_dot(a_base, sa_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk,
+                              acc1, FP4, HALVES, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK,
+                              BM >= 64, A_FP8, A_Q, F16)  # fmt: skip
             if GATED:
-                acc3 = _group_dot(a_base, rmask, kg, w_base, s_base, n + N, swn, ssn, ssk, acc3,
-                                  FP4, HALVES, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK,
-                                  BM >= 64, A_FP8, F16)  # fmt: skip
+                acc3 = _group_dot(a_base, sa_base, rmask, kg, w_base, s_base, n + N, swn, ssn,
+                                  ssk, acc3, FP4, HALVES, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT,
+                                  GK, BM >= 64, A_FP8, A_Q, F16)  # fmt: skip
     o_ptrs = out_ptr + pid_k * sos + pos.to(tl.int64)[:, None] * som + n[None, :]
     if FUSE_SWIGLU:
         if HAS_LIMIT:
@@ -568,6 +584,40 @@ def _to_f16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
     tl.store(y_ptr + i, _f16_sixteenth(v), mask=i < n)
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, sx, q_ptr, sq, sc_ptr, ssc, n_rows, USE_ASM: tl.constexpr,
+                      G: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+    """One group of ``G`` columns for ``BR`` rows: scale = max(amax, 1e-30) / 448 (fp32) and
+    e4m3(x / scale) (RNE), the rounding of :func:`fake_quant_act` and of the in-loop A_FP8
+    path. The interpreter stores the e4m3 values in fp32 (its fp8 casts misround)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    g = tl.program_id(1)
+    rmask = r < n_rows
+    c = g * G + tl.arange(0, G)
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx + c[None, :], mask=rmask[:, None],
+                other=0.0).to(tl.float32)  # fmt: skip
+    sc = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) / 448.0
+    v = x / sc[:, None]
+    q = v.to(tl.float8e4nv) if USE_ASM else _e4m3_rne(v)
+    tl.store(q_ptr + r.to(tl.int64)[:, None] * sq + c[None, :], q, mask=rmask[:, None])
+    tl.store(sc_ptr + r.to(tl.int64) * ssc + g, sc, mask=rmask)
+
+
+def _quant_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [R, K] -> (e4m3 values [R, K], fp32 scales [R, K / group]); fp32 values under
+    the interpreter."""
+    r, k = x.shape
+    q = torch.empty(r, k, device=x.device,
+                    dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn)  # fmt: skip
+    sc = torch.empty(r, k // group, device=x.device, dtype=torch.float32)
+    if r:
+        _quant_act_kernel[(triton.cdiv(r, 32), k // group)](
+            x, x.stride(0), q, q.stride(0), sc, sc.stride(0), r, USE_ASM=not _INTERPRET,
+            G=group, BR=32,
+        )  # fmt: skip
+    return q, sc
 
 
 def _dot_dtype(x: torch.Tensor) -> tl.dtype:
@@ -711,7 +761,10 @@ def _moe_run(
     split_k: int | None,
     act_fp8: bool,
     halves: bool = False,
+    prequant: bool = False,
 ) -> torch.Tensor:
+    if prequant and (not act_fp8 or block[1] != ACT_GROUP):
+        raise ValueError(f"prequant needs act_fp8 and {ACT_GROUP}-column scale groups")
     t, d = x.shape
     topk = ids.shape[1]
     n_local, n_slots = w13.shape[0], t * topk
@@ -734,16 +787,19 @@ def _moe_run(
     # clamp, no bound: bf16.
     f16 = cdt == tl.bfloat16 and not act_fp8 and bm < 64 and 0 < limit <= 1024 and not _INTERPRET
     common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, HALVES=halves, SB_N=block[0],
-                  SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8,
+                  SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8, A_Q=prequant,
                   F16=f16)  # fmt: skip
     h_dtype = torch.float32 if cdt == tl.float32 else torch.float16 if f16 else torch.bfloat16
     h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
     k1 = -(-(d // g1.bk) // g1.split) * g1.bk
-    xa = x
+    xa, xs = x, x  # activations as the W13 GEMM reads them, and their scales (A_Q)
     if f16:
         xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
         _to_f16_kernel[(triton.cdiv(x.numel(), 1024),)](x, xa, x.numel(), BLOCK=1024)
-    gate_args = (xa, xa.stride(0), rows, tile_e, w13, w13.stride(0), w13.stride(1))
+    elif prequant:
+        xa, xs = _quant_act(x, ACT_GROUP)
+    gate_args = (xa, xa.stride(0), xs, xs.stride(0), rows, tile_e, w13, w13.stride(0),
+                 w13.stride(1))  # fmt: skip
     gate_args += (s13, s13.stride(0), s13.stride(1), s13.stride(-1))
     grid1 = (n_tiles, inter // g1.bn, g1.split)
     launch1 = dict(BN=g1.bn, BK=g1.bk, num_warps=g1.warps, num_stages=g1.stages)
@@ -762,8 +818,9 @@ def _moe_run(
         )  # fmt: skip
     y = torch.empty(g2.split, n_rows, d, dtype=torch.float32, device=x.device)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
+    ha, hs = _quant_act(h, ACT_GROUP) if prequant else (h, h)
     _moe_gemm[(n_tiles, d // g2.bn, g2.split)](
-        h, h.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
+        ha, ha.stride(0), hs, hs.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
         s2, s2.stride(0), s2.stride(1), s2.stride(-1), y, y.stride(0), y.stride(1),
         n_slots, topk, d, inter, k2, limit, A_GATHER=False, GATED=False, FUSE_SWIGLU=False,
         SCALE_E8M0=e8_2, BN=g2.bn, BK=g2.bk, num_warps=g2.warps, num_stages=g2.stages,
@@ -802,6 +859,7 @@ def moe_fp8_triton(
     n_experts: int | None = None,
     tiles: MoeTiles | None = None,
     act_fp8: bool = False,
+    prequant: bool = False,
 ) -> torch.Tensor:
     """MegaMoE over fp8 e4m3 block-scaled experts: ``w13`` [E, 2I, d] (W1 rows then W3 rows),
     ``s13`` [E, 2I/b0, d/b1], ``w2`` [E, d, I], ``s2`` [E, d/b0, I/b1] (e8m0 or fp32).
@@ -810,6 +868,9 @@ def moe_fp8_triton(
     ``n_experts`` (all experts, local or not) sizes the tiles; ``tiles`` overrides them.
     ``act_fp8``: activations rounded to e4m3 per row and 32 columns (:func:`fake_quant_act`)
     and multiplied on the fp8 tensor cores, as DeepSeek's own inference does; else bf16.
+    ``prequant`` (with ``act_fp8``, 32-column scale groups): x and H are quantized once, in
+    their own launches, instead of in every GEMM tile's loop (same rounding; meant for
+    prefill tiles, where the loop should be loads, fp8 MMAs and promotion only).
     """
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
@@ -825,7 +886,8 @@ def moe_fp8_triton(
     if tuple(s13.shape) != want13 or tuple(s2.shape) != want2:
         raise ValueError(f"scales {tuple(s13.shape)} {tuple(s2.shape)}, want {want13} {want2}")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, block, limit,
-                    local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8)  # fmt: skip
+                    local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
+                    prequant=prequant)  # fmt: skip
 
 
 def moe_fp4_triton(
@@ -845,13 +907,15 @@ def moe_fp4_triton(
     tiles: MoeTiles | None = None,
     act_fp8: bool = False,
     halves: bool = False,
+    prequant: bool = False,
 ) -> torch.Tensor:
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
     ``w2`` int8 [E, d, I/2], ``s2`` [E, d, I/32]. Split-K fills the GPU at 1-64 tokens.
     ``act_fp8`` as in :func:`moe_fp8_triton` (fp4 codes re-encoded as e4m3 in-kernel).
     ``halves``: ``w13`` and ``w2`` are in the layout of :func:`fp4_to_halves` (repacked once,
-    at load time), which the 16-bit MMA paths multiply without interleaving nibbles."""
+    at load time), which the 16-bit MMA paths multiply without interleaving nibbles.
+    ``prequant`` as in :func:`moe_fp8_triton`."""
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
     d = x.shape[1]
@@ -869,7 +933,7 @@ def moe_fp4_triton(
         raise ValueError(f"fp4 scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    halves)  # fmt: skip
+                    halves, prequant)  # fmt: skip
 
 
 def moe_fp8(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -96,6 +96,26 @@ def test_moe_fp4_halves_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
         assert _rel(out, mx) < 1e-3
 
 
+@pytest.mark.parametrize(("fp4", "t"), [(False, 1024), (True, 1024), (False, 64)])
+def test_moe_prequantized_activations(fp4: bool, t: int, fp8_experts: tuple,
+                                      fp4_experts: tuple) -> None:  # fmt: skip
+    """x and H quantized in their own launches (fp8 x fp8 MMAs at prefill tiles): the in-loop
+    act_fp8 result up to accumulation order."""
+    from kernels.moe import moe_fp4_triton, moe_fp8_triton
+
+    x = torch.randn(t, D, device="cuda").bfloat16()
+    n_all = E_LOCAL if t >= 1024 else E_ALL
+    ids = torch.rand(t, n_all, device="cuda").argsort(-1)[:, :TOPK]
+    w = torch.rand(t, TOPK, device="cuda") + 0.1
+    if fp4:
+        run = lambda **kw: moe_fp4_triton(x, ids, w, *fp4_experts, 10.0, n_experts=n_all,  # noqa: E731
+                                          act_fp8=True, **kw)  # fmt: skip
+    else:
+        run = lambda **kw: moe_fp8_triton(x, ids, w, *fp8_experts, (32, 32), 10.0,  # noqa: E731
+                                          n_experts=n_all, act_fp8=True, **kw)  # fmt: skip
+    assert _rel(run(prequant=True), run()) < 1e-3
+
+
 def test_moe_fp8_v4_blocks_and_fp32_scales() -> None:
     """V4 layout: 128x128 weight blocks (scales as e8m0 and as fp32)."""
     from kernels.moe import moe_fp8_ref, moe_fp8_triton

@@ -222,3 +222,40 @@ def test_moe_fp4_halves(bm: int, act_fp8: bool) -> None:
     wrong = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, block_m=bm, split_k=2,
                                act_fp8=act_fp8, halves=True)  # fmt: skip
     assert rel(wrong, ref) > 0.3
+
+
+@pytest.mark.parametrize(("fp4", "bm"), [(False, 64), (True, 16)])
+def test_moe_prequantized_activations(fp4: bool, bm: int) -> None:
+    """x and H quantized once in their own launches: the same rounding as in the loop, so the
+    same result as ``act_fp8`` up to accumulation order, and as close to the reference."""
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    ids, w = _routing(g, T, E)
+    if fp4:
+        experts = _fp4_experts(g)
+        ref = moe.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT, act_fp8=True)
+        loop = moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, block_m=bm, act_fp8=True)
+        pre = moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, block_m=bm, act_fp8=True,
+                                 prequant=True)  # fmt: skip
+    else:
+        experts = _fp8_experts(g, (32, 32))
+        args = (x, ids, w, *experts, (32, 32), LIMIT)
+        ref = moe.moe_fp8_ref(x.double(), ids, w.double(), *experts, (32, 32), LIMIT,
+                              act_fp8=True)  # fmt: skip
+        loop = moe.moe_fp8_triton(*args, block_m=bm, act_fp8=True)
+        pre = moe.moe_fp8_triton(*args, block_m=bm, act_fp8=True, prequant=True)
+    assert rel(pre, loop) < 1e-3
+    assert rel(pre, ref) < 5e-2
+    with pytest.raises(ValueError, match="prequant needs act_fp8"):
+        if fp4:
+            moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, prequant=True)
+        else:
+            moe.moe_fp8_triton(x, ids, w, *experts, (32, 32), LIMIT, prequant=True)
+
+
+def test_quant_act_matches_fake_quant() -> None:
+    g = torch.Generator().manual_seed(19)
+    x = (torch.randn(40, 96, generator=g) * torch.logspace(-3, 3, 96)).bfloat16()
+    q, sc = moe._quant_act(x, 32)
+    deq = (q.unflatten(-1, (3, 32)) * sc[..., None]).flatten(-2)
+    torch.testing.assert_close(deq, moe.fake_quant_act(x.float()), rtol=0, atol=0)
