@@ -105,66 +105,32 @@ def moe_sweep(
         e_t = E_LOCAL * (1 - (1 - TOPK / n_all) ** t)
         slots = t * TOPK * E_LOCAL / n_all
         flops = slots * 6 * INTER * D
-        t8 = _us(
-            _rotating(
-                lambda s: moe_fp8_triton(
-                    s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0, n_experts=n_all
-                ),
-                sets,
-            )
-        )
-        t4 = _us(
-            _rotating(
-                lambda s: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0, n_experts=n_all),
-                sets,
-            )
-        )
-        t4h = _us(
-            _rotating(
-                lambda s: moe_fp4_triton(s[0], s[1], s[2], h13, q13, h2, q2, 10.0,
-                                         n_experts=n_all, halves=True),
-                sets,
-            )
-        )  # fmt: skip
+
+        def fp8(s: tuple, **kw: Any) -> torch.Tensor:
+            return moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0,
+                                  n_experts=n_all, **kw)  # fmt: skip
+
+        def fp4(s: tuple, **kw: Any) -> torch.Tensor:
+            return moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0, n_experts=n_all, **kw)
+
+        def fp4h(s: tuple, **kw: Any) -> torch.Tensor:  # the same experts, halves layout
+            return moe_fp4_triton(s[0], s[1], s[2], h13, q13, h2, q2, 10.0, n_experts=n_all,
+                                  halves=True, **kw)  # fmt: skip
+
+        a8, pq = {"act_fp8": True}, {"act_fp8": True, "prequant": True}
+        variants = (("moe.fp8", fp8, {}, fp8_bytes), ("moe.fp4", fp4, {}, fp4_bytes),
+                    ("moe.fp4.halves", fp4h, {}, fp4_bytes),
+                    ("moe.fp8.act_fp8", fp8, a8, fp8_bytes),
+                    ("moe.fp4.act_fp8", fp4, a8, fp4_bytes),
+                    ("moe.fp8.act_fp8.prequant", fp8, pq, fp8_bytes),
+                    ("moe.fp4.act_fp8.prequant", fp4, pq, fp4_bytes))  # fmt: skip
         tref = _us(
             _rotating(lambda s: moe_experts_ref(s[0], s[1], s[2], w1l, w2l, w3l, 10.0), sets),
             30,
             False,
         )
-        t8a = _us(
-            _rotating(
-                lambda s: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0,
-                                         n_experts=n_all, act_fp8=True),
-                sets,
-            )
-        )  # fmt: skip
-        t4a = _us(
-            _rotating(
-                lambda s: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0,
-                                         n_experts=n_all, act_fp8=True),
-                sets,
-            )
-        )  # fmt: skip
-        t8q = _us(
-            _rotating(
-                lambda s: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0,
-                                         n_experts=n_all, act_fp8=True, prequant=True),
-                sets,
-            )
-        )  # fmt: skip
-        t4q = _us(
-            _rotating(
-                lambda s: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0,
-                                         n_experts=n_all, act_fp8=True, prequant=True),
-                sets,
-            )
-        )  # fmt: skip
-        for name, val, wb in (("moe.fp8", t8, fp8_bytes), ("moe.fp4", t4, fp4_bytes),
-                              ("moe.fp4.halves", t4h, fp4_bytes),
-                              ("moe.fp8.act_fp8", t8a, fp8_bytes),
-                              ("moe.fp4.act_fp8", t4a, fp4_bytes),
-                              ("moe.fp8.act_fp8.prequant", t8q, fp8_bytes),
-                              ("moe.fp4.act_fp8.prequant", t4q, fp4_bytes)):  # fmt: skip
+        for name, fn, kw, wb in variants:
+            val = _us(_rotating(lambda s, fn=fn, kw=kw: fn(s, **kw), sets))
             floor = max(touched * wb / bw, flops / f8) * 1e6
             gbps = touched * wb / (val * 1e-6) / 1e9
             params = {

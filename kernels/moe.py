@@ -414,6 +414,7 @@ def _group_dot(a_base, sa_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc
                     SB_K, CDT, GK, A_FP8, F16)  # fmt: skip
     a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
     if A_Q:
+        tl.static_assert(GK == 32, "pre-quantized activations carry one scale per 32 columns")
         sa = tl.load(sa_base + kg // GK, mask=rmask, other=0.0)
         # the interpreter holds e4m3 values in fp32
         part = tl.dot(a, tl.trans(w)) if USE_ASM else tl.dot(a, tl.trans(w.to(tl.float32)))
@@ -868,6 +869,9 @@ def moe_fp8_triton(
     ``n_experts`` (all experts, local or not) sizes the tiles; ``tiles`` overrides them.
     ``act_fp8``: activations rounded to e4m3 per row and 32 columns (:func:`fake_quant_act`)
     and multiplied on the fp8 tensor cores, as DeepSeek's own inference does; else bf16.
+    (With 128-column weight blocks (V4) the kernel's activation groups follow the weight
+    group, min(128, BK) columns, not the reference's 32: only V4.1 blocks and fp4 experts
+    match :func:`moe_fp8_ref` there.)
     ``prequant`` (with ``act_fp8``, 32-column scale groups): x and H are quantized once, in
     their own launches, instead of in every GEMM tile's loop (same rounding; meant for
     prefill tiles, where the loop should be loads, fp8 MMAs and promotion only).

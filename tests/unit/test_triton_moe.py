@@ -122,10 +122,12 @@ def test_align_many_slots_and_experts() -> None:
     assert (tile_e >= 0).sum() == ((counts + bm - 1) // bm).sum()
 
 
-@pytest.mark.parametrize("fp4", [False, True])
-def test_moe_fp8_activations(fp4: bool) -> None:
+@pytest.mark.parametrize(("fp4", "bm"), [(False, 16), (False, 64), (True, 16)])
+def test_moe_fp8_activations(fp4: bool, bm: int) -> None:
     """fp8 activations (per row and 32 columns) against the reference with the same rounding,
-    and the rounding itself: small but nonzero against bf16 activations."""
+    and the rounding itself: small but nonzero against bf16 activations. Quantized once in
+    their own launches (``prequant``) they round the same: the in-loop result up to the
+    order of accumulation."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g, T, E)
@@ -133,17 +135,22 @@ def test_moe_fp8_activations(fp4: bool) -> None:
         experts = _fp4_experts(g)
         ref = moe.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT, act_fp8=True)
         plain = moe.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT)
-        out = moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, act_fp8=True)
+        run = lambda **kw: moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, block_m=bm, **kw)  # noqa: E731
     else:
         experts = _fp8_experts(g, (32, 32))
         ref = moe.moe_fp8_ref(x.double(), ids, w.double(), *experts, (32, 32), LIMIT, act_fp8=True)
         plain = moe.moe_fp8_ref(x.double(), ids, w.double(), *experts, (32, 32), LIMIT)
-        out = moe.moe_fp8_triton(x, ids, w, *experts, (32, 32), LIMIT, act_fp8=True)
+        run = lambda **kw: moe.moe_fp8_triton(x, ids, w, *experts, (32, 32), LIMIT, block_m=bm,  # noqa: E731
+                                              **kw)  # fmt: skip
+    out = run(act_fp8=True)
     # A group's scale follows its largest |h|, which fp32 vs fp64 accumulation can round to
     # a different bf16: whole groups then requantize differently. So: close to the reference
     # with the same rounding, and clearly closer to it than to bf16 activations.
     assert rel(out, ref) < 5e-2
     assert rel(out, ref) < 0.6 * rel(out, plain)
+    assert rel(run(act_fp8=True, prequant=True), out) < 1e-3
+    with pytest.raises(ValueError, match="prequant needs act_fp8"):
+        run(prequant=True)
 
 
 def test_fake_quant_act_groups() -> None:
@@ -222,35 +229,6 @@ def test_moe_fp4_halves(bm: int, act_fp8: bool) -> None:
     wrong = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, block_m=bm, split_k=2,
                                act_fp8=act_fp8, halves=True)  # fmt: skip
     assert rel(wrong, ref) > 0.3
-
-
-@pytest.mark.parametrize(("fp4", "bm"), [(False, 64), (True, 16)])
-def test_moe_prequantized_activations(fp4: bool, bm: int) -> None:
-    """x and H quantized once in their own launches: the same rounding as in the loop, so the
-    same result as ``act_fp8`` up to accumulation order, and as close to the reference."""
-    g = torch.Generator().manual_seed(17)
-    x = torch.randn(T, D, generator=g).bfloat16()
-    ids, w = _routing(g, T, E)
-    if fp4:
-        experts = _fp4_experts(g)
-        ref = moe.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT, act_fp8=True)
-        loop = moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, block_m=bm, act_fp8=True)
-        pre = moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, block_m=bm, act_fp8=True,
-                                 prequant=True)  # fmt: skip
-    else:
-        experts = _fp8_experts(g, (32, 32))
-        args = (x, ids, w, *experts, (32, 32), LIMIT)
-        ref = moe.moe_fp8_ref(x.double(), ids, w.double(), *experts, (32, 32), LIMIT,
-                              act_fp8=True)  # fmt: skip
-        loop = moe.moe_fp8_triton(*args, block_m=bm, act_fp8=True)
-        pre = moe.moe_fp8_triton(*args, block_m=bm, act_fp8=True, prequant=True)
-    assert rel(pre, loop) < 1e-3
-    assert rel(pre, ref) < 5e-2
-    with pytest.raises(ValueError, match="prequant needs act_fp8"):
-        if fp4:
-            moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, prequant=True)
-        else:
-            moe.moe_fp8_triton(x, ids, w, *experts, (32, 32), LIMIT, prequant=True)
 
 
 def test_quant_act_matches_fake_quant() -> None:
