@@ -231,18 +231,22 @@ _F16_ASM = tl.constexpr("cvt.rn.f16.f32 $0, $1;")
 
 
 @triton.jit
-def _f16_sixteenth(v):
+def _f16_sixteenth(v, USE_ASM: tl.constexpr):
     """fp16(v * 2^-4) of fp32 ``v``: the input convention of the F16 GEMM path. The scale
-    is exact; it keeps |v| up to 2^20 finite and bf16's 8 significant bits down to 2^-12."""
-    return tl.inline_asm_elementwise(_F16_ASM, "=h,r", [v * 0.0625], dtype=tl.float16,
-                                     is_pure=True, pack=1)  # fmt: skip
+    is exact; it keeps |v| up to 2^20 finite and bf16's 8 significant bits down to 2^-12.
+    (The interpreter multiplies and converts in that order anyway.)"""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_F16_ASM, "=h,r", [v * 0.0625], dtype=tl.float16,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        return (v * 0.0625).to(tl.float16)
 
 
 @triton.jit
-def _as_gemm_input(h, dt: tl.constexpr, F16: tl.constexpr):
+def _as_gemm_input(h, dt: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr):
     """SwiGLU output ``h`` (fp32) as the W2 GEMM reads it: fp16 x 2^-4 on the F16 path."""
     if F16:
-        return _f16_sixteenth(h)
+        return _f16_sixteenth(h, USE_ASM)
     else:
         return h.to(dt)
 
@@ -484,7 +488,7 @@ def _moe_gemm(
             acc1 = tl.minimum(acc1, limit)
             acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = acc1 * tl.sigmoid(acc1) * acc3
-        tl.store(o_ptrs, _as_gemm_input(h, out_ptr.dtype.element_ty, F16))
+        tl.store(o_ptrs, _as_gemm_input(h, out_ptr.dtype.element_ty, F16, USE_ASM))
     else:
         tl.store(o_ptrs, acc1)
         if GATED:
@@ -494,8 +498,8 @@ def _moe_gemm(
 @triton.jit
 def _swiglu_reduce(
     p_ptr, sps, spm, h_ptr, shm, tile_e_ptr, N, limit,
-    SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """H = swiglu(sum_s P[s, :, :N], sum_s P[s, :, N:]) for one tile and column block
     (F16: times 2^-4, the fp16 input convention of the next GEMM)."""
@@ -516,7 +520,7 @@ def _swiglu_reduce(
         h3 = tl.minimum(tl.maximum(h3, -limit), limit)
     h = h1 * tl.sigmoid(h1) * h3
     tl.store(h_ptr + pos[:, None] * shm + n[None, :],
-             _as_gemm_input(h, h_ptr.dtype.element_ty, F16), mask=cmask)  # fmt: skip
+             _as_gemm_input(h, h_ptr.dtype.element_ty, F16, USE_ASM), mask=cmask)  # fmt: skip
 
 
 @triton.jit
@@ -580,11 +584,11 @@ def _moe_align(
 
 
 @triton.jit
-def _to_f16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def _to_f16_kernel(x_ptr, y_ptr, n, USE_ASM: tl.constexpr, BLOCK: tl.constexpr):
     """``y = fp16(x * 2^-4)``: the F16 GEMM input convention (see :func:`_f16_sixteenth`)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + i, _f16_sixteenth(v), mask=i < n)
+    tl.store(y_ptr + i, _f16_sixteenth(v, USE_ASM), mask=i < n)
 
 
 @triton.jit
@@ -763,9 +767,12 @@ def _moe_run(
     act_fp8: bool,
     halves: bool = False,
     prequant: bool = False,
+    fp16_mma: bool | None = None,
 ) -> torch.Tensor:
     if prequant and (not act_fp8 or block[1] != ACT_GROUP):
         raise ValueError(f"prequant needs act_fp8 and {ACT_GROUP}-column scale groups")
+    if fp16_mma and (act_fp8 or not 0 < limit <= 1024):
+        raise ValueError("fp16_mma needs bf16 activations and a SwiGLU clamp in (0, 1024]")
     t, d = x.shape
     topk = ids.shape[1]
     n_local, n_slots = w13.shape[0], t * topk
@@ -787,16 +794,19 @@ def _moe_run(
     # SwiGLU clamp bounds H by limit^2 (V4/V4.1: 10 -> 100), inside fp16 * 2^4's 2^20; no
     # clamp, no bound: bf16.
     f16 = cdt == tl.bfloat16 and not act_fp8 and bm < 64 and 0 < limit <= 1024 and not _INTERPRET
+    if fp16_mma is not None:  # test hook (the interpreter runs the path too)
+        f16 = fp16_mma
     common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, HALVES=halves, SB_N=block[0],
                   SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8, A_Q=prequant,
                   F16=f16)  # fmt: skip
-    h_dtype = torch.float32 if cdt == tl.float32 else torch.float16 if f16 else torch.bfloat16
+    h_dtype = torch.float16 if f16 else torch.float32 if cdt == tl.float32 else torch.bfloat16
     h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
     k1 = -(-(d // g1.bk) // g1.split) * g1.bk
     xa, xs = x, x  # activations as the W13 GEMM reads them, and their scales (A_Q)
     if f16:
         xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-        _to_f16_kernel[(triton.cdiv(x.numel(), 1024),)](x, xa, x.numel(), BLOCK=1024)
+        _to_f16_kernel[(triton.cdiv(x.numel(), 1024),)](x, xa, x.numel(), USE_ASM=not _INTERPRET,
+                                                         BLOCK=1024)  # fmt: skip
     elif prequant:
         xa, xs = _quant_act(x, ACT_GROUP)
     gate_args = (xa, xa.stride(0), xs, xs.stride(0), rows, tile_e, w13, w13.stride(0),
@@ -815,7 +825,7 @@ def _moe_run(
                          SCALE_E8M0=e8_13, **launch1, **common)  # fmt: skip
         _swiglu_reduce[(n_tiles, triton.cdiv(inter, 64))](
             part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
-            SPLIT=g1.split, HAS_LIMIT=limit > 0, F16=f16, BM=bm, BN=64,
+            SPLIT=g1.split, HAS_LIMIT=limit > 0, F16=f16, USE_ASM=not _INTERPRET, BM=bm, BN=64,
         )  # fmt: skip
     y = torch.empty(g2.split, n_rows, d, dtype=torch.float32, device=x.device)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
@@ -861,6 +871,7 @@ def moe_fp8_triton(
     tiles: MoeTiles | None = None,
     act_fp8: bool = False,
     prequant: bool = False,
+    fp16_mma: bool | None = None,
 ) -> torch.Tensor:
     """MegaMoE over fp8 e4m3 block-scaled experts: ``w13`` [E, 2I, d] (W1 rows then W3 rows),
     ``s13`` [E, 2I/b0, d/b1], ``w2`` [E, d, I], ``s2`` [E, d/b0, I/b1] (e8m0 or fp32).
@@ -875,6 +886,8 @@ def moe_fp8_triton(
     ``prequant`` (with ``act_fp8``, 32-column scale groups): x and H are quantized once, in
     their own launches, instead of in every GEMM tile's loop (same rounding; meant for
     prefill tiles, where the loop should be loads, fp8 MMAs and promotion only).
+    ``fp16_mma`` (test hook; None = auto): force the fp16-MMA path on or off (auto takes it at
+    decode tile heights for bf16 activations under a clamp, on the GPU).
     """
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
@@ -891,7 +904,7 @@ def moe_fp8_triton(
         raise ValueError(f"scales {tuple(s13.shape)} {tuple(s2.shape)}, want {want13} {want2}")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, block, limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    prequant=prequant)  # fmt: skip
+                    prequant=prequant, fp16_mma=fp16_mma)  # fmt: skip
 
 
 def moe_fp4_triton(
@@ -912,6 +925,7 @@ def moe_fp4_triton(
     act_fp8: bool = False,
     halves: bool = False,
     prequant: bool = False,
+    fp16_mma: bool | None = None,
 ) -> torch.Tensor:
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
@@ -919,7 +933,7 @@ def moe_fp4_triton(
     ``act_fp8`` as in :func:`moe_fp8_triton` (fp4 codes re-encoded as e4m3 in-kernel).
     ``halves``: ``w13`` and ``w2`` are in the layout of :func:`fp4_to_halves` (repacked once,
     at load time), which the 16-bit MMA paths multiply without interleaving nibbles.
-    ``prequant`` as in :func:`moe_fp8_triton`."""
+    ``prequant`` and ``fp16_mma`` as in :func:`moe_fp8_triton`."""
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
     d = x.shape[1]
@@ -937,7 +951,7 @@ def moe_fp4_triton(
         raise ValueError(f"fp4 scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    halves, prequant)  # fmt: skip
+                    halves, prequant, fp16_mma)  # fmt: skip
 
 
 def moe_fp8(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

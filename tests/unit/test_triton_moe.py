@@ -237,3 +237,34 @@ def test_quant_act_matches_fake_quant() -> None:
     q, sc = moe._quant_act(x, 32)
     deq = (q.unflatten(-1, (3, 32)) * sc[..., None]).flatten(-2)
     torch.testing.assert_close(deq, moe.fake_quant_act(x.float()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "split_k"), [("fp8", 1), ("fp8-f32-scales", 2), ("fp4", 2), ("fp4-halves", 1)]
+)
+def test_moe_fp16_mma_path(fmt: str, split_k: int) -> None:
+    """The decode path the GPU takes for bf16 activations (fp16 MMA on activations stored as
+    fp16 x 2^-4, the scales' power-of-two factors in their exponents), forced on under the
+    interpreter: fp8 with e8m0 and fp32 scales, fp4 in both layouts, with and without split-K
+    (H then written by ``_swiglu_reduce``)."""
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    ids, w = _routing(g, T, E)
+    if fmt.startswith("fp8"):
+        w13, s13, w2, s2 = _fp8_experts(g, (32, 32))
+        ref = moe.moe_fp8_ref(x.double(), ids, w.double(), w13, s13, w2, s2, (32, 32), LIMIT)
+        if fmt == "fp8-f32-scales":
+            s13, s2 = quant_ref.scale_to_float(s13), quant_ref.scale_to_float(s2)
+        out = moe.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, (32, 32), LIMIT, block_m=16,
+                                 split_k=split_k, fp16_mma=True)  # fmt: skip
+    else:
+        w13, s13, w2, s2 = _fp4_experts(g)
+        ref = moe.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT)
+        halves = fmt == "fp4-halves"
+        if halves:
+            w13, w2 = moe.fp4_to_halves(w13), moe.fp4_to_halves(w2)
+        out = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, block_m=16, split_k=split_k,
+                                 halves=halves, fp16_mma=True)  # fmt: skip
+    assert rel(out, ref) < 1e-2
+    with pytest.raises(ValueError, match="fp16_mma needs"):
+        moe.moe_fp4_triton(x, ids, w, *_fp4_experts(g), 0.0, fp16_mma=True)
