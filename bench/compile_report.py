@@ -2,12 +2,13 @@
 and shared memory (ptxas bundled with Triton), so that launch shapes can be checked before
 spending device time.
 
-    python -m bench.compile_report moe|attention|indexer [DUMP_DIR]
+    python -m bench.compile_report moe|moe-all|attention|indexer [DUMP_DIR]
 
 Besides registers/stack/smem/MMA counts each line gives ``async`` (TTGIR
 ``ttg.async_copy_global_to_local`` ops: loads the software pipeliner made cp.async), ``LDGSTS``
 (their SASS instructions), TMA loads, and ``loop LDL/STL`` (local-memory ops inside the MMA
-loop: spills on the hot path). With DUMP_DIR every variant's TTGIR is written there.
+loop: spills on the hot path) and ``loop instrs`` (SASS instructions of the longest loop holding
+MMAs: one iteration of the main loop). With DUMP_DIR every variant's TTGIR is written there.
 """
 
 from __future__ import annotations
@@ -97,51 +98,70 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: i
             f"loop LDL/STL {loop_ldst} loop instrs {loop_n}")  # fmt: skip
 
 
-def moe() -> None:
+def _moe_line(fp4: bool, halves: bool, act8: bool, aq: bool, f16: bool, gated: bool,
+              fuse: bool, tile: tuple[int, int, int, int, int]) -> str:  # fmt: skip
+    """One ``_moe_gemm`` variant compiled as a launch specializes it (16-byte divisibility of
+    pointers, strides and sizes; e8m0 scales, read as int32 words when BK allows)."""
     import kernels.moe as m
 
-    types = {n: "i32" for n in m._moe_gemm.arg_names}
-    types.update(a_ptr="*bf16", sa_ptr="*fp32", rows_ptr="*i32", tile_e_ptr="*i32",
-                 w_ptr="*fp8e4nv", s_ptr="*u8", out_ptr="*bf16", limit="fp32")  # fmt: skip
+    bm, bn, bk, w, st = tile
+    words = bk % 128 == 0
+    t = {n: "i32" for n in m._moe_gemm.arg_names}
+    t.update(rows_ptr="*i32", tile_e_ptr="*i32", sa_ptr="*fp32", limit="fp32",
+             w_ptr="*i8" if fp4 else "*fp8e4nv", s_ptr="*i32" if words else "*u8",
+             out_ptr=("*fp16" if f16 else "*bf16") if fuse else "*fp32",
+             a_ptr="*fp8e4nv" if aq else "*fp16" if f16 else "*bf16")  # fmt: skip
+    consts = dict(A_GATHER=gated, GATED=gated, FUSE_SWIGLU=fuse, FP4=fp4, HALVES=halves,
+                  USE_ASM=True, SCALE_E8M0=True, SCALE_WORDS=words, SB_N=1 if fp4 else 32,
+                  SB_K=32, HAS_LIMIT=True, CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk, A_FP8=act8,
+                  A_Q=aq, F16=f16)  # fmt: skip
+    aligned = tuple(n for n in m._moe_gemm.arg_names if n.endswith("_ptr")
+                    or n in ("sam", "ssa", "swe", "swn", "sse", "ssn", "sos", "som", "N", "K",
+                             "k_per_split"))  # fmt: skip
+    try:
+        rep = compile_one(m._moe_gemm, t, consts, w, st, aligned=aligned)
+    except Exception as e:  # report and go on
+        rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
+    return (f"{'W13' if gated else 'W2 '} fp4={fp4:d} halves={halves:d} act8={act8:d} "
+            f"prequant={aq:d} f16={f16:d} fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} "
+            f"st={st}: {rep}")  # fmt: skip
+
+
+def moe() -> None:
+    """The tiles ``pick_tiles`` takes for V4.1-Flash (decode: BM 16, BK 256; prefill: bf16
+    BM 64, fp8 activations BM 128) for fp8 / fp4 (MX and halves) weights."""
+    decode = (16, 64, 256, 4, 3)
+    for fp4, halves in ((False, False), (True, False), (True, True)):
+        for gated in (True, False):
+            print("decode", _moe_line(fp4, halves, False, False, True, gated, gated, decode))
+    for fp4 in (False, True):
+        for act8, aq in ((False, False), (True, False), (True, True)):
+            for gated in (True, False):
+                tile = (
+                    ((128, 64, 128, 8, 3) if gated else (128, 128, 128, 8, 3))
+                    if act8
+                    else (64, 128, 64, 4, 4)
+                )
+                print("prefill", _moe_line(fp4, False, act8, aq, False, gated, gated, tile))
+
+
+def moe_all() -> None:
+    """A wider sweep: every path at several tile shapes, fused and split-K epilogues."""
     # (fp4, halves layout, fp8 activations, quantized before the GEMM, fp16 MMA at BM < 64)
     for fp4, halves, act8, aq, f16 in (
-        (False, False, False, False, True),
-        (True, False, False, False, True),
-        (True, True, False, False, True),
-        (False, False, False, False, False),
-        (True, False, False, False, False),
-        (True, True, False, False, False),
-        (False, False, True, False, False),
-        (True, False, True, False, False),
-        (True, True, True, False, False),
-        (False, False, True, True, False),
+        (False, False, False, False, True), (True, False, False, False, True),
+        (True, True, False, False, True), (False, False, False, False, False),
+        (True, False, False, False, False), (True, True, False, False, False),
+        (False, False, True, False, False), (True, False, True, False, False),
+        (True, True, True, False, False), (False, False, True, True, False),
         (True, False, True, True, False),
-    ):
+    ):  # fmt: skip
         for gated, fuse in ((True, True), (True, False), (False, False)):
-            for bm, bn, bk, w, st in ((16, 64, 256, 4, 3), (16, 64, 128, 4, 4),
-                                      (16, 32, 128, 4, 4),
-                                      (128, 128, 128, 8, 3), (128, 64, 128, 8, 3),
-                                      (128, 128, 64, 8, 3), (64, 128, 64, 4, 4)):  # fmt: skip
-                t = dict(types)
-                t["w_ptr"] = "*i8" if fp4 else "*fp8e4nv"
-                h16 = f16 and bm < 64  # the fp16 MMA path runs at decode tile heights only
-                t["out_ptr"] = ("*fp16" if h16 else "*bf16") if fuse else "*fp32"
-                t["a_ptr"] = "*fp8e4nv" if aq else "*fp16" if h16 else "*bf16"
-                consts = dict(A_GATHER=gated, GATED=gated, FUSE_SWIGLU=fuse, FP4=fp4,
-                              HALVES=halves, USE_ASM=True, SCALE_E8M0=True,
-                              SB_N=1 if fp4 else 32, SB_K=32,
-                              HAS_LIMIT=True, CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk,
-                              A_FP8=act8, A_Q=aq, F16=h16)  # fmt: skip
-                aligned = tuple(n for n in m._moe_gemm.arg_names if n.endswith("_ptr")
-                                or n in ("sam", "swe", "swn", "sse", "ssn", "sos", "som", "N",
-                                         "K", "k_per_split"))  # fmt: skip
-                try:
-                    rep = compile_one(m._moe_gemm, t, consts, w, st, aligned=aligned)
-                except Exception as e:  # report and go on
-                    rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-                print(f"moe fp4={fp4:d} halves={halves:d} act8={act8:d} aq={aq:d} f16={h16:d} "
-                      f"gated={gated:d} fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} "
-                      f"st={st}: {rep}")  # fmt: skip
+            for tile in ((16, 64, 256, 4, 3), (16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
+                         (128, 128, 128, 8, 3), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3),
+                         (64, 128, 64, 4, 4)):  # fmt: skip
+                h16 = f16 and tile[0] < 64  # the fp16 MMA path runs at decode tile heights only
+                print(_moe_line(fp4, halves, act8, aq, h16, gated, fuse, tile), flush=True)
 
 
 def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> None:
@@ -197,4 +217,4 @@ def indexer() -> None:
 
 
 if __name__ == "__main__":
-    {"moe": moe, "attention": attention, "indexer": indexer}[sys.argv[1]]()
+    {"moe": moe, "moe-all": moe_all, "attention": attention, "indexer": indexer}[sys.argv[1]]()

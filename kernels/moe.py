@@ -286,6 +286,15 @@ def _scale(s_ptrs, SCALE_E8M0: tl.constexpr, LOG2_MUL: tl.constexpr):
 
 
 @triton.jit
+def _word_scale(word, J: tl.constexpr, LOG2_MUL: tl.constexpr):
+    """:func:`_scale` of code ``J`` of four e8m0 codes read as one int32 (byte j = the scale
+    of the j-th of four consecutive groups): the byte is shifted straight onto the fp32
+    exponent and masked, one shift and one ``and`` per scale instead of a byte load."""
+    bits = ((word >> 1) if J == 3 else (word << (23 - 8 * J))) & 0x7F800000
+    return (bits + (LOG2_MUL << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1(code):
     """E2M1 code (int32 0..15) -> fp32 built from bits: e=(c>>1)&3, m=c&1, sign bit 3.
 
@@ -297,17 +306,12 @@ def _e2m1(code):
 
 
 @triton.jit
-def _fp4_split(w_base, s_base, n, kg, swn, ssn, ssk, USE_ASM: tl.constexpr,
-               SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
-               CDT: tl.constexpr, GK: tl.constexpr, A_FP8: tl.constexpr,
-               F16: tl.constexpr):  # fmt: skip
+def _fp4_split(w_base, n, kg, swn, USE_ASM: tl.constexpr, CDT: tl.constexpr,
+               GK: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr):  # fmt: skip
     """The packed fp4 group of rows ``n`` at column ``kg``: the low-nibble and high-nibble
-    values [BN, GK/2] each and the row scales [BN] (fp32, factors folded in as in
-    :func:`_w_group`). Codes become e4m3 x 2^-6 when ``A_FP8`` or ``F16`` (then fp16: e4m3 ->
-    fp16 is exact, one ``cvt`` per two values on sm_90), else CDT. Which columns the nibbles
-    hold is the layout's business (:func:`_w_group`, :func:`_group_dot`)."""
-    s = _scale(s_base + (n // SB_N) * ssn + (kg // SB_K) * ssk, SCALE_E8M0,
-               (6 if A_FP8 or F16 else 0) + (4 if F16 else 0))  # fmt: skip
+    values [BN, GK/2] each. Codes become e4m3 x 2^-6 when ``A_FP8`` or ``F16`` (then fp16:
+    e4m3 -> fp16 is exact, one ``cvt`` per two values on sm_90), else CDT. Which columns the
+    nibbles hold is the layout's business (:func:`_w_group`, :func:`_group_dot`)."""
     kh = kg // 2 + tl.arange(0, GK // 2)
     q = tl.load(w_base + n[:, None] * swn + kh[None, :])  # [BN, GK/2] packed bytes
     if A_FP8 or F16:
@@ -332,33 +336,27 @@ def _fp4_split(w_base, s_base, n, kg, swn, ssn, ssk, USE_ASM: tl.constexpr,
         b = q.to(tl.int32) & 0xFF
         lo = _e2m1(b & 0xF).to(CDT)
         hi = _e2m1(b >> 4).to(CDT)
-    return lo, hi, s
+    return lo, hi
 
 
 @triton.jit
-def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, HALVES: tl.constexpr,
-             USE_ASM: tl.constexpr, SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr,
-             SB_K: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr, A_FP8: tl.constexpr,
+def _w_group(w_base, n, kg, swn, FP4: tl.constexpr, HALVES: tl.constexpr,
+             USE_ASM: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr, A_FP8: tl.constexpr,
              F16: tl.constexpr):  # fmt: skip
     """One scale group of weight rows ``n``, columns ``[kg, kg+GK)``: the unscaled tile
-    [BN, GK] and its scales [BN] (fp32), W = tile * scale[:, None]. The tile is e4m3 when
-    ``A_FP8`` (fp8 weights as stored; fp4 codes re-encoded exactly as e4m3 * 2^-6), fp16 when
-    ``F16`` (e4m3 -> fp16 is exact and one ``cvt`` per two values on sm_90; fp4 goes through
-    the same e4m3 re-encoding first), else CDT. The re-encoding's 2^6 and, under ``F16``, the
-    2^4 of the activations' fp16 x 2^-4 are folded into the scales' exponents (no multiply).
-    Packed fp4 in the MX layout (even column in the low nibble) is interleaved back; in the
-    ``HALVES`` layout (see :func:`fp4_to_halves`) the low nibbles are the group's first 16
-    columns."""
+    [BN, GK] (W = tile * scale[:, None], the scales from :func:`_moe_gemm`). The tile is
+    e4m3 when ``A_FP8`` (fp8 weights as stored; fp4 codes re-encoded exactly as e4m3 * 2^-6),
+    fp16 when ``F16`` (e4m3 -> fp16 is exact and one ``cvt`` per two values on sm_90; fp4 goes
+    through the same e4m3 re-encoding first), else CDT. Packed fp4 in the MX layout (even
+    column in the low nibble) is interleaved back; in the ``HALVES`` layout (see
+    :func:`fp4_to_halves`) the low nibbles are the group's first 16 columns."""
     if FP4:
-        lo, hi, s = _fp4_split(w_base, s_base, n, kg, swn, ssn, ssk, USE_ASM, SCALE_E8M0, SB_N,
-                               SB_K, CDT, GK, A_FP8, F16)  # fmt: skip
+        lo, hi = _fp4_split(w_base, n, kg, swn, USE_ASM, CDT, GK, A_FP8, F16)
         if HALVES:
             w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (n.shape[0], GK))
         else:
             w = tl.reshape(tl.join(lo, hi), (n.shape[0], GK))  # even column = low nibble
     else:
-        s = _scale(s_base + (n // SB_N) * ssn + (kg // SB_K) * ssk, SCALE_E8M0,
-                   4 if F16 else 0)  # fmt: skip
         q = tl.load(w_base + n[:, None] * swn + (kg + tl.arange(0, GK))[None, :])
         if A_FP8:
             w = q
@@ -371,16 +369,16 @@ def _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4: tl.constexpr, HALVES: tl
             )  # fmt: skip
         else:
             w = q.to(tl.float32).to(CDT)
-    return w, s
+    return w
 
 
 @triton.jit
-def _group_dot(a_base, sa_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc,
-               FP4: tl.constexpr, HALVES: tl.constexpr, USE_ASM: tl.constexpr,
-               SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
-               CDT: tl.constexpr, GK: tl.constexpr, SCALE_ON_W: tl.constexpr,
-               A_FP8: tl.constexpr, A_Q: tl.constexpr, F16: tl.constexpr):  # fmt: skip
-    """``acc + A[:, kg:kg+GK] @ W[n, kg:kg+GK]^T`` for one scale group (GK = 32 or 128).
+def _group_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s, acc, FP4: tl.constexpr,
+               HALVES: tl.constexpr, USE_ASM: tl.constexpr, CDT: tl.constexpr,
+               GK: tl.constexpr, SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr,
+               A_Q: tl.constexpr, F16: tl.constexpr):  # fmt: skip
+    """``acc + A[:, kg:kg+GK] @ W[n, kg:kg+GK]^T`` for one scale group (GK = 32 or 128), with
+    the group's row scales ``s`` [BN] (fp32; see :func:`_moe_gemm` for their factors).
 
     A_FP8: the activation group is quantized in registers (row amax / 448 -> e4m3, the
     rounding of :func:`fake_quant_act`) and multiplied on the fp8 tensor cores; both scales
@@ -398,8 +396,7 @@ def _group_dot(a_base, sa_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc
     nibbles are never interleaved (the MX layout's interleave costs about a quarter of the
     decode loop's instructions)."""
     if FP4 and HALVES and not A_FP8:
-        lo, hi, s = _fp4_split(w_base, s_base, n, kg, swn, ssn, ssk, USE_ASM, SCALE_E8M0, SB_N,
-                               SB_K, CDT, GK, A_FP8, F16)  # fmt: skip
+        lo, hi = _fp4_split(w_base, n, kg, swn, USE_ASM, CDT, GK, A_FP8, F16)
         ka = kg + tl.arange(0, GK // 2)
         a_lo = tl.load(a_base + ka[None, :], mask=rmask[:, None], other=0.0)
         a_hi = tl.load(a_base + (ka + GK // 2)[None, :], mask=rmask[:, None], other=0.0)
@@ -414,8 +411,7 @@ def _group_dot(a_base, sa_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk, acc
         else:
             part = _dot(a_lo.to(CDT), tl.trans(lo.to(CDT)), tl.zeros(acc.shape, tl.float32), CDT)
             return acc + _dot(a_hi.to(CDT), tl.trans(hi.to(CDT)), part, CDT) * s[None, :]
-    w, s = _w_group(w_base, s_base, n, kg, swn, ssn, ssk, FP4, HALVES, USE_ASM, SCALE_E8M0, SB_N,
-                    SB_K, CDT, GK, A_FP8, F16)  # fmt: skip
+    w = _w_group(w_base, n, kg, swn, FP4, HALVES, USE_ASM, CDT, GK, A_FP8, F16)
     a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
     if A_Q:
         tl.static_assert(GK == 32, "pre-quantized activations carry one scale per 32 columns")
@@ -448,13 +444,18 @@ def _moe_gemm(
     n_slots, topk, N, K, k_per_split, limit,
     A_GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
     FP4: tl.constexpr, HALVES: tl.constexpr, USE_ASM: tl.constexpr,
-    SCALE_E8M0: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    CDT: tl.constexpr, A_FP8: tl.constexpr, A_Q: tl.constexpr, F16: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, SCALE_WORDS: tl.constexpr, SB_N: tl.constexpr,
+    SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr, CDT: tl.constexpr, A_FP8: tl.constexpr,
+    A_Q: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``; with
     ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked). ``A_Q``: A is e4m3 with one scale
-    per row and group at ``sa_ptr`` (row stride ``ssa``)."""
+    per row and group at ``sa_ptr`` (row stride ``ssa``).
+
+    Scales: the re-encoding's 2^6 (fp4 codes as e4m3) and, under ``F16``, the 2^4 of the
+    activations' fp16 x 2^-4 are folded into the scales' exponents (no multiply).
+    ``SCALE_WORDS`` (e8m0 per 32 columns, BK a multiple of 128): ``s_ptr`` is the scales read
+    as int32, ``ssn`` / ``sse`` in words, one load per row for four groups."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(tile_e_ptr + pid_m)
     if e < 0:
@@ -471,17 +472,28 @@ def _moe_gemm(
     acc1 = tl.zeros((BM, BN), tl.float32)
     acc3 = tl.zeros((BM, BN), tl.float32)
     GK: tl.constexpr = SB_K if SB_K < BK else BK  # K columns sharing one scale
+    L2: tl.constexpr = (6 if FP4 and (A_FP8 or F16) else 0) + (4 if F16 else 0)
+    s_row1 = s_base + (n // SB_N) * ssn
+    s_row3 = s_base + ((n + N) // SB_N) * ssn
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BK):
         for g in tl.static_range(BK // GK):
             kg = k0 + g * GK
-            acc1 = _group_dot(a_base, sa_base, rmask, kg, w_base, s_base, n, swn, ssn, ssk,
-                              acc1, FP4, HALVES, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT, GK,
-                              BM >= 64, A_FP8, A_Q, F16)  # fmt: skip
+            if SCALE_WORDS:
+                if g % 4 == 0:
+                    sw1 = tl.load(s_row1 + kg // 128)
+                    sw3 = tl.load(s_row3 + kg // 128) if GATED else sw1
+                s1 = _word_scale(sw1, g % 4, L2)
+                s3 = _word_scale(sw3, g % 4, L2)
+            else:
+                s1 = _scale(s_row1 + (kg // SB_K) * ssk, SCALE_E8M0, L2)
+                s3 = _scale(s_row3 + (kg // SB_K) * ssk, SCALE_E8M0, L2) if GATED else s1
+            acc1 = _group_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s1, acc1, FP4, HALVES,
+                              USE_ASM, CDT, GK, BM >= 64, A_FP8, A_Q, F16)  # fmt: skip
             if GATED:
-                acc3 = _group_dot(a_base, sa_base, rmask, kg, w_base, s_base, n + N, swn, ssn,
-                                  ssk, acc3, FP4, HALVES, USE_ASM, SCALE_E8M0, SB_N, SB_K, CDT,
-                                  GK, BM >= 64, A_FP8, A_Q, F16)  # fmt: skip
+                acc3 = _group_dot(a_base, sa_base, rmask, kg, w_base, n + N, swn, s3, acc3, FP4,
+                                  HALVES, USE_ASM, CDT, GK, BM >= 64, A_FP8, A_Q,
+                                  F16)  # fmt: skip
     o_ptrs = out_ptr + pid_k * sos + pos.to(tl.int64)[:, None] * som + n[None, :]
     if FUSE_SWIGLU:
         if HAS_LIMIT:
@@ -747,6 +759,16 @@ def _scale_arg(s: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return s.contiguous(), False
 
 
+def _scale_launch(s: torch.Tensor, e8: bool, sb_k: int, bk: int) -> tuple[tuple, dict]:
+    """The scale arguments of one ``_moe_gemm`` launch: e8m0 codes per 32 columns with BK a
+    multiple of 128 go as int32 words (four groups per load, ``SCALE_WORDS``)."""
+    words = e8 and sb_k == 32 and bk % 128 == 0 and s.shape[-1] % 4 == 0
+    if words:
+        s = s.view(torch.int32)
+    args = (s, s.stride(0), s.stride(1), s.stride(-1))
+    return args, {"SCALE_E8M0": e8, "SCALE_WORDS": words}
+
+
 def _moe_run(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -811,18 +833,19 @@ def _moe_run(
         xa, xs = _quant_act(x, ACT_GROUP)
     gate_args = (xa, xa.stride(0), xs, xs.stride(0), rows, tile_e, w13, w13.stride(0),
                  w13.stride(1))  # fmt: skip
-    gate_args += (s13, s13.stride(0), s13.stride(1), s13.stride(-1))
+    scale_args, scale_kw = _scale_launch(s13, e8_13, block[1], g1.bk)
+    gate_args += scale_args
     grid1 = (n_tiles, inter // g1.bn, g1.split)
-    launch1 = dict(BN=g1.bn, BK=g1.bk, num_warps=g1.warps, num_stages=g1.stages)
+    launch1 = dict(BN=g1.bn, BK=g1.bk, num_warps=g1.warps, num_stages=g1.stages, **scale_kw)
     if g1.split == 1:
         _moe_gemm[grid1](*gate_args, h, 0, h.stride(0), n_slots, topk, inter, d, k1, limit,
-                         A_GATHER=True, GATED=True, FUSE_SWIGLU=True, SCALE_E8M0=e8_13,
-                         **launch1, **common)  # fmt: skip
+                         A_GATHER=True, GATED=True, FUSE_SWIGLU=True, **launch1,
+                         **common)  # fmt: skip
     else:
         part = torch.empty(g1.split, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
         _moe_gemm[grid1](*gate_args, part, part.stride(0), part.stride(1), n_slots, topk, inter,
-                         d, k1, limit, A_GATHER=True, GATED=True, FUSE_SWIGLU=False,
-                         SCALE_E8M0=e8_13, **launch1, **common)  # fmt: skip
+                         d, k1, limit, A_GATHER=True, GATED=True, FUSE_SWIGLU=False, **launch1,
+                         **common)  # fmt: skip
         _swiglu_reduce[(n_tiles, triton.cdiv(inter, 64))](
             part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
             SPLIT=g1.split, HAS_LIMIT=limit > 0, F16=f16, USE_ASM=not _INTERPRET, BM=bm, BN=64,
@@ -830,12 +853,12 @@ def _moe_run(
     y = torch.empty(g2.split, n_rows, d, dtype=torch.float32, device=x.device)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
     ha, hs = _quant_act(h, ACT_GROUP) if prequant else (h, h)
+    scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk)
     _moe_gemm[(n_tiles, d // g2.bn, g2.split)](
         ha, ha.stride(0), hs, hs.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
-        s2, s2.stride(0), s2.stride(1), s2.stride(-1), y, y.stride(0), y.stride(1),
+        *scale_args, y, y.stride(0), y.stride(1),
         n_slots, topk, d, inter, k2, limit, A_GATHER=False, GATED=False, FUSE_SWIGLU=False,
-        SCALE_E8M0=e8_2, BN=g2.bn, BK=g2.bk, num_warps=g2.warps, num_stages=g2.stages,
-        **common,
+        BN=g2.bn, BK=g2.bk, num_warps=g2.warps, num_stages=g2.stages, **scale_kw, **common,
     )  # fmt: skip
     w = weights.reshape(-1).float().contiguous()
     bd = min(1024, triton.next_power_of_2(d))
