@@ -762,7 +762,14 @@ def _scale_arg(s: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _scale_launch(s: torch.Tensor, e8: bool, sb_k: int, bk: int) -> tuple[tuple, dict]:
     """The scale arguments of one ``_moe_gemm`` launch: e8m0 codes per 32 columns with BK a
     multiple of 128 go as int32 words (four groups per load, ``SCALE_WORDS``)."""
-    words = e8 and sb_k == 32 and bk % 128 == 0 and s.shape[-1] % 4 == 0
+    words = (
+        e8
+        and sb_k == 32
+        and bk % 128 == 0
+        and s.shape[-1] % 4 == 0
+        and s.storage_offset() % 4 == 0
+        and all(st % 4 == 0 for st in s.stride()[:-1])
+    )  # else the int32 view fails
     if words:
         s = s.view(torch.int32)
     args = (s, s.stride(0), s.stride(1), s.stride(-1))

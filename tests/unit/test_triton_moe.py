@@ -268,3 +268,15 @@ def test_moe_fp16_mma_path(fmt: str, split_k: int) -> None:
     assert rel(out, ref) < 1e-2
     with pytest.raises(ValueError, match="fp16_mma needs"):
         moe.moe_fp4_triton(x, ids, w, *_fp4_experts(g), 0.0, fp16_mma=True)
+
+
+def test_scale_words_only_where_the_int32_view_holds() -> None:
+    codes = torch.randint(100, 140, (2, 8, 9, 8), dtype=torch.uint8)
+    args, kw = moe._scale_launch(codes[0], True, 32, 256)
+    assert kw["SCALE_WORDS"] and args[0].dtype == torch.int32 and args[1:] == (18, 2, 1)
+    assert not moe._scale_launch(codes[0], True, 32, 64)[1]["SCALE_WORDS"]  # BK < 128
+    assert not moe._scale_launch(codes[0], True, 128, 256)[1]["SCALE_WORDS"]  # V4 blocks
+    assert not moe._scale_launch(codes[0], False, 32, 256)[1]["SCALE_WORDS"]  # fp32 scales
+    odd = codes.reshape(-1)[1 : 1 + 72 * 8].view(1, 72, 8)  # storage offset 1
+    args, kw = moe._scale_launch(odd, True, 32, 256)
+    assert not kw["SCALE_WORDS"] and args[0].dtype == torch.uint8
