@@ -1,5 +1,12 @@
 """The engine as the ingress sees it under Ray Serve: ask the Router for a rank, then stream
-from that rank directly (pinned), aborting there when the client goes away."""
+from that rank directly (pinned), cancelling that stream when the client goes away.
+
+One request makes exactly one call to the DPRank deployment. Serve's request router matches
+a chosen replica to a pending call by the *Serve* request id, which every handle call made
+while serving one HTTP request shares: a second call (an explicit ``abort``) was at times
+given the replica picked for the first and left the other pending for good, or sent the
+abort to the wrong rank. Cancelling the stream makes the rank's generator abort the engine
+request itself (its ``finally``), so no second call is needed."""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
@@ -31,7 +39,7 @@ class ServeEngineClient:
     def __init__(self, rank: DeploymentHandle, router: DeploymentHandle) -> None:
         self.rank = rank
         self.router = router
-        self._where: dict[str, str | None] = {}
+        self._streams: dict[str, Any] = {}  # request id -> the rank's response stream
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         with tracer.start_as_current_span(
@@ -43,8 +51,8 @@ class ServeEngineClient:
             if target is None:
                 raise EngineUnavailableError("no engine rank is ready yet")
             req = _with_trace(req)
-        self._where[req.request_id] = target
         stream = self.rank.options(stream=True).generate.remote(req, target=target)
+        self._streams[req.request_id] = stream
         finished = False
         try:
             async for out in stream:
@@ -56,15 +64,14 @@ class ServeEngineClient:
                 raise
             raise err from None
         finally:
-            if not finished:
+            self._streams.pop(req.request_id, None)
+            if not finished:  # the rank's generator aborts the engine request (frees its KV)
                 stream.cancel()
-                await self.abort(req.request_id)
-            self._where.pop(req.request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        target = self._where.get(request_id)
-        if target is not None:
-            await self.rank.abort.remote(request_id, target=target)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.cancel()
 
     async def stats(self) -> dict:
         ranks = await self.ranks_stats()

@@ -69,10 +69,6 @@ class DPRank:
             span.add_event("decode_done")
             span.set_attribute("finish_reason", str(out.finish_reason))
 
-    async def abort(self, request_id: str, target: str | None = None) -> None:
-        del target
-        self.engine.abort(request_id)
-
     async def stats(self, target: str | None = None) -> dict:
         del target
         return {**self.engine.stats(), "replica_id": self.replica_id}
