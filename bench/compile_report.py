@@ -99,7 +99,7 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: i
 
 
 def _moe_line(fp4: bool, halves: bool, act8: bool, aq: bool, f16: bool, gated: bool,
-              fuse: bool, tile: tuple[int, int, int, int, int]) -> str:  # fmt: skip
+              fuse: bool, tile: tuple[int, ...]) -> str:  # fmt: skip
     """One ``_moe_gemm`` variant compiled as a launch specializes it (16-byte divisibility of
     pointers, strides and sizes; e8m0 scales, read as int32 words when BK allows)."""
     import kernels.moe as m
@@ -128,21 +128,24 @@ def _moe_line(fp4: bool, halves: bool, act8: bool, aq: bool, f16: bool, gated: b
 
 
 def moe() -> None:
-    """The tiles ``pick_tiles`` takes for V4.1-Flash (decode: BM 16, BK 256; prefill: bf16
-    BM 64, fp8 activations BM 128) for fp8 / fp4 (MX and halves) weights."""
-    decode = (16, 64, 256, 4, 3)
+    """The tiles ``pick_tiles`` takes for V4.1-Flash (d 5120, I 2304, 48 of 384 experts local):
+    decode at 1 token, prefill at 4096 tokens on the local experts; fp8 / fp4 (MX and halves)."""
+    from kernels.moe import pick_tiles
+
+    def tile(t: int, n_experts: int, gated: bool, act8: bool) -> tuple[int, ...]:
+        p = pick_tiles(t * 6, 48, n_experts, 5120, 2304, 32, 132, act8)
+        g = p.gate_up if gated else p.down
+        return p.bm, g.bn, g.bk, g.warps, g.stages
+
     for fp4, halves in ((False, False), (True, False), (True, True)):
         for gated in (True, False):
-            print("decode", _moe_line(fp4, halves, False, False, True, gated, gated, decode))
+            dec = tile(1, 384, gated, False)
+            print("decode", _moe_line(fp4, halves, False, False, True, gated, gated, dec))
     for fp4 in (False, True):
         for act8, aq in ((False, False), (True, False), (True, True)):
             for gated in (True, False):
-                tile = (
-                    ((128, 64, 128, 8, 3) if gated else (128, 128, 128, 8, 3))
-                    if act8
-                    else (64, 128, 64, 4, 4)
-                )
-                print("prefill", _moe_line(fp4, False, act8, aq, False, gated, gated, tile))
+                pre = tile(4096, 48, gated, act8)
+                print("prefill", _moe_line(fp4, False, act8, aq, False, gated, gated, pre))
 
 
 def moe_all() -> None:

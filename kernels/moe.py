@@ -273,6 +273,16 @@ def _e4m3_rne(v):
 
 
 @triton.jit
+def _e4m3_rows(x, USE_ASM: tl.constexpr):
+    """fp32 rows ``x`` as :func:`fake_quant_act` rounds them: (e4m3(x / scale) with ties to
+    even, scale = max(row amax, 1e-30) / 448 in fp32). The interpreter returns the e4m3 values
+    in fp32 (its fp8 casts misround)."""
+    sc = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) / 448.0
+    v = x / sc[:, None]
+    return (v.to(tl.float8e4nv) if USE_ASM else _e4m3_rne(v)), sc
+
+
+@triton.jit
 def _scale(s_ptrs, SCALE_E8M0: tl.constexpr, LOG2_MUL: tl.constexpr):
     """Scales as fp32, times ``2^LOG2_MUL`` (the power-of-two factors of the F16 and e4m3
     re-encodings): e8m0 code c -> bits ``(c + LOG2_MUL) << 23`` = 2^(c - 127 + LOG2_MUL), the
@@ -413,19 +423,14 @@ def _group_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s, acc, FP4: tl.const
             return acc + _dot(a_hi.to(CDT), tl.trans(hi.to(CDT)), part, CDT) * s[None, :]
     w = _w_group(w_base, n, kg, swn, FP4, HALVES, USE_ASM, CDT, GK, A_FP8, F16)
     a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
-    if A_Q:
-        tl.static_assert(GK == 32, "pre-quantized activations carry one scale per 32 columns")
-        sa = tl.load(sa_base + kg // GK, mask=rmask, other=0.0)
+    if A_FP8:
+        if A_Q:
+            tl.static_assert(GK == 32, "pre-quantized activations carry one scale per 32 columns")
+            sa = tl.load(sa_base + kg // GK, mask=rmask, other=0.0)
+        else:
+            a, sa = _e4m3_rows(a.to(tl.float32), USE_ASM)
         # the interpreter holds e4m3 values in fp32
         part = tl.dot(a, tl.trans(w)) if USE_ASM else tl.dot(a, tl.trans(w.to(tl.float32)))
-        return acc + part * sa[:, None] * s[None, :]
-    elif A_FP8:
-        a = a.to(tl.float32)
-        sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-30) / 448.0
-        if USE_ASM:
-            part = tl.dot((a / sa[:, None]).to(tl.float8e4nv), tl.trans(w))
-        else:  # interpreter: e4m3 rounding emulated in fp32 (its fp8 casts misround)
-            part = tl.dot(_e4m3_rne(a / sa[:, None]), tl.trans(w.to(tl.float32)))
         return acc + part * sa[:, None] * s[None, :]
     elif F16:
         return acc + tl.dot(a, tl.trans(w)) * s[None, :]
@@ -606,18 +611,15 @@ def _to_f16_kernel(x_ptr, y_ptr, n, USE_ASM: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def _quant_act_kernel(x_ptr, sx, q_ptr, sq, sc_ptr, ssc, n_rows, USE_ASM: tl.constexpr,
                       G: tl.constexpr, BR: tl.constexpr):  # fmt: skip
-    """One group of ``G`` columns for ``BR`` rows: scale = max(amax, 1e-30) / 448 (fp32) and
-    e4m3(x / scale) (RNE), the rounding of :func:`fake_quant_act` and of the in-loop A_FP8
-    path. The interpreter stores the e4m3 values in fp32 (its fp8 casts misround)."""
+    """One group of ``G`` columns for ``BR`` rows quantized by :func:`_e4m3_rows`, as the
+    in-loop A_FP8 path does (the interpreter stores the e4m3 values in fp32)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     g = tl.program_id(1)
     rmask = r < n_rows
     c = g * G + tl.arange(0, G)
     x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx + c[None, :], mask=rmask[:, None],
                 other=0.0).to(tl.float32)  # fmt: skip
-    sc = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) / 448.0
-    v = x / sc[:, None]
-    q = v.to(tl.float8e4nv) if USE_ASM else _e4m3_rne(v)
+    q, sc = _e4m3_rows(x, USE_ASM)
     tl.store(q_ptr + r.to(tl.int64)[:, None] * sq + c[None, :], q, mask=rmask[:, None])
     tl.store(sc_ptr + r.to(tl.int64) * ssc + g, sc, mask=rmask)
 

@@ -2,8 +2,8 @@
 from that rank directly (pinned), cancelling that stream when the client goes away.
 
 One request makes exactly one call to the DPRank deployment. Serve's request router matches
-a chosen replica to a pending call by the *Serve* request id, which every handle call made
-while serving one HTTP request shares: a second call (an explicit ``abort``) was at times
+a chosen replica to a pending call by the internal request id, which every handle call made
+while serving one HTTP request inherits: a second call (an explicit ``abort``) was at times
 given the replica picked for the first and left the other pending for good, or sent the
 abort to the wrong rank. Cancelling the stream makes the rank's generator abort the engine
 request itself (its ``finally``), so no second call is needed."""
