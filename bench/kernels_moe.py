@@ -314,21 +314,26 @@ def main() -> None:
         print("\n".join(tile_sweep(cases)))
         return
     ceil = ceilings()
-    recs: list[dict] = [record(f"ceiling.{k}", v, k.split("_")[-1]) for k, v in ceil.items()]
-    moe_t = [1, 64, 4096] if args.quick else [1, 8, 64, 512, 4096]
-    small = [1, 64, 4096]
-    lines = moe_sweep(moe_t, ceil, recs)
-    lines += moe_sweep([4096], ceil, recs, all_local=True)
-    lines += gate_sweep(small, ceil, recs)
-    lines += mhc_sweep(small, ceil, recs)
-    lines += engram_sweep([1, 64] if args.quick else small, recs)
-    path = write("kernels_moe", recs)
     print(machine())
     print(
         f"copy {ceil['copy_bw_Bps'] / 1e12:.2f} TB/s  bf16 {ceil['bf16_flops'] / 1e12:.0f} TF  "
-        f"fp8 {ceil['fp8_flops'] / 1e12:.0f} TF  -> {path}"
+        f"fp8 {ceil['fp8_flops'] / 1e12:.0f} TF",
+        flush=True,
     )
-    print("\n".join(lines))
+    recs: list[dict] = [record(f"ceiling.{k}", v, k.split("_")[-1]) for k, v in ceil.items()]
+    moe_t = [1, 64, 4096] if args.quick else [1, 8, 64, 512, 4096]
+    small = [1, 64, 4096]
+    sections: list[Callable[[], list[str]]] = [
+        lambda: moe_sweep(moe_t, ceil, recs),
+        lambda: moe_sweep([4096], ceil, recs, all_local=True),
+        lambda: gate_sweep(small, ceil, recs),
+        lambda: mhc_sweep(small, ceil, recs),
+        lambda: engram_sweep([1, 64] if args.quick else small, recs),
+    ]
+    for section in sections:  # print and save as we go: a cut-off run keeps what it measured
+        print("\n".join(section()), flush=True)
+        path = write("kernels_moe", recs)
+    print(f"-> {path}")
 
 
 if __name__ == "__main__":
