@@ -98,10 +98,12 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: i
             f"loop LDL/STL {loop_ldst} loop instrs {loop_n}")  # fmt: skip
 
 
-def _moe_line(fp4: bool, halves: bool, act8: bool, aq: bool, f16: bool, gated: bool,
+def _moe_line(fp4: bool, pairs: bool, act8: bool, aq: bool, f16: bool, gated: bool,
               fuse: bool, tile: tuple[int, ...]) -> str:  # fmt: skip
     """One ``_moe_gemm`` variant compiled as a launch specializes it (16-byte divisibility of
-    pointers, strides and sizes; e8m0 scales, read as int32 words when BK allows)."""
+    pointers, strides and sizes; e8m0 scales, read as int32 words when BK allows). ``pairs``
+    (fp4 in the pairs layout): every tile computes two row sets, W1|W3 or W2's two halves
+    of d, so its W2 line covers twice the weights of the other layouts' W2 line."""
     import kernels.moe as m
 
     bm, bn, bk, w, st = tile
@@ -111,7 +113,7 @@ def _moe_line(fp4: bool, halves: bool, act8: bool, aq: bool, f16: bool, gated: b
              w_ptr="*i8" if fp4 else "*fp8e4nv", s_ptr="*i32" if words else "*u8",
              out_ptr=("*fp16" if f16 else "*bf16") if fuse else "*fp32",
              a_ptr="*fp8e4nv" if aq else "*fp16" if f16 else "*bf16")  # fmt: skip
-    consts = dict(A_GATHER=gated, GATED=gated, FUSE_SWIGLU=fuse, FP4=fp4, HALVES=halves,
+    consts = dict(A_GATHER=gated, GATED=gated or pairs, FUSE_SWIGLU=fuse, FP4=fp4, PAIRS=pairs,
                   USE_ASM=True, SCALE_E8M0=True, SCALE_WORDS=words, SB_N=1 if fp4 else 32,
                   SB_K=32, HAS_LIMIT=True, CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk, A_FP8=act8,
                   A_Q=aq, F16=f16)  # fmt: skip
@@ -122,49 +124,51 @@ def _moe_line(fp4: bool, halves: bool, act8: bool, aq: bool, f16: bool, gated: b
         rep = compile_one(m._moe_gemm, t, consts, w, st, aligned=aligned)
     except Exception as e:  # report and go on
         rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-    return (f"{'W13' if gated else 'W2 '} fp4={fp4:d} halves={halves:d} act8={act8:d} "
+    return (f"{'W13' if gated else 'W2 '} fp4={fp4:d} pairs={pairs:d} act8={act8:d} "
             f"prequant={aq:d} f16={f16:d} fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} "
             f"st={st}: {rep}")  # fmt: skip
 
 
 def moe() -> None:
     """The tiles ``pick_tiles`` takes for V4.1-Flash (d 5120, I 2304, 48 of 384 experts local):
-    decode at 1 token, prefill at 4096 tokens on the local experts; fp8 / fp4 (MX and halves)."""
+    decode at 1 token, prefill at 4096 tokens on the local experts; fp8 / fp4 (MX and pairs
+    layouts)."""
     from kernels.moe import pick_tiles
 
-    def tile(t: int, n_experts: int, gated: bool, act8: bool) -> tuple[int, ...]:
-        p = pick_tiles(t * 6, 48, n_experts, 5120, 2304, 32, 132, act8)
+    def tile(t: int, n_experts: int, gated: bool, act8: bool, pairs: bool) -> tuple[int, ...]:
+        p = pick_tiles(t * 6, 48, n_experts, 5120, 2304, 32, 132, act8, pairs)
         g = p.gate_up if gated else p.down
         return p.bm, g.bn, g.bk, g.warps, g.stages
 
-    for fp4, halves in ((False, False), (True, False), (True, True)):
+    layouts = ((False, False), (True, False), (True, True))  # (fp4, pairs)
+    for fp4, pairs in layouts:
         for gated in (True, False):
-            dec = tile(1, 384, gated, False)
-            print("decode", _moe_line(fp4, halves, False, False, True, gated, gated, dec))
-    for fp4 in (False, True):
+            dec = tile(1, 384, gated, False, pairs)
+            print("decode", _moe_line(fp4, pairs, False, False, True, gated, gated, dec))
+    for fp4, pairs in layouts:
         for act8, aq in ((False, False), (True, False), (True, True)):
             for gated in (True, False):
-                pre = tile(4096, 48, gated, act8)
-                print("prefill", _moe_line(fp4, False, act8, aq, False, gated, gated, pre))
+                pre = tile(4096, 48, gated, act8, pairs)
+                print("prefill", _moe_line(fp4, pairs, act8, aq, False, gated, gated, pre))
 
 
 def moe_all() -> None:
     """A wider sweep: every path at several tile shapes, fused and split-K epilogues."""
-    # (fp4, halves layout, fp8 activations, quantized before the GEMM, fp16 MMA at BM < 64)
-    for fp4, halves, act8, aq, f16 in (
+    # (fp4, pairs layout, fp8 activations, quantized before the GEMM, fp16 MMA at BM < 64)
+    for fp4, pairs, act8, aq, f16 in (
         (False, False, False, False, True), (True, False, False, False, True),
         (True, True, False, False, True), (False, False, False, False, False),
         (True, False, False, False, False), (True, True, False, False, False),
         (False, False, True, False, False), (True, False, True, False, False),
         (True, True, True, False, False), (False, False, True, True, False),
-        (True, False, True, True, False),
+        (True, False, True, True, False), (True, True, True, True, False),
     ):  # fmt: skip
         for gated, fuse in ((True, True), (True, False), (False, False)):
             for tile in ((16, 64, 256, 4, 3), (16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
                          (128, 128, 128, 8, 3), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3),
                          (64, 128, 64, 4, 4)):  # fmt: skip
                 h16 = f16 and tile[0] < 64  # the fp16 MMA path runs at decode tile heights only
-                print(_moe_line(fp4, halves, act8, aq, h16, gated, fuse, tile), flush=True)
+                print(_moe_line(fp4, pairs, act8, aq, h16, gated, fuse, tile), flush=True)
 
 
 def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> None:

@@ -13,6 +13,7 @@ Writes bench/results/kernel_profile.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -114,12 +115,12 @@ def attention_cases() -> list:
 
 def moe_cases() -> list:
     from bench import kernels_moe as km
-    from kernels.moe import fp4_to_halves, moe_fp4_triton, moe_fp8_triton
+    from kernels.moe import fp4_to_pairs, moe_fp4_triton, moe_fp8_triton
 
     w13, s13, w2, s2, p13, q13, p2, q2 = km._experts("cuda")
-    h13, h2 = fp4_to_halves(p13), fp4_to_halves(p2)
+    r13, r2 = fp4_to_pairs(p13), fp4_to_pairs(p2)
     recs = []
-    for fmt, t in (("fp4", 64), ("fp4h", 64), ("fp8", 64), ("fp4", 1), ("fp4h", 1), ("fp8", 1)):
+    for fmt, t in itertools.product(("fp4", "fp4p", "fp8"), (64, 1)):
         g = torch.Generator(device="cuda").manual_seed(t)
         x = torch.randn(t, km.D, device="cuda", generator=g).bfloat16()
         ids = torch.rand(t, km.E_ALL, device="cuda", generator=g).argsort(-1)[:, : km.TOPK]
@@ -129,9 +130,9 @@ def moe_cases() -> list:
             fn = lambda x=x, ids=ids, w=w: moe_fp8_triton(  # noqa: E731
                 x, ids, w, w13, s13, w2, s2, (32, 32), 10.0, n_experts=km.E_ALL
             )
-        elif fmt == "fp4h":  # the same experts in the halves layout
+        elif fmt == "fp4p":  # the same experts in the pairs layout
             fn = lambda x=x, ids=ids, w=w: moe_fp4_triton(  # noqa: E731
-                x, ids, w, h13, q13, h2, q2, 10.0, n_experts=km.E_ALL, halves=True
+                x, ids, w, r13, q13, r2, q2, 10.0, n_experts=km.E_ALL, pairs=True
             )
         else:
             fn = lambda x=x, ids=ids, w=w: moe_fp4_triton(  # noqa: E731

@@ -21,7 +21,7 @@ from kernels.gate import moe_gate_ref, moe_gate_triton
 from kernels.moe import (
     GemmTiles,
     MoeTiles,
-    fp4_to_halves,
+    fp4_to_pairs,
     moe_experts_ref,
     moe_fp4_triton,
     moe_fp8_triton,
@@ -91,7 +91,7 @@ def moe_sweep(
     fp8_bytes = 3 * INTER * D * (1 + 4 / 1024)  # e8m0 scales stored as bytes: 1/1024
     fp4_bytes = 3 * INTER * D * (0.5 + 1 / 32)
     bw, f8 = ceil["copy_bw_Bps"], ceil["fp8_flops"]
-    h13, h2 = fp4_to_halves(p13), fp4_to_halves(p2)  # the same experts, repacked (load time)
+    r13, r2 = fp4_to_pairs(p13), fp4_to_pairs(p2)  # the same experts, repacked (load time)
     lines = []
     for t in tokens:
         sets = []
@@ -113,17 +113,18 @@ def moe_sweep(
         def fp4(s: tuple, **kw: Any) -> torch.Tensor:
             return moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0, n_experts=n_all, **kw)
 
-        def fp4h(s: tuple, **kw: Any) -> torch.Tensor:  # the same experts, halves layout
-            return moe_fp4_triton(s[0], s[1], s[2], h13, q13, h2, q2, 10.0, n_experts=n_all,
-                                  halves=True, **kw)  # fmt: skip
+        def fp4p(s: tuple, **kw: Any) -> torch.Tensor:  # the same experts, pairs layout
+            return moe_fp4_triton(s[0], s[1], s[2], r13, q13, r2, q2, 10.0, n_experts=n_all,
+                                  pairs=True, **kw)  # fmt: skip
 
         a8, pq = {"act_fp8": True}, {"act_fp8": True, "prequant": True}
         variants = (("moe.fp8", fp8, {}, fp8_bytes), ("moe.fp4", fp4, {}, fp4_bytes),
-                    ("moe.fp4.halves", fp4h, {}, fp4_bytes),
+                    ("moe.fp4.pairs", fp4p, {}, fp4_bytes),
                     ("moe.fp8.act_fp8", fp8, a8, fp8_bytes),
                     ("moe.fp4.act_fp8", fp4, a8, fp4_bytes),
                     ("moe.fp8.act_fp8.prequant", fp8, pq, fp8_bytes),
-                    ("moe.fp4.act_fp8.prequant", fp4, pq, fp4_bytes))  # fmt: skip
+                    ("moe.fp4.act_fp8.prequant", fp4, pq, fp4_bytes),
+                    ("moe.fp4.pairs.act_fp8.prequant", fp4p, pq, fp4_bytes))  # fmt: skip
         tref = _us(
             _rotating(lambda s: moe_experts_ref(s[0], s[1], s[2], w1l, w2l, w3l, 10.0), sets),
             30,
@@ -184,7 +185,7 @@ def tile_sweep(cases: list[tuple[int, bool, bool]]) -> list[str]:
     fp4 weights); the first row of each case is the pick."""
     dev = "cuda"
     w13, s13, w2, s2, p13, q13, p2, q2 = _experts(dev)
-    h13, h2 = fp4_to_halves(p13), fp4_to_halves(p2)
+    r13, r2 = fp4_to_pairs(p13), fp4_to_pairs(p2)
     lines = []
     for t, all_local, act8 in cases:
         n_all = E_LOCAL if all_local else E_ALL
@@ -201,9 +202,9 @@ def tile_sweep(cases: list[tuple[int, bool, bool]]) -> list[str]:
                     act_fp8=a8)),
                 ("fp4", lambda s, tl_=tiles, a8=act8: moe_fp4_triton(
                     s[0], s[1], s[2], p13, q13, p2, q2, 10.0, tiles=tl_, act_fp8=a8)),
-                ("fp4h", lambda s, tl_=tiles, a8=act8: moe_fp4_triton(
-                    s[0], s[1], s[2], h13, q13, h2, q2, 10.0, tiles=tl_, act_fp8=a8,
-                    halves=True)),
+                ("fp4p", lambda s, tl_=tiles, a8=act8: moe_fp4_triton(
+                    s[0], s[1], s[2], r13, q13, r2, q2, 10.0, tiles=tl_, act_fp8=a8,
+                    pairs=True)),
             ):  # fmt: skip
                 try:
                     us = _us(_rotating(fn, sets))

@@ -14,9 +14,17 @@ from torch import nn
 
 from app.model.layers import Linear
 from kernels.gate import moe_gate_fused
-from kernels.moe import moe_experts, moe_fp4, moe_fp8, swiglu_clamp
+from kernels.moe import (
+    fp4_from_pairs,
+    fp4_to_pairs,
+    moe_experts,
+    moe_fp4,
+    moe_fp8,
+    swiglu_clamp,
+)
 
 PackedFormat = Literal["fp8", "fp4"]
+Fp4Layout = Literal["mx", "pairs"]
 FP4_GROUP = 32  # packed fp4: one e8m0 scale per 32 values of a row (what the kernels read)
 _KERNEL_ALIGN = 32  # the MegaMoE kernels tile d and I in multiples of 32
 
@@ -92,6 +100,11 @@ class PackedExperts(nn.Module):
         fp4   w13 [n, 2I, d/2] int8   s13 [n, 2I, d/32]      (even column in the low nibble)
               w2  [n, d, I/2]  int8   s2  [n, d, I/32]
 
+    fp4 weights may be repacked (:meth:`repack`, the loader does it on CUDA) to the *pairs*
+    layout of ``kernels.moe.fp4_to_pairs``: w13 [n, I, d], w2 [n, d/2, I], one byte = the same
+    column of two rows (W1 and W3; W2's rows r and r + d/2), which the CUDA kernels
+    dequantize without shuffles; the scales keep their shapes. ``layout`` says which.
+
     Scales are e8m0 (``float8_e8m0fnu``) or fp32. On CUDA the Triton MegaMoE kernels dequantize
     in registers; on CPU the kernels' torch reference dequantizes per call. Experts outside
     ``[offset, offset + n_local)`` contribute nothing (expert parallelism sums over ranks).
@@ -133,11 +146,36 @@ class PackedExperts(nn.Module):
                 f"scales {tuple(s13.shape)} {tuple(s2.shape)}, expected {want13} {want2}"
             )
         self.fmt, self.block, self.limit = fmt, block, limit
+        self.hidden = d
+        self.layout: Fp4Layout = "mx"
         self.local_expert_offset = local_expert_offset
         self.register_buffer("w13", w13)
         self.register_buffer("s13", s13)
         self.register_buffer("w2", w2)
         self.register_buffer("s2", s2)
+
+    def repack(self, layout: Fp4Layout) -> None:
+        """Hold the fp4 weights in ``layout`` ("mx": the checkpoint's; "pairs": the CUDA
+        kernels' fast one, which needs d % 64 == 0). One expert at a time, so the
+        temporaries stay small."""
+        if self.fmt != "fp4":
+            raise ValueError(f"only fp4 experts have layouts, these are {self.fmt}")
+        if layout not in ("mx", "pairs"):
+            raise ValueError(f"fp4 layouts are 'mx' and 'pairs', got {layout!r}")
+        if layout == "pairs" and self.hidden % 64:
+            raise ValueError(f"the pairs layout needs d % 64 == 0, d = {self.hidden}")
+        if layout == self.layout:
+            return
+        conv = fp4_to_pairs if layout == "pairs" else fp4_from_pairs
+        for name in ("w13", "w2"):
+            w = getattr(self, name)
+            first = conv(w[0])
+            out = torch.empty((w.shape[0], *first.shape), dtype=w.dtype, device=w.device)
+            out[0] = first
+            for e in range(1, w.shape[0]):
+                out[e] = conv(w[e])
+            setattr(self, name, out)
+        self.layout = layout
 
     @property
     def n_local(self) -> int:
@@ -160,10 +198,11 @@ class PackedExperts(nn.Module):
             return moe_fp8(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.block,
                            self.limit, off, **kw)  # fmt: skip
         return moe_fp4(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.limit, off,
-                       **kw)  # fmt: skip
+                       pairs=self.layout == "pairs", **kw)  # fmt: skip
 
     def extra_repr(self) -> str:
-        return (f"{self.fmt}, block={self.block}, n_local={self.n_local}, "
+        layout = f", layout={self.layout}" if self.fmt == "fp4" else ""
+        return (f"{self.fmt}{layout}, block={self.block}, n_local={self.n_local}, "
                 f"offset={self.local_expert_offset}, limit={self.limit}")  # fmt: skip
 
 

@@ -46,6 +46,8 @@ def test_packed_experts_logits_match_cpu(ckpts, arch):
     cpu = load_model(ckpts[arch])
     gpu = load_model(ckpts[arch], device="cuda")  # auto: packed on CUDA
     assert all(isinstance(b.ffn.experts, PackedExperts) for b in [*gpu.layers, *gpu.mtp])
+    # fp4 experts (the tiny checkpoints') run in the pairs layout on CUDA
+    assert {b.ffn.experts.layout for b in [*gpu.layers, *gpu.mtp]} == {"pairs"}
     ids = torch.randint(3, 500, (41,), generator=torch.Generator().manual_seed(0))
     ref = cpu.logits(ids).double()
     got = gpu.logits(ids.cuda()).cpu().double()

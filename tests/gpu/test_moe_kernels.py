@@ -69,16 +69,17 @@ def test_moe_fp4(fp4_experts: tuple[torch.Tensor, ...], t: int) -> None:
     assert _rel(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize(("t", "act_fp8"), [(1, False), (64, False), (1024, False), (64, True)])
-def test_moe_fp4_halves_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
-                               act_fp8: bool) -> None:  # fmt: skip
-    """Experts repacked to the halves layout (two K=16 fp16 MMAs per group at decode tiles,
-    bf16 at prefill tiles, joined back in order for fp8 activations) = the MX layout's
-    reference."""
-    from kernels.moe import fp4_to_halves, moe_fp4_ref, moe_fp4_triton
+@pytest.mark.parametrize(("t", "act_fp8"), [(1, False), (64, False), (1024, False), (64, True),
+                                            (1024, True)])  # fmt: skip
+def test_moe_fp4_pairs_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
+                              act_fp8: bool) -> None:  # fmt: skip
+    """Experts repacked to the pairs layout at load time = the MX layout's reference: one
+    byte tile gives W1 and W3 (W2: both halves of d), on every path (fp16 MMA at decode,
+    bf16 or fp8 x fp8 at prefill)."""
+    from kernels.moe import fp4_to_pairs, moe_fp4_ref, moe_fp4_triton
 
     w13, s13, w2, s2 = fp4_experts
-    h13, h2 = fp4_to_halves(w13), fp4_to_halves(w2)
+    h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
     x = torch.randn(t, D, device="cuda").bfloat16()
     if t >= 1024:  # all local, ~128 rows per expert: prefill tiles
         n_all = E_LOCAL
@@ -88,12 +89,12 @@ def test_moe_fp4_halves_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
         n_all = E_ALL
         ids, w = _routing(t)
     out = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, n_experts=n_all, act_fp8=act_fp8,
-                         halves=True)  # fmt: skip
+                         pairs=True)  # fmt: skip
     ref = moe_fp4_ref(x.float(), ids, w, *fp4_experts, 10.0, act_fp8=act_fp8)
     assert _rel(out, ref) < (5e-2 if act_fp8 else 1e-2)
-    if not act_fp8:  # same products, another order of accumulation: near-identical
-        mx = moe_fp4_triton(x, ids, w, *fp4_experts, 10.0, n_experts=n_all)
-        assert _rel(out, mx) < 1e-3
+    # same products, another order of accumulation: near-identical to the MX layout
+    mx = moe_fp4_triton(x, ids, w, *fp4_experts, 10.0, n_experts=n_all, act_fp8=act_fp8)
+    assert _rel(out, mx) < 1e-3
 
 
 @pytest.mark.parametrize(("fp4", "t"), [(False, 1024), (True, 1024), (False, 64)])

@@ -32,6 +32,7 @@ from app.model.loader import (
 from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts
 from app.model.quant import dequantize_fp4, e8m0_to_float, quantize_fp4
+from kernels.moe import fp4_to_pairs
 from tests.unit.triton_util import rel
 
 FP8 = {"expert_dtype": "fp8", "block": 32}
@@ -179,6 +180,32 @@ def test_local_expert_range_sums_to_the_layer(tiny_ckpt) -> None:
         halves.append(PackedExperts(*part, pe.fmt, pe.block, pe.limit, local_expert_offset=lo))
     assert [h.n_local for h in halves] == [4, 4]
     assert rel(halves[0](x, ids, w) + halves[1](x, ids, w), pe(x, ids, w)) < 1e-6
+
+
+@torch.no_grad()
+def test_fp4_pairs_layout_gives_the_same_layer(tiny_ckpt) -> None:
+    """``repack("pairs")`` (what the loader does on CUDA) changes the bytes' order, not the
+    layer: same output on the torch path, and back to the checkpoint's bytes exactly."""
+    pe = load_model(tiny_ckpt("v41"), packed_experts=True).layers[1].ffn.experts
+    assert isinstance(pe, PackedExperts) and pe.layout == "mx"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 64, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(7)])
+    w = torch.rand(7, 2, generator=g)
+    want, w13, w2 = pe(x, ids, w), pe.w13.clone(), pe.w2.clone()
+    n, two_i, half_d = w13.shape
+    pe.repack("pairs")
+    assert pe.layout == "pairs" and "layout=pairs" in repr(pe)
+    assert pe.w13.shape == (n, two_i // 2, 2 * half_d) and pe.w2.shape[1] == 32
+    assert torch.equal(pe.w13, fp4_to_pairs(w13)) and torch.equal(pe.w2, fp4_to_pairs(w2))
+    assert torch.equal(pe(x, ids, w), want)
+    pe.repack("mx")
+    assert torch.equal(pe.w13, w13) and torch.equal(pe.w2, w2)
+    with pytest.raises(ValueError, match="layouts are"):
+        pe.repack("halves")  # type: ignore[arg-type]
+    fp8 = load_model(tiny_ckpt("v4", **FP8), packed_experts=True).layers[2].ffn.experts
+    with pytest.raises(ValueError, match="only fp4"):
+        fp8.repack("pairs")
 
 
 # ---- when packing applies, and the errors ---------------------------------------------

@@ -196,39 +196,43 @@ def test_moe_256_wide_k_blocks(fp4: bool) -> None:
     assert rel(out, ref) < 1e-2
 
 
-def test_fp4_halves_layout() -> None:
-    """The repacked layout: same values, the low nibbles of a 32-column group's 16 bytes are
-    its first 16 columns; and back."""
-    g = torch.Generator().manual_seed(5)
-    p, s = quantize_fp4(torch.randn(6, 96, generator=g))
-    h = moe.fp4_to_halves(p)
-    assert h.dtype == p.dtype and h.shape == p.shape and not torch.equal(h, p)
-    assert torch.equal(moe.fp4_from_halves(h), p)
+def test_fp4_pairs_layout() -> None:
+    """The pairs layout: byte (r, c) = W[r, c] | W[r + R/2, c] << 4, same values, and back."""
+    g = torch.Generator().manual_seed(6)
+    ps = [quantize_fp4(torch.randn(8, 96, generator=g)) for _ in range(3)]
+    p, s = torch.stack([a for a, _ in ps]), torch.stack([b for _, b in ps])
+    q = moe.fp4_to_pairs(p)
+    assert q.dtype == p.dtype and q.shape == (3, 4, 96)
+    assert torch.equal(moe.fp4_from_pairs(q), p)
     table = torch.tensor(quant_ref.FP4_VALUES)
-    b = h.view(torch.uint8).reshape(6, 3, 16).long()
-    vals = torch.cat((table[b & 0xF], table[b >> 4]), dim=-1).reshape(6, 96)
+    b = q.view(torch.uint8).long()
+    vals = torch.cat((table[b & 0xF], table[b >> 4]), dim=-2)  # rows 0..3, then 4..7
     scale = quant_ref.scale_to_float(s).repeat_interleave(32, -1)
     assert torch.equal(vals * scale, quant_ref.dequant_fp4(p, s, torch.float32))
 
 
-@pytest.mark.parametrize(("bm", "act_fp8"), [(16, False), (64, False), (16, True)])
-def test_moe_fp4_halves(bm: int, act_fp8: bool) -> None:
-    """Experts repacked to the halves layout give the MX layout's result: two K=16 products
-    per group at decode tile heights, scales on the weights at BM = 64, and the e4m3
-    re-encoding (nibbles joined back in order) with fp8 activations."""
-    g = torch.Generator().manual_seed(13)
+@pytest.mark.parametrize(
+    ("bm", "act_fp8", "prequant"), [(16, False, False), (64, False, False), (16, True, False),
+                                    (64, True, True)]
+)  # fmt: skip
+def test_moe_fp4_pairs(bm: int, act_fp8: bool, prequant: bool) -> None:
+    """Experts in the pairs layout give the MX layout's result on every path (bf16 MMA with
+    scales on the partial or on the weights, fp8 activations in the loop or pre-quantized),
+    W2 as two row sets per tile; and the nibbles' rows matter."""
+    g = torch.Generator().manual_seed(14)
     w13, s13, w2, s2 = _fp4_experts(g)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g, T, E)
     ref = moe.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT, act_fp8=act_fp8)
-    h13, h2 = moe.fp4_to_halves(w13), moe.fp4_to_halves(w2)
-    out = moe.moe_fp4_triton(x, ids, w, h13, s13, h2, s2, LIMIT, block_m=bm, split_k=2,
-                             act_fp8=act_fp8, halves=True)  # fmt: skip
+    p13, p2 = moe.fp4_to_pairs(w13), moe.fp4_to_pairs(w2)
+    kw = dict(block_m=bm, split_k=2, act_fp8=act_fp8, prequant=prequant, pairs=True)
+    out = moe.moe_fp4_triton(x, ids, w, p13, s13, p2, s2, LIMIT, **kw)
     assert rel(out, ref) < (5e-2 if act_fp8 else 1e-2)
-    # the MX-layout weights read as halves are other weights: the layout flag matters
-    wrong = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, block_m=bm, split_k=2,
-                               act_fp8=act_fp8, halves=True)  # fmt: skip
+    swap = (p2.view(torch.uint8) >> 4 | p2.view(torch.uint8) << 4).view(torch.int8)
+    wrong = moe.moe_fp4_triton(x, ids, w, p13, s13, swap, s2, LIMIT, **kw)
     assert rel(wrong, ref) > 0.3
+    with pytest.raises(ValueError, match="pairs expert shapes"):
+        moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, pairs=True)
 
 
 def test_quant_act_matches_fake_quant() -> None:
@@ -240,7 +244,8 @@ def test_quant_act_matches_fake_quant() -> None:
 
 
 @pytest.mark.parametrize(
-    ("fmt", "split_k"), [("fp8", 1), ("fp8-f32-scales", 2), ("fp4", 2), ("fp4-halves", 1)]
+    ("fmt", "split_k"),
+    [("fp8", 1), ("fp8-f32-scales", 2), ("fp4", 2), ("fp4-pairs", 1)],
 )
 def test_moe_fp16_mma_path(fmt: str, split_k: int) -> None:
     """The decode path the GPU takes for bf16 activations (fp16 MMA on activations stored as
@@ -260,11 +265,11 @@ def test_moe_fp16_mma_path(fmt: str, split_k: int) -> None:
     else:
         w13, s13, w2, s2 = _fp4_experts(g)
         ref = moe.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT)
-        halves = fmt == "fp4-halves"
-        if halves:
-            w13, w2 = moe.fp4_to_halves(w13), moe.fp4_to_halves(w2)
+        pairs = fmt == "fp4-pairs"
+        if pairs:
+            w13, w2 = moe.fp4_to_pairs(w13), moe.fp4_to_pairs(w2)
         out = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, block_m=16, split_k=split_k,
-                                 halves=halves, fp16_mma=True)  # fmt: skip
+                                 pairs=pairs, fp16_mma=True)  # fmt: skip
     assert rel(out, ref) < 1e-2
     with pytest.raises(ValueError, match="fp16_mma needs"):
         moe.moe_fp4_triton(x, ids, w, *_fp4_experts(g), 0.0, fp16_mma=True)
