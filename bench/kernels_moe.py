@@ -167,7 +167,7 @@ def _tile_choices(t: int, act_fp8: bool, n_all: int) -> list[MoeTiles]:
     base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, act_fp8)
     out = [base]
     if base.bm <= 32:
-        for bn, bk, w, st in ((64, 256, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3)):
+        for bn, bk, w, st in ((64, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3)):
             g1 = GemmTiles(bn, bk, base.gate_up.split, w, st)
             g2 = GemmTiles(bn, bk, base.down.split, w, st)
             out.append(MoeTiles(base.bm, g1, g2))
