@@ -162,31 +162,32 @@ def moe_sweep(
     return lines
 
 
-def _tile_choices(t: int, act_fp8: bool, n_all: int) -> list[MoeTiles]:
+def _tile_choices(t: int, act_fp8: bool, n_all: int, pairs: bool) -> list[MoeTiles]:
     """The heuristic's pick and neighbours (BM, BN, BK, split, warps, stages)."""
-    base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, act_fp8)
+    base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, act_fp8, pairs)
     out = [base]
     if base.bm <= 32:
         for bn, bk, w, st in ((64, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3)):
             g1 = GemmTiles(bn, bk, base.gate_up.split, w, st)
             g2 = GemmTiles(bn, bk, base.down.split, w, st)
             out.append(MoeTiles(base.bm, g1, g2))
-    else:
+    else:  # 4-warp tiles leave room for two CTAs per SM (one's MMA under the other's scaling)
         for bm, bn1, bn2, bk, w, st in (
             (64, 128, 128, 64, 4, 4), (128, 64, 128, 128, 8, 3),
             (128, 64, 64, 128, 8, 4), (64, 64, 128, 128, 4, 3),
+            (64, 64, 64, 128, 4, 4), (64, 128, 128, 128, 4, 3),
         ):  # fmt: skip
             out.append(MoeTiles(bm, GemmTiles(bn1, bk, 1, w, st), GemmTiles(bn2, bk, 1, w, st)))
     return out
 
 
-def tile_sweep(cases: list[tuple[int, bool, bool]]) -> list[str]:
-    """Time tile choices around the heuristic for (tokens, all_local, act_fp8) cases (fp8 and
-    fp4 weights); the first row of each case is the pick."""
+def tile_sweep(cases: list[tuple[int, bool, bool]], formats: tuple[str, ...]) -> None:
+    """Time tile choices around the heuristic for (tokens, all_local, act_fp8) cases (fp8, fp4
+    and fp4 in the pairs layout; fp8 activations pre-quantized, as prefill would run them);
+    the first row of each format is its pick. Prints each row as it is measured."""
     dev = "cuda"
     w13, s13, w2, s2, p13, q13, p2, q2 = _experts(dev)
     r13, r2 = fp4_to_pairs(p13), fp4_to_pairs(p2)
-    lines = []
     for t, all_local, act8 in cases:
         n_all = E_LOCAL if all_local else E_ALL
         sets = []
@@ -195,30 +196,31 @@ def tile_sweep(cases: list[tuple[int, bool, bool]]) -> list[str]:
             ids[0, 0] = torch.where((ids[0] < E_LOCAL).any(), ids[0, 0], 0)
             sets.append((torch.randn(t, D, device=dev).bfloat16(), ids,
                          torch.rand(t, TOPK, device=dev)))  # fmt: skip
-        for i, tiles in enumerate(_tile_choices(t, act8, n_all)):
-            for name, fn in (
-                ("fp8", lambda s, tl_=tiles, a8=act8: moe_fp8_triton(
-                    s[0], s[1], s[2], w13, s13, w2, s2, (32, 32), 10.0, tiles=tl_,
-                    act_fp8=a8)),
-                ("fp4", lambda s, tl_=tiles, a8=act8: moe_fp4_triton(
-                    s[0], s[1], s[2], p13, q13, p2, q2, 10.0, tiles=tl_, act_fp8=a8)),
-                ("fp4p", lambda s, tl_=tiles, a8=act8: moe_fp4_triton(
-                    s[0], s[1], s[2], r13, q13, r2, q2, 10.0, tiles=tl_, act_fp8=a8,
-                    pairs=True)),
-            ):  # fmt: skip
+        kw = {"act_fp8": act8, "prequant": act8}
+        for name, fn in (
+            ("fp8", lambda s, tl_, kw=kw: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2,
+                                                         (32, 32), 10.0, tiles=tl_, **kw)),
+            ("fp4", lambda s, tl_, kw=kw: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2,
+                                                         10.0, tiles=tl_, **kw)),
+            ("fp4p", lambda s, tl_, kw=kw: moe_fp4_triton(s[0], s[1], s[2], r13, q13, r2, q2,
+                                                          10.0, tiles=tl_, pairs=True, **kw)),
+        ):  # fmt: skip
+            if name not in formats:
+                continue
+            for i, tiles in enumerate(_tile_choices(t, act8, n_all, name == "fp4p")):
                 try:
-                    us = _us(_rotating(fn, sets))
+                    us = _us(_rotating(lambda s, fn=fn, tiles=tiles: fn(s, tiles), sets))
                 except Exception as e:  # resources exceeded for this tile shape
                     us = float("nan")
-                    lines.append(f"  ({type(e).__name__}: {str(e)[:80]})")
+                    print(f"  ({type(e).__name__}: {str(e)[:80]})")
                 g1, g2 = tiles.gate_up, tiles.down
-                lines.append(
-                    f"tiles {name} act8={act8:d} T={t:5d}{' local' if all_local else '      '} "
+                print(
+                    f"tiles {name:4s} act8={act8:d} T={t:5d}{' local' if all_local else '      '} "
                     f"{'pick' if i == 0 else '    '} bm={tiles.bm:3d} "
                     f"up=({g1.bn},{g1.bk},s{g1.split},w{g1.warps},st{g1.stages}) "
-                    f"down=({g2.bn},{g2.bk},s{g2.split},w{g2.warps},st{g2.stages}) {us:9.1f} us"
+                    f"down=({g2.bn},{g2.bk},s{g2.split},w{g2.warps},st{g2.stages}) {us:9.1f} us",
+                    flush=True,
                 )
-    return lines
 
 
 def gate_sweep(tokens: list[int], ceil: dict[str, float], recs: list[dict]) -> list[str]:
@@ -305,14 +307,15 @@ def engram_sweep(tokens: list[int], recs: list[dict]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer sizes (< 90 s)")
-    ap.add_argument("--tiles", choices=("decode", "all"), help="only the MoE tile sweep")
+    ap.add_argument("--tiles", choices=("decode", "prefill", "all"),
+                    help="only the MoE tile sweep")  # fmt: skip
     args = ap.parse_args()
     if args.tiles:
-        cases = [(1, False, False), (64, False, False)]
-        if args.tiles == "all":
-            cases += [(64, False, True), (4096, True, True), (4096, True, False),
-                      (4096, False, False)]  # fmt: skip
-        print("\n".join(tile_sweep(cases)))
+        decode = [(1, False, False), (64, False, False)]
+        prefill = [(4096, True, True), (4096, True, False)]  # all local: ~512 rows per expert
+        cases = {"decode": decode, "prefill": prefill, "all": decode + prefill}[args.tiles]
+        # the MX fp4 layout runs only where the pairs layout cannot (d % 64 != 0)
+        tile_sweep(cases, ("fp8", "fp4", "fp4p") if args.tiles == "decode" else ("fp8", "fp4p"))
         return
     ceil = ceilings()
     print(machine())
