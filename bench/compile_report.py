@@ -135,8 +135,9 @@ def moe() -> None:
     layouts)."""
     from kernels.moe import pick_tiles
 
-    def tile(t: int, n_experts: int, gated: bool, act8: bool, pairs: bool) -> tuple[int, ...]:
-        p = pick_tiles(t * 6, 48, n_experts, 5120, 2304, 32, 132, act8, pairs)
+    def tile(t: int, n_experts: int, gated: bool, act8: bool, pairs: bool,
+             aq: bool = False) -> tuple[int, ...]:  # fmt: skip
+        p = pick_tiles(t * 6, 48, n_experts, 5120, 2304, 32, 132, act8, pairs, aq)
         g = p.gate_up if gated else p.down
         return p.bm, g.bn, g.bk, g.warps, g.stages
 
@@ -148,7 +149,7 @@ def moe() -> None:
     for fp4, pairs in layouts:
         for act8, aq in ((False, False), (True, False), (True, True)):
             for gated in (True, False):
-                pre = tile(4096, 48, gated, act8, pairs)
+                pre = tile(4096, 48, gated, act8, pairs, aq)
                 print("prefill", _moe_line(fp4, pairs, act8, aq, False, gated, gated, pre))
 
 

@@ -163,8 +163,9 @@ def moe_sweep(
 
 
 def _tile_choices(t: int, act_fp8: bool, n_all: int, pairs: bool) -> list[MoeTiles]:
-    """The heuristic's pick and neighbours (BM, BN, BK, split, warps, stages)."""
-    base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, act_fp8, pairs)
+    """The heuristic's pick and neighbours (BM, BN, BK, split, warps, stages); fp8
+    activations are pre-quantized (as :func:`tile_sweep` runs them)."""
+    base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, act_fp8, pairs, act_fp8)
     out = [base]
     if base.bm <= 32:
         for bn, bk, w, st in ((64, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3)):

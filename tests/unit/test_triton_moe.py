@@ -174,6 +174,25 @@ def test_decode_tiles_take_256_wide_k_blocks() -> None:
     assert moe.pick_tiles(6, 48, 384, 5120, 2304, 32, 132, act_fp8=True).gate_up.bk == 128
 
 
+def test_prefill_tiles() -> None:
+    """V4.1-Flash prefill (4096 tokens, all 48 experts local, ~512 rows each), the picks of
+    the H200 prefill sweep: bf16 fp8 weights BM 64 x BN 128 x BK 64; fp4 pairs BK 128, three
+    stages; pre-quantized fp8 activations 4-warp tiles (two CTAs per SM), in-loop ones BM 128."""
+    args = (4096 * 6, 48, 48, 5120, 2304, 32, 132)
+    t = moe.pick_tiles(*args)
+    assert t.bm == 64 and t.gate_up == t.down == moe.GemmTiles(128, 64, 1, 4, 4)
+    t = moe.pick_tiles(*args, pairs=True)
+    assert t.bm == 64 and t.gate_up == t.down == moe.GemmTiles(128, 128, 1, 4, 3)
+    t = moe.pick_tiles(*args, act_fp8=True, prequant=True)
+    assert t.bm == 64
+    assert (t.gate_up, t.down) == (
+        moe.GemmTiles(64, 128, 1, 4, 3),
+        moe.GemmTiles(128, 128, 1, 4, 3),
+    )
+    t = moe.pick_tiles(*args, act_fp8=True)
+    assert t.bm == 128 and t.gate_up == moe.GemmTiles(64, 128, 1, 8, 3)
+
+
 @pytest.mark.parametrize("fp4", [False, True])
 def test_moe_256_wide_k_blocks(fp4: bool) -> None:
     """BK = 256 (eight 32-column scale groups per step) and split-K against the reference."""
