@@ -94,6 +94,7 @@ def moe_sweep(
     r13, r2 = fp4_to_pairs(p13), fp4_to_pairs(p2)  # the same experts, repacked (load time)
     lines = []
     for t in tokens:
+        torch.manual_seed(t)  # the same routing every run: comparable experts touched
         sets = []
         for _ in range(4):
             ids = torch.rand(t, n_all, device=dev).argsort(-1)[:, :TOPK]
