@@ -163,6 +163,8 @@ def fp4_to_pairs(packed: torch.Tensor) -> torch.Tensor:
     Triton MoE: byte (r, c) holds W[r, c] in its low nibble and W[r + R/2, c] in its high one
     (W13: W1 and W3 rows share bytes; W2: the first and second half of d). Same bytes, same
     scales (still [..., R, C/32]); R % 2 == 0."""
+    if packed.dim() < 2 or packed.shape[-2] % 2:
+        raise ValueError(f"the pairs layout needs an even row count, got {tuple(packed.shape)}")
     b = packed.view(torch.uint8)
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)  # [..., R, C] in column order
     half = codes.shape[-2] // 2
@@ -863,6 +865,9 @@ def _moe_run(
                            _num_sms(x.device), act_fp8, pairs, prequant)  # fmt: skip
     tiles = _override(tiles, block_m, split_k)
     bm, g1, g2 = tiles.bm, tiles.gate_up, tiles.down
+    n2 = d // 2 if pairs else d  # pairs: each W2 tile computes columns n and n + d/2
+    if inter % g1.bn or n2 % g2.bn:  # the grids tile N exactly (no column masks)
+        raise ValueError(f"tiles {tiles} do not divide I={inter} and the W2 N={n2}")
     rows, inv, tile_e = _align(ids, n_local, offset, bm)
     n_tiles, n_rows = tile_e.numel(), rows.numel()
     s13, e8_13 = _scale_arg(s13)
@@ -911,7 +916,6 @@ def _moe_run(
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
     ha, hs = _quant_act(h, ACT_GROUP) if prequant else (h, h)
     scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk)
-    n2 = d // 2 if pairs else d  # pairs: each tile computes columns n and n + d/2
     _moe_gemm[(n_tiles, n2 // g2.bn, g2.split)](
         ha, ha.stride(0), hs, hs.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
         *scale_args, y, y.stride(0), y.stride(1),

@@ -156,8 +156,8 @@ class PackedExperts(nn.Module):
 
     def repack(self, layout: Fp4Layout) -> None:
         """Hold the fp4 weights in ``layout`` ("mx": the checkpoint's; "pairs": the CUDA
-        kernels' fast one, which needs d % 64 == 0). One expert at a time, so the
-        temporaries stay small."""
+        kernels' fast one, which needs d % 64 == 0). In place, one expert at a time (an
+        expert has the same bytes in both layouts), so loading never holds two copies."""
         if self.fmt != "fp4":
             raise ValueError(f"only fp4 experts have layouts, these are {self.fmt}")
         if layout not in ("mx", "pairs"):
@@ -168,11 +168,10 @@ class PackedExperts(nn.Module):
             return
         conv = fp4_to_pairs if layout == "pairs" else fp4_from_pairs
         for name in ("w13", "w2"):
-            w = getattr(self, name)
-            first = conv(w[0])
-            out = torch.empty((w.shape[0], *first.shape), dtype=w.dtype, device=w.device)
-            out[0] = first
-            for e in range(1, w.shape[0]):
+            w = getattr(self, name).contiguous()
+            r, c = w.shape[1:]
+            out = w.view(w.shape[0], *((r // 2, 2 * c) if layout == "pairs" else (2 * r, c // 2)))
+            for e in range(w.shape[0]):  # conv reads all of expert e before it is overwritten
                 out[e] = conv(w[e])
             setattr(self, name, out)
         self.layout = layout

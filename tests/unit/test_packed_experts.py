@@ -208,6 +208,42 @@ def test_fp4_pairs_layout_gives_the_same_layer(tiny_ckpt) -> None:
         fp8.repack("pairs")
 
 
+@torch.no_grad()
+def test_cuda_repack_of_the_loader(tiny_ckpt) -> None:
+    """What ``load_model`` does to fp4 layers on CUDA, run on the CPU: every fp4 layer of the
+    tiny model (d = 64) goes to the pairs layout, in place (same storage), with the same
+    logits; a layer whose d is not a multiple of 64 keeps the checkpoint's layout."""
+    from app.model.loader import _repack_fp4_for_cuda
+
+    model = load_model(tiny_ckpt("v41"), packed_experts=True)
+    ids = _ids(19)
+    want = model.logits(ids)
+    packed = [m for m in model.modules() if isinstance(m, PackedExperts)]
+    ptrs = [m.w13.data_ptr() for m in packed]
+    _repack_fp4_for_cuda(model)
+    assert {m.layout for m in packed} == {"pairs"}
+    assert [m.w13.data_ptr() for m in packed] == ptrs
+    assert torch.equal(model.logits(ids), want)
+    g = torch.Generator().manual_seed(2)
+    narrow = PackedExperts(
+        *_stack_fp4(torch.randn(2, 64, 96, generator=g)),
+        *_stack_fp4(torch.randn(2, 96, 32, generator=g)),
+        "fp4",
+        (1, 32),
+        7.0,
+    )  # d = 96
+    container = torch.nn.Sequential(narrow)
+    _repack_fp4_for_cuda(container)
+    assert narrow.layout == "mx"
+    with pytest.raises(ValueError, match="d % 64"):
+        narrow.repack("pairs")
+
+
+def _stack_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = zip(*(quantize_fp4(e) for e in w), strict=True)
+    return torch.stack(q), torch.stack(s)
+
+
 # ---- when packing applies, and the errors ---------------------------------------------
 
 

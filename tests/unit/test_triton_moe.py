@@ -254,6 +254,32 @@ def test_moe_fp4_pairs(bm: int, act_fp8: bool, prequant: bool) -> None:
         moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, pairs=True)
 
 
+@pytest.mark.parametrize("f16", [False, True])
+def test_moe_fp4_pairs_several_blocks(f16: bool) -> None:
+    """The pairs layout where both GEMMs have several N blocks (program n > 0: row offsets,
+    the second row set's scale rows) and e8m0 scales are read four per int32 word (BK 128),
+    with split-K on W13; and tiles that would leave W2 columns unwritten are refused."""
+    g = torch.Generator().manual_seed(15)
+    d, inter = 256, 128
+    w13 = [torch.randn(2 * inter, d, generator=g) / d**0.5 for _ in range(2)]
+    w2 = [torch.randn(d, inter, generator=g) / inter**0.5 for _ in range(2)]
+    q13, s13 = _stack(quantize_fp4, w13)
+    q2, s2 = _stack(quantize_fp4, w2)
+    x = torch.randn(3, d, generator=g).bfloat16()
+    ids, w = _routing(g, 3, 2)
+    ref = moe.moe_fp4_ref(x.double(), ids, w.double(), q13, s13, q2, s2, LIMIT)
+    tiles = moe.MoeTiles(16, moe.GemmTiles(32, 128, 2, 4, 2), moe.GemmTiles(32, 128, 1, 4, 2))
+    p13, p2 = moe.fp4_to_pairs(q13), moe.fp4_to_pairs(q2)
+    out = moe.moe_fp4_triton(x, ids, w, p13, s13, p2, s2, LIMIT, tiles=tiles, pairs=True,
+                             fp16_mma=f16)  # fmt: skip
+    assert rel(out, ref) < 1e-2
+    wide = moe.MoeTiles(16, moe.GemmTiles(32, 128, 1, 4, 2), moe.GemmTiles(96, 128, 1, 4, 2))
+    with pytest.raises(ValueError, match="do not divide"):
+        moe.moe_fp4_triton(x, ids, w, p13, s13, p2, s2, LIMIT, tiles=wide, pairs=True)
+    with pytest.raises(ValueError, match="even row count"):
+        moe.fp4_to_pairs(q13[:, :3])
+
+
 def test_quant_act_matches_fake_quant() -> None:
     g = torch.Generator().manual_seed(19)
     x = (torch.randn(40, 96, generator=g) * torch.logspace(-3, 3, 96)).bfloat16()
