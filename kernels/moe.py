@@ -518,9 +518,10 @@ def _moe_gemm(
             else:
                 acc1 = _group_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s1, acc1, FP4,
                                   USE_ASM, CDT, GK, BM >= 64, A_FP8, A_Q, F16)  # fmt: skip
-            if GATED and not PAIRS:
-                acc3 = _group_dot(a_base, sa_base, rmask, kg, w_base, n + N, swn, s3, acc3, FP4,
-                                  USE_ASM, CDT, GK, BM >= 64, A_FP8, A_Q, F16)  # fmt: skip
+                if GATED:
+                    acc3 = _group_dot(a_base, sa_base, rmask, kg, w_base, n + N, swn, s3, acc3,
+                                      FP4, USE_ASM, CDT, GK, BM >= 64, A_FP8, A_Q,
+                                      F16)  # fmt: skip
     o_ptrs = out_ptr + pid_k * sos + pos.to(tl.int64)[:, None] * som + n[None, :]
     if FUSE_SWIGLU:
         if HAS_LIMIT:

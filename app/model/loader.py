@@ -573,7 +573,7 @@ def _repack_fp4_for_cuda(model: nn.Module) -> None:
     shuffles (H200: 20% faster than the checkpoint's layout at 64 tokens, docs/performance.md),
     where the hidden size allows it."""
     for m in model.modules():
-        if isinstance(m, PackedExperts) and m.fmt == "fp4" and m.hidden % 64 == 0:
+        if isinstance(m, PackedExperts) and m.can_pair:
             m.repack("pairs")
 
 

@@ -154,6 +154,11 @@ class PackedExperts(nn.Module):
         self.register_buffer("w2", w2)
         self.register_buffer("s2", s2)
 
+    @property
+    def can_pair(self) -> bool:
+        """Whether these experts can take the pairs layout (fp4, d a multiple of 64)."""
+        return self.fmt == "fp4" and self.hidden % 64 == 0
+
     def repack(self, layout: Fp4Layout) -> None:
         """Hold the fp4 weights in ``layout`` ("mx": the checkpoint's; "pairs": the CUDA
         kernels' fast one, which needs d % 64 == 0). In place, one expert at a time (an
@@ -162,7 +167,7 @@ class PackedExperts(nn.Module):
             raise ValueError(f"only fp4 experts have layouts, these are {self.fmt}")
         if layout not in ("mx", "pairs"):
             raise ValueError(f"fp4 layouts are 'mx' and 'pairs', got {layout!r}")
-        if layout == "pairs" and self.hidden % 64:
+        if layout == "pairs" and not self.can_pair:
             raise ValueError(f"the pairs layout needs d % 64 == 0, d = {self.hidden}")
         if layout == self.layout:
             return
