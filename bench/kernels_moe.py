@@ -28,7 +28,7 @@ from kernels.moe import (
     pick_tiles,
 )
 from kernels.norm import rms_norm_ref
-from kernels.quant_ref import dequant_fp8_blocks
+from kernels.quant import dequantize_fp8_block
 
 D, INTER, E_LOCAL, E_ALL, TOPK, N = 5120, 2304, 48, 384, 6, 4
 
@@ -83,8 +83,8 @@ def moe_sweep(
     dev = "cuda"
     n_all = E_LOCAL if all_local else E_ALL
     w13, s13, w2, s2, p13, q13, p2, q2 = _experts(dev)
-    bf13 = dequant_fp8_blocks(w13, s13, (32, 32), torch.bfloat16)
-    bf2 = dequant_fp8_blocks(w2, s2, (32, 32), torch.bfloat16)
+    bf13 = dequantize_fp8_block(w13, s13, (32, 32), torch.bfloat16)
+    bf2 = dequantize_fp8_block(w2, s2, (32, 32), torch.bfloat16)
     w1l = [bf13[e, :INTER] for e in range(E_LOCAL)] + [None] * (E_ALL - E_LOCAL)
     w3l = [bf13[e, INTER:] for e in range(E_LOCAL)] + [None] * (E_ALL - E_LOCAL)
     w2l = [bf2[e] for e in range(E_LOCAL)] + [bf2[0]] * (E_ALL - E_LOCAL)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_ref import is_e8m0, scale_to_float
+from kernels.quant import e8m0_to_float, is_e8m0
 
 
 def engram_rows_ref(
@@ -47,7 +47,7 @@ def engram_gather_ref(
     idx = rows.reshape(-1).to(table.device)
     e = table[idx].float()
     if scale is not None:
-        e = e * scale_to_float(scale[idx]).repeat_interleave(table.shape[1] // scale.shape[1], -1)
+        e = e * e8m0_to_float(scale[idx]).repeat_interleave(table.shape[1] // scale.shape[1], -1)
     return e.to(dtype).reshape(rows.shape[0], -1).to(rows.device)
 
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_ref import dequant_fp4, dequant_fp8_blocks, is_e8m0
+from kernels.quant import dequantize_fp4, dequantize_fp8_block, is_e8m0
 
 
 def swiglu_clamp(h1: torch.Tensor, h3: torch.Tensor, limit: float) -> torch.Tensor:
@@ -130,8 +130,8 @@ def moe_fp8_ref(
 ) -> torch.Tensor:
     """Dequantize stacked fp8 experts (``w13`` [E, 2I, d] = W1|W3, ``w2`` [E, d, I]) to
     ``x.dtype`` and run :func:`moe_experts_ref`; expert ``offset + i`` is ``w13[i]``."""
-    w13f = dequant_fp8_blocks(w13, s13, block, x.dtype)
-    w2f = dequant_fp8_blocks(w2, s2, block, x.dtype)
+    w13f = dequantize_fp8_block(w13, s13, block, x.dtype)
+    w2f = dequantize_fp8_block(w2, s2, block, x.dtype)
     return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8)
 
 
@@ -153,8 +153,8 @@ def moe_fp4_ref(
     ``pairs``: the weights are in the :func:`fp4_to_pairs` layout (unpacked here first)."""
     if pairs:
         w13, w2 = fp4_from_pairs(w13), fp4_from_pairs(w2)
-    w13f = dequant_fp4(w13, s13, x.dtype)
-    w2f = dequant_fp4(w2, s2, x.dtype)
+    w13f = dequantize_fp4(w13, s13, x.dtype)
+    w2f = dequantize_fp4(w2, s2, x.dtype)
     return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8)
 
 

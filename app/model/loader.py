@@ -49,7 +49,7 @@ from app.model.config import ModelConfig
 from app.model.engram_hash import compressed_token_map
 from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts, PackedFormat, packing_problem
-from app.model.quant import dequantize_fp4, dequantize_fp8_block, e8m0_dtype, e8m0_to_float
+from kernels.quant import dequantize_fp4, dequantize_fp8_block, e8m0_dtype, e8m0_to_float
 
 logger = logging.getLogger(__name__)
 

@@ -120,7 +120,7 @@ def test_moe_prequantized_activations(fp4: bool, t: int, fp8_experts: tuple,
 def test_moe_fp8_v4_blocks_and_fp32_scales() -> None:
     """V4 layout: 128x128 weight blocks (scales as e8m0 and as fp32)."""
     from kernels.moe import moe_fp8_ref, moe_fp8_triton
-    from kernels.quant_ref import scale_to_float
+    from kernels.quant import e8m0_to_float
 
     e, inter = 8, 2048
     w13 = (torch.randn(e, 2 * inter, D, device="cuda") * 64).to(torch.float8_e4m3fn)
@@ -133,7 +133,7 @@ def test_moe_fp8_v4_blocks_and_fp32_scales() -> None:
     ref = moe_fp8_ref(x.float(), ids, w, w13, s13, w2, s2, (128, 128), 10.0)
     out = moe_fp8_triton(x, ids, w, w13, s13, w2, s2, (128, 128), 10.0)
     assert _rel(out, ref) < 1e-2
-    f13, f2 = scale_to_float(s13), scale_to_float(s2)
+    f13, f2 = e8m0_to_float(s13), e8m0_to_float(s2)
     assert _rel(moe_fp8_triton(x, ids, w, w13, f13, w2, f2, (128, 128), 10.0), ref) < 1e-2
 
 
@@ -193,7 +193,7 @@ def test_dequant_tiles_exact(block_m: int | None, limit: float) -> None:
     dequantization put through the same SwiGLU. 256 rows of one expert take the bf16 tiles;
     16-row tiles with a SwiGLU limit take the fp16 MMA path (hardware e4m3 -> fp16)."""
     from kernels.moe import moe_fp4_triton, moe_fp8_triton
-    from kernels.quant_ref import dequant_fp4, dequant_fp8_blocks
+    from kernels.quant import dequantize_fp4, dequantize_fp8_block
 
     d, inter = 256, 256
     # every e4m3 byte except NaN, and every fp4 byte, in W1
@@ -201,7 +201,7 @@ def test_dequant_tiles_exact(block_m: int | None, limit: float) -> None:
     codes = torch.where((codes & 0x7F) == 0x7F, torch.zeros_like(codes), codes)
     w1 = codes.repeat(inter * d // 256).view(inter, d).view(torch.float8_e4m3fn)
     s_w1 = torch.randint(118, 130, (inter // 32, d // 32), device="cuda").byte()
-    deq = dequant_fp8_blocks(w1, s_w1, (32, 32), torch.float32)
+    deq = dequantize_fp8_block(w1, s_w1, (32, 32), torch.float32)
     x = torch.zeros(d, d, device="cuda")
     x[torch.arange(d), torch.arange(d)] = 1.0  # token j reads column j
     ids = torch.zeros(d, 1, dtype=torch.long, device="cuda")
@@ -226,7 +226,7 @@ def test_dequant_tiles_exact(block_m: int | None, limit: float) -> None:
     # fp4: all 256 byte values in every row group
     p1 = codes.view(torch.int8).repeat(inter * d // 2 // 256).view(inter, d // 2)
     q_s = torch.randint(118, 130, (inter, d // 32), device="cuda").byte()
-    deq4 = dequant_fp4(p1, q_s, torch.float32)
+    deq4 = dequantize_fp4(p1, q_s, torch.float32)
     ones4 = torch.full((inter, d // 2), 0x22, dtype=torch.int8, device="cuda")  # 1.0, 1.0
     w13_4 = torch.cat([p1, ones4], 0)[None].contiguous()
     s13_4 = torch.cat([q_s, torch.full_like(q_s, 127)], 0)[None].contiguous()

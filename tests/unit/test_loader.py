@@ -19,14 +19,14 @@ from app.model.loader import (
     load_model,
     scale_name,
 )
-from app.model.quant import (
+from app.model.tiny import make_tiny_checkpoint
+from app.model.tiny_config import tiny_config_v4
+from kernels.quant import (
     dequantize_fp4,
     dequantize_fp8_block,
     dequantize_fp8_rowwise,
     quantize_fp8_block,
 )
-from app.model.tiny import make_tiny_checkpoint
-from app.model.tiny_config import tiny_config_v4
 
 _STORED = {"fp8": torch.float8_e4m3fn, "fp4": torch.int8, "fp8_rowwise": torch.float8_e4m3fn,
            "bf16": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64}  # fmt: skip

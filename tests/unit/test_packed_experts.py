@@ -31,8 +31,8 @@ from app.model.loader import (
 )
 from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts
-from app.model.quant import dequantize_fp4, e8m0_to_float, quantize_fp4
 from kernels.moe import fp4_to_pairs
+from kernels.quant import dequantize_fp4, e8m0_to_float, quantize_fp4
 from tests.unit.triton_util import rel
 
 FP8 = {"expert_dtype": "fp8", "block": 32}

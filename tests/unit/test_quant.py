@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.model import quant
-from app.model.quant import (
+from kernels import quant
+from kernels.quant import (
     dequantize_fp4,
     dequantize_fp8_block,
     dequantize_fp8_rowwise,

@@ -15,8 +15,8 @@ if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported be
     pytest.skip("run with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
 
 from app.model.engram_hash import engram_hash_spec  # noqa: E402
-from app.model.quant import quantize_fp8_rowwise  # noqa: E402
 from kernels import engram  # noqa: E402
+from kernels.quant import quantize_fp8_rowwise  # noqa: E402
 from tests.unit.test_engram_hash import python_rows  # noqa: E402
 from tests.unit.triton_util import rel  # noqa: E402
 

@@ -16,8 +16,8 @@ triton = pytest.importorskip("triton")
 if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported before the env
     pytest.skip("run with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
 
-from app.model.quant import quantize_fp4, quantize_fp8_block, unpack_fp4  # noqa: E402
-from kernels import moe, quant_ref  # noqa: E402
+from kernels import moe, quant  # noqa: E402
+from kernels.quant import quantize_fp4, quantize_fp8_block  # noqa: E402
 from tests.unit.triton_util import rel  # noqa: E402
 
 T, D, INTER, E, K, LIMIT = 5, 64, 32, 4, 2, 0.7
@@ -49,23 +49,6 @@ def _fp4_experts(g: torch.Generator) -> tuple[torch.Tensor, ...]:
     return (*_stack(quantize_fp4, w13), *_stack(quantize_fp4, w2))
 
 
-def test_quant_ref_matches_app() -> None:
-    from app.model.quant import dequantize_fp4, dequantize_fp8_block
-
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 96, generator=g)
-    q, s = quantize_fp8_block(w, (32, 32))
-    torch.testing.assert_close(
-        quant_ref.dequant_fp8_blocks(q, s, (32, 32), torch.float32),
-        dequantize_fp8_block(q, s, (32, 32)),
-    )
-    p, s4 = quantize_fp4(w)
-    assert unpack_fp4(p).shape == (64, 96)
-    torch.testing.assert_close(
-        quant_ref.dequant_fp4(p, s4, torch.float32), dequantize_fp4(p, s4), rtol=0, atol=0
-    )
-
-
 @pytest.mark.parametrize(
     ("block", "split_k", "scale_fp32"), [((32, 32), 1, False), ((32, 32), 2, True)]
 )
@@ -73,7 +56,7 @@ def test_moe_fp8(block: tuple[int, int], split_k: int, scale_fp32: bool) -> None
     g = torch.Generator().manual_seed(1 + split_k)
     w13, s13, w2, s2 = _fp8_experts(g, block)
     if scale_fp32:
-        s13, s2 = quant_ref.scale_to_float(s13), quant_ref.scale_to_float(s2)
+        s13, s2 = quant.e8m0_to_float(s13), quant.e8m0_to_float(s2)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g, T, E)
     ref = moe.moe_fp8_ref(x.double(), ids, w.double(), w13, s13, w2, s2, block, LIMIT)
@@ -223,11 +206,11 @@ def test_fp4_pairs_layout() -> None:
     q = moe.fp4_to_pairs(p)
     assert q.dtype == p.dtype and q.shape == (3, 4, 96)
     assert torch.equal(moe.fp4_from_pairs(q), p)
-    table = torch.tensor(quant_ref.FP4_VALUES)
+    table = torch.tensor(quant.FP4_VALUES)
     b = q.view(torch.uint8).long()
     vals = torch.cat((table[b & 0xF], table[b >> 4]), dim=-2)  # rows 0..3, then 4..7
-    scale = quant_ref.scale_to_float(s).repeat_interleave(32, -1)
-    assert torch.equal(vals * scale, quant_ref.dequant_fp4(p, s, torch.float32))
+    scale = quant.e8m0_to_float(s).repeat_interleave(32, -1)
+    assert torch.equal(vals * scale, quant.dequantize_fp4(p, s, torch.float32))
 
 
 @pytest.mark.parametrize(
@@ -304,7 +287,7 @@ def test_moe_fp16_mma_path(fmt: str, split_k: int) -> None:
         w13, s13, w2, s2 = _fp8_experts(g, (32, 32))
         ref = moe.moe_fp8_ref(x.double(), ids, w.double(), w13, s13, w2, s2, (32, 32), LIMIT)
         if fmt == "fp8-f32-scales":
-            s13, s2 = quant_ref.scale_to_float(s13), quant_ref.scale_to_float(s2)
+            s13, s2 = quant.e8m0_to_float(s13), quant.e8m0_to_float(s2)
         out = moe.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, (32, 32), LIMIT, block_m=16,
                                  split_k=split_k, fp16_mma=True)  # fmt: skip
     else:

@@ -1,6 +1,8 @@
 """Checkpoint number formats: e8m0 scales, fp8 e4m3 blocks, packed fp4 (E2M1) experts.
 
-Pure torch; no model imports. Layouts (MODEL_SPEC §5):
+The one quantization library of the project (the loader, the tiny-checkpoint writer and the
+kernels' torch references all use it). Pure torch. Layouts (MODEL_SPEC §5); a leading batch
+dimension (stacked experts [E, R, C]) is accepted by the dequantizers:
 
     fp8 block     weight [R, C] float8_e4m3fn, scale [ceil(R/br), ceil(C/bc)] e8m0
     fp8 rowwise   weight [R, C] float8_e4m3fn, scale [R, C/32] e8m0   (= block (1, 32))
@@ -16,15 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.quant_ref import FP4_VALUES as _FP4_VALUES
-from kernels.quant_ref import scale_to_float
-
 E4M3_MAX = 448.0
 FP4_MAX = 6.0
 FP4_GROUP = 32
 E8M0_BIAS = 127
-# E2M1 code -> value (bit 3 is the sign): one table shared with the kernel references.
-FP4_VALUES = _FP4_VALUES
+# E2M1 code -> value (bit 3 is the sign).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES = FP4_VALUES + tuple(-v for v in FP4_VALUES)
 # Midpoints between successive magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _HAS_E8M0 = hasattr(torch, "float8_e8m0fnu")
@@ -42,9 +42,17 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
 
     Float scales (some checkpoints store fp32 powers of two) pass through as fp32.
     """
-    if scale.dtype != torch.uint8 and not scale.is_floating_point():
+    if is_e8m0(scale):
+        code = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
+        return torch.ldexp(torch.ones_like(code, dtype=torch.float32), code)
+    if not scale.is_floating_point():
         raise TypeError(f"not an e8m0 or float scale dtype: {scale.dtype}")
-    return scale_to_float(scale)
+    return scale.float()
+
+
+def is_e8m0(scale: torch.Tensor) -> bool:
+    """True for raw e8m0 scales (uint8 exponents or torch's float8_e8m0fnu)."""
+    return scale.dtype == torch.uint8 or str(scale.dtype) == "torch.float8_e8m0fnu"
 
 
 def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -100,7 +108,11 @@ def dequantize_fp8_block(
     block: tuple[int, int],
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8_block`, computed in fp32 and returned as ``dtype``."""
+    """Inverse of :func:`quantize_fp8_block`, computed in fp32 and returned as ``dtype``;
+    ``q`` [R, C] or stacked [E, R, C] with ``scale`` [(E,) ceil(R/br), ceil(C/bc)]."""
+    if q.dim() == 3:
+        pairs = zip(q, scale, strict=True)
+        return torch.stack([dequantize_fp8_block(qe, se, block, dtype) for qe, se in pairs])
     r, c = q.shape
     br, bc = block
     if tuple(scale.shape) != (-(-r // br), -(-c // bc)):
@@ -183,7 +195,11 @@ def quantize_fp4(w: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor,
 def dequantize_fp4(
     packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp4`: packed [R, C/2] and scale [R, C/32] -> [R, C]."""
+    """Inverse of :func:`quantize_fp4`: packed [R, C/2] and scale [R, C/g] -> [R, C]
+    (stacked [E, R, C/2] and [E, R, C/g] -> [E, R, C])."""
+    if packed.dim() == 3:
+        pairs = zip(packed, scale, strict=True)
+        return torch.stack([dequantize_fp4(p, s, dtype) for p, s in pairs])
     r, half = packed.shape
     c = half * 2
     if scale.dim() != 2 or scale.shape[0] != r or c % scale.shape[1]:
