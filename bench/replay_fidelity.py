@@ -15,11 +15,11 @@ import tempfile
 import torch
 
 from app.cache.manager import CacheManager
-from app.cache.teacher import drive
 from app.config import CacheConfig
 from app.model.loader import load_model
 from app.model.tiny import make_tiny_checkpoint
 from bench.common import record, write
+from bench.teacher import drive
 
 BLOCK = {"v41": 8, "v4": 16}
 

@@ -34,9 +34,17 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_kv(kv: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """``kv`` [N, D] -> float; fp8 rows times their per-32-channel scales ``kv_scale`` [N, D/32]."""
+    """Stored key rows -> float: plain rows pass through (at least fp32); fp8 e4m3 rows times
+    their per-32-channel scales (fp32, or e8m0 codes as uint8); nvfp4 rows (uint8, two E2M1
+    codes per byte, channel 2j in the low nibble) times their e4m3 scale per 16 channels."""
     if kv_scale is None:
         return _wide(kv)
+    if kv.dtype == torch.uint8:  # nvfp4
+        from kernels.kv_quant import kv_unpack
+
+        return kv_unpack(kv, kv_scale, "nvfp4", torch.float32)
+    if kv_scale.dtype == torch.uint8:  # e8m0 codes
+        kv_scale = torch.ldexp(torch.ones(kv_scale.shape, device=kv.device), kv_scale.long() - 127)
     scale = _wide(kv_scale).repeat_interleave(kv.shape[-1] // kv_scale.shape[-1], dim=-1)
     return kv.to(scale.dtype) * scale
 
@@ -50,18 +58,30 @@ def sparse_attention_ref(
     *,
     inv_rope_angles: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    kv2: torch.Tensor | None = None,
+    idx2: torch.Tensor | None = None,
+    kv2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D], ``kv`` [N, D], ``idx`` [T, K] int64 rows of ``kv`` (-1 = empty),
     ``sink`` [H] fp32 logits -> out [T, H, D] in q.dtype.
 
     ``p_i = exp(l_i - m) / (sum_j exp(l_j - m) + exp(sink_h - m))``; fp32 softmax (fp64 for
-    fp64 inputs). Optional: ``kv_scale`` [N, D/32] dequantizes an fp8 ``kv``;
-    ``inv_rope_angles`` [T, R/2] applies inverse RoPE to the output's last R channels.
+    fp64 inputs). Optional: ``kv_scale`` dequantizes a stored ``kv`` (:func:`dequant_kv`);
+    a second key source ``kv2`` [N2, D] (+ ``kv2_scale``) with its rows ``idx2`` [T, K2]
+    (the compressed entries beside the window); ``inv_rope_angles`` [T, R/2] applies
+    inverse RoPE to the output's last R channels.
     """
     if q.dim() != 3 or kv.dim() != 2 or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
         raise ValueError(f"bad shapes q{tuple(q.shape)} kv{tuple(kv.shape)} idx{tuple(idx.shape)}")
-    valid = idx >= 0
     keys = dequant_kv(kv, kv_scale)[idx.clamp_min(0)]  # [T, K, D]
+    valid = idx >= 0
+    if kv2 is not None:
+        if idx2 is None or idx2.shape[0] != q.shape[0]:
+            raise ValueError("a second key source needs idx2 [T, K2]")
+        keys2 = dequant_kv(kv2, kv2_scale)[idx2.clamp_min(0)]
+        dt = torch.promote_types(keys.dtype, keys2.dtype)
+        keys = torch.cat((keys.to(dt), keys2.to(dt)), dim=1)
+        valid = torch.cat((valid, idx2 >= 0), dim=1)
     qf = _wide(q).to(keys.dtype)
     logits = torch.einsum("thd,tkd->thk", qf, keys) * scale
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
@@ -106,19 +126,68 @@ def _block_ids(idx_row, n0, hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _gather_kv(kv_ptr, sc_ptr, rows, s_kv, s_sc, D: tl.constexpr, FP8: tl.constexpr,
-               BLOCK_N: tl.constexpr, dot_t: tl.constexpr):  # fmt: skip
-    """Key rows ``rows`` (-1 = empty) as [BLOCK_N, D] in ``dot_t`` (fp8 rows times their
-    per-32-channel scales) and the valid mask (id >= 0)."""
+def _e2m1(code):
+    """E2M1 code (int32 0..15, sign bit 3) -> fp32, built from bits (e = (c>>1)&3, m = c&1)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gather_kv(kv_ptr, sc_ptr, rows, s_kv, s_sc, D: tl.constexpr, FMT: tl.constexpr,
+               SC_E8: tl.constexpr, BLOCK_N: tl.constexpr, dot_t: tl.constexpr):  # fmt: skip
+    """Key rows ``rows`` (-1 = empty) as [BLOCK_N, D] in ``dot_t`` and the valid mask.
+
+    FMT 0: plain rows; 1: fp8 e4m3 times a scale per 32 channels (fp32, or e8m0 codes when
+    SC_E8); 2: nvfp4, two E2M1 codes per byte (channel 2j low nibble) times an e4m3 scale per
+    16 channels."""
     valid = rows >= 0
+    if FMT == 2:
+        j = tl.arange(0, D // 2)
+        b = tl.load(kv_ptr + rows[:, None] * s_kv + j[None, :], mask=valid[:, None], other=0)
+        b = b.to(tl.int32)
+        k = tl.reshape(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (BLOCK_N, D))
+        g = tl.arange(0, D // 16)
+        sc = tl.load(sc_ptr + rows[:, None] * s_sc + g[None, :], mask=valid[:, None], other=0.0)
+        k = tl.reshape(tl.reshape(k, (BLOCK_N, D // 16, 16)) * sc.to(tl.float32)[:, :, None],
+                       (BLOCK_N, D))  # fmt: skip
+        return k.to(dot_t), valid
     d = tl.arange(0, D)
     k = tl.load(kv_ptr + rows[:, None] * s_kv + d[None, :], mask=valid[:, None], other=0.0)
-    if FP8:
+    if FMT == 1:
         g = tl.arange(0, D // 32)
-        sc = tl.load(sc_ptr + rows[:, None] * s_sc + g[None, :], mask=valid[:, None], other=0.0)
+        sc = tl.load(sc_ptr + rows[:, None] * s_sc + g[None, :], mask=valid[:, None], other=0)
+        if SC_E8:
+            sc = tl.exp2(sc.to(tl.float32) - 127.0)
         k = tl.reshape(tl.reshape(k.to(tl.float32), (BLOCK_N, D // 32, 32)) * sc[:, :, None],
                        (BLOCK_N, D))  # fmt: skip
     return k.to(dot_t), valid
+
+
+@triton.jit
+def _attend(q, m_i, l_i, acc, kv_ptr, sc_ptr, idx_row, lo, hi, s_kv, s_sc, scale_log2,
+            D: tl.constexpr, FMT: tl.constexpr, SC_E8: tl.constexpr, BLOCK_N: tl.constexpr,
+            dot_t: tl.constexpr, prec: tl.constexpr):  # fmt: skip
+    """Online-softmax over key columns [lo, hi) of one token's row list of one source."""
+    # The ids of block n0 + BLOCK_N are loaded one iteration ahead and carried: the gather's
+    # address then comes from a loop argument, not from a load of the same iteration, and the
+    # software pipeliner turns it into cp.async copies num_stages - 1 blocks ahead (with the
+    # ids loaded in the same iteration it keeps only one block in flight at any num_stages).
+    rows = _block_ids(idx_row, lo, hi, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        rows_next = _block_ids(idx_row, n0 + BLOCK_N, hi, BLOCK_N)
+        k, valid = _gather_kv(kv_ptr, sc_ptr, rows, s_kv, s_sc, D, FMT, SC_E8, BLOCK_N, dot_t)
+        s = tl.dot(q, tl.trans(k), input_precision=prec) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(dot_t), k, acc * alpha[:, None], input_precision=prec)
+        m_i = m_new
+        rows = rows_next
+    return m_i, l_i, acc
 
 
 def _attn_configs() -> list[triton.Config]:
@@ -139,14 +208,16 @@ def _attn_configs() -> list[triton.Config]:
 
 # Tuned per power-of-two bucket of T and K (both change every engine step).
 @triton.autotune(
-    configs=_attn_configs(), key=["H", "K_BUCKET", "SPLITS", "T_BUCKET", "D", "FP8", "ROPE"]
+    configs=_attn_configs(),
+    key=["H", "K_BUCKET", "K2_BUCKET", "SPLITS", "T_BUCKET", "D", "FMT", "FMT2", "ROPE"],
 )
-@triton.jit(do_not_specialize=["T", "K", "SPLITS", "T_BUCKET", "K_BUCKET"])
+@triton.jit(do_not_specialize=["T", "K", "K2", "SPLITS", "T_BUCKET", "K_BUCKET", "K2_BUCKET"])
 def _sparse_attn_kernel(
-    q_ptr, kv_ptr, sc_ptr, idx_ptr, sink_ptr, ang_ptr, out_ptr, part_ptr, ml_ptr,
-    T, H, K, SPLITS, T_BUCKET, K_BUCKET, scale_log2,
-    s_qt, s_qh, s_kv, s_sc, s_it, s_at, s_ot, s_oh,
-    D: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr,
+    q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr, out_ptr,
+    part_ptr, ml_ptr, T, H, K, K2, SPLITS, T_BUCKET, K_BUCKET, K2_BUCKET, scale_log2,
+    s_qt, s_qh, s_kv, s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh,
+    D: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr, SC_E8: tl.constexpr,
+    FMT2: tl.constexpr, SC2_E8: tl.constexpr, ROPE: tl.constexpr,
     F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
@@ -166,27 +237,19 @@ def _sparse_attn_kernel(
     l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
 
-    per = tl.cdiv(tl.cdiv(K, BLOCK_N), SPLITS) * BLOCK_N  # keys per split, whole blocks
+    # Keys of a token: columns [0, K) of source 1, then [K, K + K2) of source 2; a split
+    # takes whole blocks of each source in proportion.
+    per = tl.cdiv(tl.cdiv(K, BLOCK_N), SPLITS) * BLOCK_N
     lo = split * per
     hi = tl.minimum(lo + per, K)
-    # The ids of block n0 + BLOCK_N are loaded one iteration ahead and carried: the gather's
-    # address then comes from a loop argument, not from a load of the same iteration, and the
-    # software pipeliner turns it into cp.async copies num_stages - 1 blocks ahead (with the
-    # ids loaded in the same iteration it keeps only one block in flight at any num_stages).
-    idx_row = idx_ptr + t * s_it
-    rows = _block_ids(idx_row, lo, hi, BLOCK_N)
-    for n0 in range(lo, hi, BLOCK_N):
-        rows_next = _block_ids(idx_row, n0 + BLOCK_N, hi, BLOCK_N)
-        k, valid = _gather_kv(kv_ptr, sc_ptr, rows, s_kv, s_sc, D, FP8, BLOCK_N, dot_t)
-        s = tl.dot(q, tl.trans(k), input_precision=prec) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(dot_t), k, acc * alpha[:, None], input_precision=prec)
-        m_i = m_new
-        rows = rows_next
+    m_i, l_i, acc = _attend(q, m_i, l_i, acc, kv_ptr, sc_ptr, idx_ptr + t * s_it, lo, hi, s_kv,
+                            s_sc, scale_log2, D, FMT, SC_E8, BLOCK_N, dot_t, prec)  # fmt: skip
+    per2 = tl.cdiv(tl.cdiv(K2, BLOCK_N), SPLITS) * BLOCK_N
+    lo2 = split * per2
+    hi2 = tl.minimum(lo2 + per2, K2)
+    m_i, l_i, acc = _attend(q, m_i, l_i, acc, kv2_ptr, sc2_ptr, idx2_ptr + t * s_it2, lo2, hi2,
+                            s_kv2, s_sc2, scale_log2, D, FMT2, SC2_E8, BLOCK_N, dot_t,
+                            prec)  # fmt: skip
 
     if SPLITS == 1:
         o = acc / l_i[:, None]
@@ -245,7 +308,32 @@ def default_splits(T: int, H: int, K: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(sms, programs), K // 128))
 
 
-_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _source(kv: torch.Tensor, kv_scale: torch.Tensor | None, q: torch.Tensor, D: int, which: str):
+    """(format code, scale is e8m0) of one key source, after checking its shapes and dtypes."""
+    if kv.dim() != 2 or kv.stride(-1) != 1:
+        raise ValueError(f"{which} must be [N, D] with a contiguous last dim: {tuple(kv.shape)}")
+    if kv.dtype == torch.uint8:  # nvfp4
+        if kv.shape[1] != D // 2 or kv_scale is None or kv_scale.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"nvfp4 {which} needs [N, D/2] bytes and e4m3 scales per 16")
+        if kv_scale.shape != (kv.shape[0], D // 16) or kv_scale.stride(-1) != 1:
+            raise ValueError(f"{which} scale must be [N, D/16], got {tuple(kv_scale.shape)}")
+        return 2, False
+    if kv.shape[1] != D:
+        raise ValueError(f"{which} rows have {kv.shape[1]} channels, q has {D}")
+    if kv.dtype == torch.float8_e4m3fn:
+        if kv_scale is None or kv_scale.shape != (kv.shape[0], D // 32):
+            raise ValueError(f"fp8 {which} needs a scale [N, D/32]")
+        if kv_scale.dtype not in (torch.float32, torch.uint8) or kv_scale.stride(-1) != 1:
+            raise ValueError(f"{which} scale must be fp32 or e8m0 (uint8), contiguous")
+        return 1, kv_scale.dtype == torch.uint8
+    if kv_scale is not None:
+        raise ValueError(f"a scale is given for plain {which} rows ({kv.dtype})")
+    if kv.dtype != q.dtype:
+        raise TypeError(f"{which} dtype {kv.dtype} must match q dtype {q.dtype}")
+    return 0, False
 
 
 def sparse_attention_triton(
@@ -257,34 +345,44 @@ def sparse_attention_triton(
     *,
     inv_rope_angles: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    kv2: torch.Tensor | None = None,
+    idx2: torch.Tensor | None = None,
+    kv2_scale: torch.Tensor | None = None,
     splits: int | None = None,
     out: torch.Tensor | None = None,
     launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Triton ``sparse_attention_ref`` (same arguments). ``kv`` in q.dtype, or fp8 e4m3 with
-    ``kv_scale`` [N, D/32] fp32; ``splits`` overrides the KV split count (``default_splits``);
-    ``out`` [T, H, D] (contiguous last dim) receives the result; ``launch`` (BLOCK_H, BLOCK_N,
-    num_warps, num_stages) bypasses the autotuner (benchmark sweeps)."""
+    """Triton ``sparse_attention_ref`` (same arguments). Key sources: rows in q.dtype, fp8
+    e4m3 with ``kv_scale`` [N, D/32] (fp32 or e8m0 codes), or (second source) nvfp4 bytes
+    [N, D/2] with e4m3 scales [N, D/16]; ``splits`` overrides the KV split count
+    (``default_splits``); ``out`` [T, H, D] (contiguous last dim) receives the result;
+    ``launch`` (BLOCK_H, BLOCK_N, num_warps, num_stages) bypasses the autotuner."""
     T, H, D = q.shape
-    if kv.dim() != 2 or kv.shape[1] != D or idx.dim() != 2 or idx.shape[0] != T:
+    if idx.dim() != 2 or idx.shape[0] != T:
         raise ValueError(f"bad shapes q{tuple(q.shape)} kv{tuple(kv.shape)} idx{tuple(idx.shape)}")
     if D < 32 or D & (D - 1):
         raise ValueError(f"head dim {D} must be a power of two >= 32")
-    if q.dtype not in _KV_DTYPES[:3] or kv.dtype not in _KV_DTYPES:
-        raise TypeError(f"unsupported dtypes q {q.dtype}, kv {kv.dtype}")
-    fp8 = kv.dtype == torch.float8_e4m3fn
-    if fp8 != (kv_scale is not None):
-        raise ValueError("kv_scale is required exactly when kv is float8_e4m3fn")
-    if not fp8 and kv.dtype != q.dtype:
-        raise TypeError(f"kv dtype {kv.dtype} must match q dtype {q.dtype}")
-    if fp8 and (kv_scale.shape != (kv.shape[0], D // 32) or kv_scale.dtype != torch.float32):
-        raise ValueError(f"kv_scale must be fp32 [N, D/32], got {tuple(kv_scale.shape)}")
-    if idx.dtype not in (torch.int64, torch.int32) or sink.shape != (H,):
-        raise ValueError(f"idx must be int32/int64, sink [H]; got {idx.dtype}, {tuple(sink.shape)}")
-    if q.stride(-1) != 1 or kv.stride(-1) != 1 or idx.stride(-1) != 1:
-        raise ValueError("q, kv and idx need a contiguous last dim")
-    if fp8 and kv_scale.stride(-1) != 1:
-        raise ValueError("kv_scale needs a contiguous last dim")
+    if q.dtype not in _Q_DTYPES:
+        raise TypeError(f"unsupported q dtype {q.dtype}")
+    fmt, e8 = _source(kv, kv_scale, q, D, "kv")
+    if fmt == 2:
+        raise ValueError("nvfp4 rows are taken as the second key source only")
+    if (kv2 is None) != (idx2 is None):
+        raise ValueError("kv2 and idx2 go together")
+    if kv2 is None:
+        kv2, idx2, fmt2, e82 = kv, idx[:, :0], fmt, e8
+        kv2_scale = kv_scale
+    else:
+        fmt2, e82 = _source(kv2, kv2_scale, q, D, "kv2")
+        if idx2.dim() != 2 or idx2.shape[0] != T:
+            raise ValueError(f"idx2 must be [T, K2], got {tuple(idx2.shape)}")
+    for i in (idx, idx2):
+        if i.dtype not in (torch.int64, torch.int32) or (i.numel() and i.stride(-1) != 1):
+            raise ValueError("idx / idx2 must be int32/int64 with a contiguous last dim")
+    if sink.shape != (H,):
+        raise ValueError(f"sink must be [H], got {tuple(sink.shape)}")
+    if q.stride(-1) != 1:
+        raise ValueError("q needs a contiguous last dim")
     R = 0
     if inv_rope_angles is not None:
         R = 2 * inv_rope_angles.shape[-1]
@@ -295,13 +393,14 @@ def sparse_attention_triton(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be [T, H, D] with a contiguous last dim: {tuple(out.shape)}")
-    K = idx.shape[1]
+    K, K2 = idx.shape[1], idx2.shape[1]
     if T == 0:
         return out
-    S = splits or default_splits(T, H, K, q.device)
+    S = splits or default_splits(T, H, K + K2, q.device)
     sink = sink.float().contiguous()
     ang = inv_rope_angles if R else sink  # dummy pointer when unused
-    sc = kv_scale if fp8 else sink
+    sc = kv_scale if fmt else sink
+    sc2 = kv2_scale if fmt2 else sink
     part = ml = out
     if S > 1:
         part = torch.empty((S, T, H, D), device=q.device, dtype=torch.float32)
@@ -310,14 +409,16 @@ def sparse_attention_triton(
     def grid(meta):
         return (T, triton.cdiv(H, meta["BLOCK_H"]), S)
 
+    np2 = triton.next_power_of_2
     kernel = _sparse_attn_kernel if launch is None else _sparse_attn_kernel.fn
     kernel[grid](
-        q, kv, sc, idx, sink, ang, out, part, ml,
-        T, H, K, S, triton.next_power_of_2(T), triton.next_power_of_2(K), scale * _LOG2E,
+        q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml,
+        T, H, K, K2, S, np2(T), np2(K), np2(K2) if K2 else 0, scale * _LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), sc.stride(0), idx.stride(0),
+        kv2.stride(0), sc2.stride(0), max(idx2.stride(0), 1),
         ang.stride(0), out.stride(0), out.stride(1),
-        D=D, R=R, FP8=fp8, ROPE=R > 0, F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
-        **(launch or {}),
+        D=D, R=R, FMT=fmt, SC_E8=e8, FMT2=fmt2, SC2_E8=e82, ROPE=R > 0,
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, **(launch or {}),
     )  # fmt: skip
     if S > 1:
         bh = 16
@@ -334,10 +435,9 @@ def sparse_attention(
     idx: torch.Tensor,
     sink: torch.Tensor,
     scale: float,
-    *,
-    inv_rope_angles: torch.Tensor | None = None,
-    kv_scale: torch.Tensor | None = None,
+    **kw: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel for CUDA tensors, the torch reference otherwise."""
+    """Dispatch: the Triton kernel for CUDA tensors, the torch reference otherwise (keywords
+    of :func:`sparse_attention_ref`)."""
     fn = sparse_attention_triton if q.is_cuda else sparse_attention_ref
-    return fn(q, kv, idx, sink, scale, inv_rope_angles=inv_rope_angles, kv_scale=kv_scale)
+    return fn(q, kv, idx, sink, scale, **kw)

@@ -65,6 +65,51 @@ def topk_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(order == scores.shape[-1], torch.full_like(order, -1), order)
 
 
+def _entry_rows(block_table: torch.Tensor, ratio: int, block_size: int, C: int) -> torch.Tensor:
+    """[B, C] pool rows of entries 0..C-1 of each sequence (entry w: first position w*r)."""
+    w = torch.arange(C, device=block_table.device)
+    blk = block_table[:, torch.div(w * ratio, block_size, rounding_mode="floor")]
+    off = torch.div(w * ratio % block_size, ratio, rounding_mode="floor")
+    return blk * (block_size // ratio) + off
+
+
+def _keys_float(keys: torch.Tensor, key_scale: torch.Tensor | None, rows: torch.Tensor):
+    if key_scale is None:
+        return _wide(keys[rows])
+    from kernels.kv_quant import kv_unpack
+
+    flat = rows.reshape(-1)
+    out = kv_unpack(keys[flat], key_scale[flat], "mxfp4", torch.float32)
+    return out.view(*rows.shape, -1)
+
+
+def indexer_scores_paged_ref(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    visible: torch.Tensor,
+    token_seq: torch.Tensor,
+    block_table: torch.Tensor,
+    ratio: int,
+    block_size: int,
+    num_cols: int,
+) -> torch.Tensor:
+    """Scores of every token against its own sequence's index keys, read in place from the
+    paged key pool: ``q`` [T, H, D], ``keys`` [N, D] float (or mxfp4 bytes [N, D/2] with
+    ``key_scale`` e8m0 [N, D/32]), ``w`` [T, H], ``visible`` [T], ``token_seq`` [T],
+    ``block_table`` [B, NB] -> fp32 [T, num_cols] (-inf at columns >= visible).
+
+    Entry w of a sequence lives at row ``table[w*r // P] * (P/r) + (w*r % P) // r``."""
+    rows = _entry_rows(block_table, ratio, block_size, num_cols)  # [B, C]
+    k = _keys_float(keys, key_scale, rows)[token_seq]  # [T, C, D]
+    qf = _wide(q).to(k.dtype)
+    s = torch.einsum("thd,tcd->thc", qf, k).relu()
+    s = (s * _wide(w).to(k.dtype).unsqueeze(-1)).sum(dim=1)
+    cols = torch.arange(num_cols, device=q.device)
+    return s.float().masked_fill(cols.unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
+
+
 # ---- Triton: scores -------------------------------------------------------------------------
 
 
@@ -113,6 +158,74 @@ def _scores_kernel(
         tl.store(optrs, res, mask=((t0 + tb)[:, None] < T) & (c[None, :] < C))
 
 
+@triton.autotune(configs=_scores_configs(), key=["C_BUCKET", "HP", "DP", "MXFP4"])
+@triton.jit(do_not_specialize=["T", "C", "C_BUCKET"])
+def _paged_scores_kernel(
+    q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, seq_ptr, tb_ptr, bt_ptr, out_ptr, T, C, HI, DI,
+    C_BUCKET, s_qt, s_qh, s_k, s_ks, s_wt, s_bt, s_ot,
+    RATIO: tl.constexpr, P: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+    BLOCK_T: tl.constexpr, MXFP4: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One program: entry columns [c0, c0 + BLOCK_C) x up to BLOCK_T tokens of one sequence
+    (a token block starting at ``tb[pid1]``, -1 = padding). Keys are read through the block
+    table; [BLOCK_T tokens x HP heads] form the M side of one dot."""
+    c0 = tl.program_id(0) * BLOCK_C
+    t0 = tl.load(tb_ptr + tl.program_id(1))
+    if t0 >= 0:
+        seq = tl.load(seq_ptr + t0)
+        tb = t0 + tl.arange(0, BLOCK_T)
+        tin = tb < T
+        tmask = tin & (tl.load(seq_ptr + tb, mask=tin, other=-1) == seq)
+        vis = tl.load(vis_ptr + tb, mask=tmask, other=0)
+        c = c0 + tl.arange(0, BLOCK_C)
+        res = tl.full([BLOCK_T, BLOCK_C], float("-inf"), tl.float32)
+        if c0 < tl.max(vis):
+            dot_t: tl.constexpr = tl.float32 if F32_DOT else q_ptr.dtype.element_ty
+            prec: tl.constexpr = "ieee" if F32_DOT else "tf32"
+            cmask = c < C
+            blk = tl.load(bt_ptr + seq * s_bt + (c * RATIO) // P, mask=cmask, other=0)
+            rows = blk.to(tl.int64) * (P // RATIO) + ((c * RATIO) % P) // RATIO
+            dd = tl.arange(0, DP)
+            if MXFP4:
+                jj = tl.arange(0, DP // 2)
+                b = tl.load(k_ptr + rows[:, None] * s_k + jj[None, :],
+                            mask=cmask[:, None] & (jj[None, :] < DI // 2), other=0)  # fmt: skip
+                b = b.to(tl.int32)
+                k = tl.reshape(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (BLOCK_C, DP))
+                g = tl.arange(0, DP // 32)
+                sc = tl.load(ks_ptr + rows[:, None] * s_ks + g[None, :],
+                             mask=cmask[:, None] & (g[None, :] < DI // 32), other=127)  # fmt: skip
+                sc = tl.exp2(sc.to(tl.float32) - 127.0)
+                k = tl.reshape(tl.reshape(k, (BLOCK_C, DP // 32, 32)) * sc[:, :, None],
+                               (BLOCK_C, DP))  # fmt: skip
+                kt = tl.trans(k).to(dot_t)
+            else:
+                kmask = cmask[None, :] & (dd[:, None] < DI)
+                kt = tl.load(k_ptr + rows[None, :] * s_k + dd[:, None], mask=kmask, other=0.0)
+                kt = kt.to(dot_t)
+            r = tl.arange(0, BLOCK_T * HP)
+            hr = r % HP
+            tr = t0 + r // HP
+            rmask = (hr < HI) & (tr < T)
+            qp = q_ptr + tr[:, None] * s_qt + hr[:, None] * s_qh + dd[None, :]
+            qt = tl.load(qp, mask=rmask[:, None] & (dd[None, :] < DI), other=0.0).to(dot_t)
+            wr = tl.load(w_ptr + tr * s_wt + hr, mask=rmask, other=0.0).to(tl.float32)
+            sc2 = tl.maximum(tl.dot(qt, kt, input_precision=prec), 0.0) * wr[:, None]
+            sc2 = tl.sum(tl.reshape(sc2, (BLOCK_T, HP, BLOCK_C)), axis=1)
+            res = tl.where(c[None, :] < vis[:, None], sc2, float("-inf"))
+        optrs = out_ptr + tb[:, None].to(tl.int64) * s_ot + c[None, :]
+        tl.store(optrs, res, mask=tmask[:, None] & (c[None, :] < C))
+
+
+@triton.jit
+def _e2m1(code):
+    """E2M1 code (int32 0..15, sign bit 3) -> fp32 from bits (e = (c>>1)&3, m = c&1)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
 @functools.cache
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -158,6 +271,69 @@ def indexer_scores_triton(
         triton.next_power_of_2(C),
         q.stride(0), q.stride(1), k.stride(0), w.stride(0), out.stride(0),
         HP=HP, DP=DP, BLOCK_T=bt, F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+    )  # fmt: skip
+    return out
+
+
+def token_blocks(token_seq: torch.Tensor, seq_start: torch.Tensor, block_t: int) -> torch.Tensor:
+    """First token of every block of ``block_t`` consecutive tokens of one sequence, padded
+    with -1 to the fixed count ``min(T, T // block_t + B)`` (a cumsum compaction, no sync).
+    Example: sequences of 3 and 1 tokens, block 2 -> [0, 2, 3] (+ padding)."""
+    T, B = token_seq.numel(), seq_start.numel()
+    n = min(T, T // block_t + B)
+    t = torch.arange(T, device=token_seq.device)
+    first = (t - seq_start[token_seq]) % block_t == 0
+    at = torch.where(first, torch.cumsum(first, 0) - 1, n)
+    out = torch.full((n + 1,), -1, dtype=torch.int64, device=token_seq.device)
+    return out.scatter_(0, at, t)[:n]
+
+
+def indexer_scores_paged_triton(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    visible: torch.Tensor,
+    token_seq: torch.Tensor,
+    block_table: torch.Tensor,
+    ratio: int,
+    block_size: int,
+    num_cols: int,
+    *,
+    seq_start: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton :func:`indexer_scores_paged_ref` (``seq_start`` [B]: first token of each
+    sequence, for the token blocks)."""
+    T, HI, DI = q.shape
+    mx = key_scale is not None
+    if w.shape != (T, HI) or visible.shape != (T,) or token_seq.shape != (T,):
+        raise ValueError(f"bad shapes q{tuple(q.shape)} w{tuple(w.shape)}")
+    if mx and (keys.dtype != torch.uint8 or keys.shape[1] * 2 != DI or DI % 32):
+        raise ValueError("mxfp4 keys must be uint8 [N, D/2] with D a multiple of 32")
+    if not mx and (keys.dim() != 2 or keys.shape[1] != DI or keys.dtype != q.dtype):
+        raise ValueError(f"keys must be [N, {DI}] in q's dtype, got {keys.dtype}")
+    if q.stride(-1) != 1 or keys.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("q, keys and w need a contiguous last dim")
+    if out is None:
+        out = torch.empty((T, num_cols), device=q.device, dtype=torch.float32)
+    if T == 0 or num_cols == 0:
+        return out
+    HP, DP = max(16, triton.next_power_of_2(HI)), max(32, triton.next_power_of_2(DI))
+    bt = max(1, 64 // HP)
+    tb = token_blocks(token_seq, seq_start, bt)
+    table = block_table.contiguous()
+    ks = key_scale if mx else keys
+
+    def grid(meta):
+        return (triton.cdiv(num_cols, meta["BLOCK_C"]), tb.numel())
+
+    _paged_scores_kernel[grid](
+        q, keys, ks, w, visible.contiguous(), token_seq.contiguous(), tb, table, out, T,
+        num_cols, HI, DI, triton.next_power_of_2(num_cols), q.stride(0), q.stride(1),
+        keys.stride(0), ks.stride(0), w.stride(0), table.stride(0), out.stride(0),
+        RATIO=ratio, P=block_size, HP=HP, DP=DP, BLOCK_T=bt, MXFP4=mx,
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
     )  # fmt: skip
     return out
 
@@ -438,6 +614,13 @@ def indexer_scores(
     """Dispatch: Triton for CUDA tensors, the torch reference otherwise."""
     fn = indexer_scores_triton if q.is_cuda else indexer_scores_ref
     return fn(q, k, w, visible)
+
+
+def indexer_scores_paged(q: torch.Tensor, *args, seq_start: torch.Tensor) -> torch.Tensor:
+    """Dispatch: Triton for CUDA tensors, the torch reference otherwise."""
+    if q.is_cuda:
+        return indexer_scores_paged_triton(q, *args, seq_start=seq_start)
+    return indexer_scores_paged_ref(q, *args)
 
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,81 +1,63 @@
-"""Device pools of the KV cache and the per-batch :class:`KVStore` view the model writes through.
+"""Device tensors of the KV cache (allocated from a :class:`~app.cache.layout.CacheLayout`) and
+the request slots; the batched model step reads and writes them in place through
+:class:`~app.model.kv_store.PagedKV` (row arithmetic in ``app.model.attn_meta``).
 
-Paged groups (shared by prefix caching): one block = ``block_size`` (P) positions; a block id
-indexes every group at once. A layer that owns a compressor of ratio r keeps ``P // r``
-entries per block (compressed KV, and index keys when it owns them):
+    block id b (P positions of one sequence; P a multiple of every ratio)
+      owner layer l, ratio r:  entries[l] rows b*P/r .. (b+1)*P/r - 1   (keys[l] the same)
+    request slot s:
+      window[l] rows s*ring .. (s+1)*ring - 1      tails[(l, name)] rows s*(span-1) ..
 
-    entry w of a sequence (first position w*r)  ->  block_table[w*r // P], row (w*r % P) // r
-
-Per-request slots (not shared, rebuilt by bounded replay after a prefix hit):
-
-    window ring   [slots, W, D]         position p at row p % W           (every layer)
-    tail ring     [slots, span, width]  compressor projections, p % span  (owners; fp32)
-
-    P = 8, r = 2, table [7, 3]:  entry 5 (positions 10, 11) -> block 3, row 1
+One extra block and one extra slot at the end are the trash that padding and masked writes
+land in; they are never handed out.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from app.model.compressor import Compressor
-from app.model.kv_store import KVStore
-from app.model.model import DeepseekModel
-
-
-@dataclass(frozen=True)
-class _TailSpec:
-    span: int
-    width: int
+from app.cache.layout import CacheLayout
+from app.model.kv_store import KVRows, PagedKV
+from kernels.kv_quant import kv_storage
 
 
 class PagedKVCache:
-    """All KV storage of one engine: paged compressed-KV / index-key pools + request slots."""
+    """All KV storage of one engine: paged pools + request slots, in the layout's formats."""
 
     def __init__(
         self,
-        model: DeepseekModel,
+        layout: CacheLayout,
         num_blocks: int,
-        block_size: int,
         max_slots: int,
-        dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        cfg = model.cfg
-        ratios = [s.ratio for s in cfg.layers if s.owns_compressor]
-        lcm = math.lcm(*ratios) if ratios else 1
-        if block_size <= 0 or block_size % lcm:
-            raise ValueError(f"block_size {block_size} must be a positive multiple of {lcm}")
-        self.cfg, self.block_size, self.num_blocks = cfg, block_size, num_blocks
-        self.max_slots, self.dtype, self.device = max_slots, dtype, torch.device(device)
-        W, D = cfg.sliding_window, cfg.head_dim
-        self.window = [torch.zeros(max_slots, W, D, dtype=dtype, device=device) for _ in cfg.layers]
-        self.entries: dict[int, torch.Tensor] = {}
-        self.keys: dict[int, torch.Tensor] = {}
-        self.tails: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        for spec, layer in zip(cfg.layers, model.layers, strict=True):
-            if not spec.owns_compressor:
-                continue
-            per_block = block_size // spec.ratio
-            self.entries[spec.layer_id] = torch.zeros(
-                num_blocks, per_block, D, dtype=dtype, device=device
-            )
-            comps: dict[str, Compressor] = {"kv": layer.attn.compressor}
-            if spec.owns_index_keys:
-                self.keys[spec.layer_id] = torch.zeros(
-                    num_blocks, per_block, cfg.index_head_dim, dtype=dtype, device=device
-                )
-                if not cfg.is_v41:
-                    comps["idx"] = layer.attn.indexer.compressor
-            for name, comp in comps.items():
-                shape = (max_slots, comp.span, comp.width)
-                self.tails[(spec.layer_id, name)] = (
-                    torch.zeros(shape, dtype=torch.float32, device=device),
-                    torch.zeros(shape, dtype=torch.float32, device=device),
-                )
+        if num_blocks < 1 or max_slots < 1:
+            raise ValueError(f"need at least one block and one slot, got {num_blocks}, {max_slots}")
+        self.layout, self.num_blocks, self.max_slots = layout, num_blocks, max_slots
+        self.block_size, self.device = layout.block_size, torch.device(device)
+        dt, dev = layout.dtype, self.device
+        window, entries, keys, tails = [], {}, {}, {}
+        for g in layout.slot:
+            n = (max_slots + 1) * g.rows
+            if g.kind == "window":
+                window.append(KVRows(*kv_storage(g.fmt, n, g.dim, dt, dev), g.fmt, g.dim))
+            else:
+                name = g.kind.split(":")[1]
+                pair = tuple(torch.zeros(n, g.dim, dtype=torch.float32, device=dev) for _ in "kg")
+                tails[(g.layer, name)] = pair
+        for g in layout.paged:
+            n = (num_blocks + 1) * g.rows
+            rows = KVRows(*kv_storage(g.fmt, n, g.dim, dt, dev), g.fmt, g.dim)
+            (entries if g.kind == "entries" else keys)[g.layer] = rows
+        self.pools = PagedKV(
+            block_size=layout.block_size,
+            ring=layout.ring,
+            num_slots=max_slots,
+            num_blocks=num_blocks,
+            window=window,
+            entries=entries,
+            keys=keys,
+            tails=tails,
+        )
         self._free_slots = list(range(max_slots - 1, -1, -1))
 
     # ---- request slots -----------------------------------------------------------------
@@ -93,90 +75,25 @@ class PagedKVCache:
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
-    def view(self, block_tables: list[list[int]], slots: list[int]) -> PagedStore:
-        """The store of one batch: sequence ``s`` uses ``block_tables[s]`` and ``slots[s]``."""
-        return PagedStore(self, block_tables, slots)
+    # ---- views for tests and tools -----------------------------------------------------
+    @property
+    def window(self) -> list[torch.Tensor]:
+        """Window ring data per layer (tests poison it)."""
+        return [w.data for w in self.pools.window]
+
+    @property
+    def tails(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        return self.pools.tails
 
     def nbytes(self) -> int:
-        """Bytes of every pool and slot tensor."""
-        return self.num_blocks * self.bytes_per_block() + self.max_slots * self.bytes_per_slot()
+        """Bytes of every pool and slot tensor (the trash block and slot included)."""
+        lay = self.layout
+        return (self.num_blocks + 1) * lay.bytes_per_block + (self.max_slots + 1) * (
+            lay.bytes_per_slot
+        )
 
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across every paged group."""
-        ts = [*self.entries.values(), *self.keys.values()]
-        return sum(t[0].numel() * t.element_size() for t in ts)
+        return self.layout.bytes_per_block
 
     def bytes_per_slot(self) -> int:
-        """Bytes one request slot takes (window rings and compressor tails)."""
-        ts = [*self.window, *(t for pair in self.tails.values() for t in pair)]
-        return sum(t[0].numel() * t.element_size() for t in ts)
-
-
-class PagedStore(KVStore):
-    """:class:`KVStore` over a :class:`PagedKVCache` for the sequences of one batch."""
-
-    def __init__(self, cache: PagedKVCache, tables: list[list[int]], slots: list[int]):
-        self.c, self.tables, self.slots = cache, tables, slots
-
-    def _rows(self, layer: int, s: int, w0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block ids, rows) of entries ``w0 .. w0+n-1`` of sequence ``s``."""
-        r, P = self.c.cfg.layers[layer].ratio, self.c.block_size
-        pos = (torch.arange(w0, w0 + n) * r).tolist()
-        table = self.tables[s]
-        if pos and pos[-1] // P >= len(table):
-            raise IndexError(f"sequence {s}: position {pos[-1]} is beyond its block table")
-        blocks = torch.tensor([table[p // P] for p in pos], dtype=torch.int64)
-        rows = torch.tensor([(p % P) // r for p in pos], dtype=torch.int64)
-        return blocks.to(self.c.device), rows.to(self.c.device)
-
-    def read_window(self, layer: int, s: int, lo: int, hi: int) -> torch.Tensor:
-        W = self.c.cfg.sliding_window
-        if hi - lo > W:
-            raise ValueError(f"window read of {hi - lo} positions exceeds the ring ({W})")
-        idx = torch.arange(lo, hi, device=self.c.device) % W
-        return self.c.window[layer][self.slots[s]][idx]
-
-    def write_window(self, layer: int, s: int, pos0: int, kv: torch.Tensor) -> None:
-        W = self.c.cfg.sliding_window
-        keep = kv[-W:]
-        start = pos0 + kv.shape[0] - keep.shape[0]
-        idx = torch.arange(start, start + keep.shape[0], device=self.c.device) % W
-        self.c.window[layer][self.slots[s], idx] = keep.to(self.c.dtype)
-
-    def read_tail(
-        self, layer: int, name: str, s: int, lo: int, hi: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv, gate = self.c.tails[(layer, name)]
-        span = kv.shape[1]
-        if hi - lo > span:
-            raise ValueError(f"tail read of {hi - lo} positions exceeds the ring ({span})")
-        idx = torch.arange(lo, hi, device=self.c.device) % span
-        slot = self.slots[s]
-        return kv[slot][idx], gate[slot][idx]
-
-    def write_tail(
-        self, layer: int, name: str, s: int, pos0: int, kv: torch.Tensor, gate: torch.Tensor
-    ) -> None:
-        tkv, tgate = self.c.tails[(layer, name)]
-        span, n = tkv.shape[1], kv.shape[0]
-        kv, gate = kv[-span:], gate[-span:]
-        start = pos0 + n - kv.shape[0]
-        idx = torch.arange(start, start + kv.shape[0], device=self.c.device) % span
-        tkv[self.slots[s], idx] = kv.float()
-        tgate[self.slots[s], idx] = gate.float()
-
-    def write_entries(
-        self, layer: int, s: int, w0: int, entries: torch.Tensor, keys: torch.Tensor | None
-    ) -> None:
-        blocks, rows = self._rows(layer, s, w0, entries.shape[0])
-        self.c.entries[layer][blocks, rows] = entries.to(self.c.dtype)
-        if keys is not None:
-            self.c.keys[layer][blocks, rows] = keys.to(self.c.dtype)
-
-    def read_entries(self, layer: int, s: int, n: int) -> torch.Tensor:
-        blocks, rows = self._rows(layer, s, 0, n)
-        return self.c.entries[layer][blocks, rows]
-
-    def read_keys(self, layer: int, s: int, n: int) -> torch.Tensor:
-        blocks, rows = self._rows(layer, s, 0, n)
-        return self.c.keys[layer][blocks, rows]
+        return self.layout.bytes_per_slot

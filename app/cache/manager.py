@@ -6,7 +6,7 @@ The engine's scheduler decides *what* runs; this manager owns *where* it lives:
     ensure(req, n_tokens)     grow the block table to cover positions < n_tokens
     commit(req, tokens, n)    register blocks whose positions are all computed
     free(req)                 drop references (cached blocks stay evictable), free the slot
-    store(reqs)               KVStore view for one batch
+    tables                    block table of every slot (numpy; the batch builder reads rows)
 
 Bounded replay after a hit ending at H (MODEL_SPEC §3), window W:
 
@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from app.cache.block_pool import BlockPool
-from app.cache.kv_cache import PagedKVCache, PagedStore
+from app.cache.kv_cache import PagedKVCache
+from app.cache.layout import CacheLayout
 from app.cache.radix import PrefixIndex
 from app.config import CacheConfig
 from app.model.model import DeepseekModel
@@ -60,13 +62,34 @@ class CacheManager:
         max_slots: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        max_blocks_per_seq: int | None = None,
+        ring_headroom: int = 0,
     ) -> None:
         self.cfg, self.model_cfg = cfg, model.cfg
         self.block_size = cfg.resolve_block_size(model.cfg)
+        self.layout = self.layout_for(model, cfg, dtype, ring_headroom)
         self.pool = BlockPool(num_blocks, self.block_size)
         self.index = PrefixIndex(self.pool, self.block_size) if cfg.enable_prefix_caching else None
-        self.kv = PagedKVCache(model, num_blocks, self.block_size, max_slots, dtype, device)
+        self.kv = PagedKVCache(self.layout, num_blocks, max_slots, device)
+        # Block table of every slot (the trash slot's row too), padded with the trash block.
+        width = max_blocks_per_seq or num_blocks
+        self.tables = np.full((max_slots + 1, width), num_blocks, dtype=np.int64)
         self._seqs: dict[str, _Seq] = {}
+
+    @staticmethod
+    def layout_for(
+        model: DeepseekModel, cfg: CacheConfig, dtype: torch.dtype, ring_headroom: int = 0
+    ) -> CacheLayout:
+        """The cache layout ``model`` needs (packed formats when its attention rounds KV)."""
+        quant = any(layer.attn.kv_quant for layer in model.layers)
+        return CacheLayout.build(
+            model.cfg, cfg.resolve_block_size(model.cfg), dtype, quant, ring_headroom
+        )
+
+    @property
+    def pools(self):
+        """The device tensors the model step reads and writes (:class:`PagedKV`)."""
+        return self.kv.pools
 
     # ---- lifecycle ---------------------------------------------------------------------
     def admit(
@@ -88,6 +111,7 @@ class CacheManager:
             m = self.index.match(token_ids[:-1], extra_key, record=False)
             self.pool.incref(m.block_ids)
             seq.blocks = list(m.block_ids)
+            self._table(seq, 0)
             seq.num_cached = m.num_tokens
             seq.committed = len(m.block_ids)
             seq.query_tokens = len(token_ids) - 1
@@ -103,7 +127,14 @@ class CacheManager:
         seq = self._seqs[req_id]
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
         if need > 0:
+            if len(seq.blocks) + need > self.tables.shape[1]:
+                raise ValueError(
+                    f"request {req_id!r}: {num_tokens} positions exceed the block table "
+                    f"({self.tables.shape[1]} blocks of {self.block_size})"
+                )
+            old = len(seq.blocks)
             seq.blocks.extend(self.pool.allocate(need))
+            self._table(seq, old)
         if seq.query_tokens and self.index is not None:  # the admission stuck: count its hit
             self.index.record(seq.query_tokens, seq.num_cached)
             seq.query_tokens = 0
@@ -126,12 +157,18 @@ class CacheManager:
         if seq is None:
             return
         self.pool.decref(seq.blocks)
+        self.tables[seq.slot] = self.kv.num_blocks
         self.kv.free_slot(seq.slot)
 
+    def _table(self, seq: _Seq, start: int) -> None:
+        self.tables[seq.slot, start : len(seq.blocks)] = seq.blocks[start:]
+
     # ---- views -------------------------------------------------------------------------
-    def store(self, req_ids: list[str]) -> PagedStore:
-        seqs = [self._seqs[r] for r in req_ids]
-        return self.kv.view([s.blocks for s in seqs], [s.slot for s in seqs])
+    def slot_of(self, req_id: str) -> int:
+        return self._seqs[req_id].slot
+
+    def num_blocks_of(self, req_id: str) -> int:
+        return len(self._seqs[req_id].blocks)
 
     def window_floor(self, req_id: str) -> int:
         return self._seqs[req_id].window_floor
@@ -161,3 +198,5 @@ class CacheManager:
             for b in seq.blocks:
                 if self.pool.refcount(b) <= 0:
                     raise AssertionError(f"request {rid}: block {b} has no reference")
+            if self.tables[seq.slot, : len(seq.blocks)].tolist() != seq.blocks:
+                raise AssertionError(f"request {rid}: block table row differs from its blocks")

@@ -1,98 +1,92 @@
-"""The typed input of one model step: several sequences of different lengths, flattened.
+"""The typed input of one batched model step over the paged cache.
 
-    seq_lens   [3, 1, 2]
-    cu_seqlens [0, 3, 4, 6]
-    input_ids  [a0 a1 a2 | b0 | c0 c1]          (T = 6 tokens)
-    positions  [p+0 p+1 p+2 | q+0 | r+0 r+1]    (p, q, r = prefix_lens: tokens computed before)
+Several sequences of different lengths, flattened; every tensor is on the model's device and
+built once per step by the engine's batch builder (``app.engine.batch``):
 
-Full-sequence forward has ``prefix_lens == 0`` and no store. With a :class:`KVStore`
-(``app.cache`` binds the block table and request slots into one) the same batch type
-carries chunked prefill and decode; the model never reads module-global context.
+    seq_lens    [3, 1, 2]            prefix_lens [5, 9, 0]
+    seq_start   [0, 3, 4]            token_seq   [0, 0, 0, 1, 2, 2]
+    input_ids   [a5 a6 a7 | b9 | c0 c1]         (T = 6 tokens, B = 3 sequences)
+    positions   [5  6  7  | 9  | 0  1 ]
 
 Per sequence, for bounded replay after a prefix-cache hit ending at H:
 
     window_floors  lowest position whose window KV may be read (H - window; else 0)
-    cached_lens    compressed entries / index keys of groups ending at or before this
-                   position are already stored and are never rewritten (H; else 0)
-    decoder_floors V4.1 decoder replay: decoder layers run only on positions >= this
+    cached_lens    groups ending at or before this position are already stored and never
+                   rewritten (max(prefix_len, H))
+
+``decoder`` (V4.1 decoder replay): the rows that run the decoder layers and their own batch.
+Shapes depend only on T, B, the block table's width and ``max_seq_len`` (host integers), so a
+decode step of fixed (B, tokens per sequence, width) is one CUDA graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from app.model.kv_store import KVStore
+from app.model.kv_store import PagedKV
+
+
+@dataclass(eq=False)
+class DecoderRows:
+    """V4.1 decoder replay: ``keep`` [T'] rows of the step that run the decoder layers, and
+    ``batch``, those rows as a batch (their prefix starts at each sequence's decoder floor)."""
+
+    keep: torch.Tensor
+    batch: ForwardBatch
 
 
 @dataclass(eq=False)
 class ForwardBatch:
-    """Flat tokens + positions + per-sequence lengths for one forward pass."""
+    """Flat tokens + per-sequence cache metadata for one forward pass (see module doc)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    seq_lens: tuple[int, ...]  # new tokens per sequence
-    prefix_lens: tuple[int, ...]  # tokens of each sequence computed before this step
-    kv: KVStore | None = None
-    window_floors: tuple[int, ...] = ()  # default: 0 for every sequence
-    cached_lens: tuple[int, ...] = ()  # default: prefix_lens
-    decoder_floors: tuple[int, ...] = ()  # default: 0 (decoder layers see every row)
-    # Engram: ids of the (max_ngram - 1) tokens before each sequence's first new token,
-    # most recent first, -1 where none: [B, n-1]; default: none.
-    history: torch.Tensor | None = field(default=None, compare=False)
+    token_seq: torch.Tensor  # [T] int64: sequence of each token
+    seq_start: torch.Tensor  # [B] int64: flat row of each sequence's first token
+    seq_lens: torch.Tensor  # [B] int64: new tokens
+    prefix_lens: torch.Tensor  # [B] int64: positions computed before this step
+    slots: torch.Tensor  # [B] int64: request slot (window and tail rings)
+    block_table: torch.Tensor  # [B, NB] int64 (padded with the trash block)
+    window_floors: torch.Tensor  # [B] int64
+    cached_lens: torch.Tensor  # [B] int64
+    kv: PagedKV
+    max_seq_len: int  # longest chunk of the step (host); fixes padded shapes
+    history: torch.Tensor | None = None  # [B, n-1] ids before each chunk, newest first, -1
+    logit_rows: torch.Tensor | None = None  # [S] head rows whose logits are wanted (None: all)
+    decoder: DecoderRows | None = None
 
     def __post_init__(self) -> None:
-        n = len(self.seq_lens)
-        if not self.window_floors:
-            self.window_floors = (0,) * n
-        if not self.cached_lens:
-            self.cached_lens = tuple(self.prefix_lens)
-        if not self.decoder_floors:
-            self.decoder_floors = (0,) * n
-        for name in ("window_floors", "cached_lens", "decoder_floors"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"{name} must have one entry per sequence")
-        if any(p and self.kv is None for p in self.prefix_lens):
-            raise ValueError("a batch continuing sequences (prefix_lens > 0) needs a KV store")
+        T, B = self.input_ids.numel(), self.slots.numel()
         if self.input_ids.dim() != 1 or self.positions.shape != self.input_ids.shape:
             raise ValueError("input_ids and positions must be 1-D tensors of equal length")
-        if len(self.seq_lens) != len(self.prefix_lens):
-            raise ValueError("seq_lens and prefix_lens must have one entry per sequence")
-        if sum(self.seq_lens) != self.input_ids.numel() or min(self.seq_lens, default=1) <= 0:
-            raise ValueError("seq_lens must be positive and sum to the number of tokens")
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
+        if self.token_seq.shape != (T,):
+            raise ValueError("token_seq needs one entry per token")
+        for name in ("seq_start", "seq_lens", "prefix_lens", "window_floors", "cached_lens"):
+            if getattr(self, name).shape != (B,):
+                raise ValueError(f"{name} needs one entry per sequence")
+        if self.block_table.dim() != 2 or self.block_table.shape[0] != B:
+            raise ValueError("block_table must be [num_seqs, width]")
+        if self.history is not None and self.history.shape[0] != B:
+            raise ValueError("history needs one row per sequence")
+        if not self.max_seq_len > 0 or (T and self.max_seq_len > T):
+            raise ValueError(f"max_seq_len {self.max_seq_len} does not fit {T} tokens")
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
-    def seq_slices(self) -> list[slice]:
-        """Token slice of each sequence in the flat layout."""
-        out, start = [], 0
-        for n in self.seq_lens:
-            out.append(slice(start, start + n))
-            start += n
-        return out
+    @property
+    def num_seqs(self) -> int:
+        return self.slots.numel()
 
-    def last_token_index(self) -> torch.Tensor:
-        """Flat index of each sequence's last token: [3, 1, 2] -> [2, 3, 5]."""
-        idx = torch.tensor(self.seq_lens, dtype=torch.int64).cumsum(0) - 1
-        return idx.to(self.input_ids.device)
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
 
-    @classmethod
-    def from_sequences(
-        cls, seqs: Sequence[torch.Tensor | Sequence[int]], device: torch.device | str = "cpu"
-    ) -> ForwardBatch:
-        """Full-sequence batch: every sequence starts at position 0."""
-        ts = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in seqs]
-        if not ts or any(t.numel() == 0 for t in ts):
-            raise ValueError("every sequence needs at least one token")
-        ids = torch.cat(ts).to(device)
-        pos = torch.cat([torch.arange(t.numel()) for t in ts]).to(device)
-        lens = tuple(t.numel() for t in ts)
-        return cls(ids, pos, lens, (0,) * len(ts))
+    def direct_window(self, sliding_window: int) -> bool:
+        """Whether every chunk fits the ring's headroom, so the step may write its window KV
+        first and read every window key from the ring (decode; verify within the headroom);
+        else new keys are read from the step's own rows (``app.model.attn_meta``)."""
+        return self.max_seq_len <= self.kv.ring - sliding_window + 1

@@ -1,125 +1,110 @@
-"""Where attention layers keep KV state across forward passes: the store interface.
+"""The KV cache tensors one batched model step reads and writes in place (the model's side of
+the cache contract; ``app.cache`` allocates them, the model never imports the cache).
 
-The model defines what it needs; ``app.cache`` implements it over paged device pools and
-per-request slots (the engine), and :class:`DenseKVStore` keeps everything in per-sequence
-tensors (full-sequence forward, tests). Positions are absolute token positions; ``s`` is the
-sequence's index in the current :class:`~app.model.forward_batch.ForwardBatch`.
+Every tensor is a flat array of rows; the step finds rows by arithmetic on its
+:class:`~app.model.forward_batch.ForwardBatch` metadata (``app.model.attn_meta``):
 
-Per layer the store holds:
+    window ring   every layer       [(slots+1) * ring, D]     slot s, position p: s*ring + p % ring
+    tail ring     compressor owner  [(slots+1) * rows, width] fp32; s*rows + p % rows, where
+                                    rows = span - 1 (what a group completing later still needs)
+    entries       compressor owner  [(blocks+1) * P/r, D]     entry w (first position w*r):
+                                    table[w*r // P] * (P/r) + (w*r % P) // r
+    keys          index-key owner   [(blocks+1) * P/r, Di]    same rows as the entries
 
-    window   KV of the last ``sliding_window`` positions              (every layer)
-    tail     compressor projections (kv, gate) of the last ``span``   (compressor owners;
-             positions, for groups that are not complete yet           name "kv" or "idx")
-    entries  compressed KV, one row per group w (first position w*r)  (compressor owners)
-    keys     index keys, one row per group                            (index-key owners)
+    P = 8, r = 2, block table [7, 3]:  entry 5 (positions 10, 11) -> block 3, row 3*4 + 1 = 13
+
+The last slot and the last block are *trash*: padding tokens of a fixed-shape (graph) step and
+masked writes land there, so no write needs a data-dependent shape.
+
+Rows are stored in a :class:`KVRows` format: ``float`` (the compute dtype: exact mode) or the
+released V4.1 formats (``kernels.kv_quant``: fp8 window, nvfp4 compressed KV, mxfp4 index keys).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 import torch
 
-
-class KVStore(ABC):
-    """Read/write access to cached KV for the sequences of one batch."""
-
-    @abstractmethod
-    def read_window(self, layer: int, s: int, lo: int, hi: int) -> torch.Tensor:
-        """Window KV of positions ``[lo, hi)`` -> [hi - lo, D]."""
-
-    @abstractmethod
-    def write_window(self, layer: int, s: int, pos0: int, kv: torch.Tensor) -> None:
-        """Store window KV of positions ``pos0 .. pos0 + len(kv) - 1``."""
-
-    @abstractmethod
-    def read_tail(
-        self, layer: int, name: str, s: int, lo: int, hi: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compressor projections (kv, gate) of positions ``[lo, hi)``."""
-
-    @abstractmethod
-    def write_tail(
-        self, layer: int, name: str, s: int, pos0: int, kv: torch.Tensor, gate: torch.Tensor
-    ) -> None:
-        """Store projections of positions ``pos0 ..``."""
-
-    @abstractmethod
-    def write_entries(
-        self, layer: int, s: int, w0: int, entries: torch.Tensor, keys: torch.Tensor | None
-    ) -> None:
-        """Store compressed entries (and index keys) ``w0 .. w0 + len(entries) - 1``."""
-
-    @abstractmethod
-    def read_entries(self, layer: int, s: int, n: int) -> torch.Tensor:
-        """Compressed entries ``0 .. n-1`` -> [n, D]."""
-
-    @abstractmethod
-    def read_keys(self, layer: int, s: int, n: int) -> torch.Tensor:
-        """Index keys ``0 .. n-1`` -> [n, Di]."""
+from kernels.kv_quant import kv_pack, kv_unpack
 
 
-class DenseKVStore(KVStore):
-    """Unpaged store: per (layer, sequence) tensors indexed by absolute position.
+@dataclass
+class KVRows:
+    """Rows of one cache tensor in their storage format (``data`` + ``scale``, see
+    ``kernels.kv_quant``)."""
 
-    Keeps every position (nothing is evicted), so it serves full-sequence forward and lets
-    tests drive chunked prefill without the paged cache. Entries are keyed by the batch
-    index ``s``, or by ``keys[s]`` in a :meth:`bind` view (a request id per sequence), so
-    one store can follow requests across batches of changing composition.
-    """
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    fmt: str  # "float" | "fp8" | "nvfp4" | "mxfp4"
+    dim: int
 
-    def __init__(self) -> None:
-        self._data: dict[tuple, torch.Tensor] = {}
-        self._keys_of: list | None = None
+    @property
+    def num_rows(self) -> int:
+        return self.data.shape[0]
 
-    def bind(self, keys: list) -> DenseKVStore:
-        """A view sharing this store's data whose sequence ``s`` is ``keys[s]``."""
-        view = DenseKVStore()
-        view._data, view._keys_of = self._data, list(keys)
-        return view
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``values`` [n, dim] -> (data rows, scale rows) in this tensor's format."""
+        if self.fmt == "float":
+            return values.to(self.data.dtype), None
+        return kv_pack(values, self.fmt)
 
-    def _seq(self, s: int):
-        return s if self._keys_of is None else self._keys_of[s]
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values`` [n, dim] at ``rows`` [n] (int64; trash rows may repeat)."""
+        self.put(rows, *self.encode(values))
 
-    def _put(self, key: tuple, pos0: int, new: torch.Tensor) -> None:
-        old = self._data.get(key)
-        if old is None or old.shape[0] < pos0 + new.shape[0]:
-            grown = new.new_zeros((pos0 + new.shape[0], *new.shape[1:]))
-            if old is not None:
-                grown[: old.shape[0]] = old
-            old = self._data[key] = grown
-        old[pos0 : pos0 + new.shape[0]] = new
+    def put(self, rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Store already encoded rows (see :meth:`encode`)."""
+        _index_put(self.data, rows, data)
+        if self.scale is not None:
+            _index_put(self.scale, rows, scale)
 
-    def read_window(self, layer: int, s: int, lo: int, hi: int) -> torch.Tensor:
-        return self._data[("win", layer, self._seq(s))][lo:hi]
+    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``rows`` (any shape, int64, all valid) decoded to ``dtype`` [..., dim]."""
+        flat = rows.reshape(-1)
+        data = self.data[flat]
+        scale = self.scale[flat] if self.scale is not None else None
+        return kv_unpack(data, scale, self.fmt, dtype).view(*rows.shape, self.dim)
 
-    def write_window(self, layer: int, s: int, pos0: int, kv: torch.Tensor) -> None:
-        self._put(("win", layer, self._seq(s)), pos0, kv)
+    def take(self, rows: torch.Tensor) -> KVRows:
+        """A new KVRows holding rows ``rows`` [n] (same format, not decoded)."""
+        scale = self.scale[rows] if self.scale is not None else None
+        return KVRows(self.data[rows], scale, self.fmt, self.dim)
 
-    def read_tail(
-        self, layer: int, name: str, s: int, lo: int, hi: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        seq = self._seq(s)
-        return self._data[("tkv", layer, name, seq)][lo:hi], self._data[("tg", layer, name, seq)][
-            lo:hi
-        ]
+    def cat(self, other: KVRows) -> KVRows:
+        """This tensor's rows followed by ``other``'s (same format)."""
+        scale = None if self.scale is None else torch.cat((self.scale, other.scale))
+        return KVRows(torch.cat((self.data, other.data)), scale, self.fmt, self.dim)
 
-    def write_tail(
-        self, layer: int, name: str, s: int, pos0: int, kv: torch.Tensor, gate: torch.Tensor
-    ) -> None:
-        seq = self._seq(s)
-        self._put(("tkv", layer, name, seq), pos0, kv)
-        self._put(("tg", layer, name, seq), pos0, gate)
 
-    def write_entries(
-        self, layer: int, s: int, w0: int, entries: torch.Tensor, keys: torch.Tensor | None
-    ) -> None:
-        self._put(("ent", layer, self._seq(s)), w0, entries)
-        if keys is not None:
-            self._put(("keys", layer, self._seq(s)), w0, keys)
+def _index_put(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.dtype.itemsize == 1 and dst.dtype != torch.uint8:  # fp8: scatter the bytes
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(0, rows, src.to(dst.dtype))
 
-    def read_entries(self, layer: int, s: int, n: int) -> torch.Tensor:
-        return self._data[("ent", layer, self._seq(s))][:n]
 
-    def read_keys(self, layer: int, s: int, n: int) -> torch.Tensor:
-        return self._data[("keys", layer, self._seq(s))][:n]
+@dataclass
+class PagedKV:
+    """All KV tensors of one engine (see the module docstring for the row arithmetic)."""
+
+    block_size: int  # P: positions per block
+    ring: int  # window rows per request slot (sliding window + verify headroom)
+    num_slots: int  # request slots, the trash slot not counted
+    num_blocks: int  # blocks, the trash block not counted
+    window: list[KVRows]  # per backbone layer
+    entries: dict[int, KVRows] = field(default_factory=dict)  # compressor owner -> pool
+    keys: dict[int, KVRows] = field(default_factory=dict)  # index-key owner -> pool
+    # (layer, "kv" | "idx") -> (kv, gate) fp32 [(slots + 1) * rows, width]; rows = span - 1
+    tails: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def trash_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def trash_block(self) -> int:
+        return self.num_blocks
+
+    def tail_rows(self, key: tuple[int, str]) -> int:
+        """Tail ring rows per slot of compressor ``key``."""
+        return self.tails[key][0].shape[0] // (self.num_slots + 1)

@@ -16,14 +16,18 @@ import torch
 from torch import nn
 
 from app.model.attention import Attention, CompressedState
+from app.model.attn_meta import StepMeta
 from app.model.config import LayerMode, LayerSpec, ModelConfig
 from app.model.engram import Engram
 from app.model.engram_hash import EngramHashSpec, engram_hash_spec
 from app.model.forward_batch import ForwardBatch
-from app.model.kv_store import DenseKVStore, KVStore
 from app.model.layers import Linear, RMSNorm
 from app.model.moe import MoE
-from kernels.mhc import hc_collapse, hc_post, hc_pre
+from kernels.mhc import hc_collapse, hc_post, hc_post_pre, hc_pre
+
+# The post update of the last sublayer, not applied yet: (sublayer output, post, comb). The
+# batched step fuses it with the next sublayer's mix (kernels.mhc.hc_post_pre).
+Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _hc_params(module: nn.Module, prefix: str, n: int, d: int) -> None:
@@ -67,12 +71,9 @@ class Block(nn.Module):
         if engram is not None:
             self.engram = Engram(cfg, engram[0], engram[1])
 
-    def _pre(self, X: torch.Tensor, which: str, norm: RMSNorm, pre_in: torch.Tensor | None):
-        """Fused mix + Sinkhorn + collapse + RMSNorm -> (sublayer input, post, comb, pre);
-        collapses with ``pre_in`` when given (V4.1 single pass)."""
+    def _mix_args(self, which: str, norm: RMSNorm) -> tuple:
         c = self.cfg
-        return hc_pre(
-            X,
+        return (
             getattr(self, f"{which}_fn"),
             getattr(self, f"{which}_base"),
             getattr(self, f"{which}_scale"),
@@ -81,29 +82,52 @@ class Block(nn.Module):
             c.hc_eps,
             c.rms_norm_eps,
             norm.eps,
-            pre_in=pre_in,
         )
+
+    def pre_mix(self, X: torch.Tensor, which: str, norm: RMSNorm, pre_in: torch.Tensor | None):
+        """Fused mix + Sinkhorn + collapse + RMSNorm -> (sublayer input, post, comb, pre);
+        collapses with ``pre_in`` when given (V4.1 single pass)."""
+        return hc_pre(X, *self._mix_args(which, norm), pre_in=pre_in)
+
+    def _post_pre(self, X, pending: Pending | None, which: str, norm: RMSNorm, pre_in):
+        """Apply ``pending`` to ``X`` and mix for the next sublayer (one fused kernel on CUDA)
+        -> (X', sublayer input, post, comb, pre)."""
+        if pending is None:
+            return (X, *self.pre_mix(X, which, norm, pre_in))
+        out, post, comb = pending
+        return hc_post_pre(out, X, post, comb, *self._mix_args(which, norm), pre_in=pre_in)
 
     def forward(
         self,
         X: torch.Tensor,
         p: torch.Tensor | None,
+        pending: Pending | None,
         batch: ForwardBatch,
+        meta: StepMeta,
         state: CompressedState,
-        store: KVStore,
         ngram: torch.Tensor | None,
         pad_id: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``X`` [T, n, d]; ``p`` the carried pre-mix [T, n] (V4.1) -> (X', p')."""
-        ids = batch.input_ids
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Pending]:
+        """``X`` [T, n, d] streams (with the previous sublayer's update ``pending``), ``p``
+        the carried pre-mix [T, n] (V4.1) -> (X, p', this layer's pending FFN update)."""
         v41 = self.cfg.is_v41
         if v41 and hasattr(self, "engram"):
+            X = apply_pending(X, pending)
+            pending = None
             X = self.engram(X, ngram, pad_id)
-        h, post, comb, a_pre = self._pre(X, "hc_attn", self.attn_norm, p if v41 else None)
-        X = hc_post(self.attn(h, batch, state, store), X, post, comb)
-        h, post, comb, f_pre = self._pre(X, "hc_ffn", self.ffn_norm, a_pre if v41 else None)
-        X = hc_post(self.ffn(h, ids), X, post, comb)
-        return X, (f_pre if v41 else None)
+        X, h, post, comb, a_pre = self._post_pre(
+            X, pending, "hc_attn", self.attn_norm, p if v41 else None
+        )
+        att = self.attn(h, batch, meta, state)
+        X, h, post, comb, f_pre = self._post_pre(
+            X, (att, post, comb), "hc_ffn", self.ffn_norm, a_pre if v41 else None
+        )
+        return X, (f_pre if v41 else None), (self.ffn(h, batch.input_ids), post, comb)
+
+
+def apply_pending(X: torch.Tensor, pending: Pending | None) -> torch.Tensor:
+    """``X`` with a pending sublayer update applied."""
+    return X if pending is None else hc_post(pending[0], X, pending[1], pending[2])
 
 
 class MTPBlock(Block):
@@ -201,6 +225,12 @@ class DeepseekModel(nn.Module):
         pad = tmap[self.cfg.engram_pad_token_id]
         tmap += [pad] * (self.cfg.vocab_size - len(tmap))
         self.engram_map = torch.tensor(tmap, dtype=torch.int64, device=self.engram_map.device)
+        self._engram_pad = int(pad)
+
+    @property
+    def engram_pad(self) -> int:
+        """Compressed id of the Engram pad token (a host integer; -1 without Engram)."""
+        return getattr(self, "_engram_pad", -1)
 
     # ---- forward ------------------------------------------------------------------------
     @property
@@ -213,57 +243,35 @@ class DeepseekModel(nn.Module):
 
     def _ngrams(self, batch: ForwardBatch) -> torch.Tensor | None:
         """[T, max_ngram] compressed ids of each token and its predecessors (-1 before the
-        sequence start or on image tokens). Predecessors before the batch come from
-        ``batch.history``. Example (max 3), seq [a b], no history: [[a, -1, -1], [b, a, -1]]."""
+        sequence start or on image tokens); predecessors before the chunk come from
+        ``batch.history`` (newest first). Example (max 3), chunk [c d] at position 2 after
+        [a b]: history [b, a] -> [[c, b, a], [d, c, b]]."""
         if self.hash_spec is None:
             return None
         if self.engram_map.numel() == 0:
             raise RuntimeError("V4.1 Engram needs the tokenizer's compressed token map")
         n_back = self.hash_spec.max_ngram - 1
-        cols = []
-        for s, sl in enumerate(batch.seq_slices()):
-            ids = batch.input_ids[sl]
-            hist = torch.full((n_back,), -1, dtype=torch.int64, device=ids.device)
-            if batch.history is not None:
-                hist = batch.history[s].to(ids.device)
-            ext = torch.cat((hist.flip(0), ids))  # oldest first
-            comp = torch.where(ext >= 0, self.engram_map[ext.clamp_min(0)], -1)
-            if self.cfg.image_token_id is not None:
-                comp = comp.masked_fill(ext == self.cfg.image_token_id, -1)
-            L = ids.numel()
-            cols.append(
-                torch.stack([comp[n_back - k : n_back - k + L] for k in range(n_back + 1)], 1)
-            )
-        return torch.cat(cols)
+        ids, dev = batch.input_ids, batch.device
+        T = ids.numel()
+        k = torch.arange(n_back + 1, device=dev)
+        q = batch.positions.unsqueeze(1) - k  # [T, n] predecessor positions
+        a = batch.prefix_lens[batch.token_seq].unsqueeze(1)
+        flat = (torch.arange(T, device=dev).unsqueeze(1) - k).clamp_min(0)
+        tok = ids[flat]
+        back = ((a - 1 - q).clamp(0, max(n_back - 1, 0)))  # history index: newest first
+        if batch.history is not None and n_back:
+            old = batch.history[batch.token_seq.unsqueeze(1).expand_as(back), back]
+        else:
+            old = torch.full_like(tok, -1)
+        tok = torch.where(q >= a, tok, torch.where(q >= 0, old, -1))
+        comp = torch.where(tok >= 0, self.engram_map[tok.clamp_min(0)], -1)
+        if self.cfg.image_token_id is not None:
+            comp = comp.masked_fill(tok == self.cfg.image_token_id, -1)
+        return comp
 
-    def hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final normalized hidden states and the flat batch rows they belong to.
-
-        Every row is returned unless V4.1 decoder replay (``batch.decoder_floors``) drops the
-        rows below a sequence's floor before the decoder layers."""
+    def head_input(self, X: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+        """Final streams -> the normalized hidden state the head reads [R, d]."""
         cfg = self.cfg
-        x = self.embed.weight[batch.input_ids]
-        X = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        p = None
-        if cfg.is_v41:
-            p = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=x.device)
-            p[:, 0] = 1.0
-        ngram = self._ngrams(batch)
-        pad_id = int(self.engram_map[cfg.engram_pad_token_id]) if ngram is not None else -1
-        store = batch.kv if batch.kv is not None else DenseKVStore()
-        state = CompressedState()
-        rows = torch.arange(x.shape[0], device=x.device)
-        for i, layer in enumerate(self.layers):
-            if i == self.decoder_start and any(batch.decoder_floors):
-                sub = _decoder_batch(batch, store, state)
-                if sub is None:  # no row of this step reaches the decoder layers
-                    empty = X.new_zeros(0, cfg.hidden_size)
-                    return empty, rows[:0]
-                batch, keep, state = sub
-                X, rows = X[keep], rows[keep]
-                p = p[keep] if p is not None else None
-                ngram = ngram[keep] if ngram is not None else None
-            X, p = layer(X, p, batch, state, store, ngram, pad_id)
         if cfg.is_v41:
             h = hc_collapse(X, p)
         else:
@@ -273,18 +281,42 @@ class DeepseekModel(nn.Module):
             )
             pre = torch.sigmoid(mix * self.hc_head_scale.float() + self.hc_head_base.float())
             h = hc_collapse(X, pre + cfg.hc_eps)
-        return self.norm(h), rows
+        return self.norm(h)
+
+    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """One batched step over the paged cache -> final hidden states of the rows that reach
+        the head [R, d]: every row, or with V4.1 decoder replay the rows of
+        ``batch.decoder.keep``."""
+        cfg = self.cfg
+        x = self.embed.weight[batch.input_ids]
+        X = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        p = None
+        if cfg.is_v41:
+            p = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=x.device)
+            p[:, 0] = 1.0
+        ngram = self._ngrams(batch)
+        meta, state = StepMeta(batch, cfg.sliding_window), CompressedState()
+        pending = None
+        for i, layer in enumerate(self.layers):
+            if i == self.decoder_start and batch.decoder is not None:
+                keep = batch.decoder.keep
+                if keep.numel() == 0:  # no row of this step reaches the decoder layers
+                    return X.new_zeros(0, cfg.hidden_size)
+                X, pending = apply_pending(X, pending)[keep], None
+                p = p[keep] if p is not None else None
+                ngram = ngram[keep] if ngram is not None else None
+                state = state.subset(keep)
+                batch = batch.decoder.batch
+                meta = StepMeta(batch, cfg.sliding_window)
+            X, p, pending = layer(X, p, pending, batch, meta, state, ngram, self.engram_pad)
+        return self.head_input(apply_pending(X, pending), p)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [T, vocab] in fp32 for every token of the batch (no decoder replay)."""
-        if any(batch.decoder_floors):
-            raise ValueError("decoder replay drops rows: use forward_rows()")
-        return self.forward_rows(batch)[0]
-
-    def forward_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32 logits [R, vocab], flat batch rows [R]) for the rows that reach the head."""
-        h, rows = self.hidden(batch)
-        return self.compute_logits(h), rows
+        """fp32 logits [S, vocab] of ``batch.logit_rows`` (every head row when None)."""
+        h = self.hidden(batch)
+        if batch.logit_rows is not None:
+            h = h[batch.logit_rows]
+        return self.compute_logits(h)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 head over final hidden states [R, d] -> [R, vocab]."""
@@ -292,82 +324,11 @@ class DeepseekModel(nn.Module):
 
     @torch.no_grad()
     def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """One full-sequence forward of ``token_ids`` [T] -> [T, vocab] fp32."""
-        dev = self.embed.weight.device
-        return self.forward(ForwardBatch.from_sequences([token_ids], device=dev))
+        """The full-sequence reference forward of ``token_ids`` [T] -> [T, vocab] fp32
+        (``app.model.reference``: the oracle of the batched step)."""
+        from app.model.reference import reference_logits
 
-
-def _decoder_batch(
-    batch: ForwardBatch, store: KVStore, state: CompressedState
-) -> tuple[ForwardBatch, torch.Tensor, CompressedState] | None:
-    """The sub-batch of rows at or above each sequence's decoder floor (a suffix of every
-    sequence's chunk; a sequence with no such row is dropped), the kept flat rows, and the
-    selection state restricted to those rows; None when no row is kept.
-
-    Example: chunk positions [0..9] of one sequence, floor 6 -> rows 6..9 with prefix 6 and
-    window floor 6 (decoder windows read nothing below the floor)."""
-    keep, lens, prefix, wfloor, cached, slots, skip = [], [], [], [], [], [], []
-    for s, sl in enumerate(batch.seq_slices()):
-        a, n, f = batch.prefix_lens[s], batch.seq_lens[s], batch.decoder_floors[s]
-        start = max(a, f)
-        if start >= a + n:
-            continue
-        keep.append(torch.arange(sl.start + start - a, sl.stop))
-        lens.append(a + n - start)
-        prefix.append(start)
-        wfloor.append(max(batch.window_floors[s], f))
-        cached.append(max(batch.cached_lens[s], start))
-        slots.append(s)
-        skip.append(start - a)
-    if not keep:
-        return None
-    idx = torch.cat(keep).to(batch.input_ids.device)
-    sub = ForwardBatch(
-        input_ids=batch.input_ids[idx],
-        positions=batch.positions[idx],
-        seq_lens=tuple(lens),
-        prefix_lens=tuple(prefix),
-        kv=_SubsetStore(store, slots),
-        window_floors=tuple(wfloor),
-        cached_lens=tuple(cached),
-    )
-    sub_state = CompressedState(
-        topk={
-            k: [v[s][o:] for s, o in zip(slots, skip, strict=True)] for k, v in state.topk.items()
-        },
-        cand={
-            k: [v[s][o:] for s, o in zip(slots, skip, strict=True)] for k, v in state.cand.items()
-        },
-    )
-    return sub, idx, sub_state
-
-
-class _SubsetStore(KVStore):
-    """A store view that renumbers sequences of a sub-batch to the parent batch's indices."""
-
-    def __init__(self, parent: KVStore, slots: list[int]):
-        self.parent, self.slots = parent, slots
-
-    def read_window(self, layer, s, lo, hi):  # noqa: D102
-        return self.parent.read_window(layer, self.slots[s], lo, hi)
-
-    def write_window(self, layer, s, pos0, kv):  # noqa: D102
-        self.parent.write_window(layer, self.slots[s], pos0, kv)
-
-    def read_tail(self, layer, name, s, lo, hi):  # noqa: D102
-        return self.parent.read_tail(layer, name, self.slots[s], lo, hi)
-
-    def write_tail(self, layer, name, s, pos0, kv, gate):  # noqa: D102
-        self.parent.write_tail(layer, name, self.slots[s], pos0, kv, gate)
-
-    def write_entries(self, layer, s, w0, entries, keys):  # noqa: D102
-        self.parent.write_entries(layer, self.slots[s], w0, entries, keys)
-
-    def read_entries(self, layer, s, n):  # noqa: D102
-        return self.parent.read_entries(layer, self.slots[s], n)
-
-    def read_keys(self, layer, s, n):  # noqa: D102
-        return self.parent.read_keys(layer, self.slots[s], n)
+        return reference_logits(self, token_ids)
 
 
 __all__ = ["Block", "DeepseekModel", "MTPBlock"]

@@ -11,7 +11,7 @@ import torch
 from app.cache.block_pool import BlockPool, NoFreeBlocks
 from app.cache.manager import CacheManager
 from app.cache.radix import PrefixIndex
-from app.cache.teacher import drive
+from bench.teacher import drive
 from app.config import CacheConfig
 
 

@@ -2,36 +2,73 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
-from app.model.attention import CompressedState
+from app.cache.manager import CacheManager
+from app.config import CacheConfig
+from app.engine.batch import BatchBuilder, StepSpec
 from app.model.config import LayerMode
-from app.model.forward_batch import ForwardBatch
-from app.model.kv_store import DenseKVStore
+from app.model.engram_hash import compressed_token_map
+from app.model.model import DeepseekModel
+from bench.teacher import drive
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
-def test_ragged_batch_equals_one_at_a_time(tiny_model, arch):
+@pytest.mark.parametrize("kv_quant", [False, True])
+def test_ragged_batch_equals_one_at_a_time(tiny_model, tiny_cfg, tiny_tokenizer, arch, kv_quant):
+    """Four sequences prefilled in one batched step over the paged cache (packed V4.1 cache
+    formats with ``kv_quant``) = the full-sequence reference of each, which rounds KV with
+    ``kernels.kv_quant.kv_qdq`` instead of storing packed bytes."""
     model = tiny_model(arch)
+    if kv_quant:
+        if arch == "v4":
+            pytest.skip("V4 keeps exact KV (its released formats are not packed here)")
+        q = DeepseekModel(tiny_cfg(arch), compressed_token_map(tiny_tokenizer)[0], kv_quant=True)
+        q.load_state_dict(model.state_dict())
+        model = q.eval()
+    P = 8 if arch == "v41" else 16
+    cfg = CacheConfig(block_size=P, enable_prefix_caching=False, bounded_replay="off")
+    mgr = CacheManager(model, cfg, num_blocks=32, max_slots=4)
+    if kv_quant:
+        assert mgr.pools.window[0].fmt == "fp8" and mgr.pools.entries[2].fmt == "nvfp4"
     g = torch.Generator().manual_seed(7)
-    seqs = [torch.randint(3, 500, (n,), generator=g) for n in (41, 1, 17, 33)]
-    batched = model(ForwardBatch.from_sequences(seqs))
-    start = 0
-    for s in seqs:
+    seqs = {f"s{i}": torch.randint(3, 500, (n,), generator=g) for i, n in enumerate((41, 1, 17))}
+    seqs["s3"] = torch.randint(3, 500, (33,), generator=g)
+    out = drive(model, mgr, seqs, random.Random(0), max_chunk=1000)  # one step for all
+    # Rounding to the cache formats turns ulp-level differences of batched vs single GEMMs
+    # into an occasional flipped code (3e-5 measured): the fidelity bound of MODEL_SPEC 6.9.
+    tol = 1e-4 if kv_quant else 1e-5
+    for rid, s in seqs.items():
         single = model.logits(s)
-        part = batched[start : start + s.numel()]
-        assert torch.allclose(part, single, rtol=0, atol=1e-4 * single.abs().max())
-        start += s.numel()
+        got = torch.stack([out[rid][p] for p in range(s.numel())])
+        assert torch.allclose(got, single, rtol=0, atol=tol * single.abs().max()), rid
 
 
-def test_forward_batch_layout():
-    b = ForwardBatch.from_sequences([[5, 6, 7], [8], [9, 10]])
-    assert b.positions.tolist() == [0, 1, 2, 0, 0, 1]
-    assert b.last_token_index().tolist() == [2, 3, 5]
-    assert [(s.start, s.stop) for s in b.seq_slices()] == [(0, 3), (3, 4), (4, 6)]
-    with pytest.raises(ValueError):
-        ForwardBatch.from_sequences([[1], []])
+def test_batch_builder_layout(tiny_model):
+    model = tiny_model("v41")
+    cfg = CacheConfig(block_size=8, enable_prefix_caching=False)
+    mgr = CacheManager(model, cfg, num_blocks=8, max_slots=3)
+    spec = StepSpec(
+        slots=np.array([2, 0, 1]), starts=np.array([5, 9, 0]), lens=np.array([3, 1, 2]),
+        floors=np.zeros(3, np.int64), cached=np.array([5, 9, 0]),
+        decoder_floors=np.zeros(3, np.int64), history=np.full((3, 3), -1),
+        ids=np.array([5, 6, 7, 8, 9, 10]), pending=np.full(6, -1), logit_rows=np.array([2, 3, 5]),
+        tables=np.array([[1, 2], [3, 4], [5, 8]]),
+    )  # fmt: skip
+    b = BatchBuilder(mgr.pools, torch.device("cpu")).build(spec)
+    assert b.positions.tolist() == [5, 6, 7, 9, 0, 1]
+    assert b.token_seq.tolist() == [0, 0, 0, 1, 2, 2]
+    assert b.seq_start.tolist() == [0, 3, 4] and b.max_seq_len == 3
+    assert b.block_table.tolist() == [[1, 2], [3, 4], [5, 8]]
+    spec.pending = np.array([-1, -1, -1, 1, -1, -1])
+    with pytest.raises(RuntimeError):
+        BatchBuilder(mgr.pools, torch.device("cpu")).build(spec)
+    b = BatchBuilder(mgr.pools, torch.device("cpu")).build(spec, torch.tensor([40, 41]))
+    assert b.input_ids.tolist() == [5, 6, 7, 41, 9, 10]  # filled from the last samples
 
 
 def test_official_parameter_names(tiny_model):
@@ -65,28 +102,27 @@ def test_official_parameter_names(tiny_model):
 def test_tiny_v41_exercises_every_mode(tiny_model):
     """A 40-token prompt closes windows, selects top-k among more than k entries, and the
     candidate mask of layer 4 removes entries that Reindex layer 6 would otherwise pick."""
+    from app.model import reference
+
     model = tiny_model("v41")
     cfg = model.cfg
     assert {s.mode for s in cfg.layers} == {
         LayerMode.SWA, LayerMode.FULL, LayerMode.REUSE, LayerMode.REINDEX,
     }  # fmt: skip
-    state = CompressedState()
     ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(3))
-    batch = ForwardBatch.from_sequences([ids])
     X = model.embed.weight[ids].unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     p = torch.zeros(40, cfg.hc_mult)
     p[:, 0] = 1
-    ngram = model._ngrams(batch)
-    pad = int(model.engram_map[cfg.engram_pad_token_id])
-    store = DenseKVStore()
+    ngram = reference._ngrams(model, ids)
+    st = reference._State()
     for layer in model.layers:
-        X, p = layer(X, p, batch, state, store, ngram, pad)
-    assert store.read_entries(2, 0, 99).shape[0] == 20
-    assert store.read_entries(4, 0, 99).shape[0] == 40
-    top2, top6 = state.topk[2][0], state.topk[6][0]
+        X, p = reference._block(layer, X, p, ids, st, ngram, model.engram_pad)
+    assert st.entries[2].shape[0] == 20 and st.entries[4].shape[0] == 40
+    top2, top6 = st.topk[2], st.topk[6]
     assert (top2[-1] >= 0).all() and (top2[0] == -1).all()  # early tokens see no entries
-    cand = state.cand[4][0]
+    cand = st.cand[4]
     assert cand[-1].sum() == cfg.candidate_topk_blocks * cfg.candidate_block_size
     assert bool(cand[-1, 38:].all())  # the latest block is always a candidate
     picked = top6[-1][top6[-1] >= 0]
     assert bool(cand[-1, picked].all())
+

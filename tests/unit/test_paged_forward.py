@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from app.cache.manager import CacheManager
-from app.cache.teacher import drive
 from app.config import CacheConfig
+from bench.teacher import drive
 
 BLOCK = {"v41": 8, "v4": 16}
 

@@ -114,6 +114,38 @@ def test_wrapper_rejects_bad_inputs():
         attn.sparse_attention_triton(q, kv, idx, sink, 1.0, inv_rope_angles=angles[:1])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_two_key_sources(packed, splits):
+    """Window rows from one pool and compressed entries from another, as the batched step
+    reads the cache in place; packed: fp8 window (e8m0 scales) + nvfp4 entries (e4m3 scales),
+    the released V4.1 formats, dequantized in the kernel."""
+    from kernels.kv_quant import kv_pack
+
+    q, kv, idx, sink, angles = _case(8 + splits, T=3, H=16, D=64, N=30, K=9)
+    g = torch.Generator().manual_seed(30 + splits)
+    kv2 = torch.randn(50, 64, generator=g) * 2.0
+    idx2 = torch.randint(0, 50, (3, 21), generator=g)
+    idx2[0, ::2] = -1
+    idx2[-1] = -1
+    kw: dict = {}
+    if packed:
+        (kv, s1), (kv2, s2) = kv_pack(kv, "fp8"), kv_pack(kv2, "nvfp4")
+        kw = dict(kv_scale=s1, kv2_scale=s2)
+    out = attn.sparse_attention_triton(
+        q, kv, idx, sink, 0.15, kv2=kv2, idx2=idx2, inv_rope_angles=angles, splits=splits, **kw
+    )
+    ref = attn.sparse_attention_ref(
+        q.double(), kv if packed else kv.double(), idx, sink.double(), 0.15,
+        kv2=kv2 if packed else kv2.double(), idx2=idx2, inv_rope_angles=angles.double(), **kw,
+    )  # fmt: skip
+    assert rel(out, ref) < 1e-5
+    if packed:  # the reference decodes e8m0 fp8 rows like kv_qdq rounds them
+        from kernels.kv_quant import kv_unpack
+
+        assert torch.equal(attn.dequant_kv(kv, s1), kv_unpack(kv, s1, "fp8"))
+
+
 def test_dispatch_uses_reference_on_cpu():
     q, kv, idx, sink, angles = _case(7, T=2, H=4, D=32, N=24, K=20)
     got = attn.sparse_attention(q, kv, idx, sink, 0.5, inv_rope_angles=angles)
