@@ -98,6 +98,7 @@ class EngineConfig:
     ``packed_experts``: keep fp8 / fp4 routed experts packed per layer for the MegaMoE
     kernels ("on": required, a checkpoint that cannot be packed fails to load; "off":
     dequantize to ``dtype``; "auto": packed on CUDA when every MoE layer can be).
+    ``cuda_graphs``: decode steps replay CUDA graphs (on CUDA; off = eager, same outputs).
     """
 
     model: str
@@ -105,6 +106,7 @@ class EngineConfig:
     dtype: str = "float32"
     packed_experts: PackedExpertsMode = "auto"
     overlap_schedule: bool = True
+    cuda_graphs: bool = True
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -1,131 +1,141 @@
-"""The model runner: scheduler decision -> ForwardBatch -> hidden states -> logits of the rows
-that sample (and of prompt rows that want logprobs).
+"""The model runner: scheduler decision -> step spec (host, numpy) -> ForwardBatch (one copy)
+-> logits of the rows that sample (and of prompt rows that want logprobs).
 
-Step inputs are built with numpy into buffers allocated once (pinned on CUDA) and copied to the
-device in one transfer each. Under overlap scheduling some input tokens are not known on the
-host yet: they are -1 in the host buffer and filled on the device from the previous step's
-sampled tokens (``pending``: flat row -> row of the previous sample output).
+Under overlap scheduling the input token of a decoding request may still be on the device
+(sampled by the step in flight): it is -1 on the host and read on the device from the last
+sample output (``pending`` = its row there).
 
     items  [seq a: 3 tokens from position 5 | seq b: decode at 9 (pending token)]
-    ids    [t5 t6 t7 | -1]  pending {3: <b's row in the last step's samples>}
-    pos    [5 6 7 | 9]
+    ids    [t5 t6 t7 | -1]   pending [-1 -1 -1 | b's row in the last samples]
+    logit rows: sampling rows first (in item order), then prompt-logprob rows per request
+
+Decode steps (one token per request, nothing else wanted) run as CUDA graphs on CUDA
+(``app.engine.graphs``); everything else runs eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from app.cache.manager import CacheManager
+from app.engine.batch import BatchBuilder, StepSpec
 from app.engine.scheduler import Scheduled
-from app.model.forward_batch import ForwardBatch
 from app.model.model import DeepseekModel
 
 
 @dataclass
 class StepInputs:
-    """One step's batch and which flat rows produce logits."""
+    """One step's host inputs and which logits rows belong to whom."""
 
-    batch: ForwardBatch
     items: list[Scheduled]
-    sample_rows: list[int]  # flat row of the last token of each sampling item
-    sample_items: list[Scheduled]
-    prompt_rows: dict[str, list[tuple[int, int]]]  # request -> [(flat row, position)]
-    pending: dict[int, tuple[str, int]]  # flat row -> (request id, position) filled on device
+    spec: StepSpec
+    sample_items: list[Scheduled]  # logits rows 0 .. S-1, in this order
+    prompt_rows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    # ^ request -> (first logits row, prompt positions of its rows)
+    graph: bool = False  # a decode step the graph runner may take
+
+    @property
+    def num_sampling(self) -> int:
+        return len(self.sample_items)
 
 
 class ModelRunner:
     """Builds step inputs and runs the model for one engine."""
 
     def __init__(
-        self, model: DeepseekModel, cache: CacheManager, max_tokens: int, device: torch.device
+        self,
+        model: DeepseekModel,
+        cache: CacheManager,
+        max_tokens: int,
+        device: torch.device,
+        cuda_graphs: bool = False,
+        max_graph_batch: int = 256,
     ) -> None:
         self.model, self.cache, self.device = model, cache, device
+        self.max_tokens = max_tokens
         hs = model.hash_spec
         self.n_back = hs.max_ngram - 1 if hs is not None else 0
-        pin = device.type == "cuda"
-        # Two sets, alternated: step N+1 is prepared while step N's copies may be in flight.
-        self._bufs = [
-            tuple(torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(2))
-            for _ in range(2)
-        ]
-        self._turn = 0
+        self.builder = BatchBuilder(cache.pools, device)
+        # The last step's sampled tokens (row k = its k-th sampling request): pending input
+        # tokens of the next step are read from here on the device.
+        self.sampled = torch.zeros(max(1, cache.kv.max_slots), dtype=torch.int64, device=device)
+        self.graphs = None
+        if cuda_graphs and device.type == "cuda":
+            from app.engine.graphs import CudaGraphRunner
 
-    def prepare(self, items: list[Scheduled], decoder_replay: bool) -> StepInputs:
-        """Host-side step preparation (no device work)."""
-        ids_t, pos_t = self._bufs[self._turn]
-        self._turn ^= 1
-        ids_np, pos_np = ids_t.numpy(), pos_t.numpy()
-        n_tok = sum(it.num_tokens for it in items)
-        if n_tok > ids_np.shape[0]:
-            raise ValueError(f"step of {n_tok} tokens exceeds the runner's {ids_np.shape[0]}")
-        lens = np.fromiter((it.num_tokens for it in items), dtype=np.int64, count=len(items))
-        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=len(items))
-        offsets = np.concatenate(([0], np.cumsum(lens)[:-1])) if len(items) else lens
-        # positions: starts repeated per row + rank inside the chunk
-        # e.g. lens [3, 1], starts [5, 9] -> [5, 6, 7, 9]
-        rank = np.arange(n_tok) - np.repeat(offsets, lens)
-        pos_np[:n_tok] = np.repeat(starts, lens) + rank
-        pending: dict[int, tuple[str, int]] = {}
-        hist, floors, cached, dec = [], [], [], []
-        prompt_rows: dict[str, list[tuple[int, int]]] = {}
-        sample_rows, sample_items = [], []
-        for it, off, a in zip(items, offsets.tolist(), starts.tolist(), strict=True):
-            seq, n = it.seq, it.num_tokens
-            known = seq.tokens
+            self.graphs = CudaGraphRunner(model, self.builder, max_graph_batch)
+
+    def prepare(
+        self, items: list[Scheduled], decoder_replay: bool, prev_rows: dict[str, int]
+    ) -> StepInputs:
+        """Host-side step preparation (numpy; no device work). ``prev_rows``: request ->
+        its row in the last sample output (for input tokens not on the host yet)."""
+        B, cache, nb = len(items), self.cache, self.n_back
+        lens = np.fromiter((it.num_tokens for it in items), dtype=np.int64, count=B)
+        n_tok = int(lens.sum())
+        if n_tok > self.max_tokens:
+            raise ValueError(f"step of {n_tok} tokens exceeds the runner's {self.max_tokens}")
+        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=B)
+        slots = np.empty(B, dtype=np.int64)
+        floors, cached, dec = np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64)
+        hist = np.full((B, nb), -1, dtype=np.int64)
+        ids = np.empty(n_tok, dtype=np.int64)
+        pending = np.full(n_tok, -1, dtype=np.int64)
+        sample_rows, sample_items, prompt = [], [], []
+        width, off = 1, 0
+        for i, it in enumerate(items):
+            seq, a, n = it.seq, it.start, it.num_tokens
+            rid, known = seq.request_id, seq.tokens
+            slots[i] = cache.slot_of(rid)
+            width = max(width, cache.num_blocks_of(rid))
             hi = min(a + n, len(known))
-            ids_np[off : off + (hi - a)] = known[a:hi]
-            for p in range(hi, a + n):  # tokens still on the device (overlap)
-                ids_np[off + p - a] = -1
-                pending[off + p - a] = (seq.request_id, p)
-            rid = seq.request_id
-            hist.append(
-                [
-                    known[a - 1 - k] if 0 <= a - 1 - k < len(known) else -1
-                    for k in range(self.n_back)
-                ]
-            )
-            floors.append(self.cache.window_floor(rid))
-            # groups ending at or before the prefix hit are shared blocks: never rewritten
-            cached.append(max(a, self.cache.num_cached(rid)))
+            ids[off : off + hi - a] = known[a:hi]
+            if hi < a + n:  # the last input token is still on the device
+                ids[off + hi - a : off + n] = -1
+                pending[off + n - 1] = prev_rows[rid]
+            for k in range(min(nb, a)):
+                hist[i, k] = known[a - 1 - k]
+            floors[i] = cache.window_floor(rid)
+            cached[i] = max(a, cache.num_cached(rid))
             L = seq.num_prompt
-            use_dec = decoder_replay and not seq.wants_prompt_logprobs and a < L
-            dec.append(self.cache.decoder_floor(L, a) if use_dec else 0)
+            if decoder_replay and not seq.wants_prompt_logprobs and a < L:
+                dec[i] = cache.decoder_floor(L, a)
             if seq.wants_prompt_logprobs and a < L:
-                prompt_rows[rid] = [(off + p - a, p) for p in range(a, min(a + n, L))]
+                prompt.append((rid, off, list(range(a, min(a + n, L)))))
             if it.samples:
                 sample_rows.append(off + n - 1)
                 sample_items.append(it)
-        ids = ids_t[:n_tok].to(self.device, non_blocking=True)
-        pos = pos_t[:n_tok].to(self.device, non_blocking=True)
-        if self.device.type == "cpu":  # .to() on the same device aliases the buffer
-            ids, pos = ids.clone(), pos.clone()
-        batch = ForwardBatch(
-            input_ids=ids,
-            positions=pos,
-            seq_lens=tuple(lens.tolist()),
-            prefix_lens=tuple(starts.tolist()),
-            kv=self.cache.store([it.seq.request_id for it in items]),
-            window_floors=tuple(floors),
-            cached_lens=tuple(cached),
-            decoder_floors=tuple(dec),
-            history=torch.tensor(hist, dtype=torch.int64).view(len(items), self.n_back),
+            off += n
+        rows = list(sample_rows)
+        prompt_rows = {}
+        for rid, o, pos in prompt:
+            prompt_rows[rid] = (len(rows), pos)
+            rows += [o + p - pos[0] for p in pos]
+        spec = StepSpec(
+            slots=slots, starts=starts, lens=lens, floors=floors, cached=cached,
+            decoder_floors=dec, history=hist, ids=ids, pending=pending,
+            logit_rows=np.asarray(rows, dtype=np.int64),
+            tables=cache.tables[slots, :width],
+        )  # fmt: skip
+        graph = (
+            self.graphs is not None
+            and bool((lens == 1).all())
+            and len(sample_items) == B
+            and not prompt
+            and self.graphs.fits(B, width)
         )
-        return StepInputs(batch, items, sample_rows, sample_items, prompt_rows, pending)
+        return StepInputs(items, spec, sample_items, prompt_rows, graph)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Forward; returns (fp32 logits of the sampling rows [S, V], prompt-row logits per
-        request [n, V])."""
-        h, rows = self.model.hidden(inputs.batch)
-        where = torch.full((inputs.batch.num_tokens,), -1, dtype=torch.int64, device=h.device)
-        where[rows] = torch.arange(rows.numel(), device=h.device)
-        want = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=h.device)
-        logits = self.model.compute_logits(h[where[want]])
-        prompt = {}
-        for rid, pairs in inputs.prompt_rows.items():
-            r = torch.tensor([f for f, _ in pairs], dtype=torch.int64, device=h.device)
-            prompt[rid] = self.model.compute_logits(h[where[r]])
-        return logits, prompt
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Launch the step; fp32 logits [S, V] of its logit rows (device, not synced)."""
+        if inputs.graph:
+            return self.graphs.run(inputs.spec, self.sampled)[: inputs.spec.logit_rows.size]
+        return self.model(self.builder.build(inputs.spec, self.sampled))
+
+    def store_samples(self, tokens: torch.Tensor) -> None:
+        """Keep a step's sampled tokens on the device for the next step's pending inputs."""
+        self.sampled[: tokens.numel()].copy_(tokens)

@@ -1,11 +1,14 @@
-"""Token sampling for a batch of rows with per-request parameters.
+"""Token sampling for a batch of rows with per-request parameters, on the device, no host sync.
 
 Order per row: penalties (repetition on prompt+output, presence/frequency on output) ->
 grammar mask -> log-probabilities (of these processed logits, before temperature) ->
 temperature -> min_p / top_k / top_p filters -> draw. Greedy rows take the argmax (lowest id
-on ties). Random rows draw with the exponential race ``argmax(p / q), q ~ Exp(1)``; a seeded
-request draws ``q`` from its own generator, so the same seed gives the same tokens whatever
-else is in the batch.
+on ties). Random rows draw with the exponential race ``argmax(p / q), q ~ Exp(1)``. A seeded
+request's ``q`` is a counter-based hash of (seed, output index, token id): the same seed gives
+the same tokens whatever else is in the batch, with no generator object per row.
+
+Which paths run is decided on the host from the parameters (never from device values); the
+per-row parameters travel as small tensors built with numpy.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from app.engine.request import SamplingParams
@@ -23,7 +27,6 @@ class RowState:
     """What the sampler needs of one request besides its params."""
 
     params: SamplingParams
-    generator: torch.Generator | None  # seeded requests only
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     mask_eos: bool = False  # min_tokens not reached yet
@@ -38,37 +41,98 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None  # [B, k] fp32
 
 
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without blocking the host (pinned staging on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+# splitmix64 constants as signed int64 (torch multiplies int64 with wrap-around)
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def seeded_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [R, vocab] from (seed, counter, token id) by splitmix64 (int64 wrap
+    arithmetic; fp64 uniforms in (0, 1))."""
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = (seeds * _GOLDEN + counters * _MIX1).unsqueeze(1) + v * _GOLDEN
+    x = (x ^ _srl(x, 30)) * _MIX1
+    x = (x ^ _srl(x, 27)) * _MIX2
+    x = x ^ _srl(x, 31)
+    u = (_srl(x, 11).double() + 0.5) * 2.0**-53
+    return -torch.log(u).float()
+
+
 def _penalize(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+    """Penalties and min_tokens EOS masks, as flat (row, token) index lists built on the host."""
+    dev, V = logits.device, logits.shape[1]
+    rep_r, rep_t, rep_p = [], [], []
+    cnt_r, cnt_t = [], []
+    freq = np.zeros(len(rows), dtype=np.float32)
+    pres = np.zeros(len(rows), dtype=np.float32)
+    eos_r, eos_t = [], []
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(
-                sorted(set(r.prompt_ids) | set(r.output_ids)),
-                dtype=torch.long,
-                device=logits.device,
-            )
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
+            seen = sorted(set(r.prompt_ids) | set(r.output_ids))
+            rep_r += [i] * len(seen)
+            rep_t += seen
+            rep_p.append(p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and len(r.output_ids):
-            ids = torch.tensor(list(r.output_ids), dtype=torch.long, device=logits.device)
-            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            cnt_r += [i] * len(r.output_ids)
+            cnt_t += list(r.output_ids)
+            freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
         if r.mask_eos and r.eos_ids:
-            logits[i, list(r.eos_ids)] = float("-inf")
+            eos_r += [i] * len(r.eos_ids)
+            eos_t += list(r.eos_ids)
+    if rep_r:
+        pen = np.repeat(
+            np.asarray(rep_p, dtype=np.float32),
+            [len(set(r.prompt_ids) | set(r.output_ids)) for r in rows
+             if r.params.repetition_penalty != 1.0],
+        )  # fmt: skip
+        ri = to_device(np.asarray(rep_r, dtype=np.int64), dev)
+        ti = to_device(np.asarray(rep_t, dtype=np.int64), dev)
+        pv = to_device(pen, dev)
+        vals = logits[ri, ti]
+        logits[ri, ti] = torch.where(vals > 0, vals / pv, vals * pv)
+    if cnt_r:
+        counts = torch.zeros_like(logits)
+        ri = to_device(np.asarray(cnt_r, dtype=np.int64), dev)
+        ti = to_device(np.asarray(cnt_t, dtype=np.int64), dev)
+        counts.index_put_((ri, ti), torch.ones_like(ri, dtype=logits.dtype), accumulate=True)
+        f, pr = to_device(freq, dev).unsqueeze(1), to_device(pres, dev).unsqueeze(1)
+        logits -= f * counts + pr * (counts > 0)
+    if eos_r:
+        ri = to_device(np.asarray(eos_r, dtype=np.int64), dev)
+        ti = to_device(np.asarray(eos_t, dtype=np.int64), dev).clamp(0, V - 1)
+        logits[ri, ti] = float("-inf")
 
 
 def _filter(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    use_min_p: bool,
+    use_sort: bool,
 ) -> torch.Tensor:
     """Zero the probabilities outside min_p / top_k / top_p (rows: per-row parameters)."""
     V = probs.shape[1]
-    if bool((min_p > 0).any()):
+    if use_min_p:
         thresh = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < thresh, 0.0)
-    k_on, p_on = top_k > 0, top_p < 1.0
-    if bool(k_on.any() | p_on.any()):
+    if use_sort:
+        k_on, p_on = top_k > 0, top_p < 1.0
         sorted_p, order = probs.sort(dim=1, descending=True, stable=True)
         rank = torch.arange(V, device=probs.device).unsqueeze(0)
         drop = k_on.unsqueeze(1) & (rank >= top_k.unsqueeze(1))
@@ -85,32 +149,38 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState], bitmask_apply=None) -
 
     ``bitmask_apply(logits)`` applies the grammar masks of constrained rows in place.
     """
-    dev = logits.device
+    dev, V = logits.device, logits.shape[1]
+    ps = [r.params for r in rows]
     _penalize(logits, rows)
     if bitmask_apply is not None:
         bitmask_apply(logits)
-    want_lp = [r.params.logprobs for r in rows]
+    want_lp = [p.logprobs for p in ps]
     logp = None
     if any(k is not None for k in want_lp):
         logp = torch.log_softmax(logits, dim=-1)
-    temp = torch.tensor([r.params.temperature for r in rows], device=dev)
-    greedy = temp == 0
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        scaled = logits / torch.where(greedy, 1.0, temp).unsqueeze(1)
-        probs = torch.softmax(scaled, dim=-1)
+    rand = [i for i, p in enumerate(ps) if not p.greedy]
+    if rand:
+        temp = np.array([p.temperature if not p.greedy else 1.0 for p in ps], dtype=np.float32)
+        top_k = np.array([min(max(p.top_k, 0), V) for p in ps], dtype=np.int64)
+        top_p = np.array([p.top_p for p in ps], dtype=np.float32)
+        min_p = np.array([p.min_p for p in ps], dtype=np.float32)
+        greedy = np.array([p.greedy for p in ps])
+        params = to_device(np.stack((temp, top_p, min_p)), dev)
+        probs = torch.softmax(logits / params[0].unsqueeze(1), dim=-1)
         probs = _filter(
-            probs,
-            torch.tensor([r.params.top_k for r in rows], device=dev),
-            torch.tensor([r.params.top_p for r in rows], device=dev),
-            torch.tensor([r.params.min_p for r in rows], device=dev),
-        )
+            probs, to_device(top_k, dev), params[1], params[2],
+            use_min_p=bool((min_p > 0).any()), use_sort=bool((top_k > 0).any() | (top_p < 1).any()),
+        )  # fmt: skip
         q = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None and not bool(greedy[i]):
-                q[i] = torch.empty(probs.shape[1], device=dev).exponential_(generator=r.generator)
+        seeded = [i for i in rand if ps[i].seed is not None]
+        if seeded:
+            idx = to_device(np.asarray(seeded, dtype=np.int64), dev)
+            seeds = np.array([ps[i].seed for i in seeded], dtype=np.int64)
+            ctr = np.array([len(rows[i].output_ids) for i in seeded], dtype=np.int64)
+            q[idx] = seeded_exponential(to_device(seeds, dev), to_device(ctr, dev), V)
         drawn = (probs / q).argmax(dim=-1)
-        tokens = torch.where(greedy, tokens, drawn)
+        tokens = torch.where(to_device(greedy, dev), tokens, drawn)
     out = SampleOutput(tokens, None, None, None)
     if logp is not None:
         out.logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -17,8 +17,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from app.cache.block_pool import NoFreeBlocks
 from app.cache.manager import CacheManager
 from app.config import SchedulerConfig
@@ -40,7 +38,6 @@ class Sequence:
 
     req: EngineRequest
     tokens: list[int]  # prompt + output tokens known on the host
-    generator: torch.Generator | None = None
     matcher: object | None = None  # app.engine.grammar.GrammarMatcher
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # positions whose KV is in the cache or in the step in flight

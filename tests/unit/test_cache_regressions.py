@@ -11,8 +11,8 @@ import torch
 from app.cache.block_pool import BlockPool, NoFreeBlocks
 from app.cache.manager import CacheManager
 from app.cache.radix import PrefixIndex
-from bench.teacher import drive
 from app.config import CacheConfig
+from bench.teacher import drive
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

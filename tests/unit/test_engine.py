@@ -93,7 +93,7 @@ def test_preemption_keeps_outputs(tiny_ckpt, overlap):
         max_num_batched_tokens=32,
         block_size=64,
         max_num_seqs=4,
-        kv_cache_bytes=3 * per_block + 4 * per_slot,
+        kv_cache_bytes=(3 + 1) * per_block + (4 + 1) * per_slot,  # + the trash block, slot
         overlap_schedule=overlap,
     )
     assert tight.cache.pool.num_blocks == 3
