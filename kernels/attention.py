@@ -49,6 +49,13 @@ def dequant_kv(kv: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
     return kv.to(scale.dtype) * scale
 
 
+def _gather(kv: torch.Tensor, kv_scale: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` [T, K] (-1 = any row) of a key source, decoded: [T, K, D]."""
+    flat = idx.clamp_min(0).reshape(-1)
+    sc = kv_scale[flat] if kv_scale is not None else None
+    return dequant_kv(kv[flat], sc).view(*idx.shape, -1)
+
+
 def sparse_attention_ref(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -73,12 +80,12 @@ def sparse_attention_ref(
     """
     if q.dim() != 3 or kv.dim() != 2 or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
         raise ValueError(f"bad shapes q{tuple(q.shape)} kv{tuple(kv.shape)} idx{tuple(idx.shape)}")
-    keys = dequant_kv(kv, kv_scale)[idx.clamp_min(0)]  # [T, K, D]
+    keys = _gather(kv, kv_scale, idx)  # [T, K, D]
     valid = idx >= 0
     if kv2 is not None:
         if idx2 is None or idx2.shape[0] != q.shape[0]:
             raise ValueError("a second key source needs idx2 [T, K2]")
-        keys2 = dequant_kv(kv2, kv2_scale)[idx2.clamp_min(0)]
+        keys2 = _gather(kv2, kv2_scale, idx2)
         dt = torch.promote_types(keys.dtype, keys2.dtype)
         keys = torch.cat((keys.to(dt), keys2.to(dt)), dim=1)
         valid = torch.cat((valid, idx2 >= 0), dim=1)

@@ -23,14 +23,21 @@ def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
 
 
 def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Round |v| <= 6 to the E2M1 grid, ties to the even code (codes 0..7)."""
+    """Round |v| <= 6 to the E2M1 grid, ties to the even code (codes 0..7). Comparisons with
+    Python constants only: no host-to-device copy (safe inside a CUDA graph capture)."""
     mag = v.abs()
-    mids = mag.new_tensor(_E2M1_MIDS)
-    levels = mag.new_tensor(_E2M1_LEVELS)
-    code = torch.bucketize(mag, mids)  # ties fall to the lower code
-    tie = mag == mids[code.clamp_max(6)]
-    code = code + (tie & (code % 2 == 1)).to(code.dtype)
-    return torch.copysign(levels[code], v)
+    code = torch.zeros_like(mag, dtype=torch.int64)
+    for m in _E2M1_MIDS:  # ties fall to the lower code
+        code += (mag > m).to(torch.int64)
+    odd = code % 2 == 1
+    tie = torch.zeros_like(mag, dtype=torch.bool)
+    for i, m in enumerate(_E2M1_MIDS):
+        tie |= (mag == m) & (code == i)
+    code = code + (tie & odd).to(torch.int64)
+    level = torch.zeros_like(mag)
+    for i, lv in enumerate(_E2M1_LEVELS[1:], start=1):
+        level = torch.where(code == i, lv, level)
+    return torch.copysign(level, v)
 
 
 def kv_qdq(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:

@@ -151,20 +151,25 @@ def fp4_encode(x: torch.Tensor) -> torch.Tensor:
     """Values (already divided by their scale) -> E2M1 codes (uint8, 0..15).
 
     Round to nearest; a tie goes to the even code (1.25 -> 1.0, 1.75 -> 2.0); |x| > 6
-    saturates to 6. Negative values get sign bit 8.
+    saturates to 6. Negative values get sign bit 8. (Comparisons with Python constants: no
+    host-to-device copy, so the KV cache's packing may run inside a CUDA graph.)
     """
-    mag = x.float().abs().unsqueeze(-1)
-    mids = torch.tensor(_FP4_MIDPOINTS, device=x.device)
-    lo = (mag > mids).sum(-1)  # a tie picks the smaller magnitude
-    hi = (mag >= mids).sum(-1)  # a tie picks the larger magnitude
+    mag = x.float().abs()
+    lo = torch.zeros_like(mag, dtype=torch.uint8)  # a tie picks the smaller magnitude
+    hi = torch.zeros_like(lo)  # a tie picks the larger magnitude
+    for m in _FP4_MIDPOINTS:
+        lo += mag > m
+        hi += mag >= m
     code = torch.where((lo != hi) & (lo % 2 == 1), hi, lo)
-    return (code + 8 * (x < 0).to(code.dtype)).to(torch.uint8)
+    return code + 8 * (x < 0).to(torch.uint8)
 
 
 def fp4_decode(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (0..15, any integer dtype) -> fp32 values."""
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    c = codes.to(torch.int32)
+    m = c & 7
+    mag = torch.where(m < 2, 0.5 * m, (1 + 0.5 * (m & 1)) * torch.exp2(((m >> 1) - 1).float()))
+    return torch.where(c >= 8, -mag, mag).float()
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ the request slots; the batched model step reads and writes them in place through
     block id b (P positions of one sequence; P a multiple of every ratio)
       owner layer l, ratio r:  entries[l] rows b*P/r .. (b+1)*P/r - 1   (keys[l] the same)
     request slot s:
-      window[l] rows s*ring .. (s+1)*ring - 1      tails[(l, name)] rows s*(span-1) ..
+      window[l] rows s*ring .. (s+1)*ring - 1      tails[(l, name)] rows s*rows .. (rows >= span)
 
 One extra block and one extra slot at the end are the trash that padding and masked writes
 land in; they are never handed out.

@@ -4,7 +4,7 @@ same numbers).
 
     paged (per block of P positions)        per request slot
     entries   owner layers, P/r rows each   window ring   every layer, ring rows (W + headroom)
-    keys      index-key owners, P/r rows    tail ring     compressor owners, span - 1 rows fp32
+    keys      index-key owners, P/r rows    tail ring     compressor owners, span + headroom rows
 
 Formats: the compute dtype ("float", exact) or, for V4.1 with ``kv_quant``, the released ones:
 window fp8 (528 B at D = 512), compressed nvfp4 (288 B), index keys mxfp4 (68 B at 128).
@@ -72,7 +72,13 @@ class CacheLayout:
     ) -> CacheLayout:
         """The layout of ``cfg`` with blocks of ``block_size`` positions, rows in ``dtype``
         (or the released formats when ``kv_quant`` on V4.1); ``ring_headroom`` extra window
-        rows per slot let verify steps of up to 1 + headroom tokens read the ring directly."""
+        rows per slot let verify steps of up to 1 + headroom tokens read the ring directly.
+
+        Rings are sized so that a step of up to 1 + headroom tokens per request, run twice on
+        the same inputs (CUDA-graph warm-up, capture, replay), writes the same state: the
+        window ring keeps W + headroom rows, a tail ring span + headroom (a group needs the
+        span - 1 positions before its last token; the next position must not overwrite
+        them)."""
         ratios = [s.ratio for s in cfg.layers if s.owns_compressor]
         lcm = math.lcm(*ratios) if ratios else 1
         if block_size <= 0 or block_size % lcm:
@@ -97,9 +103,10 @@ class CacheLayout:
                     RowGroup(s.layer_id, "keys", kfmt, Di, per, kv_row_bytes(kfmt, Di, fb))
                 )
             for name, span, width in compressor_spans(cfg, s):
-                if span > 1:  # (kv, gate) of the span - 1 positions before a group end
+                if span > 1:  # (kv, gate) fp32 of the positions before a group's end
+                    rows = span + ring_headroom
                     slot.append(
-                        RowGroup(s.layer_id, f"tail:{name}", "float", width, span - 1, 4 * width,
+                        RowGroup(s.layer_id, f"tail:{name}", "float", width, rows, 4 * width,
                                  gated=True)  # fmt: skip
                     )
         return cls(block_size, ring, dtype, tuple(paged), tuple(slot))

@@ -125,12 +125,13 @@ class BatchBuilder:
         positions = np.repeat(spec.starts, lens) + np.arange(T) - np.repeat(seq_start, lens)
         # (decoder rows first: they renumber the logit rows)
         dec = _decoder_rows(spec, positions, seq_start) if spec.decoder_floors.any() else None
+        logit_rows = dec.pop("logit_rows") if dec is not None else spec.logit_rows
         for name, a in (
             ("input_ids", spec.ids), ("positions", positions), ("token_seq", token_seq),
             ("pending", spec.pending), ("seq_start", seq_start), ("seq_lens", lens),
             ("prefix_lens", spec.starts), ("slots", spec.slots), ("window_floors", spec.floors),
             ("cached_lens", spec.cached), ("history", spec.history),
-            ("block_table", spec.tables), ("logit_rows", spec.logit_rows),
+            ("block_table", spec.tables), ("logit_rows", logit_rows),
         ):  # fmt: skip
             pk.add(name, a)
         if dec is not None:
@@ -213,10 +214,11 @@ def _decoder_rows(spec: StepSpec, positions: np.ndarray, seq_start: np.ndarray) 
     B2 = int(has.sum())
     where = np.full(spec.num_tokens, -1, dtype=np.int64)
     where[keep] = np.arange(keep.size)
-    spec.logit_rows = where[spec.logit_rows]
-    if (spec.logit_rows < 0).any():
+    logit_rows = where[spec.logit_rows]
+    if (logit_rows < 0).any():
         raise ValueError("a row that wants logits skips the decoder layers")
     return {
+        "logit_rows": logit_rows,
         "keep": keep,
         "positions": positions[keep],
         "token_seq": np.repeat(np.arange(B2, dtype=np.int64), lens),

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -24,7 +25,7 @@ from app.config import EngineConfig, EngineConfigError
 from app.engine.outputs import HostSamples, OutputProcessor
 from app.engine.request import EngineRequest, FinishReason, RequestError, RequestOutput
 from app.engine.runner import ModelRunner, StepInputs
-from app.engine.sampler import RowState, SampleOutput, sample
+from app.engine.sampler import RowState, SampleOutput, sample, to_device
 from app.engine.scheduler import Scheduled, Scheduler, Sequence
 from app.model.loader import load_model
 from app.model.model import DeepseekModel
@@ -288,7 +289,7 @@ class EngineCore:
             return
         logits = flight.logits[: len(items)]
         if len(live) < len(items):
-            logits = logits[torch.tensor(live, device=logits.device)]
+            logits = logits[to_device(np.asarray(live, dtype=np.int64), logits.device)]
         res = self._sample([items[i] for i in live], logits)
         self.runner.store_samples(res.tokens)
         flight.host = HostSamples(res)
@@ -324,7 +325,7 @@ class EngineCore:
                           list(range(len(constrained))))  # fmt: skip
 
             def apply(lg: torch.Tensor) -> None:
-                idx = torch.tensor(constrained, device=lg.device)
+                idx = to_device(np.asarray(constrained, dtype=np.int64), lg.device)
                 sub = lg[idx]
                 apply_bitmask(sub, mask.to(sub.device), list(range(len(constrained))))
                 lg[idx] = sub

@@ -160,12 +160,13 @@ class Attention(nn.Module):
         """Project the step's tokens, pool every candidate group of the step (projections of
         earlier positions from the tail ring) and store this step's projections in the ring.
         -> unrotated entries [G, D] fp32 (rows of invalid candidates are garbage)."""
-        rows = comp.span - 1
+        key = (self.spec.layer_id, name)
+        rows = batch.kv.tail_rows(key) if key in batch.kv.tails else 0
         grp = meta.groups(comp.ratio, comp.span, rows)
         v, g = comp.project(x, meta.pos)
         V, Gt = v[grp.new_idx], g[grp.new_idx]
         if rows:
-            tkv, tgate = batch.kv.tails[(self.spec.layer_id, name)]
+            tkv, tgate = batch.kv.tails[key]
             new = grp.from_new.unsqueeze(-1)
             V = torch.where(new, V, tkv[grp.tail_idx])
             Gt = torch.where(new, Gt, tgate[grp.tail_idx])
@@ -177,7 +178,9 @@ class Attention(nn.Module):
         """Compressed entries (and index keys) of every group that completes in this step and
         is not cached yet, written to the pools (the rest to the trash block)."""
         spec, r, pools = self.spec, self.spec.ratio, batch.kv
-        grp = meta.groups(r, self.compressor.span, self.compressor.span - 1)
+        key = (spec.layer_id, "kv")
+        rows = pools.tail_rows(key) if key in pools.tails else 0
+        grp = meta.groups(r, self.compressor.span, rows)
         latent = self._pool(self.compressor, "kv", x, batch, meta)
         v4_keys = None
         if spec.owns_index_keys and not self.cfg.is_v41:

@@ -6,7 +6,9 @@ Every tensor is a flat array of rows; the step finds rows by arithmetic on its
 
     window ring   every layer       [(slots+1) * ring, D]     slot s, position p: s*ring + p % ring
     tail ring     compressor owner  [(slots+1) * rows, width] fp32; s*rows + p % rows, where
-                                    rows = span - 1 (what a group completing later still needs)
+                                    rows >= span: a group completing later needs span - 1
+                                    positions, one more lets a decode step run twice with the
+                                    same result (CUDA-graph warm-up)
     entries       compressor owner  [(blocks+1) * P/r, D]     entry w (first position w*r):
                                     table[w*r // P] * (P/r) + (w*r % P) // r
     keys          index-key owner   [(blocks+1) * P/r, Di]    same rows as the entries
@@ -94,7 +96,7 @@ class PagedKV:
     window: list[KVRows]  # per backbone layer
     entries: dict[int, KVRows] = field(default_factory=dict)  # compressor owner -> pool
     keys: dict[int, KVRows] = field(default_factory=dict)  # index-key owner -> pool
-    # (layer, "kv" | "idx") -> (kv, gate) fp32 [(slots + 1) * rows, width]; rows = span - 1
+    # (layer, "kv" | "idx") -> (kv, gate) fp32 [(slots + 1) * rows, width]; rows >= span
     tails: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property

@@ -44,7 +44,10 @@ class Rotary:
         scaling = cfg.rope_scaling if compressed else None
         self.dim = cfg.qk_rope_head_dim
         self.freqs = rope_frequencies(self.dim, theta, scaling)
+        self._on: dict[torch.device, torch.Tensor] = {}  # copies per device (made once)
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        freqs = self.freqs.to(positions.device)
+        freqs = self._on.get(positions.device)
+        if freqs is None:
+            freqs = self._on[positions.device] = self.freqs.to(positions.device)
         return positions.to(torch.float32).unsqueeze(-1) * freqs

@@ -157,3 +157,63 @@ def test_compressor(overlap, ratio, E):
     assert _rel(pool[rows], ref) < 1e-2  # bf16 pool
     got32 = cp.compress_pool_triton(kv, gate, first, norm_w, 1e-20, **kw)
     assert _rel(got32, ref) < 1e-5
+
+
+@pytest.mark.parametrize("B", [1, 64])
+@pytest.mark.parametrize("packed", [False, True])
+def test_decode_attention_two_sources(B, packed):
+    """The batched step's call: window rows from a ring, top-512 from a separate compressed
+    pool; packed = the released V4.1 formats (fp8 + e8m0 window, nvfp4 + e4m3 entries)."""
+    from kernels.kv_quant import kv_pack
+
+    q, kv, idx, sink, angles = _decode_case(B, 100 + B)
+    W = 128
+    ring, comp = kv[: B * W], kv[B * W :]
+    win, sel = idx[:, :W], idx[:, W:] - B * W
+    sel = torch.where(idx[:, W:] >= 0, sel, -1)
+    kw: dict = {}
+    if packed:
+        (ring, s1), (comp, s2) = kv_pack(ring, "fp8"), kv_pack(comp, "nvfp4")
+        kw = dict(kv_scale=s1, kv2_scale=s2)
+    else:
+        ring, comp = ring.bfloat16(), comp.bfloat16()
+    out = attn.sparse_attention_triton(
+        q, ring, win, sink, 512**-0.5, kv2=comp, idx2=sel, inv_rope_angles=angles, **kw
+    )
+    ref = attn.sparse_attention_ref(
+        q.double(), ring if packed else ring.double(), win, sink.double(), 512**-0.5,
+        kv2=comp if packed else comp.double(), idx2=sel, inv_rope_angles=angles.double(), **kw,
+    )  # fmt: skip
+    assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("mx", [False, True])
+@pytest.mark.parametrize("B,n,C", [(64, 1, 8192), (2, 300, 4096)])
+def test_paged_indexer_scores(mx, B, n, C):
+    """Scores read through block tables (V4.1: 32 heads x 128, ratio 2, 64-token blocks),
+    decode (one token per sequence) and prefill chunks, float or mxfp4 keys."""
+    from kernels.kv_quant import kv_pack
+
+    g = torch.Generator(device=DEV).manual_seed(B + n + mx)
+    P, r = 64, 2
+    nb = C * r // P
+    T = B * n
+    table = torch.randperm(B * nb + 3, device=DEV, generator=g)[: B * nb].view(B, nb)
+    keys = torch.randn((B * nb + 4) * (P // r), 128, device=DEV, generator=g)
+    ks = None
+    if mx:
+        keys, ks = kv_pack(keys, "mxfp4")
+    else:
+        keys = keys.bfloat16()
+    q = torch.randn(T, 32, 128, device=DEV, generator=g).bfloat16()
+    w = torch.randn(T, 32, device=DEV, generator=g)
+    seq = torch.arange(B, device=DEV).repeat_interleave(n)
+    start = torch.arange(B, device=DEV) * n
+    vis = torch.randint(1, C + 1, (T,), device=DEV, generator=g)
+    out = ix.indexer_scores_paged_triton(q, keys, ks, w, vis, seq, table, r, P, C,
+                                         seq_start=start)  # fmt: skip
+    ref = ix.indexer_scores_paged_ref(q.float(), keys if mx else keys.float(), ks, w, vis, seq,
+                                      table, r, P, C)  # fmt: skip
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out))
+    assert _rel(out[fin], ref[fin]) < 1e-2

@@ -10,7 +10,7 @@ import torch
 
 from app.cache.manager import CacheManager
 from app.config import CacheConfig
-from app.engine.batch import BatchBuilder, StepSpec
+from app.engine.batch import BatchBuilder, StepSpec, pad_spec
 from app.model.config import LayerMode
 from app.model.engram_hash import compressed_token_map
 from app.model.model import DeepseekModel
@@ -126,3 +126,57 @@ def test_tiny_v41_exercises_every_mode(tiny_model):
     picked = top6[-1][top6[-1] >= 0]
     assert bool(cand[-1, picked].all())
 
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_padded_decode_step_equals_unpadded(tiny_model, arch):
+    """A CUDA graph's decode step runs the real requests padded with trash-slot requests and
+    a wider block table (``pad_spec``); the real rows' logits must not change, nothing a
+    real request owns may be written by the padding, and running the step twice (graph
+    warm-up) gives the same result."""
+    model = tiny_model(arch)
+    P = 8 if arch == "v41" else 16
+    cfg = CacheConfig(block_size=P, enable_prefix_caching=False, bounded_replay="off")
+    mgr = CacheManager(model, cfg, num_blocks=40, max_slots=8)
+    g = torch.Generator().manual_seed(3)
+    seqs = {f"s{i}": torch.randint(3, 500, (n,), generator=g) for i, n in enumerate((19, 6, 33))}
+    drive(model, mgr, {r: t[:-1] for r, t in seqs.items()}, random.Random(1), max_chunk=64)
+    rids = list(seqs)
+    for r, t in seqs.items():
+        mgr.ensure(r, t.numel())
+    width = max(mgr.num_blocks_of(r) for r in rids)
+    slots = np.array([mgr.slot_of(r) for r in rids])
+    spec = StepSpec(
+        slots=slots, starts=np.array([t.numel() - 1 for t in seqs.values()]),
+        lens=np.ones(3, np.int64), floors=np.zeros(3, np.int64),
+        cached=np.array([t.numel() - 1 for t in seqs.values()]),
+        decoder_floors=np.zeros(3, np.int64),
+        history=np.array([[int(t[-2 - k]) for k in range(3)] for t in seqs.values()]),
+        ids=np.array([int(t[-1]) for t in seqs.values()]), pending=np.full(3, -1),
+        logit_rows=np.arange(3), tables=mgr.tables[slots, :width],
+    )  # fmt: skip
+    if model.hash_spec is None:
+        spec.history = spec.history[:, :0]
+    pools = mgr.pools
+    snap = lambda: [w.data.clone() for w in pools.window]  # noqa: E731
+    builder = BatchBuilder(pools, torch.device("cpu"))
+    before = snap()
+    with torch.no_grad():
+        plain = model(builder.build(spec))
+        wide = np.concatenate((spec.tables, np.full((3, 4), pools.trash_block)), axis=1)
+        padded = pad_spec(StepSpec(**{**spec.__dict__, "tables": wide}), 8, pools.trash_slot,
+                          pools.trash_block)  # fmt: skip
+        after_plain = snap()
+        big = model(builder.build(padded))
+        again = model(builder.build(padded))  # a graph's warm-up runs a step more than once
+    assert torch.equal(again, big)
+    torch.testing.assert_close(big[:3], plain, rtol=0, atol=1e-5 * plain.abs().max().item())
+    R, used = pools.ring, set(slots.tolist())
+    for w0, w1, w2 in zip(before, after_plain, snap(), strict=True):
+        for s in range(pools.num_slots):  # padding writes only the trash slot
+            rows = slice(s * R, (s + 1) * R)
+            if s in used:
+                torch.testing.assert_close(w2[rows], w1[rows], rtol=0, atol=1e-5)
+                assert not torch.equal(w0[rows], w1[rows])  # (the step did write the ring)
+            else:
+                assert torch.equal(w2[rows], w0[rows]), s
