@@ -299,39 +299,45 @@ def prefill(rank: Rank, args, rate: float, bw: float) -> list[dict]:
 
 
 def profile(rank: Rank, args) -> list[dict]:
-    """Device time per kernel family of one eager decode step (B = 64, context 4096)."""
+    """Device time per kernel family (and the largest kernels) of one decode step, replayed
+    as a CUDA graph, at each ``--profile-batches`` size and context 4096."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     from app.engine.runner import StepInputs
 
-    B, ctx = min(64, rank.mgr.kv.max_slots), 4096
-    rids = rank.requests(B, ctx, 1)
-    inp = StepInputs([], rank.spec(rids, ctx, 1), [], graph=False)
-    with torch.inference_mode():
-        for _ in range(2):
-            rank.runner.forward(inp)
-        torch.cuda.synchronize()
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
-            rank.runner.forward(inp).argmax(-1)
+    records, ctx = [], 4096
+    for B in (int(b) for b in args.profile_batches.split(",")):
+        B = min(B, rank.mgr.kv.max_slots)
+        rids = rank.requests(B, ctx, 1)
+        inp = StepInputs([], rank.spec(rids, ctx, 1), [], graph=rank.runner.graphs is not None)
+        with torch.inference_mode():
+            for _ in range(3):
+                rank.runner.forward(inp)
             torch.cuda.synchronize()
-    rank.free(rids)
-    fam: dict[str, float] = {}
-    total = 0.0
-    for e in p.key_averages():
-        us = e.device_time_total
-        if us <= 0:
-            continue
-        total += us
-        fam[_family(e.key)] = fam.get(_family(e.key), 0.0) + us
-    rows = sorted(fam.items(), key=lambda kv: -kv[1])
-    print(f"decode step B={B} ctx={ctx}: {total / 1e3:.2f} ms of kernels")
-    records = []
-    for name, us in rows:
-        print(f"  {name:<28} {us / 1e3:8.3f} ms  {100 * us / total:5.1f} %")
-        records.append(record("engine.decode_ops", us / 1e3, "ms",
-                              {"family": name, "batch": B, "context": ctx,
-                               "share": us / total}))  # fmt: skip
+            with prof(activities=[ProfilerActivity.CUDA]) as p:
+                rank.runner.forward(inp).argmax(-1)
+                torch.cuda.synchronize()
+        rank.free(rids)
+        fam: dict[str, float] = {}
+        kern: list[tuple[float, int, str]] = []
+        total = 0.0
+        for e in p.key_averages():
+            us = e.device_time_total
+            if us <= 0:
+                continue
+            total += us
+            fam[_family(e.key)] = fam.get(_family(e.key), 0.0) + us
+            kern.append((us, e.count, e.key))
+        print(f"decode step B={B} ctx={ctx} (graph): {total / 1e3:.2f} ms of kernels, "
+              f"{sum(c for _, c, _ in kern)} launches", flush=True)  # fmt: skip
+        for name, us in sorted(fam.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<28} {us / 1e3:8.3f} ms  {100 * us / total:5.1f} %")
+            records.append(record("engine.decode_ops", us / 1e3, "ms",
+                                  {"family": name, "batch": B, "context": ctx,
+                                   "share": us / total}))  # fmt: skip
+        for us, n, key in sorted(kern, reverse=True)[:25]:
+            print(f"    {us / 1e3:8.3f} ms {n:5d}x  {key[:110]}")
     return records
 
 
@@ -424,6 +430,7 @@ def main() -> None:
     ap.add_argument("--prefill", default="32768x1x4096,32768x2x4096,32768x4x4096,32768x8x4096",
                     help="prefill cases: context x requests x new tokens, comma-separated")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile-batches", default="1,64,256")
     ap.add_argument("--out", default=None, help="result file name (default engine_steps_*)")
     args = ap.parse_args()
     if args.model == "tiny":

@@ -26,7 +26,7 @@ from app.model.engram_hash import engram_hash_spec
 from app.model.layers import Linear
 from app.model.loader import build_empty_model
 from app.model.model import DeepseekModel
-from app.model.moe import MoE, PackedExperts
+from app.model.moe import Gate, MoE, PackedExperts
 
 EP = 8
 ENGRAM_VOCAB = 4099  # real Engram rows come from a 16M-entry vocabulary; this keeps 50 MB
@@ -109,9 +109,9 @@ def build_rank(cfg: ModelConfig, device: str, ep: int = EP, seed: int = 0) -> De
         for name, p in list(mod._parameters.items()):
             if p is None or p.device.type != "meta":
                 continue
-            if isinstance(mod, Linear) or (name == "weight" and p.dim() == 2 and "embed" in name):
+            if isinstance(mod, Linear | Gate) and p.dim() == 2:  # the router: bf16 as stored
                 new = _fill(p.shape, torch.bfloat16, device, 1 / math.sqrt(p.shape[-1]), g)
-            elif p.dim() >= 2:  # mHC maps, router, Engram tables
+            elif p.dim() >= 2:  # mHC maps, Engram tables
                 new = _fill(p.shape, p.dtype, device, 1 / math.sqrt(p.shape[-1]), g)
             elif name.endswith("scale") or "norm" in type(mod).__name__.lower() or "weight" in name:
                 new = torch.ones(p.shape, dtype=p.dtype, device=device)

@@ -40,7 +40,7 @@ def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
     return torch.copysign(level, v)
 
 
-def kv_qdq(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+def kv_qdq_ref(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
     """Quantize then dequantize the last dim of ``x`` in groups of ``block`` channels."""
     c = x.shape[-1]
     g = torch.nn.functional.pad(x.float(), (0, -c % block)).unflatten(-1, (-1, block))
@@ -65,7 +65,8 @@ def kv_qdq(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
 #   nvfp4  codes uint8 [N, D/2]            scale float8_e4m3fn [N, D/16]  (288 B)
 #   mxfp4  codes uint8 [N, D/2]            scale uint8 e8m0 [N, D/32]     ( 68 B at D = 128)
 # fp4 bytes hold channel 2j in the low nibble and 2j+1 in the high one (the checkpoint's order).
-# ``kv_unpack(*kv_pack(x, f), f)`` equals ``kv_qdq(x, f, KV_BLOCKS[f])`` bit for bit.
+# ``kv_unpack(*kv_pack(x, f), f)`` equals ``kv_qdq(x, f, KV_BLOCKS[f])`` bit for bit (and the
+# Triton kernels below the torch references, in every format).
 
 KV_BLOCKS = {"fp8": 32, "nvfp4": 16, "mxfp4": 32}
 KV_FORMATS = ("float", *KV_BLOCKS)
@@ -100,7 +101,7 @@ def _pow2_code(scale: torch.Tensor) -> torch.Tensor:
     return ((scale.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
 
 
-def kv_pack(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_pack_ref(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x`` [N, D] -> (codes, scale) in ``fmt`` (fp8, nvfp4, mxfp4; see above)."""
     from kernels.quant import fp4_encode, pack_fp4
 
@@ -140,3 +141,173 @@ def kv_unpack(
     else:
         s = torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.long() - 127)
     return (vals.reshape(n, d // b, b) * s.unsqueeze(-1)).reshape(n, d).to(dtype)
+
+
+# ---- Triton: one launch per pack / round-trip ----------------------------------------------
+import os  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+_FMT_CODE = {"fp8": 0, "mxfp4": 1, "nvfp4": 2}
+
+
+@triton.jit
+def _pow2_ceil(x):
+    """Smallest power of two >= x for positive normal fp32 x, from the exponent bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    exp = exp + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exp << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(v):
+    """fp32 |v| <= 448 -> (e4m3fn code as int32, its value as fp32), round to nearest even,
+    from the bits (the same rounding as a hardware cvt.rn, in the interpreter too)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(v)
+    abits = a.to(tl.int32, bitcast=True)
+    E = ((abits >> 23) & 0xFF) - 127
+    m = abits & 0x7FFFFF
+    keep = m >> 20
+    rem = m & 0xFFFFF
+    up = (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) == 1))
+    keep = keep + up.to(tl.int32)
+    E = E + (keep >> 3)
+    keep = keep & 7
+    normal = ((E + 7) << 3) | keep
+    # subnormals (|v| < 2^-6): multiples of 2^-9, rounded half to even; 8 is the first normal
+    t = a * 512.0
+    q = tl.floor(t)
+    frac = t - q
+    qi = q.to(tl.int32)
+    qi = qi + ((frac > 0.5) | ((frac == 0.5) & ((qi & 1) == 1))).to(tl.int32)
+    code = tl.where(a < 2.0**-6, qi, normal)
+    mag = tl.where(a < 2.0**-6, qi.to(tl.float32) * 2.0**-9,
+                   ((E + 127) << 23 | (keep << 20)).to(tl.float32, bitcast=True))  # fmt: skip
+    code = tl.where(a == 0.0, 0, code)
+    mag = tl.where(a == 0.0, 0.0, mag)
+    return code | sign, tl.where(sign != 0, -mag, mag)
+
+
+@triton.jit
+def _e2m1_code(v):
+    """|v| <= 6 -> E2M1 code 0..15 (round to nearest, ties to the even code)."""
+    m = tl.abs(v)
+    c = ((m > 0.25).to(tl.int32) + (m > 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+         + (m > 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m > 3.5).to(tl.int32)
+         + (m > 5.0).to(tl.int32))  # fmt: skip
+    tie = ((m == 0.25) | (m == 0.75) | (m == 1.25) | (m == 1.75) | (m == 2.5) | (m == 3.5)
+           | (m == 5.0))  # fmt: skip
+    c = c + (tie & (c % 2 == 1)).to(tl.int32)
+    return c + 8 * (v < 0).to(tl.int32)
+
+
+@triton.jit
+def _e2m1_value(code):
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kv_pack_kernel(
+    x_ptr, sx, c_ptr, sc, s_ptr, ss, y_ptr, sy, N,
+    D: tl.constexpr, B: tl.constexpr, FMT: tl.constexpr, QDQ: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    """Rows [BR, D] -> groups of B channels: scale from the group's amax, codes (packed two
+    fp4 per byte, channel 2j low), or with QDQ the decoded values in x's dtype."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = r < N
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * sx + d[None, :], mask=rm[:, None], other=0.0)
+    g = tl.reshape(x.to(tl.float32), (BR, D // B, B))
+    amax = tl.max(tl.abs(g), axis=2)
+    if FMT == 0:
+        scale = _pow2_ceil(tl.maximum(amax, 1e-4) / 448.0)
+    elif FMT == 1:
+        scale = _pow2_ceil(tl.maximum(amax, 6 * 2.0**-126) / 6.0)
+    else:
+        # e4m3 saturates at 448 (as torch's cast): amax / 6 above it keeps the top scale
+        s8, scale = _e4m3(tl.minimum(tl.math.div_rn(tl.maximum(amax, 6 * 2.0**-9), 6.0), 448.0))
+    v = tl.math.div_rn(g, scale[:, :, None])
+    gs = tl.arange(0, D // B)
+    if FMT == 0:
+        q, qv = _e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
+        if QDQ:
+            out = qv * scale[:, :, None]
+        else:
+            tl.store(c_ptr + r[:, None].to(tl.int64) * sc + d[None, :],
+                     tl.reshape(q, (BR, D)).to(tl.uint8), mask=rm[:, None])  # fmt: skip
+    else:
+        code = _e2m1_code(tl.minimum(tl.maximum(v, -6.0), 6.0))
+        if QDQ:
+            out = _e2m1_value(code) * scale[:, :, None]
+        else:
+            lo, hi = tl.split(tl.reshape(code, (BR, D // 2, 2)))
+            j = tl.arange(0, D // 2)
+            tl.store(c_ptr + r[:, None].to(tl.int64) * sc + j[None, :],
+                     (lo | (hi << 4)).to(tl.uint8), mask=rm[:, None])  # fmt: skip
+    if QDQ:
+        tl.store(y_ptr + r[:, None].to(tl.int64) * sy + d[None, :],
+                 tl.reshape(out, (BR, D)).to(y_ptr.dtype.element_ty), mask=rm[:, None])
+    else:
+        sp = s_ptr + r[:, None].to(tl.int64) * ss + gs[None, :]
+        if FMT == 2:
+            tl.store(sp, s8.to(tl.uint8), mask=rm[:, None])
+        else:  # e8m0: the biased exponent
+            e = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+            tl.store(sp, e.to(tl.uint8), mask=rm[:, None])
+
+
+def _launch(x: torch.Tensor, fmt: str, qdq: bool):
+    if fmt not in _FMT_CODE:
+        raise ValueError(f"unknown KV format {fmt!r} ({', '.join(_FMT_CODE)})")
+    b = KV_BLOCKS[fmt]
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n, d = x2.shape
+    if d % b or d & (d - 1):
+        raise ValueError(f"{fmt} rows need a power-of-two multiple of {b} channels, got {d}")
+    br = 16 if os.environ.get("TRITON_INTERPRET") != "1" else 4
+    grid = (triton.cdiv(n, br),)
+    if qdq:
+        y = torch.empty_like(x2)
+        if n:
+            _kv_pack_kernel[grid](x2, x2.stride(0), y, 0, y, 0, y, y.stride(0), n, D=d, B=b,
+                                  FMT=_FMT_CODE[fmt], QDQ=True, BR=br)  # fmt: skip
+        return y.view(shape)
+    codes, scale = kv_storage(fmt, n, d, x.dtype, x.device)
+    cu, su = codes.view(torch.uint8), scale.view(torch.uint8)  # codes written as bytes
+    if n:
+        _kv_pack_kernel[grid](x2, x2.stride(0), cu, cu.stride(0), su, su.stride(0),
+                              codes, 0, n, D=d, B=b, FMT=_FMT_CODE[fmt], QDQ=False,
+                              BR=br)  # fmt: skip
+    return codes, scale
+
+
+def kv_pack_triton(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`kv_pack` (same results, bit for bit): rows [N, D] -> (codes, scale)."""
+    return _launch(x, fmt, qdq=False)
+
+
+def kv_qdq_triton(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Triton :func:`kv_qdq` with the format's block (the last dim of any shape)."""
+    return _launch(x, fmt, qdq=True)
+
+
+def kv_pack(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: the Triton kernel for CUDA tensors, the torch reference otherwise."""
+    return (kv_pack_triton if x.is_cuda else kv_pack_ref)(x, fmt)
+
+
+def kv_qdq(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """Dispatch (the Triton kernel rounds with the format's block, which the model uses)."""
+    if x.is_cuda and block == KV_BLOCKS.get(fmt):
+        return kv_qdq_triton(x, fmt)
+    return kv_qdq_ref(x, fmt, block)

@@ -15,6 +15,7 @@ Decode steps (one token per request, nothing else wanted) run as CUDA graphs on 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,18 @@ from app.cache.manager import CacheManager
 from app.engine.batch import BatchBuilder, StepSpec
 from app.engine.scheduler import Scheduled
 from app.model.model import DeepseekModel
+from app.model.moe import MoE, PackedExperts
+
+logger = logging.getLogger(__name__)
+
+
+def capturable(model: DeepseekModel) -> bool:
+    """Whether a decode step of ``model`` can be captured in a CUDA graph: every MoE layer
+    runs the packed-expert kernels (the dequantized reference loops over the experts a batch
+    touches, a data-dependent host loop)."""
+    return all(
+        isinstance(m.experts, PackedExperts) for m in model.modules() if isinstance(m, MoE)
+    )
 
 
 @dataclass
@@ -64,9 +77,13 @@ class ModelRunner:
         self.sampled = torch.zeros(max(1, cache.kv.max_slots), dtype=torch.int64, device=device)
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
-            from app.engine.graphs import CudaGraphRunner
+            if capturable(model):
+                from app.engine.graphs import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(model, self.builder, max_graph_batch)
+                self.graphs = CudaGraphRunner(model, self.builder, max_graph_batch)
+            else:
+                logger.info("CUDA graphs off: dequantized routed experts run a per-expert loop "
+                            "that synchronizes with the host (pack the experts: packed_experts)")
 
     def prepare(
         self, items: list[Scheduled], decoder_replay: bool, prev_rows: dict[str, int]

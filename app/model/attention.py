@@ -30,7 +30,7 @@ from app.model.rope import Rotary, apply_rope
 from kernels.attention import sparse_attention
 from kernels.indexer import indexer_scores_paged, topk
 from kernels.kv_quant import kv_qdq
-from kernels.norm import rms_norm
+from kernels.norm import norm_rope, rms_norm_ref
 
 
 @dataclass
@@ -80,14 +80,24 @@ class Attention(nn.Module):
 
     # ---- shared pieces (the reference forward uses them too) ----------------------------
     def qkv(self, x: torch.Tensor, angles: torch.Tensor):
-        """-> (q [T, H, D] rotated, c_q [T, q_lora], kv [T, D] rotated latent)."""
+        """-> (q [T, H, D] rotated, c_q [T, q_lora], kv [T, D] rotated latent): the
+        reference's sequence of ops (the batched step fuses them: :meth:`qkv_fused`)."""
         T, H, D = x.shape[0], self.n_heads, self.head_dim
         c_q = self.q_norm(self.wq_a(x))
         q = self.wq_b(c_q).view(T, H, D)
         if not self.cfg.is_v41:
-            q = rms_norm(q, None, self.cfg.rms_norm_eps)
+            q = rms_norm_ref(q, None, self.cfg.rms_norm_eps)
         q = apply_rope(q, angles)
         kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
+        return q, c_q, kv
+
+    def qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """:meth:`qkv` with each norm + RoPE as one kernel (``kernels.norm.norm_rope``)."""
+        T, H, D = x.shape[0], self.n_heads, self.head_dim
+        c_q = norm_rope(self.wq_a(x), self.q_norm.weight, self.q_norm.eps)
+        eps = None if self.cfg.is_v41 else self.cfg.rms_norm_eps  # V4: weightless head norm
+        q = norm_rope(self.wq_b(c_q).view(T, H, D), None, eps, cos, sin)
+        kv = norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         return q, c_q, kv
 
     def qdq(self, x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
@@ -108,11 +118,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``x`` [T, hidden] (normed sublayer input) -> [T, hidden]."""
         angles = meta.angles(self.rotary)
-        q, c_q, kv = self.qkv(x, angles)
+        cos, sin = meta.cos_sin(self.rotary)
+        q, c_q, kv = self.qkv_fused(x, cos, sin)
         win, idx = self._window(kv, batch, meta)
         extra = {}
         if self.spec.compressed:
-            rows = self._compressed(x, c_q, angles, batch, meta, state)
+            rows = self._compressed(x, c_q, (cos, sin), batch, meta, state)
             pool = batch.kv.entries[self.spec.kv_source]
             extra = dict(kv2=pool.data, kv2_scale=pool.scale, idx2=rows)
         out = sparse_attention(
@@ -139,12 +150,13 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         c_q: torch.Tensor,
-        angles: torch.Tensor,
+        angles: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
         meta: StepMeta,
         state: CompressedState,
     ) -> torch.Tensor:
-        """Selected compressed pool rows [T, k] (-1 empty) of every token."""
+        """Selected compressed pool rows [T, k] (-1 empty) of every token (``angles``: the
+        step's (cos, sin))."""
         spec = self.spec
         if spec.owns_compressor:
             self._emit(x, batch, meta)
@@ -186,17 +198,23 @@ class Attention(nn.Module):
         if spec.owns_index_keys and not self.cfg.is_v41:
             v4_keys = self._pool(self.indexer.compressor, "idx", x, batch, meta)
         ang = self.rotary.angles(grp.entry * r)
-        pools.entries[spec.layer_id].write(grp.dest, apply_rope(latent, ang).to(x.dtype))
+        cos, sin = ang.cos(), ang.sin()
+        entries = norm_rope(latent, None, None, cos, sin).to(x.dtype)
+        pools.entries[spec.layer_id].write(grp.dest, entries)
         if spec.owns_index_keys:
             ix = self.indexer  # V4.1: index keys from the unrotated latent
-            raw = ix.k_norm(ix.wk(latent.to(x.dtype))) if v4_keys is None else v4_keys
-            pools.keys[spec.layer_id].write(grp.dest, apply_rope(raw, ang).to(x.dtype))
+            if v4_keys is None:
+                keys = norm_rope(ix.wk(latent.to(x.dtype)), ix.k_norm.weight, ix.k_norm.eps,
+                                 cos, sin)  # fmt: skip
+            else:
+                keys = norm_rope(v4_keys, None, None, cos, sin)
+            pools.keys[spec.layer_id].write(grp.dest, keys.to(x.dtype))
 
     def _select(
         self,
         x: torch.Tensor,
         c_q: torch.Tensor,
-        angles: torch.Tensor,
+        angles: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
         meta: StepMeta,
         state: CompressedState,
@@ -204,7 +222,12 @@ class Attention(nn.Module):
         """Top-k compressed pool rows [T, k] (V4 CSA, V4.1 Full/Reindex)."""
         spec, cfg, r = self.spec, self.cfg, self.spec.ratio
         keys = batch.kv.keys[spec.kv_source]
-        q, w = self.indexer.queries(x, c_q, angles, apply_rope)
+        cos, sin = angles
+
+        def rope(t: torch.Tensor, _angles) -> torch.Tensor:
+            return norm_rope(t, None, None, cos, sin)
+
+        q, w = self.indexer.queries(x, c_q, angles, rope)
         q = self.qdq(q, "mxfp4", 32)
         visible = meta.visible(r)
         scores = indexer_scores_paged(

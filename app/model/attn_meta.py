@@ -68,6 +68,7 @@ class StepMeta:
         self._window: WindowRows | None = None
         self._groups: dict[tuple[int, int, int], GroupRows] = {}
         self._angles: dict[int, torch.Tensor] = {}
+        self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hca: dict[int, torch.Tensor] = {}
 
     # ---- window ---------------------------------------------------------------------------
@@ -175,6 +176,14 @@ class StepMeta:
         return GroupRows(token, valid, w, dest, w == 0, from_new, new_idx, tail_idx, tail_write)
 
     # ---- rotary -----------------------------------------------------------------------------
+    def cos_sin(self, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, rope/2] of the step's positions for one :class:`Rotary` (cached)."""
+        key = id(rotary)
+        if key not in self._cos_sin:
+            a = self.angles(rotary)
+            self._cos_sin[key] = (a.cos(), a.sin())
+        return self._cos_sin[key]
+
     def angles(self, rotary) -> torch.Tensor:
         """[T, rope/2] angles of the step's positions for one :class:`Rotary` (cached)."""
         key = id(rotary)

@@ -93,6 +93,7 @@ _KIND_RULES: tuple[tuple[re.Pattern[str], QuantKind], ...] = (
 
 
 _QUANTIZED: frozenset[QuantKind] = frozenset(("fp8", "fp4", "fp8_rowwise"))
+_ROUTER = re.compile(_BLOCK + r"ffn\.gate\.weight$")
 
 
 def _official_kind(name: str) -> QuantKind:
@@ -278,6 +279,10 @@ def _plan(
                             f"{ckpt.root / ckpt.source}")  # fmt: skip
             continue
         target = dtype if _official_kind(name) in _QUANTIZED else want.dtype
+        if dtype == torch.bfloat16 and _ROUTER.search(name):
+            # stored bf16: kept so the MegaGate multiplies on tensor cores (bf16 x bf16
+            # products are exact in its fp32 accumulation, as in the reference's fp32 GEMM)
+            target = torch.bfloat16
         try:
             loads.append(_plan_one(ckpt, name, want, target, block))
         except CheckpointError as e:

@@ -217,3 +217,31 @@ def test_paged_indexer_scores(mx, B, n, C):
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(out))
     assert _rel(out[fin], ref[fin]) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+def test_kv_pack_bit_exact_on_gpu(fmt):
+    """The cache packers on the GPU = the torch references, bit for bit (V4.1 row widths)."""
+    from kernels.kv_quant import KV_BLOCKS, kv_pack_ref, kv_pack_triton, kv_qdq_ref, kv_qdq_triton
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    d = 128 if fmt == "mxfp4" else 512
+    for scale in (1e-6, 1.0, 300.0):
+        x = (torch.randn(4096, d, device=DEV, generator=g) * scale).bfloat16()
+        a, sa = kv_pack_ref(x, fmt)
+        b, sb = kv_pack_triton(x, fmt)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8))
+        assert torch.equal(kv_qdq_ref(x, fmt, KV_BLOCKS[fmt]), kv_qdq_triton(x, fmt))
+
+
+def test_norm_rope_on_gpu():
+    from kernels.norm import norm_rope_ref, norm_rope_triton
+
+    g = torch.Generator(device=DEV).manual_seed(4)
+    x = torch.randn(64, 64, 512, device=DEV, generator=g).bfloat16()
+    ang = torch.rand(64, 32, device=DEV, generator=g) * 1e4
+    w = torch.randn(512, device=DEV, generator=g)
+    for wt, eps in ((w, 1e-6), (None, None)):
+        ref = norm_rope_ref(x.float(), wt, eps, ang.cos(), ang.sin())
+        assert _rel(norm_rope_triton(x, wt, eps, ang.cos(), ang.sin()), ref) < 1e-2

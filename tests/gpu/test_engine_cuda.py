@@ -73,7 +73,8 @@ def test_engine_greedy_equals_cpu_reference(ckpts, arch, graphs, overlap):
 
 
 def test_prefix_hits_and_preemption_equal_cpu_reference(ckpts):
-    """Shared prefixes (hits with replay off are exact) and a pool small enough to preempt."""
+    """Shared prefixes (hits with replay off are exact) and a pool small enough to preempt:
+    four requests of up to 4 blocks of 16 (2 shared) need 10 blocks, the pool has 8."""
     cpu = load_model(ckpts["v41"])
     shared = _prompts((40,), seed=5)[0]
     ps = [shared + t for t in _prompts((3, 9, 6, 11), seed=6)]
@@ -82,7 +83,7 @@ def test_prefix_hits_and_preemption_equal_cpu_reference(ckpts):
     blk, slot = probe.cache.kv.bytes_per_block(), probe.cache.kv.bytes_per_slot()
     eng = EngineCore(EngineConfig.from_options(
         ckpts["v41"], device="cuda", block_size=16, max_num_seqs=4, max_num_batched_tokens=24,
-        kv_cache_bytes=(12 + 1) * blk + (4 + 1) * slot, bounded_replay="off",
+        kv_cache_bytes=(8 + 1) * blk + (4 + 1) * slot, bounded_replay="off",
     ))  # fmt: skip
     got = _run(eng, ps)
     assert eng.cache.index.stats.hit_tokens > 0

@@ -1,0 +1,64 @@
+"""Row kernels of the batched step under TRITON_INTERPRET=1: the KV cache packers (bit for bit
+against the torch references, every format, ties and subnormals) and fused RMSNorm + RoPE."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.kv_quant import (  # noqa: E402
+    KV_BLOCKS,
+    kv_pack_ref,
+    kv_pack_triton,
+    kv_qdq_ref,
+    kv_qdq_triton,
+)
+from kernels.norm import norm_rope_ref, norm_rope_triton  # noqa: E402
+from kernels.rope import apply_rope_ref  # noqa: E402
+
+TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, 6.0, -6.0, 0.0, -0.0, 7.0, 100.0, 1e-30]
+
+
+@pytest.mark.parametrize("fmt", list(KV_BLOCKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_pack_bit_exact(fmt, dtype):
+    g = torch.Generator().manual_seed(len(fmt))
+    for scale in (1e-7, 1e-3, 1.0, 500.0):
+        x = torch.randn(9, 64, generator=g) * scale
+        x[0, : len(TIES)] = torch.tensor(TIES) * scale  # E2M1 / e4m3 rounding ties
+        x[1, :32] = torch.tensor(TIES[:8]).repeat(4) * 2.0**-8  # e4m3 subnormal range
+        x = x.to(dtype)
+        a, sa = kv_pack_ref(x, fmt)
+        b, sb = kv_pack_triton(x, fmt)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (fmt, scale)
+        assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8)), (fmt, scale)
+        assert torch.equal(kv_qdq_ref(x, fmt, KV_BLOCKS[fmt]), kv_qdq_triton(x, fmt))
+
+
+def test_kv_qdq_keeps_leading_dims():
+    x = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(kv_qdq_triton(x, "mxfp4"), kv_qdq_ref(x, "mxfp4", 32))
+
+
+@pytest.mark.parametrize("shape,R", [((5, 64), 16), ((3, 4, 64), 16), ((6, 80), 0),
+                                     ((2, 3, 128), 64)])  # fmt: skip
+@pytest.mark.parametrize("norm", ["weighted", "weightless", "none"])
+def test_norm_rope(shape, R, norm):
+    g = torch.Generator().manual_seed(sum(shape) + R)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(shape[-1], generator=g) if norm == "weighted" else None
+    eps = None if norm == "none" else 1e-6
+    ang = torch.rand(shape[0], R // 2, generator=g) * 50 if R else None
+    cs = (ang.cos(), ang.sin()) if R else (None, None)
+    if eps is None and not R:
+        pytest.skip("nothing to do")
+    ref = norm_rope_ref(x, w, eps, *cs)
+    out = norm_rope_triton(x, w, eps, *cs)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    if R and eps is None:  # precomputed cos/sin = the model's polar RoPE
+        polar = apply_rope_ref(x, ang)
+        assert ((ref - polar).abs().max() / polar.abs().max()).item() < 1e-6
