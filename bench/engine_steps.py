@@ -224,7 +224,8 @@ def decode(rank: Rank, args, bw: float) -> list[dict]:
           f"{'x floor':>7} {'x spec':>7}  (ms)", flush=True)  # fmt: skip
     for ctx in (int(c) for c in args.contexts.split(",")):
         for B in (int(b) for b in args.batches.split(",")):
-            for q in (1, 4) if not args.quick else (1,):
+            verify = (4,) if str(B) in args.verify_batches.split(",") else ()
+            for q in (1, *verify):
                 need = B * (-(-(ctx + q) // 64)) * rank.mgr.layout.bytes_per_block
                 if need > 0.9 * rank.mgr.pool.num_blocks * rank.mgr.layout.bytes_per_block:
                     print(f"{ctx:>6} {B:>4} {q:>2}  skipped: KV of {need / 2**30:.1f} GiB")
@@ -234,6 +235,9 @@ def decode(rank: Rank, args, bw: float) -> list[dict]:
                 res = {}
                 for graph in (True, False):
                     headroom = rank.mgr.layout.ring - rank.model.cfg.sliding_window
+                    if not graph and args.no_eager:
+                        res[graph] = float("nan")
+                        continue
                     if graph and (q > 1 + headroom or rank.runner.graphs is None):
                         res[graph] = float("nan")  # verify graphs need ring headroom
                         continue
@@ -257,7 +261,7 @@ def decode(rank: Rank, args, bw: float) -> list[dict]:
                         p = dict(params, cuda_graph=graph)
                         records.append(record("engine.decode_step", res[graph] * 1e3, "ms", p,
                                               floor=floor * 1e3))  # fmt: skip
-                print(f"{ctx:>6} {B:>4} {q:>2} {res[True] * 1e3:8.2f} {res[False] * 1e3:8.2f} "
+                print(f"{ctx:>6} {B:>4} {q:>2} {res[True] * 1e3:8.2f} {res[False] * 1e3:8.2f} "  # noqa
                       f"{floor * 1e3:7.2f} {spec_floor * 1e3:7.2f} {best / floor:7.2f} "
                       f"{best / spec_floor:7.2f}", flush=True)  # fmt: skip
     return records
@@ -430,6 +434,9 @@ def main() -> None:
     ap.add_argument("--prefill", default="32768x1x4096,32768x2x4096,32768x4x4096,32768x8x4096",
                     help="prefill cases: context x requests x new tokens, comma-separated")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-eager", action="store_true", help="decode: CUDA graph only")
+    ap.add_argument("--verify-batches", default="1,32,256",
+                    help="decode batches also timed as verify steps of 1 + 3 tokens")
     ap.add_argument("--profile-batches", default="1,64,256")
     ap.add_argument("--out", default=None, help="result file name (default engine_steps_*)")
     args = ap.parse_args()
@@ -445,18 +452,15 @@ def main() -> None:
                record("ceiling.bf16_matmul", rate / 1e12, "TFLOP/s")]  # fmt: skip
     name = args.out or "engine_steps_flash_rank"
     rank = Rank(max_seqs=256, kv_bytes=40 << 30, ep=8, max_tokens=32768)
-    parts = {"decode": (decode, (bw,)), "profile": (profile, ()),
-             "prefill": (prefill, (rate, bw))}  # fmt: skip
-    for part, (fn, extra) in parts.items():
+    parts = {"decode": lambda: decode(rank, args, bw), "profile": lambda: profile(rank, args),
+             "gap": lambda: gap(args, rank.model),
+             "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip
+    for part, fn in parts.items():
         if part in what:
-            records += fn(rank, args, *extra)
+            records += fn()
             write(name, records)  # keep what finished if a later part runs out of time
-    model = rank.model
-    del rank  # the cache and the graphs; the model serves the engine of the gap benchmark
-    gc.collect()
-    torch.cuda.empty_cache()
-    if "gap" in what:
-        records += gap(args, model)
+            gc.collect()
+            torch.cuda.empty_cache()
     print("wrote", write(name, records))
 
 

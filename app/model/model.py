@@ -23,6 +23,7 @@ from app.model.engram_hash import EngramHashSpec, engram_hash_spec
 from app.model.forward_batch import ForwardBatch
 from app.model.layers import Linear, RMSNorm
 from app.model.moe import MoE
+from kernels.linear import linear_f32
 from kernels.mhc import hc_collapse, hc_post, hc_post_pre, hc_pre
 
 # The post update of the last sublayer, not applied yet: (sublayer output, post, comb). The
@@ -319,8 +320,9 @@ class DeepseekModel(nn.Module):
         return self.compute_logits(h)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 head over final hidden states [R, d] -> [R, vocab]."""
-        return torch.nn.functional.linear(h.float(), self.head.weight.float())
+        """fp32 head over final hidden states [R, d] -> [R, vocab] (bf16 weights are read as
+        stored: products are exact in the fp32 accumulation)."""
+        return linear_f32(h.to(self.head.weight.dtype), self.head.weight)
 
     @torch.no_grad()
     def logits(self, token_ids: torch.Tensor) -> torch.Tensor:

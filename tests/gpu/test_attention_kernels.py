@@ -245,3 +245,16 @@ def test_norm_rope_on_gpu():
     for wt, eps in ((w, 1e-6), (None, None)):
         ref = norm_rope_ref(x.float(), wt, eps, ang.cos(), ang.sin())
         assert _rel(norm_rope_triton(x, wt, eps, ang.cos(), ang.sin()), ref) < 1e-2
+
+
+@pytest.mark.parametrize("M", [1, 64, 256])
+def test_head_gemm_fp32_out(M):
+    """The LM head's bf16 x bf16 -> fp32 GEMM (V4.1 vocab x hidden) = fp32 GEMM of the same
+    bf16 values (sum order aside)."""
+    from kernels.linear import linear_f32_ref, linear_f32_triton
+
+    g = torch.Generator(device=DEV).manual_seed(M)
+    x = torch.randn(M, 5120, device=DEV, generator=g).bfloat16()
+    w = (torch.randn(129280, 5120, device=DEV, generator=g) * 0.02).bfloat16()
+    out = linear_f32_triton(x, w)
+    assert out.dtype == torch.float32 and _rel(out, linear_f32_ref(x, w)) < 1e-5

@@ -62,3 +62,16 @@ def test_norm_rope(shape, R, norm):
     if R and eps is None:  # precomputed cos/sin = the model's polar RoPE
         polar = apply_rope_ref(x, ang)
         assert ((ref - polar).abs().max() / polar.abs().max()).item() < 1e-6
+
+
+def test_linear_f32_head():
+    """The LM head's bf16 x bf16 -> fp32 GEMM = the fp32 GEMM of the same bf16 values."""
+    from kernels.linear import linear_f32_ref, linear_f32_triton
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 48, generator=g).bfloat16()
+    w = torch.randn(70, 48, generator=g).bfloat16()
+    out = linear_f32_triton(x, w)
+    ref = linear_f32_ref(x, w)
+    assert out.dtype == torch.float32
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-6
