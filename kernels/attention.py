@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import op
+
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -436,15 +438,4 @@ def sparse_attention_triton(
     return out
 
 
-def sparse_attention(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    idx: torch.Tensor,
-    sink: torch.Tensor,
-    scale: float,
-    **kw: torch.Tensor | None,
-) -> torch.Tensor:
-    """Dispatch: the Triton kernel for CUDA tensors, the torch reference otherwise (keywords
-    of :func:`sparse_attention_ref`)."""
-    fn = sparse_attention_triton if q.is_cuda else sparse_attention_ref
-    return fn(q, kv, idx, sink, scale, **kw)
+sparse_attention = op(sparse_attention_ref, sparse_attention_triton)

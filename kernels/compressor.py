@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import rope_pairs
+from kernels.dispatch import op
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -215,21 +216,4 @@ def compress_pool_triton(
     return out
 
 
-def compress_pool(
-    kv: torch.Tensor,
-    gate: torch.Tensor | None,
-    first: torch.Tensor | None,
-    norm_w: torch.Tensor,
-    eps: float,
-    *,
-    overlap: bool,
-    ratio: int,
-    dim: int,
-    angles: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    out_rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Dispatch: Triton for CUDA tensors, the torch reference otherwise."""
-    fn = compress_pool_triton if kv.is_cuda else compress_pool_ref
-    return fn(kv, gate, first, norm_w, eps, overlap=overlap, ratio=ratio, dim=dim,
-              angles=angles, out=out, out_rows=out_rows)  # fmt: skip
+compress_pool = op(compress_pool_ref, compress_pool_triton)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import op
 from kernels.quant import e8m0_to_float, is_e8m0
 
 
@@ -233,19 +234,7 @@ def engram_gate_triton(
     return y
 
 
-def engram_rows(compressed: torch.Tensor, *args: object) -> torch.Tensor:
-    """:func:`engram_rows_triton` on CUDA tensors, else :func:`engram_rows_ref`."""
-    return (engram_rows_triton if compressed.is_cuda else engram_rows_ref)(compressed, *args)
-
-
-def engram_gather(
-    table: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """Triton gather when ``rows`` are on CUDA (device or pinned table), else the reference."""
-    fn = engram_gather_triton if rows.is_cuda else engram_gather_ref
-    return fn(table, rows, scale, dtype)
-
-
-def engram_gate(x: torch.Tensor, *args: object) -> torch.Tensor:
-    """:func:`engram_gate_triton` on CUDA tensors, else :func:`engram_gate_ref`."""
-    return (engram_gate_triton if x.is_cuda else engram_gate_ref)(x, *args)
+engram_rows = op(engram_rows_ref, engram_rows_triton)
+# the rows' device decides: a host (pinned) table is read from the GPU over UVA
+engram_gather = op(engram_gather_ref, engram_gather_triton, device_arg=1)
+engram_gate = op(engram_gate_ref, engram_gate_triton)

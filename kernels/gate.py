@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import op
 from kernels.indexer import topk_ref
 
 
@@ -163,7 +164,7 @@ def moe_gate_triton(
     return ids, weights
 
 
-def moe_gate_fused(
+def moe_gate_fused_ref(
     x: torch.Tensor,
     w_gate: torch.Tensor,
     bias: torch.Tensor | None,
@@ -171,10 +172,12 @@ def moe_gate_fused(
     route_scale: float,
     hash_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`moe_gate_triton` on CUDA, else the reference on ``x.float() @ w_gate.float().T``."""
-    if x.is_cuda:
-        return moe_gate_triton(x, w_gate, bias, k, route_scale, hash_idx)
+    """:func:`moe_gate_ref` of the fp32 router GEMM ``x.float() @ w_gate.float().T``."""
     return moe_gate_ref(x.float() @ w_gate.float().t(), bias, k, route_scale, hash_idx)
 
 
-__all__ = ["moe_gate", "moe_gate_fused", "moe_gate_ref", "moe_gate_triton", "topk_ref"]
+moe_gate_fused = op(moe_gate_fused_ref, moe_gate_triton)
+
+
+__all__ = ["moe_gate", "moe_gate_fused", "moe_gate_fused_ref", "moe_gate_ref", "moe_gate_triton",
+           "topk_ref"]

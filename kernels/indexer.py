@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import op
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -94,13 +96,17 @@ def indexer_scores_paged_ref(
     ratio: int,
     block_size: int,
     num_cols: int,
+    *,
+    seq_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores of every token against its own sequence's index keys, read in place from the
     paged key pool: ``q`` [T, H, D], ``keys`` [N, D] float (or mxfp4 bytes [N, D/2] with
     ``key_scale`` e8m0 [N, D/32]), ``w`` [T, H], ``visible`` [T], ``token_seq`` [T],
     ``block_table`` [B, NB] -> fp32 [T, num_cols] (-inf at columns >= visible).
 
-    Entry w of a sequence lives at row ``table[w*r // P] * (P/r) + (w*r % P) // r``."""
+    Entry w of a sequence lives at row ``table[w*r // P] * (P/r) + (w*r % P) // r``.
+    (``seq_start``, the first token of each sequence, is what the Triton kernel's token
+    blocks need; the reference maps tokens through ``token_seq``.)"""
     rows = _entry_rows(block_table, ratio, block_size, num_cols)  # [B, C]
     k = _keys_float(keys, key_scale, rows)[token_seq]  # [T, C, D]
     qf = _wide(q).to(k.dtype)
@@ -608,25 +614,14 @@ def indexer_topk_triton(
     return topk_triton(indexer_scores_triton(q, k, w, visible), topk)
 
 
-def indexer_scores(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: torch.Tensor
-) -> torch.Tensor:
-    """Dispatch: Triton for CUDA tensors, the torch reference otherwise."""
-    fn = indexer_scores_triton if q.is_cuda else indexer_scores_ref
-    return fn(q, k, w, visible)
-
-
-def indexer_scores_paged(q: torch.Tensor, *args, seq_start: torch.Tensor) -> torch.Tensor:
-    """Dispatch: Triton for CUDA tensors, the torch reference otherwise."""
-    if q.is_cuda:
-        return indexer_scores_paged_triton(q, *args, seq_start=seq_start)
-    return indexer_scores_paged_ref(q, *args)
-
-
-def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Dispatch: Triton for CUDA fp32 scores, the torch reference otherwise."""
-    use = scores.is_cuda and scores.dim() == 2 and scores.dtype == torch.float32
+def _topk_supported(scores: torch.Tensor, k: int, **_: object) -> bool:
+    """Triton top-k: fp32 rows; beyond one program's 16384 candidates, k up to 4096."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        return False
     kk = min(k, scores.shape[-1])
-    if use and (scores.shape[-1] <= _ONE_CHUNK or 4 * triton.next_power_of_2(kk) <= _ONE_CHUNK):
-        return topk_triton(scores, k)
-    return topk_ref(scores, k)
+    return scores.shape[-1] <= _ONE_CHUNK or 4 * triton.next_power_of_2(kk) <= _ONE_CHUNK
+
+
+indexer_scores = op(indexer_scores_ref, indexer_scores_triton)
+indexer_scores_paged = op(indexer_scores_paged_ref, indexer_scores_paged_triton)
+topk = op(topk_ref, topk_triton, when=_topk_supported)

@@ -149,6 +149,8 @@ import os  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels.dispatch import op  # noqa: E402
+
 _FMT_CODE = {"fp8": 0, "mxfp4": 1, "nvfp4": 2}
 
 
@@ -301,13 +303,11 @@ def kv_qdq_triton(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return _launch(x, fmt, qdq=True)
 
 
-def kv_pack(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: the Triton kernel for CUDA tensors, the torch reference otherwise."""
-    return (kv_pack_triton if x.is_cuda else kv_pack_ref)(x, fmt)
+
+def _qdq_triton(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    return kv_qdq_triton(x, fmt)
 
 
-def kv_qdq(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
-    """Dispatch (the Triton kernel rounds with the format's block, which the model uses)."""
-    if x.is_cuda and block == KV_BLOCKS.get(fmt):
-        return kv_qdq_triton(x, fmt)
-    return kv_qdq_ref(x, fmt, block)
+kv_pack = op(kv_pack_ref, kv_pack_triton)
+# the Triton kernel rounds with the format's own block (the one the model uses)
+kv_qdq = op(kv_qdq_ref, _qdq_triton, when=lambda x, fmt, block: block == KV_BLOCKS.get(fmt))

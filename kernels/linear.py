@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import op
+
 
 def linear_f32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x`` [M, K], ``w`` [N, K] -> fp32 [M, N]."""
@@ -60,8 +62,9 @@ def linear_f32_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Dispatch: Triton for CUDA bf16/fp16 operands, the fp32 reference otherwise."""
-    if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
-        return linear_f32_triton(x.contiguous(), w)
-    return linear_f32_ref(x, w)
+def _half_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
+
+
+linear_f32 = op(linear_f32_ref, lambda x, w: linear_f32_triton(x.contiguous(), w),
+                when=_half_operands)

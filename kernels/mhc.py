@@ -16,12 +16,12 @@ and stored by the first kernel, which mixes X' on the fly. ``p`` is the computed
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import op
 from kernels.norm import rms_norm_ref
 
 
@@ -375,16 +375,6 @@ def hc_post_pre_triton(
     return (x_new, *res)
 
 
-def hc_pre(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-    """:func:`hc_pre_triton` on CUDA tensors, else :func:`hc_pre_ref`."""
-    return (hc_pre_triton if x.is_cuda else hc_pre_ref)(x, *args, **kwargs)
-
-
-def hc_post(out: torch.Tensor, *args: Any) -> torch.Tensor:
-    """:func:`hc_post_triton` on CUDA tensors, else :func:`hc_expand_ref`."""
-    return (hc_post_triton if out.is_cuda else hc_expand_ref)(out, *args)
-
-
-def hc_post_pre(out: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-    """:func:`hc_post_pre_triton` on CUDA tensors, else :func:`hc_post_pre_ref`."""
-    return (hc_post_pre_triton if out.is_cuda else hc_post_pre_ref)(out, *args, **kwargs)
+hc_pre = op(hc_pre_ref, hc_pre_triton)
+hc_post = op(hc_expand_ref, hc_post_triton)
+hc_post_pre = op(hc_post_pre_ref, hc_post_pre_triton)

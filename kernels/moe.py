@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import op
 from kernels.quant import dequantize_fp4, dequantize_fp8_block, is_e8m0
 
 
@@ -1043,17 +1044,15 @@ def moe_fp4_triton(
                     pairs, prequant, fp16_mma)  # fmt: skip
 
 
-def moe_fp8(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """:func:`moe_fp8_triton` on CUDA tensors, else :func:`moe_fp8_ref` (same arguments)."""
-    if x.is_cuda:
-        return moe_fp8_triton(x, *args, **kwargs)
-    kwargs.pop("n_experts", None)
-    return moe_fp8_ref(x, *args, **kwargs)
+def _unused_n_experts(ref):
+    """A reference with the kernels' ``n_experts`` keyword (it only sizes their tiles)."""
+
+    def run(*args: Any, n_experts: int | None = None, **kwargs: Any) -> torch.Tensor:
+        return ref(*args, **kwargs)
+
+    run.__doc__, run.__name__ = ref.__doc__, ref.__name__
+    return run
 
 
-def moe_fp4(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """:func:`moe_fp4_triton` on CUDA tensors, else :func:`moe_fp4_ref` (same arguments)."""
-    if x.is_cuda:
-        return moe_fp4_triton(x, *args, **kwargs)
-    kwargs.pop("n_experts", None)
-    return moe_fp4_ref(x, *args, **kwargs)
+moe_fp8 = op(_unused_n_experts(moe_fp8_ref), moe_fp8_triton)
+moe_fp4 = op(_unused_n_experts(moe_fp4_ref), moe_fp4_triton)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import op
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Normalize the last dim in fp32; ``weight`` None means weightless. Returns x.dtype."""
@@ -124,13 +126,9 @@ def norm_rope_triton(
     return out
 
 
-def norm_rope(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Dispatch: the Triton kernel for CUDA tensors, the torch reference otherwise."""
-    return (norm_rope_triton if x.is_cuda else norm_rope_ref)(x, *args, **kwargs)
+def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return norm_rope_triton(x, weight, eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm (one Triton launch on CUDA)."""
-    if x.is_cuda and x.stride(-1) == 1:
-        return norm_rope_triton(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+norm_rope = op(norm_rope_ref, norm_rope_triton, when=lambda x, *a, **k: x.stride(-1) == 1)
+rms_norm = op(rms_norm_ref, _rms_norm_triton, when=lambda x, *a, **k: x.stride(-1) == 1)

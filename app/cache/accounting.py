@@ -30,7 +30,8 @@ from fractions import Fraction
 from typing import Literal
 
 from app.cache.block_pool import BlockPool
-from app.model.config import LayerMode, ModelConfig
+from app.cache.layout import compressor_spans
+from app.model.config import ModelConfig
 
 Dtype = Literal["spec", "bf16", "fp32"]
 FP32 = 4  # compressor tail state is kept in fp32 in every format
@@ -153,21 +154,21 @@ def entry_bytes(cfg: ModelConfig, dtype: Dtype, v4_index_fp8: bool = False) -> t
 
 
 def _tail_bytes(cfg: ModelConfig) -> int:
-    """Compressor state for windows not yet closed (MODEL_SPEC §3), fp32.
+    """Compressor state for windows not yet closed, fp32, as the cache allocates it
+    (``app.cache.layout``): (kv, gate) of ``span`` positions per compressor of every owner
+    layer -- the span - 1 a group still needs before its last token, and one more so a step
+    can run twice on the same inputs (CUDA-graph warm-up).
 
-    V4.1 Full ratio r: the r-1 pending tokens' (kv, gate), D each -> ratio 2: 1 x 2 x 512 x 4.
-    V4 CSA (overlapping): 2r tokens x (kv, gate) x 2D, plus the indexer's 2r x 2 x 2I.
-    V4 HCA: r tokens x (kv, gate) x D -> [128, 512] x 2.
+    V4.1 Full ratio 2: 2 x (kv, gate) x 512 x 4; ratio 1 keeps none. V4 CSA (overlapping):
+    8 x (kv, gate) x 2D, plus the indexer's 8 x 2 x 2I; V4 HCA: 128 x (kv, gate) x D.
     """
-    D, I, total = cfg.head_dim, cfg.index_head_dim, 0
+    total = 0
     for s in cfg.layers:
-        r = s.ratio
-        if s.mode is LayerMode.FULL:
-            total += (r - 1) * 2 * D * FP32
-        elif s.mode is LayerMode.CSA:
-            total += 2 * r * 2 * (2 * D + 2 * I) * FP32
-        elif s.mode is LayerMode.HCA:
-            total += r * 2 * D * FP32
+        if not s.owns_compressor:
+            continue
+        for _, span, width in compressor_spans(cfg, s):
+            if span > 1:
+                total += span * 2 * width * FP32
     return total
 
 

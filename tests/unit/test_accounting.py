@@ -57,7 +57,7 @@ def test_v41_flash_paged_bytes():
     }
     assert cb.paged_bytes_per_token == 890  # 3 x (288 + 68) / 2 + (288 + 68)
     assert cb.window_bytes_per_request == 40 * 128 * 528
-    assert cb.tail_bytes_per_request == 3 * 2 * 512 * 4  # one pending (kv, gate) per r2 layer
+    assert cb.tail_bytes_per_request == 3 * 2 * 2 * 512 * 4  # (kv, gate) of 2 positions, r2
     assert cb.min_block_size == 2
     assert cb.bytes_per_block(64) == 64 * 890
     assert cache_bytes(v41_flash(), "bf16").paged_bytes_per_token == 3 * 1280 / 2 + 1280
@@ -98,3 +98,19 @@ def test_cli_prints_table(tmp_path, capsys):
     assert "890.00" in out and "compressed_kv r2" in out and "56,960 B" in out
     assert main([str(path), "--dtype", "fp32"]) == 0
     assert "fp32 format" in capsys.readouterr().out
+
+
+def test_the_allocated_layout_has_the_accounted_bytes():
+    """The one derivation: the cache's tensors (packed V4.1 formats) hold exactly the bytes
+    the accounting reports (890 B per token of paged state, 528 B window rows)."""
+    import torch
+
+    from app.cache.layout import CacheLayout
+
+    cfg = v41_flash()
+    lay = CacheLayout.build(cfg, 64, torch.bfloat16, kv_quant=True)
+    cb = cache_bytes(cfg)
+    assert lay.bytes_per_token == cb.paged_bytes_per_token == 890
+    assert lay.bytes_per_slot == cb.fixed_bytes_per_request
+    exact = CacheLayout.build(cfg, 64, torch.bfloat16)
+    assert exact.bytes_per_token == cache_bytes(cfg, "bf16").paged_bytes_per_token

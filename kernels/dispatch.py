@@ -1,0 +1,64 @@
+"""The one dispatch rule of every kernel op: its Triton kernel for CUDA tensors, its torch
+reference otherwise (CPU, and CUDA inside :func:`reference_kernels`).
+
+    sparse_attention = op(sparse_attention_ref, sparse_attention_triton)
+
+``when`` narrows the Triton path to the inputs its kernel supports (e.g. top-k row widths);
+``device_arg`` names the argument whose device decides (default: the first tensor). The
+returned function carries ``.reference`` and ``.triton`` for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Run every op through its torch reference, on CUDA too (A/B checks, debugging)."""
+    prev = getattr(_state, "reference", False)
+    _state.reference = True
+    try:
+        yield
+    finally:
+        _state.reference = prev
+
+
+def _decider(args: tuple, kwargs: dict, device_arg: int | None) -> torch.Tensor | None:
+    if device_arg is not None:
+        return args[device_arg] if len(args) > device_arg else None
+    return next((a for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def op(
+    reference: Callable[..., Any],
+    triton: Callable[..., Any] | None,
+    *,
+    when: Callable[..., bool] | None = None,
+    device_arg: int | None = None,
+) -> Callable[..., Any]:
+    """The dispatching function of one op (the reference's name and docstring)."""
+
+    @functools.wraps(reference)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        t = _decider(args, kwargs, device_arg)
+        if (
+            triton is not None
+            and t is not None
+            and t.is_cuda
+            and not getattr(_state, "reference", False)
+            and (when is None or when(*args, **kwargs))
+        ):
+            return triton(*args, **kwargs)
+        return reference(*args, **kwargs)
+
+    run.reference, run.triton = reference, triton  # type: ignore[attr-defined]
+    return run
