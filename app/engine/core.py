@@ -140,8 +140,8 @@ class EngineCore:
         self.stats = EngineStats()
         # Everything built so far (the model, the pools, the tokenizer) lives as long as the
         # engine: moved out of the collector's generations, so a collection scans only what the
-        # steps allocate (a full collection over the model's objects stalled the host for
-        # ~100 ms: a whole step of device idle time under overlap).
+        # steps allocate. (A host stall is device idle time under overlap; a full collection
+        # is a suspect for the one 105 ms gap of the H200 W6 trace, not re-measured yet.)
         gc.collect()
         gc.freeze()
         logger.info(
