@@ -99,12 +99,15 @@ class EngineConfig:
     kernels ("on": required, a checkpoint that cannot be packed fails to load; "off":
     dequantize to ``dtype``; "auto": packed on CUDA when every MoE layer can be).
     ``cuda_graphs``: decode steps replay CUDA graphs (on CUDA; off = eager, same outputs).
+    ``packed_dense``: keep the checkpoint's fp8 dense projections as stored and multiply them
+    in the fp8 kernel ("auto": on CUDA); off by default until it is timed on a GPU.
     """
 
     model: str
     device: str = "cpu"
     dtype: str = "float32"
     packed_experts: PackedExpertsMode = "auto"
+    packed_dense: PackedExpertsMode = "off"
     overlap_schedule: bool = True
     cuda_graphs: bool = True
     seed: int = 0
@@ -118,14 +121,21 @@ class EngineConfig:
             raise EngineConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.packed_experts not in PACKED_EXPERTS_MODES:
-            raise EngineConfigError(
-                f"packed_experts must be one of {PACKED_EXPERTS_MODES}, got {self.packed_experts!r}"
-            )
+        for name in ("packed_experts", "packed_dense"):
+            if getattr(self, name) not in PACKED_EXPERTS_MODES:
+                raise EngineConfigError(
+                    f"{name} must be one of {PACKED_EXPERTS_MODES}, got {getattr(self, name)!r}"
+                )
 
     def packed_experts_flag(self) -> bool | None:
         """``packed_experts`` as :func:`app.model.loader.load_model` takes it (None = auto)."""
         return {"auto": None, "on": True, "off": False}[self.packed_experts]
+
+    def packed_dense_flag(self) -> bool:
+        """``packed_dense`` resolved for this device ("auto" = on CUDA)."""
+        if self.packed_dense == "auto":
+            return self.device.startswith("cuda")
+        return self.packed_dense == "on"
 
     @classmethod
     def from_options(cls, model: str, **options: object) -> EngineConfig:

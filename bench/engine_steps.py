@@ -119,7 +119,8 @@ class Rank:
     """The flash-rank model with a cache, a runner and synthetic requests at a context."""
 
     def __init__(
-        self, max_seqs: int, kv_bytes: int, ep: int, max_tokens: int, model=None, device="cuda"
+        self, max_seqs: int, kv_bytes: int, ep: int, max_tokens: int, model=None, device="cuda",
+        dense: str = "bf16",
     ) -> None:
         from app.cache.manager import CacheManager
         from app.config import CacheConfig
@@ -128,7 +129,7 @@ class Rank:
 
         t0 = time.perf_counter()
         self.device, self.ep = torch.device(device), ep
-        self.model = build_flash_rank(device, ep=ep) if model is None else model
+        self.model = build_flash_rank(device, ep=ep, dense=dense) if model is None else model
         self.load = GroupLoad(self.model, ep, max_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -434,6 +435,8 @@ def main() -> None:
     ap.add_argument("--prefill", default="32768x1x4096,32768x2x4096,32768x4x4096,32768x8x4096",
                     help="prefill cases: context x requests x new tokens, comma-separated")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dense", default="bf16", choices=("bf16", "fp8"),
+                    help="flash-rank dense projections: bf16, or fp8 blocks (packed_dense)")
     ap.add_argument("--no-eager", action="store_true", help="decode: CUDA graph only")
     ap.add_argument("--verify-batches", default="1,32,256",
                     help="decode batches also timed as verify steps of 1 + 3 tokens")
@@ -451,7 +454,7 @@ def main() -> None:
     records = [record("ceiling.copy_bandwidth", bw / 1e12, "TB/s"),
                record("ceiling.bf16_matmul", rate / 1e12, "TFLOP/s")]  # fmt: skip
     name = args.out or "engine_steps_flash_rank"
-    rank = Rank(max_seqs=256, kv_bytes=40 << 30, ep=8, max_tokens=32768)
+    rank = Rank(max_seqs=256, kv_bytes=40 << 30, ep=8, max_tokens=32768, dense=args.dense)
     parts = {"decode": lambda: decode(rank, args, bw), "profile": lambda: profile(rank, args),
              "gap": lambda: gap(args, rank.model),
              "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip

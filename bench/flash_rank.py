@@ -91,14 +91,19 @@ def _packed(n: int, d: int, inter: int, device, g: torch.Generator) -> PackedExp
     return pe
 
 
-def build_flash_rank(device: str = "cuda", ep: int = EP, seed: int = 0) -> DeepseekModel:
+def build_flash_rank(
+    device: str = "cuda", ep: int = EP, seed: int = 0, dense: str = "bf16"
+) -> DeepseekModel:
     """The scaled rank on ``device`` (~50 GB on a GPU): see the module doc."""
-    return build_rank(flash_config(), device, ep, seed)
+    return build_rank(flash_config(), device, ep, seed, dense)
 
 
-def build_rank(cfg: ModelConfig, device: str, ep: int = EP, seed: int = 0) -> DeepseekModel:
+def build_rank(
+    cfg: ModelConfig, device: str, ep: int = EP, seed: int = 0, dense: str = "bf16"
+) -> DeepseekModel:
     """Random weights for ``cfg`` with ``1/ep`` of each MoE layer's experts local (fp4,
-    pairs layout), packed V4.1 cache formats."""
+    pairs layout), packed V4.1 cache formats; ``dense="fp8"``: the projections the loader's
+    ``packed_dense`` keeps fp8 are e4m3 with 32 x 32 e8m0 blocks (``Fp8Linear``)."""
     model = build_empty_model(cfg, kv_quant=True)
     g = torch.Generator(device=device).manual_seed(seed)
     for mod in model.modules():
@@ -125,10 +130,25 @@ def build_rank(cfg: ModelConfig, device: str, ep: int = EP, seed: int = 0) -> De
         if hasattr(layer, "engram"):
             w = layer.engram.embed.weight
             layer.engram.embed.weight = nn.Parameter(w.to(torch.bfloat16), requires_grad=False)
+    if dense == "fp8":
+        _fp8_dense(model)
     model = model.to(device).eval()
     model.set_engram_token_map([i % cfg.engram_compressed_vocab_size
                                 for i in range(cfg.vocab_size)])  # fmt: skip
     return model
+
+
+def _fp8_dense(model: DeepseekModel) -> None:
+    """The loader's ``packed_dense`` set of projections as Fp8Linear (quantized weights)."""
+    from app.model.layers import Fp8Linear
+    from app.model.loader import _DENSE_PACKABLE
+    from kernels.quant import quantize_fp8_block
+
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, Linear) and _DENSE_PACKABLE.search(f"{name}.weight"):
+            parent, _, child = name.rpartition(".")
+            q, s = quantize_fp8_block(mod.weight.float(), (32, 32))
+            setattr(model.get_submodule(parent), child, Fp8Linear(q, s, (32, 32)))
 
 
 class GroupLoad:

@@ -68,3 +68,64 @@ def _half_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 linear_f32 = op(linear_f32_ref, lambda x, w: linear_f32_triton(x.contiguous(), w),
                 when=_half_operands)
+
+
+# ---- fp8 dense projections with the checkpoint's block scales ----------------------------------
+def fp8_linear_ref(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """``x @ dequant(w)^T`` in ``x.dtype``: ``w`` [N, K] e4m3 with e8m0 (or fp32) ``scale``
+    [ceil(N/b0), ceil(K/b1)] per ``block`` (b0, b1) -- what the dequantized model computes."""
+    from kernels.quant import dequantize_fp8_block
+
+    return torch.nn.functional.linear(x, dequantize_fp8_block(w, scale, block, x.dtype))
+
+
+def fp8_linear_triton(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """Triton :func:`fp8_linear_ref`: the MegaMoE GEMM (``kernels.moe._moe_gemm``) with one
+    group, weights streamed as e4m3 and multiplied after the in-register conversion, each
+    32-column group's fp32 partial times its scale; split-K at decode sizes."""
+    from kernels import moe
+
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    N = w.shape[0]
+    b0, b1 = block
+    if w.shape != (N, K) or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"w must be e4m3 [N, {K}], got {w.dtype} {tuple(w.shape)}")
+    if N % 32 or K % 32 or b1 % 32 or scale.shape != (-(-N // b0), -(-K // b1)):
+        raise ValueError(f"fp8 linear {N} x {K} with block {block} and scale "
+                         f"{tuple(scale.shape)} does not fit the kernel")  # fmt: skip
+    if M == 0:
+        return x.new_empty(*shape[:-1], N)
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    n_tiles = -(-M // bm)
+    t = moe._gemm_tiles(bm, N, K, n_tiles, moe._num_sms(x.device), min(b1, 128), False, False)
+    if N % t.bn:
+        raise ValueError(f"N = {N} is not a multiple of the tile {t.bn}")
+    s, e8 = moe._scale_arg(scale.unsqueeze(0))
+    w3 = w.unsqueeze(0)
+    rows = torch.arange(n_tiles * bm, dtype=torch.int32, device=x.device)
+    tile_e = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
+    y = torch.empty(t.split, n_tiles * bm, N, dtype=torch.float32, device=x.device)
+    k_per = -(-(K // t.bk) // t.split) * t.bk
+    scale_args, scale_kw = moe._scale_launch(s, e8, b1, t.bk)
+    interp = moe._INTERPRET
+    moe._moe_gemm[(n_tiles, N // t.bn, t.split)](
+        x2, x2.stride(0), x2, x2.stride(0), rows, tile_e, w3, w3.stride(0), w3.stride(1),
+        *scale_args, y, y.stride(0), y.stride(1), M, 1, N, K, k_per, 0.0,
+        A_GATHER=False, GATED=False, FUSE_SWIGLU=False, FP4=False, PAIRS=False,
+        USE_ASM=not interp, SB_N=b0, SB_K=b1, HAS_LIMIT=False, CDT=moe._dot_dtype(x2),
+        A_FP8=False, A_Q=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
+        num_stages=t.stages, **scale_kw,
+    )  # fmt: skip
+    out = y[0, :M] if t.split == 1 else y[:, :M].sum(0)
+    return out.to(x.dtype).view(*shape[:-1], N)
+
+
+fp8_linear = op(fp8_linear_ref, fp8_linear_triton)

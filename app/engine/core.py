@@ -101,6 +101,7 @@ class EngineCore:
                 dtype,
                 kv_quant=cfg.cache.kv_quant,
                 packed_experts=cfg.packed_experts_flag(),
+                packed_dense=cfg.packed_dense_flag(),
             )
         self.model = model
         mcfg = model.cfg

@@ -49,7 +49,7 @@ class Engram(nn.Module):
             self.hash_spec.n_heads,
             pad_id,
         )
-        e = engram_gather(self.embed.weight, rows, None, self.wkv.weight.dtype)
+        e = engram_gather(self.embed.weight, rows, None, X.dtype)
         key, val = self.wkv(e).split((self.n * self.d, self.d), dim=-1)
         key = key.view(-1, self.n, self.d)
         return engram_gate(X, key, val, self.q_weight, self.k_weight, self.eps, ngram[:, 0] < 0)

@@ -35,7 +35,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from app.model.config import ModelConfig
 from app.model.engram_hash import compressed_token_map
+from app.model.layers import Fp8Linear
 from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts, PackedFormat, packing_problem
 from kernels.quant import dequantize_fp4, dequantize_fp8_block, e8m0_dtype, e8m0_to_float
@@ -93,6 +94,12 @@ _KIND_RULES: tuple[tuple[re.Pattern[str], QuantKind], ...] = (
 
 
 _QUANTIZED: frozenset[QuantKind] = frozenset(("fp8", "fp4", "fp8_rowwise"))
+# Dense fp8 projections ``packed_dense`` keeps as stored (Fp8Linear). wo_a is left out: the
+# attention's grouped output multiplies its 8 row groups with one einsum.
+_DENSE_PACKABLE = re.compile(
+    _BLOCK + r"(?:attn\.(?:wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+    r"|engram\.wkv)\.weight$|^mtp\.\d+\.main_proj\.weight$"
+)
 _ROUTER = re.compile(_BLOCK + r"ffn\.gate\.weight$")
 
 
@@ -479,6 +486,7 @@ class LoadedState:
 
     tensors: dict[str, torch.Tensor]
     packed: dict[str, ExpertPacking]
+    dense: dict[str, tuple[int, int]] = field(default_factory=dict)  # packed fp8: block
 
 
 def load_state(
@@ -488,13 +496,16 @@ def load_state(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     packed_experts: bool | None = None,
+    packed_dense: bool = False,
 ) -> LoadedState:
     """Validate the checkpoint at ``path`` against ``expected`` and read it.
 
     Quantized weights come back dequantized in ``dtype``, other tensors in their expected
     dtype, except routed experts kept packed (see :func:`_plan_packing` for
-    ``packed_experts``). Raises :class:`CheckpointError` naming the offending tensors and
-    files. A progress bar goes to stderr when it is a terminal and ``FATHOM_NO_PROGRESS`` is
+    ``packed_experts``) and, with ``packed_dense``, the dense fp8 projections the kernels
+    take (their e4m3 bytes and e8m0 scales, under the weight's and scale's names). Raises
+    :class:`CheckpointError` naming the offending tensors and files. A progress bar goes to
+    stderr when it is a terminal and ``FATHOM_NO_PROGRESS`` is
     unset (or ``0``).
     """
     root, dev = Path(path), torch.device(device)
@@ -503,6 +514,7 @@ def load_state(
         loads = _plan(ckpt, expected, cfg, dtype)
         packed = _plan_packing(ckpt, loads, packed_experts, dev)
         in_packed = {n for p in packed.values() for e in p.experts for n in p.names(e)}
+        dense = _plan_dense(ckpt, loads) if packed_dense else {}
         # Shard by shard keeps reads sequential within each memory map.
         rest = sorted((ld for ld in loads if ld.name not in in_packed),
                       key=lambda ld: (ckpt.weight_map[ld.name], ld.name))  # fmt: skip
@@ -510,12 +522,42 @@ def load_state(
         with tqdm(total=len(loads), desc="loading weights", unit="tensor", file=sys.stderr,
                   disable=_progress_disabled()) as bar:  # fmt: skip
             for load in rest:
-                out[load.name] = _read(ckpt, load, dev)
+                if load.name in dense:
+                    out[load.name] = ckpt.read(load.name).to(dev)
+                    sc = ckpt.read(scale_name(load.name)).to(dev)
+                    out[scale_name(load.name)] = sc.view(e8m0_dtype()) if sc.dtype == (
+                        torch.uint8) else sc  # fmt: skip
+                else:
+                    out[load.name] = _read(ckpt, load, dev)
                 bar.update()
             for p in packed.values():
                 out.update(_read_packed(ckpt, p, dev))
                 bar.update(3 * len(p.experts))
-        return LoadedState(out, packed)
+        return LoadedState(out, packed, dense)
+
+
+def _plan_dense(ckpt: _Checkpoint, loads: list[_Load]) -> dict[str, tuple[int, int]]:
+    """fp8 dense projections to keep packed: name -> weight block. Shapes the kernel cannot
+    take (dims not multiples of 32, scale blocks narrower than 32 columns) stay dequantized."""
+    out = {}
+    for ld in loads:
+        if ld.how != "fp8" or not _DENSE_PACKABLE.search(ld.name):
+            continue
+        n, k = ckpt.header(ld.name)[1]
+        if n % 32 == 0 and k % 32 == 0 and ld.block[1] % 32 == 0:
+            out[ld.name] = ld.block
+    return out
+
+
+def _install_dense(model: nn.Module, state: LoadedState) -> None:
+    """Swap each packed projection's :class:`Linear` for an :class:`Fp8Linear` holding the
+    checkpoint's bytes (the state's weight and scale tensors are assigned by name after)."""
+    for name, block in state.dense.items():
+        path = name.removesuffix(".weight")
+        parent, _, child = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        w, s = state.tensors[name], state.tensors[scale_name(name)]
+        setattr(owner, child, Fp8Linear(w, s, block))
 
 
 def expert_packing(
@@ -588,6 +630,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     kv_quant: bool = False,
     packed_experts: bool | None = None,
+    packed_dense: bool = False,
 ) -> DeepseekModel:
     """Build :class:`DeepseekModel` from ``path/config.json`` and load its weights.
 
@@ -597,12 +640,15 @@ def load_model(
     ``packed_experts``: keep fp8 / fp4 routed experts packed per layer
     (:class:`~app.model.moe.PackedExperts`, MegaMoE kernels) — True requires it of every MoE
     layer (else :class:`CheckpointError`), None (auto) packs on CUDA when every layer can be
-    packed and dequantizes otherwise, False always dequantizes.
+    packed and dequantizes otherwise, False always dequantizes. ``packed_dense``: keep the
+    dense fp8 projections as stored (:class:`~app.model.layers.Fp8Linear`; see
+    ``_DENSE_PACKABLE``).
     """
     cfg = ModelConfig.from_file(path)
     model = _empty_model(path, cfg, kv_quant)
-    state = load_state(path, tensor_specs(model), cfg, device, dtype, packed_experts)
+    state = load_state(path, tensor_specs(model), cfg, device, dtype, packed_experts, packed_dense)
     _install_packed(model, state)
+    _install_dense(model, state)
     model.load_state_dict(state.tensors, assign=True, strict=True)
     if torch.device(device).type == "cuda":
         _repack_fp4_for_cuda(model)

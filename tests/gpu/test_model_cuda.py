@@ -83,3 +83,25 @@ def test_engine_greedy_matches_cpu(ckpts, arch, packed):
                 got.setdefault(o.request_id, []).extend(o.token_ids)
         outs[dev] = got
     assert outs["cuda"] == outs["cpu"]
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_packed_dense_engine_greedy_matches_cpu(ckpts, arch):
+    """Dense fp8 projections in the fp8 kernel (packed_dense) on CUDA: the CPU greedy tokens."""
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        eng = EngineCore(EngineConfig.from_options(
+            ckpts[arch], device=dev, packed_dense="on" if dev == "cuda" else "off",
+            kv_cache_bytes=1 << 24, max_num_batched_tokens=16,
+        ))  # fmt: skip
+        g = torch.Generator().manual_seed(2)
+        for i, n in enumerate((23, 5, 37)):
+            p = tuple(torch.randint(3, 500, (n,), generator=g).tolist())
+            eng.add_request(EngineRequest(
+                f"r{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+        got: dict[str, list[int]] = {}
+        while eng.has_unfinished:
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.token_ids)
+        outs[dev] = got
+    assert outs["cuda"] == outs["cpu"]

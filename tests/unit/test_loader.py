@@ -365,3 +365,21 @@ def test_unknown_architecture(ckpt: Path) -> None:
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="LlamaForCausalLM"):
         load_model(ckpt)
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_packed_dense_keeps_fp8_projections(tiny_ckpt, arch):
+    """packed_dense: the dense fp8 projections stay e4m3 + e8m0 as stored (Fp8Linear, not wo_a)
+    and the model computes the same logits as the dequantized one (the CPU reference of the
+    fp8 kernel dequantizes the same bytes the same way)."""
+    from app.model.layers import Fp8Linear
+
+    path = tiny_ckpt(arch)
+    plain, packed = load_model(path), load_model(path, packed_dense=True)
+    att = packed.layers[2].attn
+    assert isinstance(att.wq_b, Fp8Linear) and att.wq_b.weight.dtype == torch.float8_e4m3fn
+    assert not isinstance(att.wo_a, Fp8Linear)
+    assert isinstance(packed.layers[0].ffn.shared_experts.w2, Fp8Linear)
+    assert {"layers.2.attn.wq_b.weight", "layers.2.attn.wq_b.scale"} <= set(packed.state_dict())
+    ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(packed.logits(ids), plain.logits(ids))

@@ -75,3 +75,19 @@ def test_linear_f32_head():
     ref = linear_f32_ref(x, w)
     assert out.dtype == torch.float32
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-6
+
+
+@pytest.mark.parametrize("shape,block", [((3, 64, 96), (32, 32)), ((40, 96, 256), (32, 32)),
+                                         ((20, 64, 256), (128, 128))])  # fmt: skip
+def test_fp8_linear(shape, block):
+    """The fp8 dense projection kernel (the MegaMoE GEMM with one group) = dequantize + GEMM."""
+    from kernels.linear import fp8_linear_ref, fp8_linear_triton
+    from kernels.quant import quantize_fp8_block
+
+    M, N, K = shape
+    g = torch.Generator().manual_seed(M)
+    q, s = quantize_fp8_block(torch.randn(N, K, generator=g) / K**0.5, block)
+    x = torch.randn(M, K, generator=g)
+    ref = fp8_linear_ref(x.double(), q, s, block)
+    out = fp8_linear_triton(x, q, s, block)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
