@@ -174,32 +174,38 @@ def moe_all() -> None:
 
 def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> None:
     """The autotune configs of ``kernels.attention`` (or ``shapes``: (BLOCK_H, BLOCK_N,
-    num_warps, num_stages) tuples), bf16 and fp8 KV, D 512 with RoPE as in decode."""
+    num_warps, num_stages) tuples), D 512 with RoPE as in decode: window and compressed rows
+    in bf16, and in the released formats (fp8 window + e8m0, nvfp4 entries + e4m3)."""
     import kernels.attention as a
 
     fn = a._sparse_attn_kernel.fn
     types = {n: "i32" for n in fn.arg_names}
-    types.update(q_ptr="*bf16", kv_ptr="*bf16", sc_ptr="*fp32", idx_ptr="*i64",
-                 sink_ptr="*fp32", ang_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
-                 ml_ptr="*fp32", scale_log2="fp32")  # fmt: skip
+    types.update(q_ptr="*bf16", idx_ptr="*i64", idx2_ptr="*i64", sink_ptr="*fp32",
+                 ang_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ml_ptr="*fp32",
+                 scale_log2="fp32")  # fmt: skip
     # What a decode launch specializes (do_not_specialize keeps T, K, SPLITS, buckets generic).
     aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("s_") or n == "H")
     if shapes is None:
         shapes = tuple((c.kwargs["BLOCK_H"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
                        for c in a._attn_configs())  # fmt: skip
         shapes += ((64, 32, 8, 1),)  # the former default, no pipelining: for comparison
-    for fp8 in (False, True):
+    for packed in (False, True):
         for bh, bn, w, st in shapes:
             t = dict(types)
-            t["kv_ptr"] = "*fp8e4nv" if fp8 else "*bf16"
-            consts = dict(D=512, R=64, FP8=fp8, ROPE=True, F32_DOT=False, BLOCK_H=bh,
-                          BLOCK_N=bn)  # fmt: skip
-            name = f"attn_fp8{fp8:d}_bh{bh}_bn{bn}_w{w}_s{st}"
+            if packed:
+                t.update(kv_ptr="*fp8e4nv", sc_ptr="*u8", kv2_ptr="*u8", sc2_ptr="*fp8e4nv")
+            else:
+                t.update(kv_ptr="*bf16", sc_ptr="*fp32", kv2_ptr="*bf16", sc2_ptr="*fp32")
+            consts = dict(D=512, R=64, FMT=int(packed), SC_E8=packed, FMT2=2 * packed,
+                          SC2_E8=False, ROPE=True, F32_DOT=False, SPLIT_PAIRS=packed,
+                          BLOCK_H=bh, BLOCK_N=bn)  # fmt: skip
+            name = f"attn_packed{packed:d}_bh{bh}_bn{bn}_w{w}_s{st}"
             try:
                 rep = compile_one(fn, t, consts, w, st, name, aligned)
             except Exception as e:
                 rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-            print(f"attention fp8={fp8:d} BH={bh} BN={bn} w={w} st={st}: {rep}", flush=True)
+            print(f"attention packed={packed:d} BH={bh} BN={bn} w={w} st={st}: {rep}",
+                  flush=True)  # fmt: skip
 
 
 def indexer() -> None:

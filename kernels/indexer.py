@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import op
+from kernels.kv_quant import e2m1_to_f32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -197,7 +198,7 @@ def _paged_scores_kernel(
                 b = tl.load(k_ptr + rows[:, None] * s_k + jj[None, :],
                             mask=cmask[:, None] & (jj[None, :] < DI // 2), other=0)  # fmt: skip
                 b = b.to(tl.int32)
-                k = tl.reshape(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (BLOCK_C, DP))
+                k = tl.reshape(tl.join(e2m1_to_f32(b & 15), e2m1_to_f32(b >> 4)), (BLOCK_C, DP))
                 g = tl.arange(0, DP // 32)
                 sc = tl.load(ks_ptr + rows[:, None] * s_ks + g[None, :],
                              mask=cmask[:, None] & (g[None, :] < DI // 32), other=127)  # fmt: skip
@@ -221,15 +222,6 @@ def _paged_scores_kernel(
             res = tl.where(c[None, :] < vis[:, None], sc2, float("-inf"))
         optrs = out_ptr + tb[:, None].to(tl.int64) * s_ot + c[None, :]
         tl.store(optrs, res, mask=tmask[:, None] & (c[None, :] < C))
-
-
-@triton.jit
-def _e2m1(code):
-    """E2M1 code (int32 0..15, sign bit 3) -> fp32 from bits (e = (c>>1)&3, m = c&1)."""
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @functools.cache

@@ -208,7 +208,10 @@ def _e2m1_code(v):
 
 
 @triton.jit
-def _e2m1_value(code):
+def e2m1_to_f32(code):
+    """E2M1 code (int32 0..15, sign bit 3) -> fp32 from bits: e = (c>>1)&3, m = c&1; e = 0:
+    m * 0.5, else 2^(e-1) (1 + m/2) (exponent e + 126, mantissa bit m). Shared by the
+    kernels that read fp4 (attention's nvfp4 entries, the indexer's mxfp4 keys, MoE)."""
     e = (code >> 1) & 3
     m = code & 1
     bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
@@ -247,7 +250,7 @@ def _kv_pack_kernel(
     else:
         code = _e2m1_code(tl.minimum(tl.maximum(v, -6.0), 6.0))
         if QDQ:
-            out = _e2m1_value(code) * scale[:, :, None]
+            out = e2m1_to_f32(code) * scale[:, :, None]
         else:
             lo, hi = tl.split(tl.reshape(code, (BR, D // 2, 2)))
             j = tl.arange(0, D // 2)

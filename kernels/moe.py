@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import op
+from kernels.kv_quant import e2m1_to_f32
 from kernels.quant import dequantize_fp4, dequantize_fp8_block, is_e8m0
 
 
@@ -312,17 +313,6 @@ def _word_scale(word, J: tl.constexpr, LOG2_MUL: tl.constexpr):
 
 
 @triton.jit
-def _e2m1(code):
-    """E2M1 code (int32 0..15) -> fp32 built from bits: e=(c>>1)&3, m=c&1, sign bit 3.
-
-    e=0: m * 0.5 (0x3F000000); else 2^(e-1) * (1 + m/2) = exponent e+126, mantissa bit m."""
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _fp4_split(w_base, n, kb, swn, USE_ASM: tl.constexpr, CDT: tl.constexpr,
                NB: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr):  # fmt: skip
     """The packed fp4 bytes [BN, NB] of rows ``n`` from byte column ``kb``: their low-nibble
@@ -340,8 +330,8 @@ def _fp4_split(w_base, n, kb, swn, USE_ASM: tl.constexpr, CDT: tl.constexpr,
             )  # fmt: skip
         else:  # fp32 holding the e4m3 values (the interpreter's fp8 casts misround)
             b = q.to(tl.int32) & 0xFF
-            lo = _e2m1(b & 0xF) * 0.015625
-            hi = _e2m1(b >> 4) * 0.015625
+            lo = e2m1_to_f32(b & 0xF) * 0.015625
+            hi = e2m1_to_f32(b >> 4) * 0.015625
         if F16:
             lo = lo.to(tl.float16)
             hi = hi.to(tl.float16)
@@ -352,8 +342,8 @@ def _fp4_split(w_base, n, kb, swn, USE_ASM: tl.constexpr, CDT: tl.constexpr,
         )  # fmt: skip
     else:
         b = q.to(tl.int32) & 0xFF
-        lo = _e2m1(b & 0xF).to(CDT)
-        hi = _e2m1(b >> 4).to(CDT)
+        lo = e2m1_to_f32(b & 0xF).to(CDT)
+        hi = e2m1_to_f32(b >> 4).to(CDT)
     return lo, hi
 
 

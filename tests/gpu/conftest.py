@@ -17,3 +17,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Tiny official-layout V4.1 and V4 checkpoints (seed 0)."""
+    from app.model.tiny import make_tiny_checkpoint
+
+    out = {}
+    for arch in ("v41", "v4"):
+        d = tmp_path_factory.mktemp(arch)
+        make_tiny_checkpoint(d, arch=arch, seed=0)
+        out[arch] = str(d)
+    return out

@@ -17,21 +17,10 @@ from app.engine.core import EngineCore
 from app.engine.outputs import HostSamples
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
-from app.model.tiny import make_tiny_checkpoint
 from bench.teacher import drive
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    out = {}
-    for arch in ("v41", "v4"):
-        d = tmp_path_factory.mktemp(arch)
-        make_tiny_checkpoint(d, arch=arch, seed=0)
-        out[arch] = str(d)
-    return out
 
 
 def _reference_greedy(model, prompt: list[int], n: int) -> list[int]:

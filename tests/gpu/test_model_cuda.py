@@ -15,19 +15,8 @@ from app.engine.core import EngineCore
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
 from app.model.moe import PackedExperts
-from app.model.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    out = {}
-    for arch in ("v41", "v4"):
-        d = tmp_path_factory.mktemp(arch)
-        make_tiny_checkpoint(d, arch=arch, seed=0)
-        out[arch] = str(d)
-    return out
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
@@ -55,53 +44,30 @@ def test_packed_experts_logits_match_cpu(ckpts, arch):
     assert rel < 1e-4, rel
 
 
+def _greedy_on(ckpt: str, dev: str, seed: int, **opts) -> dict[str, list[int]]:
+    eng = EngineCore(EngineConfig.from_options(
+        ckpt, device=dev, kv_cache_bytes=1 << 24, max_num_batched_tokens=16, **opts))
+    g = torch.Generator().manual_seed(seed)
+    for i, n in enumerate((23, 5, 37)):
+        p = tuple(torch.randint(3, 500, (n,), generator=g).tolist())
+        eng.add_request(EngineRequest(
+            f"r{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    return got
+
+
 @pytest.mark.parametrize("packed", ["off", "on"])
 @pytest.mark.parametrize("arch", ["v41", "v4"])
 def test_engine_greedy_matches_cpu(ckpts, arch, packed):
-    outs = {}
-    for dev in ("cpu", "cuda"):
-        eng = EngineCore(
-            EngineConfig.from_options(
-                ckpts[arch],
-                device=dev,
-                packed_experts=packed if dev == "cuda" else "off",
-                kv_cache_bytes=1 << 24,
-                max_num_batched_tokens=16,
-            )
-        )
-        g = torch.Generator().manual_seed(1)
-        for i, n in enumerate((23, 5, 37)):
-            p = tuple(torch.randint(3, 500, (n,), generator=g).tolist())
-            eng.add_request(
-                EngineRequest(
-                    f"r{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-                )
-            )
-        got: dict[str, list[int]] = {}
-        while eng.has_unfinished:
-            for o in eng.step():
-                got.setdefault(o.request_id, []).extend(o.token_ids)
-        outs[dev] = got
-    assert outs["cuda"] == outs["cpu"]
+    cpu = _greedy_on(ckpts[arch], "cpu", 1, packed_experts="off")
+    assert _greedy_on(ckpts[arch], "cuda", 1, packed_experts=packed) == cpu
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
 def test_packed_dense_engine_greedy_matches_cpu(ckpts, arch):
     """Dense fp8 projections in the fp8 kernel (packed_dense) on CUDA: the CPU greedy tokens."""
-    outs = {}
-    for dev in ("cpu", "cuda"):
-        eng = EngineCore(EngineConfig.from_options(
-            ckpts[arch], device=dev, packed_dense="on" if dev == "cuda" else "off",
-            kv_cache_bytes=1 << 24, max_num_batched_tokens=16,
-        ))  # fmt: skip
-        g = torch.Generator().manual_seed(2)
-        for i, n in enumerate((23, 5, 37)):
-            p = tuple(torch.randint(3, 500, (n,), generator=g).tolist())
-            eng.add_request(EngineRequest(
-                f"r{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
-        got: dict[str, list[int]] = {}
-        while eng.has_unfinished:
-            for o in eng.step():
-                got.setdefault(o.request_id, []).extend(o.token_ids)
-        outs[dev] = got
-    assert outs["cuda"] == outs["cpu"]
+    cpu = _greedy_on(ckpts[arch], "cpu", 2)
+    assert _greedy_on(ckpts[arch], "cuda", 2, packed_dense="on") == cpu
