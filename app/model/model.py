@@ -108,9 +108,11 @@ class Block(nn.Module):
         state: CompressedState,
         ngram: torch.Tensor | None,
         pad_id: int,
+        capture: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, Pending]:
         """``X`` [T, n, d] streams (with the previous sublayer's update ``pending``), ``p``
-        the carried pre-mix [T, n] (V4.1) -> (X, p', this layer's pending FFN update)."""
+        the carried pre-mix [T, n] (V4.1) -> (X, p', this layer's pending FFN update).
+        ``capture``: appends the mean of the streams entering attention (DSpark taps)."""
         v41 = self.cfg.is_v41
         if v41 and hasattr(self, "engram"):
             X = apply_pending(X, pending)
@@ -119,6 +121,8 @@ class Block(nn.Module):
         X, h, post, comb, a_pre = self._post_pre(
             X, pending, "hc_attn", self.attn_norm, p if v41 else None
         )
+        if capture is not None:
+            capture.append(X.float().mean(dim=1).to(X.dtype))
         att = self.attn(h, batch, meta, state)
         X, h, post, comb, f_pre = self._post_pre(
             X, (att, post, comb), "hc_ffn", self.ffn_norm, a_pre if v41 else None
@@ -284,10 +288,11 @@ class DeepseekModel(nn.Module):
             h = hc_collapse(X, pre + cfg.hc_eps)
         return self.norm(h)
 
-    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+    def hidden(self, batch: ForwardBatch, features: list | None = None) -> torch.Tensor:
         """One batched step over the paged cache -> final hidden states of the rows that reach
         the head [R, d]: every row, or with V4.1 decoder replay the rows of
-        ``batch.decoder.keep``."""
+        ``batch.decoder.keep``. ``features``: receives the DSpark target features of those
+        rows, [R, taps * d] (``app.model.dspark``)."""
         cfg = self.cfg
         x = self.embed.weight[batch.input_ids]
         X = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -298,23 +303,32 @@ class DeepseekModel(nn.Module):
         ngram = self._ngrams(batch)
         meta, state = StepMeta(batch, cfg.sliding_window), CompressedState()
         pending = None
+        taps = set(cfg.dspark_target_layer_ids) if features is not None else set()
+        caught: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i == self.decoder_start and batch.decoder is not None:
                 keep = batch.decoder.keep
                 if keep.numel() == 0:  # no row of this step reaches the decoder layers
+                    if features is not None:
+                        features.append(X.new_zeros(0, cfg.hidden_size * len(taps)))
                     return X.new_zeros(0, cfg.hidden_size)
                 X, pending = apply_pending(X, pending)[keep], None
                 p = p[keep] if p is not None else None
                 ngram = ngram[keep] if ngram is not None else None
                 state = state.subset(keep)
+                caught = [c[keep] for c in caught]
                 batch = batch.decoder.batch
                 meta = StepMeta(batch, cfg.sliding_window)
-            X, p, pending = layer(X, p, pending, batch, meta, state, ngram, self.engram_pad)
+            cap = caught if i in taps else None
+            X, p, pending = layer(X, p, pending, batch, meta, state, ngram, self.engram_pad, cap)
+        if features is not None:
+            features.append(torch.cat(caught, dim=-1))
         return self.head_input(apply_pending(X, pending), p)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits [S, vocab] of ``batch.logit_rows`` (every head row when None)."""
-        h = self.hidden(batch)
+    def forward(self, batch: ForwardBatch, features: list | None = None) -> torch.Tensor:
+        """fp32 logits [S, vocab] of ``batch.logit_rows`` (every head row when None);
+        ``features`` as in :meth:`hidden`."""
+        h = self.hidden(batch, features)
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
         return self.compute_logits(h)

@@ -30,8 +30,10 @@ class _State:
         self.cand: dict[int, torch.Tensor] = {}
 
 
-def reference_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [L, vocab] of one sequence ``token_ids`` [L] (every position)."""
+def reference_logits(model, token_ids: torch.Tensor, features: list | None = None) -> torch.Tensor:
+    """fp32 logits [L, vocab] of one sequence ``token_ids`` [L] (every position);
+    ``features`` receives the DSpark target features [L, taps * d] (the mean of the streams
+    entering attention of each ``dspark_target_layer_ids`` layer, concatenated)."""
     cfg = model.cfg
     ids = token_ids.to(model.embed.weight.device).reshape(-1)
     L = ids.numel()
@@ -42,9 +44,23 @@ def reference_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
         p[:, 0] = 1.0
     ngram = _ngrams(model, ids)
     st = _State()
-    for layer in model.layers:
-        X, p = _block(layer, X, p, ids, st, ngram, model.engram_pad)
+    taps: list[torch.Tensor] = []
+    for i, layer in enumerate(model.layers):
+        tap = features is not None and i in cfg.dspark_target_layer_ids
+        if tap:  # the streams entering attention: after this layer's Engram update
+            X = _engram(layer, X, ngram, model.engram_pad)
+            taps.append(X.mean(dim=1))
+        X, p = _block(layer, X, p, ids, st, ngram, model.engram_pad, engram=not tap)
+    if features is not None:
+        features.append(torch.cat(taps, dim=-1))
     return model.compute_logits(model.head_input(X, p))
+
+
+def _engram(layer, X, ngram, pad_id: int):
+    """The Engram update a V4.1 layer applies to its input streams (identity elsewhere)."""
+    if layer.cfg.is_v41 and hasattr(layer, "engram"):
+        X = layer.engram(X, ngram, pad_id)
+    return X
 
 
 def _ngrams(model, ids: torch.Tensor) -> torch.Tensor | None:
@@ -61,10 +77,10 @@ def _ngrams(model, ids: torch.Tensor) -> torch.Tensor | None:
     return torch.stack([comp[n_back - k : n_back - k + L] for k in range(n_back + 1)], 1)
 
 
-def _block(layer, X, p, ids, st: _State, ngram, pad_id: int):
+def _block(layer, X, p, ids, st: _State, ngram, pad_id: int, engram: bool = True):
     v41 = layer.cfg.is_v41
-    if v41 and hasattr(layer, "engram"):
-        X = layer.engram(X, ngram, pad_id)
+    if engram:
+        X = _engram(layer, X, ngram, pad_id)
     h, post, comb, a_pre = layer.pre_mix(X, "hc_attn", layer.attn_norm, p if v41 else None)
     X = hc_post(_attention(layer.attn, h, st), X, post, comb)
     h, post, comb, f_pre = layer.pre_mix(X, "hc_ffn", layer.ffn_norm, a_pre if v41 else None)
