@@ -88,6 +88,56 @@ class SchedulerConfig:
             raise EngineConfigError(f"max_model_len must be >= 0, got {self.max_model_len}")
 
 
+SpecMethod = Literal["dspark", "mtp"]
+SPEC_METHODS: tuple[str, ...] = ("dspark", "mtp")
+MAX_DRAFT_TOKENS = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: ``method`` "dspark" (V4.1: the checkpoint's DSpark stages draft
+    a block) or "mtp" (V4: MTP-1 from ``mtp.0``, one draft token); every step verifies
+    ``num_draft_tokens`` (1-5; MTP: 1) drafts per decoding request."""
+
+    method: SpecMethod = "dspark"
+    num_draft_tokens: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise EngineConfigError(
+                f"speculative.method must be one of {SPEC_METHODS}, got {self.method!r}"
+            )
+        k = self.num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise EngineConfigError(
+                f"speculative.num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], "
+                f"got {k!r}"
+            )
+        if self.method == "mtp" and k != 1:
+            raise EngineConfigError(
+                "speculative.num_draft_tokens must be 1 with method 'mtp' (MTP-1 is trained "
+                f"to draft one token), got {k}"
+            )
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """From None, a SpeculativeConfig or a mapping ``{"method", "num_draft_tokens"}``."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise EngineConfigError(
+                "speculative must be a mapping like {'method': 'dspark', 'num_draft_tokens': 3}"
+                f", got {type(value).__name__}"
+            )
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise EngineConfigError(
+                f"unknown speculative option(s) {sorted(unknown)}; valid: "
+                f"{sorted(cls.__dataclass_fields__)}"
+            )
+        return cls(**value)
+
+
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
@@ -101,6 +151,7 @@ class EngineConfig:
     ``cuda_graphs``: decode steps replay CUDA graphs (on CUDA; off = eager, same outputs).
     ``packed_dense``: keep the checkpoint's fp8 dense projections as stored and multiply them
     in the fp8 kernel ("auto": on CUDA); off by default until it is timed on a GPU.
+    ``speculative``: draft-and-verify decoding (:class:`SpeculativeConfig`; None = off).
     """
 
     model: str
@@ -113,8 +164,10 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         if not self.model:
             raise EngineConfigError("model must name a checkpoint directory")
         if self.dtype not in DTYPES:

@@ -6,6 +6,7 @@ the request slots; the batched model step reads and writes them in place through
       owner layer l, ratio r:  entries[l] rows b*P/r .. (b+1)*P/r - 1   (keys[l] the same)
     request slot s:
       window[l] rows s*ring .. (s+1)*ring - 1      tails[(l, name)] rows s*rows .. (rows >= span)
+      draft[k]  rows s*W .. (s+1)*W - 1 (DSpark stage k's context, position p at s*W + p % W)
 
 One extra block and one extra slot at the end are the trash that padding and masked writes
 land in; they are never handed out.
@@ -35,11 +36,12 @@ class PagedKVCache:
         self.layout, self.num_blocks, self.max_slots = layout, num_blocks, max_slots
         self.block_size, self.device = layout.block_size, torch.device(device)
         dt, dev = layout.dtype, self.device
-        window, entries, keys, tails = [], {}, {}, {}
+        window, entries, keys, tails, draft = [], {}, {}, {}, []
         for g in layout.slot:
             n = (max_slots + 1) * g.rows
-            if g.kind == "window":
-                window.append(KVRows(*kv_storage(g.fmt, n, g.dim, dt, dev), g.fmt, g.dim))
+            if g.kind in ("window", "draft"):
+                rows = KVRows(*kv_storage(g.fmt, n, g.dim, dt, dev), g.fmt, g.dim)
+                (window if g.kind == "window" else draft).append(rows)
             else:
                 name = g.kind.split(":")[1]
                 pair = tuple(torch.zeros(n, g.dim, dtype=torch.float32, device=dev) for _ in "kg")
@@ -57,6 +59,7 @@ class PagedKVCache:
             entries=entries,
             keys=keys,
             tails=tails,
+            draft=draft,
         )
         self._free_slots = list(range(max_slots - 1, -1, -1))
 

@@ -69,6 +69,7 @@ class CacheLayout:
         dtype: torch.dtype,
         kv_quant: bool = False,
         ring_headroom: int = 0,
+        draft_stages: int = 0,
     ) -> CacheLayout:
         """The layout of ``cfg`` with blocks of ``block_size`` positions, rows in ``dtype``
         (or the released formats when ``kv_quant`` on V4.1); ``ring_headroom`` extra window
@@ -78,7 +79,8 @@ class CacheLayout:
         the same inputs (CUDA-graph warm-up, capture, replay), writes the same state: the
         window ring keeps W + headroom rows, a tail ring span + headroom (a group needs the
         span - 1 positions before its last token; the next position must not overwrite
-        them)."""
+        them). ``draft_stages``: DSpark context rings per slot (one per stage, W rows in the
+        window's format; only committed positions are written, so no headroom)."""
         ratios = [s.ratio for s in cfg.layers if s.owns_compressor]
         lcm = math.lcm(*ratios) if ratios else 1
         if block_size <= 0 or block_size % lcm:
@@ -109,6 +111,9 @@ class CacheLayout:
                         RowGroup(s.layer_id, f"tail:{name}", "float", width, rows, 4 * width,
                                  gated=True)  # fmt: skip
                     )
+        W = cfg.sliding_window
+        slot += [RowGroup(k, "draft", wfmt, D, W, kv_row_bytes(wfmt, D, fb)) for k in
+                 range(draft_stages)]  # fmt: skip
         return cls(block_size, ring, dtype, tuple(paged), tuple(slot))
 
 

@@ -64,10 +64,11 @@ class CacheManager:
         device: torch.device | str = "cpu",
         max_blocks_per_seq: int | None = None,
         ring_headroom: int = 0,
+        draft_stages: int = 0,
     ) -> None:
         self.cfg, self.model_cfg = cfg, model.cfg
         self.block_size = cfg.resolve_block_size(model.cfg)
-        self.layout = self.layout_for(model, cfg, dtype, ring_headroom)
+        self.layout = self.layout_for(model, cfg, dtype, ring_headroom, draft_stages)
         self.pool = BlockPool(num_blocks, self.block_size)
         self.index = PrefixIndex(self.pool, self.block_size) if cfg.enable_prefix_caching else None
         self.kv = PagedKVCache(self.layout, num_blocks, max_slots, device)
@@ -78,13 +79,19 @@ class CacheManager:
 
     @staticmethod
     def layout_for(
-        model: DeepseekModel, cfg: CacheConfig, dtype: torch.dtype, ring_headroom: int = 0
+        model: DeepseekModel,
+        cfg: CacheConfig,
+        dtype: torch.dtype,
+        ring_headroom: int = 0,
+        draft_stages: int = 0,
     ) -> CacheLayout:
-        """The cache layout ``model`` needs (packed formats when its attention rounds KV)."""
+        """The cache layout ``model`` needs (packed formats when its attention rounds KV);
+        ``ring_headroom`` / ``draft_stages`` as in :meth:`CacheLayout.build`."""
         quant = any(layer.attn.kv_quant for layer in model.layers)
         return CacheLayout.build(
-            model.cfg, cfg.resolve_block_size(model.cfg), dtype, quant, ring_headroom
-        )
+            model.cfg, cfg.resolve_block_size(model.cfg), dtype, quant, ring_headroom,
+            draft_stages,
+        )  # fmt: skip
 
     @property
     def pools(self):

@@ -6,6 +6,12 @@ synchronizes inside a step, it waits only for the copy of a step's sampled token
 overlap scheduling (``EngineConfig.overlap_schedule``) the host prepares and launches step
 N+1 before it applies step N's tokens, so the device runs N+1 while the host does N's
 bookkeeping (see :meth:`EngineCore.step`); outputs are identical on and off.
+
+Speculative decoding (``EngineConfig.speculative``): after each step the proposer drafts up
+to k tokens per decoding request on the device (from the step's accept decision, which the
+host has not seen yet); the host copies tokens, accept flags and drafts in one transfer, and
+the next step verifies the drafts as known tokens of their requests (``app.engine.spec``).
+Speculating steps are not pipelined: overlap scheduling is off while speculation is on.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from app.engine.request import EngineRequest, FinishReason, RequestError, Reques
 from app.engine.runner import ModelRunner, StepInputs
 from app.engine.sampler import RowState, SampleOutput, sample, to_device
 from app.engine.scheduler import Scheduled, Scheduler, Sequence
+from app.engine.spec.proposer import Proposer, check_speculation, make_proposer
+from app.engine.spec.verify import accepted_lengths, accepted_prefix
 from app.model.loader import load_model
 from app.model.model import DeepseekModel
 
@@ -44,9 +52,12 @@ class _Flight:
 
     inputs: StepInputs
     logits: torch.Tensor
+    features: torch.Tensor | None = None  # target features of inputs.feat_rows (DSpark)
     live: list[int] = field(default_factory=list)  # sample_items indices that were sampled
     host: HostSamples | None = None
     finished_while_in_flight: list[Sequence] = field(default_factory=list)
+    draft_rows: dict[str, int] = field(default_factory=dict)  # request -> row of ``drafts``
+    drafts: torch.Tensor | None = None  # [R, k] fp32 logits of the proposed blocks
 
     @property
     def items(self) -> list[Scheduled]:
@@ -75,6 +86,13 @@ class EngineStats:
     t_launch: float = 0.0
     t_wait: float = 0.0
     t_update: float = 0.0
+    # speculative decoding: verify chunks, drafts they checked, drafts accepted (also per
+    # draft position: accepted_at[j] = verifies whose draft j + 1 was accepted)
+    spec_verifies: int = 0
+    spec_drafts: int = 0
+    spec_accepted: int = 0
+    spec_accepted_at: list[int] = field(default_factory=list)
+    spec_verify_tokens: int = 0  # tokens of verify chunks (1 + drafts each)
 
 
 def _stop_token_ids(model_dir: Path, cfg_eos: int) -> tuple[int, ...]:
@@ -89,7 +107,12 @@ def _stop_token_ids(model_dir: Path, cfg_eos: int) -> tuple[int, ...]:
 class EngineCore:
     """One DP rank's engine, usable without Ray."""
 
-    def __init__(self, cfg: EngineConfig, model: DeepseekModel | None = None) -> None:
+    def __init__(
+        self, cfg: EngineConfig, model: DeepseekModel | None = None,
+        proposer: Proposer | None = None,
+    ) -> None:  # fmt: skip
+        """``proposer``: drafts in place of the one ``cfg.speculative`` names (tests and
+        benchmarks: the target's own continuation, random tokens)."""
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         dtype = _DTYPES[cfg.dtype]
@@ -108,8 +131,16 @@ class EngineCore:
         tok_file = path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
         self.eos_ids = _stop_token_ids(path, mcfg.eos_token_id)
+        # ---- speculation: the drafter, verify headroom in the rings, draft context rings
+        spec = cfg.speculative
+        if spec is not None and proposer is None:
+            check_speculation(spec, model)
+        self.num_drafts = spec.num_draft_tokens if spec is not None else 0
+        dspark = spec is not None and spec.method == "dspark" and proposer is None
+        draft_stages = len(model.mtp) if dspark else 0
+        headroom = self.num_drafts
         # ---- KV pool from the memory budget (one layout: allocation = accounting)
-        layout = CacheManager.layout_for(model, cfg.cache, dtype)
+        layout = CacheManager.layout_for(model, cfg.cache, dtype, headroom, draft_stages)
         block_size = layout.block_size
         budget = self._kv_budget()
         slots = cfg.scheduler.max_num_seqs
@@ -124,13 +155,19 @@ class EngineCore:
         self.max_model_len = min(limit, mcfg.max_position_embeddings, num_blocks * block_size)
         self.cache = CacheManager(
             model, cfg.cache, num_blocks, slots, dtype, self.device,
-            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            max_blocks_per_seq=-(-self.max_model_len // block_size), ring_headroom=headroom,
+            draft_stages=draft_stages,
         )  # fmt: skip
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
+        self.proposer: Proposer | None = None
+        if spec is not None:
+            self.proposer = proposer or make_proposer(spec, model, self.cache.pools)
+        self.overlap = cfg.overlap_schedule and self.proposer is None
         max_tok = cfg.scheduler.max_num_batched_tokens
         self.runner = ModelRunner(
             model, self.cache, max_tok, self.device, cuda_graphs=cfg.cuda_graphs,
             max_graph_batch=slots,
+            features=self.proposer is not None and self.proposer.needs_features,
         )  # fmt: skip
         self.decoder_replay = cfg.cache.bounded_replay == "encoder+decoder"
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
@@ -138,7 +175,7 @@ class EngineCore:
         self._grammar = None
         self._flight: _Flight | None = None
         self._prev_rows: dict[str, int] = {}  # request -> row of the last sample output
-        self.stats = EngineStats()
+        self.stats = EngineStats(spec_accepted_at=[0] * self.num_drafts)
         # Everything built so far (the model, the pools, the tokenizer) lives as long as the
         # engine: moved out of the collector's generations, so a collection scans only what the
         # steps allocate. (A host stall is device idle time under overlap; a full collection
@@ -255,7 +292,8 @@ class EngineCore:
         st.t_prepare += t2 - t1
         prev, launched = self._flight, None
         if inputs is not None:
-            launched = self._flight = _Flight(inputs, self.runner.forward(inputs))
+            logits, feats = self.runner.forward_with_features(inputs)
+            launched = self._flight = _Flight(inputs, logits, feats)
             st.graph_steps += inputs.graph
         else:
             self._flight = None
@@ -268,7 +306,7 @@ class EngineCore:
             t4 = time.perf_counter()
             self._launch_sampling(launched)
             st.t_launch += time.perf_counter() - t4
-            if not self.cfg.overlap_schedule:
+            if not self.overlap:
                 self._flight = None
                 outs += self._complete(launched)
         self._stats(time.perf_counter() - t0)
@@ -287,50 +325,109 @@ class EngineCore:
 
     @torch.inference_mode()
     def _launch_sampling(self, flight: _Flight) -> None:
-        """Sample the live rows of a launched step (device) and start the copy of the tokens
-        to the host; the tokens stay on the device for the next step's pending inputs."""
-        items = flight.inputs.sample_items
+        """Sample the live rows of a launched step (device), draft the next tokens of
+        speculating requests, and start the copy of tokens (and drafts) to the host; the
+        tokens stay on the device for the next step's pending inputs."""
+        items, counts = flight.inputs.sample_items, flight.inputs.sample_counts
         live = [i for i, it in enumerate(items) if it.seq.finish_reason is None]
         flight.live = live
-        self._prev_rows = {items[i].seq.request_id: k for k, i in enumerate(live)}
+        offs = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        self._prev_rows = {}
         if not live:
             return
-        logits = flight.logits[: len(items)]
-        if len(live) < len(items):
-            logits = logits[to_device(np.asarray(live, dtype=np.int64), logits.device)]
-        res = self._sample([items[i] for i in live], logits)
-        self.runner.store_samples(res.tokens)
-        flight.host = HostSamples(res)
+        rows = np.concatenate([np.arange(offs[i], offs[i + 1]) for i in live])
+        lc = np.asarray([counts[i] for i in live], dtype=np.int64)
+        bases = np.concatenate(([0], np.cumsum(lc)[:-1])).astype(np.int64)
+        for k, i in enumerate(live):  # pending input rows: the request's last sampled row
+            self._prev_rows[items[i].seq.request_id] = int(bases[k] + lc[k] - 1)
+        logits = flight.logits[: int(offs[-1])]
+        if rows.size < offs[-1]:
+            logits = logits[to_device(rows, logits.device)]
+        live_items = [items[i] for i in live]
+        res = self._sample(live_items, lc, logits)
+        if self.overlap:  # the next step's pending input tokens (one row per request)
+            self.runner.store_samples(res.tokens)
+        extra = None
+        if self.proposer is not None:
+            extra = self._speculate(flight, live_items, bases, lc, res)
+        flight.host = HostSamples(res, extra)
+
+    def _speculates(self, seq: Sequence) -> bool:
+        """Whether ``seq`` drafts (constrained requests decode one token at a time)."""
+        return self.proposer is not None and seq.matcher is None
+
+    def _speculate(
+        self, flight: _Flight, items: list[Scheduled], bases: np.ndarray, counts: np.ndarray,
+        res: SampleOutput,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """Device side of a step's verify: accepted lengths, the DSpark context of committed
+        rows, the next drafts. Returns the tensors the host copies (m, and the drafts)."""
+        dev, inp = res.tokens.device, flight.inputs
+        m = accepted_lengths(res.accepted, bases, counts)
+        ends = np.asarray([it.start + it.num_tokens for it in items], dtype=np.int64)
+        anchors = to_device(ends - counts, dev) + m  # last committed position
+        bonus = res.tokens[to_device(bases, dev) + m]
+        pools = self.cache.pools
+        if flight.features is not None and inp.feat_rows.size:
+            # rows of sampling chunks above their anchor are not committed (-> trash slot)
+            index = {id(it): k for k, it in enumerate(inp.items)}
+            where = to_device(np.asarray([index[id(it)] for it in items], np.int64), dev)
+            big = np.iinfo(np.int64).max
+            thr = torch.full((len(inp.items),), big, dtype=torch.int64, device=dev)
+            thr[where] = anchors
+            item = to_device(inp.feat_item, dev)
+            pos = to_device(inp.feat_pos, dev)
+            slots = to_device(inp.spec.slots[inp.feat_item], dev)
+            slots = torch.where(pos <= thr[item], slots, pools.trash_slot)
+            self.proposer.observe(slots, pos, flight.features)
+        sel = [k for k, it in enumerate(items) if self._speculates(it.seq)]
+        if not sel:
+            return [m]
+        idx = to_device(np.asarray(sel, dtype=np.int64), dev)
+        seqs = [items[k].seq for k in sel]
+        prompt = to_device(np.asarray([s.num_prompt for s in seqs], dtype=np.int64), dev)
+        slots = to_device(np.asarray([self.cache.slot_of(s.request_id) for s in seqs]), dev)
+        block = self.proposer.propose(
+            [s.request_id for s in seqs], slots, anchors[idx], bonus[idx], self.num_drafts,
+            [s.req.params for s in seqs], anchors[idx] + 2 - prompt,
+        )  # fmt: skip
+        flight.draft_rows = {s.request_id: r for r, s in enumerate(seqs)}
+        flight.drafts = block.logits
+        return [m, block.ids]
 
     def _release(self, flight: _Flight) -> None:
         """Free requests that finished while ``flight`` still used their blocks."""
         for seq in flight.finished_while_in_flight:
             self.scheduler.remove(seq)
 
-    def _sample(self, items: list[Scheduled], logits: torch.Tensor) -> SampleOutput:
-        rows, constrained = [], []
-        for i, it in enumerate(items):
+    def _sample(
+        self, items: list[Scheduled], counts: np.ndarray, logits: torch.Tensor
+    ) -> SampleOutput:
+        """One row per sampled position: a verify chunk's row j sees its drafts before j as
+        output (penalties, min_tokens, seeded counters) and checks draft j + 1."""
+        rows, constrained, drafts, lookups = [], [], [], []
+        for it, c in zip(items, counts, strict=True):
             s = it.seq
             p = s.req.params
             n_out = len(s.tokens) - s.num_prompt
-            rows.append(
-                RowState(
-                    params=p,
-                    prompt_ids=s.req.prompt_token_ids,
-                    output_ids=s.output_ids,
-                    mask_eos=n_out < p.min_tokens,
-                    eos_ids=(() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids),
-                )
-            )
+            eos = (() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)
+            d = s.drafts[: c - 1]
+            if c > 1 and not p.greedy:
+                lookups.append((len(rows), s.draft_logits[: c - 1]))
+            for j in range(c):
+                out_ids = s.output_ids + d[:j] if j else s.output_ids
+                rows.append(RowState(p, s.req.prompt_token_ids, out_ids,
+                                     mask_eos=n_out + j < p.min_tokens, eos_ids=eos))  # fmt: skip
+                drafts.append(d[j] if j < c - 1 else -1)
             if s.matcher is not None:
-                constrained.append(i)
+                constrained.append(len(rows) - 1)
         apply = None
         if constrained:
             from app.engine.grammar import allocate_bitmask, apply_bitmask, fill_bitmasks
 
             mask = allocate_bitmask(len(constrained), self.model.cfg.vocab_size)
-            fill_bitmasks([items[i].seq.matcher for i in constrained], mask,
-                          list(range(len(constrained))))  # fmt: skip
+            matchers = [rows_seq.seq.matcher for rows_seq in items if rows_seq.seq.matcher]
+            fill_bitmasks(matchers, mask, list(range(len(constrained))))
 
             def apply(lg: torch.Tensor) -> None:
                 idx = to_device(np.asarray(constrained, dtype=np.int64), lg.device)
@@ -338,17 +435,28 @@ class EngineCore:
                 apply_bitmask(sub, mask.to(sub.device), list(range(len(constrained))))
                 lg[idx] = sub
 
-        return sample(logits, rows, apply)
+        if not any(t >= 0 for t in drafts):
+            return sample(logits, rows, apply)
+        draft_logits = None
+        if lookups:
+            draft_logits = torch.zeros_like(logits)
+            for r0, lg in lookups:
+                draft_logits[r0 : r0 + lg.shape[0]] = lg
+        return sample(logits, rows, apply, np.asarray(drafts, dtype=np.int64), draft_logits)
 
     def _update(self, flight: _Flight, host) -> list[RequestOutput]:
-        """Apply a finished step: advance requests, append tokens, emit outputs."""
+        """Apply a finished step: advance requests, append tokens (a verify chunk's accepted
+        drafts and its correction or bonus), roll back rejected positions, take the next
+        drafts, emit outputs."""
         inputs = flight.inputs
         outs: list[RequestOutput] = []
-        sampled: dict[str, tuple[int, int]] = {}
+        sampled: dict[str, tuple[int, int, int]] = {}  # request -> (live k, first row, rows)
         if host is not None:
-            toks = host[0]
+            row = 0
             for k, i in enumerate(flight.live):
-                sampled[inputs.sample_items[i].seq.request_id] = (k, toks[k])
+                c = inputs.sample_counts[i]
+                sampled[inputs.sample_items[i].seq.request_id] = (k, row, c)
+                row += c
         for it in flight.items:
             seq = it.seq
             rid = seq.request_id
@@ -368,20 +476,57 @@ class EngineCore:
                 if plp is not None:
                     outs.append(self.outputs.output(seq, [], None, prompt_logprobs=plp))
                 continue
-            k, tok = sampled[rid]
-            lp = None
+            k, r0, c = sampled[rid]
+            m = accepted_prefix(host.accepted[r0 : r0 + c - 1]) if c > 1 else 0
+            if c > 1:
+                self._count_verify(c - 1, m)
+                # rejected drafts: their positions are computed again (app.engine.spec.verify)
+                end = it.start + it.num_tokens - c + m + 1
+                seq.num_computed = seq.num_done = end
+            seq.drafts, seq.draft_logits = [], None
+            new, lps = [], []
             want = seq.req.params.logprobs
-            if want is not None:
-                top_ids = host[2][k] if host[2] is not None else None
-                top_lp = host[3][k] if host[3] is not None else None
-                lp = [self.outputs.token_logprob(host[1][k], top_ids, top_lp, tok, want)]
-            new = self.outputs.append(seq, tok)
+            for r in range(r0, r0 + m + 1):
+                tok = host.tokens[r]
+                got = self.outputs.append(seq, tok)
+                if got and want is not None:
+                    top_ids = host.top_ids[r] if host.top_ids is not None else None
+                    top_lp = host.top_logprobs[r] if host.top_logprobs is not None else None
+                    lps.append(self.outputs.token_logprob(host.logprobs[r], top_ids, top_lp,
+                                                          tok, want))  # fmt: skip
+                new += got
+                if seq.finish_reason is not None:
+                    break
             self.cache.commit(rid, seq.tokens, min(seq.num_done, len(seq.tokens)))
             finished = seq.finish_reason is not None
-            outs.append(self.outputs.output(seq, new, lp if new else None, finished, plp))
+            if not finished and rid in flight.draft_rows:
+                self._take_drafts(seq, host.drafts[flight.draft_rows[rid]], flight, rid)
+            outs.append(self.outputs.output(seq, new, lps if new and want is not None else None,
+                                            finished, plp))  # fmt: skip
             if finished:
                 self._finish(seq)
         return outs
+
+    def _take_drafts(self, seq: Sequence, ids: list[int], flight: _Flight, rid: str) -> None:
+        """The next step verifies up to k drafts: as many as max_tokens and the context
+        limit leave room for after them (a verify emits up to drafts + 1 tokens)."""
+        k = self.num_drafts
+        n_out = len(seq.tokens) - seq.num_prompt
+        if seq.req.params.max_tokens is not None:
+            k = min(k, seq.req.params.max_tokens - n_out - 1)
+        k = min(k, self.max_model_len - len(seq.tokens) - 1)
+        if k > 0:
+            seq.drafts = list(ids[:k])
+            seq.draft_logits = flight.drafts[flight.draft_rows[rid]]
+
+    def _count_verify(self, drafts: int, accepted: int) -> None:
+        st = self.stats
+        st.spec_verifies += 1
+        st.spec_drafts += drafts
+        st.spec_accepted += accepted
+        st.spec_verify_tokens += drafts + 1
+        for j in range(accepted):
+            st.spec_accepted_at[j] += 1
 
     def _finish(self, seq: Sequence) -> None:
         """Forget a finished request; free its KV now, or once the step in flight is done."""

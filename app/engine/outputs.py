@@ -3,6 +3,8 @@ logprobs, and the RequestOutput deltas a step emits."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from tokenizers import Tokenizer
 
@@ -106,20 +108,35 @@ class OutputProcessor:
         )
 
 
-class HostSamples:
-    """A step's sampled tokens (and logprobs) copied to the host without blocking; ``wait``
-    blocks on the copy's event."""
+@dataclass
+class HostResult:
+    """A step's samples on the host: one entry per sampled row (``accepted``: the row's draft
+    was accepted; ``accept_lengths`` / ``drafts``: per sampled request, speculation on)."""
 
-    def __init__(self, res: SampleOutput) -> None:
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    accepted: list[bool] | None = None
+    accept_lengths: list[int] | None = None
+    drafts: list[list[int]] | None = None
+
+
+class HostSamples:
+    """A step's sampled tokens (logprobs, accept flags, next drafts) copied to the host
+    without blocking; ``wait`` blocks on the copy's event."""
+
+    def __init__(self, res: SampleOutput, extra: list[torch.Tensor] | None = None) -> None:
         self._event = None
-        parts = [res.tokens, res.logprobs, res.top_ids, res.top_logprobs]
+        extra = list(extra or []) + [None] * (2 - len(extra or []))
+        parts = [res.tokens, res.logprobs, res.top_ids, res.top_logprobs, res.accepted, *extra]
         if res.tokens.is_cuda:
             parts = [p.to("cpu", non_blocking=True) if p is not None else None for p in parts]
             self._event = torch.cuda.Event()
             self._event.record()
         self._parts = parts
 
-    def wait(self) -> tuple[list[int], list[float] | None, list | None, list | None]:
+    def wait(self) -> HostResult:
         if self._event is not None:
             self._event.synchronize()
-        return tuple(p.tolist() if p is not None else None for p in self._parts)
+        return HostResult(*(p.tolist() if p is not None else None for p in self._parts))

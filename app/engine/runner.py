@@ -9,6 +9,11 @@ sample output (``pending`` = its row there).
     ids    [t5 t6 t7 | -1]   pending [-1 -1 -1 | b's row in the last samples]
     logit rows: sampling rows first (in item order), then prompt-logprob rows per request
 
+A verify chunk [last token, d1 .. dk] (speculative decoding) samples all of its k + 1 rows:
+row j checks d_{j+1} and row k draws the bonus token. With a proposer that reads the target
+features, ``forward`` also returns the features of the rows it may commit (the last window
+of each chunk; ``StepInputs.feat_*``).
+
 Decode steps (one token per request, nothing else wanted) run as CUDA graphs on CUDA
 (``app.engine.graphs``); everything else runs eagerly.
 """
@@ -49,10 +54,19 @@ class StepInputs:
     prompt_rows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     # ^ request -> (first logits row, prompt positions of its rows)
     graph: bool = False  # a decode step the graph runner may take
+    sample_counts: list[int] = field(default_factory=list)  # rows per sample item (1 + drafts)
+    # target-feature rows that may be committed: row in the step's features, position, item
+    feat_rows: np.ndarray | None = None
+    feat_pos: np.ndarray | None = None
+    feat_item: np.ndarray | None = None
 
     @property
     def num_sampling(self) -> int:
         return len(self.sample_items)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return sum(self.sample_counts)
 
 
 class ModelRunner:
@@ -66,8 +80,10 @@ class ModelRunner:
         device: torch.device,
         cuda_graphs: bool = False,
         max_graph_batch: int = 256,
+        features: bool = False,
     ) -> None:
         self.model, self.cache, self.device = model, cache, device
+        self.features = features  # return the target features (a DSpark proposer reads them)
         self.max_tokens = max_tokens
         hs = model.hash_spec
         self.n_back = hs.max_ngram - 1 if hs is not None else 0
@@ -101,11 +117,13 @@ class ModelRunner:
         hist = np.full((B, nb), -1, dtype=np.int64)
         ids = np.empty(n_tok, dtype=np.int64)
         pending = np.full(n_tok, -1, dtype=np.int64)
-        sample_rows, sample_items, prompt = [], [], []
+        sample_rows, sample_items, counts, prompt = [], [], [], []
         width, off = 1, 0
         for i, it in enumerate(items):
             seq, a, n = it.seq, it.start, it.num_tokens
             rid, known = seq.request_id, seq.tokens
+            if it.num_drafts:
+                known = known + seq.drafts
             slots[i] = cache.slot_of(rid)
             width = max(width, cache.num_blocks_of(rid))
             hi = min(a + n, len(known))
@@ -123,8 +141,9 @@ class ModelRunner:
             if seq.wants_prompt_logprobs and a < L:
                 prompt.append((rid, off, list(range(a, min(a + n, L)))))
             if it.samples:
-                sample_rows.append(off + n - 1)
+                sample_rows += range(off + n - 1 - it.num_drafts, off + n)
                 sample_items.append(it)
+                counts.append(1 + it.num_drafts)
             off += n
         rows = list(sample_rows)
         prompt_rows = {}
@@ -139,19 +158,52 @@ class ModelRunner:
         )  # fmt: skip
         graph = (
             self.graphs is not None
+            and not self.features
             and bool((lens == 1).all())
             and len(sample_items) == B
             and not prompt
             and self.graphs.fits(B, width)
         )
-        return StepInputs(items, spec, sample_items, prompt_rows, graph)
+        out = StepInputs(items, spec, sample_items, prompt_rows, graph, counts)
+        if self.features:
+            out.feat_rows, out.feat_pos, out.feat_item = self._feature_rows(starts, lens, dec)
+        return out
+
+    def _feature_rows(self, starts: np.ndarray, lens: np.ndarray, dec: np.ndarray):
+        """The rows of the step's features (head rows: every row, or with decoder replay the
+        rows at or above each chunk's floor) in each chunk's last window of positions."""
+        W = self.model.cfg.sliding_window
+        lo = np.maximum(starts, dec) if dec.any() else starts
+        head = np.maximum(starts + lens - lo, 0)
+        head_off = np.concatenate(([0], np.cumsum(head)[:-1]))
+        first = np.maximum(lo, starts + lens - W)
+        take = np.maximum(starts + lens - first, 0)
+        item = np.repeat(np.arange(lens.size), take)
+        within = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+        pos = np.repeat(first, take) + within
+        rows = np.repeat(head_off, take) + pos - np.repeat(lo, take)
+        return rows.astype(np.int64), pos.astype(np.int64), item.astype(np.int64)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Launch the step; fp32 logits [S, V] of its logit rows (device, not synced)."""
+        return self.forward_with_features(inputs)[0]
+
+    @torch.inference_mode()
+    def forward_with_features(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`, and the target features of ``inputs.feat_rows`` when the runner
+        returns features (else None)."""
         if inputs.graph:
-            return self.graphs.run(inputs.spec, self.sampled)[: inputs.spec.logit_rows.size]
-        return self.model(self.builder.build(inputs.spec, self.sampled))
+            return self.graphs.run(inputs.spec, self.sampled)[: inputs.spec.logit_rows.size], None
+        batch = self.builder.build(inputs.spec, self.sampled)
+        if not self.features:
+            return self.model(batch), None
+        feats: list[torch.Tensor] = []
+        logits = self.model(batch, feats)
+        rows = torch.from_numpy(inputs.feat_rows).to(self.device, non_blocking=True)
+        return logits, feats[0][rows]
 
     def store_samples(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens on the device for the next step's pending inputs."""

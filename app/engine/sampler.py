@@ -9,6 +9,15 @@ the same tokens whatever else is in the batch, with no generator object per row.
 
 Which paths run is decided on the host from the parameters (never from device values); the
 per-row parameters travel as small tensors built with numpy.
+
+Speculative verification (``drafts``): a row that carries a draft token d (proposed from the
+distribution Q of ``draft_logits`` at the request's temperature and filters) returns
+``accepted`` and the token it emits. Greedy rows accept iff d is the argmax (the token is the
+argmax either way). Random rows accept with probability min(1, P(d) / Q(d)) and otherwise draw
+from the residual max(P - Q, 0) (Leviathan et al. 2023): the emitted token is distributed as P,
+whatever Q is. Seeded rows take the accept uniform and the draft draw from their own counters
+(stream offsets of :data:`ACCEPT_STREAM` / :data:`DRAFT_STREAM`), so a request's tokens stay
+independent of the batch.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ class SampleOutput:
     logprobs: torch.Tensor | None  # [B] fp32 of the chosen tokens (None if no row asked)
     top_ids: torch.Tensor | None  # [B, k] int64
     top_logprobs: torch.Tensor | None  # [B, k] fp32
+    accepted: torch.Tensor | None = None  # [B] bool: the row's draft token was accepted
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -70,6 +80,70 @@ def seeded_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) 
     x = x ^ _srl(x, 31)
     u = (_srl(x, 11).double() + 0.5) * 2.0**-53
     return -torch.log(u).float()
+
+
+# counter streams of a seeded request: token draws use the output index itself
+ACCEPT_STREAM = 1 << 40
+DRAFT_STREAM = 2 << 40
+
+
+def _uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) [R] of (seed, counter): exp(-E) of the seeded Exp(1) noise of token 0."""
+    return torch.exp(-seeded_exponential(seeds, counters, 1).squeeze(1).double()).float()
+
+
+class _RowParams:
+    """Per-row temperature and filters as device tensors (host-decided paths)."""
+
+    def __init__(self, ps: Sequence[SamplingParams], V: int, dev: torch.device) -> None:
+        temp = np.array([p.temperature if not p.greedy else 1.0 for p in ps], dtype=np.float32)
+        top_k = np.array([min(max(p.top_k, 0), V) for p in ps], dtype=np.int64)
+        top_p = np.array([p.top_p for p in ps], dtype=np.float32)
+        min_p = np.array([p.min_p for p in ps], dtype=np.float32)
+        t = to_device(np.stack((temp, top_p, min_p)), dev)
+        self.temp, self.top_p, self.min_p = t[0], t[1], t[2]
+        self.top_k = to_device(top_k, dev)
+        self.use_min_p = bool((min_p > 0).any())
+        self.use_sort = bool((top_k > 0).any() | (top_p < 1).any())
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Filtered, unnormalized probabilities of ``logits`` [R, V] at the rows' settings."""
+        p = torch.softmax(logits / self.temp.unsqueeze(1), dim=-1)
+        return _filter(p, self.top_k, self.top_p, self.min_p, self.use_min_p, self.use_sort)
+
+
+def _noise(ps: Sequence[SamplingParams], counters: np.ndarray, shape, dev) -> torch.Tensor:
+    """Exp(1) race noise [R, V]: seeded rows from (seed, counter), the rest unseeded."""
+    q = torch.empty(shape, dtype=torch.float32, device=dev).exponential_()
+    seeded = [i for i, p in enumerate(ps) if p.seed is not None]
+    if seeded:
+        idx = to_device(np.asarray(seeded, dtype=np.int64), dev)
+        seeds = np.array([ps[i].seed for i in seeded], dtype=np.int64)
+        q[idx] = seeded_exponential(to_device(seeds, dev), to_device(counters[seeded], dev),
+                                    shape[1])  # fmt: skip
+    return q
+
+
+def draw_proposal(
+    logits: torch.Tensor, ps: Sequence[SamplingParams], counters: torch.Tensor
+) -> torch.Tensor:
+    """Draft tokens [R] from draft ``logits`` [R, V] (fp32): the argmax for greedy rows, a
+    draw from Q = the filtered softmax at the row's temperature otherwise. ``counters`` [R]
+    (device): the output index each draft proposes (seeded rows draw from DRAFT_STREAM)."""
+    tokens = logits.argmax(dim=-1)
+    rand = [i for i, p in enumerate(ps) if not p.greedy]
+    if not rand:
+        return tokens
+    dev, V = logits.device, logits.shape[1]
+    probs = _RowParams(ps, V, dev).probs(logits)
+    q = torch.empty_like(probs).exponential_()
+    seeded = [i for i in rand if ps[i].seed is not None]
+    if seeded:
+        idx = to_device(np.asarray(seeded, dtype=np.int64), dev)
+        seeds = to_device(np.array([ps[i].seed for i in seeded], dtype=np.int64), dev)
+        q[idx] = seeded_exponential(seeds, counters[idx] + DRAFT_STREAM, V)
+    greedy = to_device(np.array([p.greedy for p in ps]), dev)
+    return torch.where(greedy, tokens, (probs / q).argmax(dim=-1))
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
@@ -144,10 +218,18 @@ def _filter(
     return probs
 
 
-def sample(logits: torch.Tensor, rows: Sequence[RowState], bitmask_apply=None) -> SampleOutput:
+def sample(
+    logits: torch.Tensor,
+    rows: Sequence[RowState],
+    bitmask_apply=None,
+    drafts: np.ndarray | None = None,
+    draft_logits: torch.Tensor | None = None,
+) -> SampleOutput:
     """Sample one token per row of ``logits`` [B, V] (fp32; modified in place).
 
     ``bitmask_apply(logits)`` applies the grammar masks of constrained rows in place.
+    ``drafts`` [B] (host; -1 = none) with ``draft_logits`` [B, V] (device; read on random rows
+    that carry a draft): verify those drafts (module doc); ``accepted`` is then set.
     """
     dev, V = logits.device, logits.shape[1]
     ps = [r.params for r in rows]
@@ -159,29 +241,25 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState], bitmask_apply=None) -
     if any(k is not None for k in want_lp):
         logp = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
+    has_draft = drafts is not None and bool((drafts >= 0).any())
+    d_dev = to_device(np.maximum(drafts, 0), dev) if has_draft else None
+    accepted = None
+    if has_draft:
+        accepted = (tokens == d_dev) & to_device(drafts >= 0, dev)
     rand = [i for i, p in enumerate(ps) if not p.greedy]
     if rand:
-        temp = np.array([p.temperature if not p.greedy else 1.0 for p in ps], dtype=np.float32)
-        top_k = np.array([min(max(p.top_k, 0), V) for p in ps], dtype=np.int64)
-        top_p = np.array([p.top_p for p in ps], dtype=np.float32)
-        min_p = np.array([p.min_p for p in ps], dtype=np.float32)
-        greedy = np.array([p.greedy for p in ps])
-        params = to_device(np.stack((temp, top_p, min_p)), dev)
-        probs = torch.softmax(logits / params[0].unsqueeze(1), dim=-1)
-        probs = _filter(
-            probs, to_device(top_k, dev), params[1], params[2],
-            use_min_p=bool((min_p > 0).any()), use_sort=bool((top_k > 0).any() | (top_p < 1).any()),
-        )  # fmt: skip
-        q = torch.empty_like(probs).exponential_()
-        seeded = [i for i in rand if ps[i].seed is not None]
-        if seeded:
-            idx = to_device(np.asarray(seeded, dtype=np.int64), dev)
-            seeds = np.array([ps[i].seed for i in seeded], dtype=np.int64)
-            ctr = np.array([len(rows[i].output_ids) for i in seeded], dtype=np.int64)
-            q[idx] = seeded_exponential(to_device(seeds, dev), to_device(ctr, dev), V)
+        rp = _RowParams(ps, V, dev)
+        probs = rp.probs(logits)
+        ctr = np.array([len(r.output_ids) for r in rows], dtype=np.int64)
+        q = _noise(ps, ctr, probs.shape, dev)
         drawn = (probs / q).argmax(dim=-1)
-        tokens = torch.where(to_device(greedy, dev), tokens, drawn)
-    out = SampleOutput(tokens, None, None, None)
+        greedy = to_device(np.array([p.greedy for p in ps]), dev)
+        verify = [i for i in rand if drafts is not None and drafts[i] >= 0]
+        if verify:
+            drawn, acc = _verify_random(probs, q, rp, draft_logits, d_dev, ps, ctr, verify)
+            accepted = torch.where(greedy, accepted, acc)
+        tokens = torch.where(greedy, tokens, drawn)
+    out = SampleOutput(tokens, None, None, None, accepted)
     if logp is not None:
         out.logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k = max((v or 0) for v in want_lp)
@@ -189,3 +267,28 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState], bitmask_apply=None) -
             top = torch.topk(logp, k, dim=-1)
             out.top_ids, out.top_logprobs = top.indices, top.values
     return out
+
+
+def _verify_random(probs, q, rp: _RowParams, draft_logits, d, ps, ctr, verify):
+    """Rejection sampling of the random rows ``verify`` -> (tokens [B], accepted [B]); other
+    rows keep their plain draw (and ``accepted`` False)."""
+    dev = probs.device
+    P = probs / probs.sum(-1, keepdim=True)
+    Q = rp.probs(draft_logits.float())
+    Q = Q / Q.sum(-1, keepdim=True).clamp_min(1e-30)
+    pd = P.gather(1, d.unsqueeze(1)).squeeze(1)
+    qd = Q.gather(1, d.unsqueeze(1)).squeeze(1)
+    u = torch.rand(P.shape[0], device=dev)
+    seeded = [i for i in verify if ps[i].seed is not None]
+    if seeded:
+        idx = to_device(np.asarray(seeded, dtype=np.int64), dev)
+        seeds = to_device(np.array([ps[i].seed for i in seeded], dtype=np.int64), dev)
+        u[idx] = _uniform(seeds, to_device(ctr[seeded] + ACCEPT_STREAM, dev))
+    mask = np.zeros(P.shape[0], dtype=bool)
+    mask[verify] = True
+    on = to_device(mask, dev)
+    acc = on & (u * qd < pd)
+    residual = (P - Q).clamp_min(0.0)
+    res_tok = (residual / q).argmax(dim=-1)
+    plain = (probs / q).argmax(dim=-1)
+    return torch.where(on, torch.where(acc, d, res_tok), plain), acc

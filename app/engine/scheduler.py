@@ -51,6 +51,8 @@ class Sequence:
     error: str | None = None
     order: int = field(default_factory=lambda: next(_arrivals))
     num_preemptions: int = 0
+    drafts: list[int] = field(default_factory=list)  # proposed tokens after ``tokens``
+    draft_logits: object | None = None  # their proposal logits [k, V] (device tensor)
 
     @property
     def request_id(self) -> str:
@@ -62,7 +64,7 @@ class Sequence:
 
     @property
     def num_known(self) -> int:
-        return len(self.tokens) + self.num_pending
+        return len(self.tokens) + self.num_pending + len(self.drafts)
 
     @property
     def output_ids(self) -> list[int]:
@@ -79,12 +81,14 @@ class Sequence:
 @dataclass
 class Scheduled:
     """``num_tokens`` positions of ``seq`` from ``start``; ``samples``: the chunk reaches the
-    last known token, so the step samples a new one (it becomes a pending token)."""
+    last known token, so the step samples a new one (it becomes a pending token).
+    ``num_drafts``: the chunk ends with that many draft tokens to verify."""
 
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool
+    num_drafts: int = 0
 
 
 @dataclass
@@ -132,6 +136,7 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.free(seq.request_id)
         seq.num_computed = seq.num_done = 0
+        seq.drafts, seq.draft_logits = [], None
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self._enqueue(seq)
@@ -160,11 +165,18 @@ class Scheduler:
         """Commit ``n`` tokens of ``seq`` to this step: computed advances now (the step is
         in flight), a sampling chunk adds a pending token."""
         samples = seq.num_computed + n == seq.num_known
-        out.items.append(Scheduled(seq, seq.num_computed, n, samples))
+        drafts = len(seq.drafts) if samples else 0
+        out.items.append(Scheduled(seq, seq.num_computed, n, samples, drafts))
         seq.num_computed += n
         seq.num_in_flight += 1
         if samples:
             seq.num_pending += 1
+
+    @staticmethod
+    def _trim_drafts(seq: Sequence, n: int) -> None:
+        """Keep the drafts a chunk of ``n`` tokens from ``num_computed`` reaches."""
+        keep = seq.num_computed + n - (seq.num_known - len(seq.drafts))
+        del seq.drafts[max(0, keep) :]
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [])
@@ -176,6 +188,11 @@ class Scheduler:
             n = min(seq.num_known - seq.num_computed, budget)
             if n <= 0:
                 continue
+            if seq.drafts and seq.num_computed + n < seq.num_known:
+                self._trim_drafts(seq, n)  # verify what fits the budget
+            if seq.drafts and not self._reserve(seq, n, out):
+                self._trim_drafts(seq, 1)  # the pool is short: decode without drafts
+                n = 1
             if not self._reserve(seq, n, out):
                 if seq.num_in_flight == 0:
                     self._preempt(seq)

@@ -98,6 +98,8 @@ class PagedKV:
     keys: dict[int, KVRows] = field(default_factory=dict)  # index-key owner -> pool
     # (layer, "kv" | "idx") -> (kv, gate) fp32 [(slots + 1) * rows, width]; rows >= span
     tails: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # DSpark stage k's context KV [(slots + 1) * W, D] (speculation on; app.model.dspark)
+    draft: list[KVRows] = field(default_factory=list)
 
     @property
     def trash_slot(self) -> int:
