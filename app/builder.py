@@ -36,6 +36,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         api_keys=list(sa.api.api_keys),
         default_max_tokens=sa.api.default_max_tokens,
         request_timeout_s=sa.api.request_timeout_s,
+        vocab_size=mcfg.vocab_size,
     )
     router = Router.bind()
     rank = serve.deployment(

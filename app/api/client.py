@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import anyio
 
 from app.engine.request import EngineRequest, RequestError, RequestOutput
+from app.engine.validation import check_request
 
 if TYPE_CHECKING:
     from app.engine.engine import AsyncEngine
@@ -76,20 +77,12 @@ class LocalEngineClient:
             raise EngineUnavailableError(str(e)) from e
 
     async def _check(self, req: EngineRequest) -> None:
-        """The checks ``EngineCore.add_request`` makes, run before the ack so a stream's errors
-        still get a 4xx status (the constraint compile is cached: the engine's is then a hit)."""
+        """What ``EngineCore.add_request`` checks (the shared validator, the constraint
+        compile), before the ack, so a stream's errors still get a 4xx status (the compile is
+        cached: the engine's is then a hit)."""
+        check_request(req, self.engine.limits)
         core = self.engine.core
-        vocab = core.model.cfg.vocab_size
-        bad = next((t for t in req.prompt_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise RequestError("prompt_token_ids", f"token id {bad} >= vocab size {vocab}")
-        n, limit, p = len(req.prompt_token_ids), core.max_model_len, req.params
-        if n >= limit:
-            raise RequestError("prompt_token_ids", f"prompt of {n} tokens >= limit {limit}")
-        if p.max_tokens is not None and n + p.max_tokens > limit:
-            raise RequestError(
-                "max_tokens", f"prompt ({n}) + max_tokens ({p.max_tokens}) exceeds {limit}"
-            )
+        p = req.params
         if p.constraint is not None:
             from app.engine.grammar import GrammarError
 

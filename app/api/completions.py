@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from app.api.client import EngineStream
 from app.api.errors import ApiError
+from app.api.limits import make_request
 from app.engine.request import (
     EngineRequest,
     FinishReason,
@@ -25,6 +26,7 @@ from app.engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from app.engine.validation import RequestLimits
 
 StopList = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
 
@@ -100,11 +102,12 @@ class CompletionsFrontend:
     """Builds engine requests and OpenAI ``text_completion`` objects."""
 
     def __init__(
-        self, tokenizer_path: str, served: list[str], context_limit: int, max_prompt: int
+        self, tokenizer_path: str, served: list[str], limits: RequestLimits, max_prompt: int
     ) -> None:
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
         self.served = served
-        self.context_limit = context_limit
+        self.limits = limits
+        self.context_limit = limits.max_model_len
         self.max_prompt = max_prompt
         self.bos = self.tokenizer.token_to_id("<｜begin▁of▁sentence｜>")
 
@@ -152,10 +155,10 @@ class CompletionsFrontend:
                 logprobs=body.logprobs,
                 ignore_eos=body.ignore_eos,
             )
-            rid = f"cmpl-{uuid.uuid4().hex}"
-            return EngineRequest(rid, tuple(ids), params, arrival_time=time.time())
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return make_request(rid, ids, params, self.limits, arrival_time=time.time())
 
     def _logprobs(self, out: RequestOutput, offset: int) -> dict[str, Any]:
         lps = out.logprobs or []

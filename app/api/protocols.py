@@ -22,6 +22,7 @@ import deepseek_recipe as dr
 
 from app.api.client import EngineStream
 from app.api.errors import ApiError, from_recipe_error
+from app.api.limits import make_request
 from app.engine.request import (
     EngineRequest,
     FinishReason,
@@ -30,6 +31,7 @@ from app.engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from app.engine.validation import RequestLimits
 
 _VERSIONS = {"v41": dr.ModelVersion.DeepseekV41Flash, "v4": dr.ModelVersion.DeepseekV4Pro}
 # Sampling fields beyond what the recipe extracts, read from the raw body (per protocol).
@@ -138,7 +140,7 @@ class RecipeFrontend:
         served_names: list[str],
         model_version: str,
         tokenizer_path: str,
-        context_limit: int,
+        limits: RequestLimits,
         max_prompt_tokens: int,
         default_max_tokens: int | None,
     ) -> None:
@@ -152,7 +154,8 @@ class RecipeFrontend:
         self.tokenizer = dr.Tokenizer.from_file(tokenizer_path)
         enc = dr.DeepseekV41Encoding() if model_version == "v41" else dr.DeepseekV4Encoding()
         self.encoding = enc.with_tokenizer(self.tokenizer)
-        self.context_limit = context_limit
+        self.limits = limits
+        self.context_limit = limits.max_model_len
         self.max_prompt_tokens = max_prompt_tokens
         self.default_max_tokens = default_max_tokens
         eos = self.tokenizer.encode(dr.SpecialToken.Eos.default_str())
@@ -212,10 +215,7 @@ class RecipeFrontend:
         stage = parsing.thinking_initial_stage
         rid = f"{proto.id_prefix}{uuid.uuid4().hex}"
         params = self._sampling(proto, conv, raw, max_tokens, list(parsing.stop_sequences))
-        try:
-            engine_request = EngineRequest(rid, tuple(ids), params, arrival_time=time.time())
-        except RequestError as e:
-            raise ApiError(400, str(e), param=e.field) from None
+        engine_request = make_request(rid, ids, params, self.limits, arrival_time=time.time())
         gen = proto.request_cls.chunk_generator(conv, rid, model)
         if echo is not None:
             gen = gen.with_echo(echo)

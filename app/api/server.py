@@ -45,6 +45,7 @@ from app.api.protocols import (
 )
 from app.api.sse import SSEResponse, sse_event
 from app.engine.request import EngineRequest, RequestError
+from app.engine.validation import RequestLimits
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
@@ -69,6 +70,7 @@ class ApiConfig:
     api_keys: list[str] = field(default_factory=list)
     default_max_tokens: int | None = None
     request_timeout_s: float | None = None
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -85,6 +87,11 @@ class ApiConfig:
             raise ValueError("default_max_tokens must be >= 1")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive")
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What the engine validates requests against (the same validator runs here)."""
+        return RequestLimits(self.vocab_size, self.context_limit)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -135,12 +142,12 @@ class _Api:
             cfg.served_model_names,
             cfg.model_version,
             cfg.tokenizer_path,
-            cfg.context_limit,
+            cfg.limits,
             cfg.max_prompt_tokens,
             cfg.default_max_tokens,
         )
         self.completions = cmpl.CompletionsFrontend(
-            cfg.tokenizer_path, cfg.served_model_names, cfg.context_limit, cfg.max_prompt_tokens
+            cfg.tokenizer_path, cfg.served_model_names, cfg.limits, cfg.max_prompt_tokens
         )
         self.created = int(time.time())
 

@@ -74,8 +74,10 @@ class DPRank:
         return {**self.engine.stats(), "replica_id": self.replica_id}
 
     def check_health(self) -> None:
-        if not self.engine._thread.is_alive():
-            raise RuntimeError("the engine loop thread died")
+        """Serve restarts the rank when this raises: after a failed step (the engine stopped
+        taking work) or when the loop thread died."""
+        if not self.engine.healthy:
+            raise RuntimeError(f"the engine stopped: {self.engine.error or 'loop thread died'}")
 
     def __del__(self) -> None:
         self._stop.set()
