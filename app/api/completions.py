@@ -25,6 +25,7 @@ from app.engine.request import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    new_request_id,
 )
 from app.engine.validation import RequestLimits
 
@@ -111,7 +112,8 @@ class CompletionsFrontend:
         self.max_prompt = max_prompt
         self.bos = self.tokenizer.token_to_id("<｜begin▁of▁sentence｜>")
 
-    def prepare(self, body: CompletionBody) -> EngineRequest:
+    def prepare(self, body: CompletionBody) -> tuple[EngineRequest, str]:
+        """The engine request (internal id) and the response's public ``cmpl-`` id."""
         if body.model not in self.served:
             raise ApiError(
                 404,
@@ -157,8 +159,8 @@ class CompletionsFrontend:
             )
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        return make_request(rid, ids, params, self.limits, arrival_time=time.time())
+        req = make_request(new_request_id(), ids, params, self.limits, arrival_time=time.time())
+        return req, f"cmpl-{uuid.uuid4().hex}"
 
     def _logprobs(self, out: RequestOutput, offset: int) -> dict[str, Any]:
         lps = out.logprobs or []
@@ -179,10 +181,11 @@ class CompletionsFrontend:
         }
 
     async def events(
-        self, body: CompletionBody, req: EngineRequest, stream: EngineStream
+        self, body: CompletionBody, req: EngineRequest, rid: str, stream: EngineStream
     ) -> AsyncIterator[dict[str, Any]]:
-        """``text_completion`` chunks (the last has ``finish_reason``; usage when asked)."""
-        rid, created = req.request_id, int(time.time())
+        """``text_completion`` chunks with id ``rid`` (the last has ``finish_reason``; usage
+        when asked)."""
+        created = int(time.time())
         detok = Detokenizer(self.tokenizer, req.params.stop)
         n_out, cached, finish, offset = 0, 0, None, 0
         async for out in stream:

@@ -30,6 +30,7 @@ from app.engine.request import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    new_request_id,
 )
 from app.engine.validation import RequestLimits
 
@@ -124,7 +125,7 @@ class Prepared:
     proto: Protocol
     engine_request: EngineRequest
     processor: dr.StreamProcessor
-    response_id: str
+    response_id: str  # the public id (x-request-id, the body's "id"), never an engine key
     model: str
     created: int
     stream: bool
@@ -213,9 +214,11 @@ class RecipeFrontend:
             max_tokens = min(max_tokens, self.default_max_tokens)
         parsing = conv.parsing_options
         stage = parsing.thinking_initial_stage
-        rid = f"{proto.id_prefix}{uuid.uuid4().hex}"
+        rid = f"{proto.id_prefix}{uuid.uuid4().hex}"  # the response's id (public)
         params = self._sampling(proto, conv, raw, max_tokens, list(parsing.stop_sequences))
-        engine_request = make_request(rid, ids, params, self.limits, arrival_time=time.time())
+        engine_request = make_request(
+            new_request_id(), ids, params, self.limits, arrival_time=time.time()
+        )
         gen = proto.request_cls.chunk_generator(conv, rid, model)
         if echo is not None:
             gen = gen.with_echo(echo)

@@ -59,7 +59,10 @@ class ApiConfig:
     ``max_prompt_tokens`` None = ``context_limit - 1``; ``api_keys`` empty = no auth;
     ``default_max_tokens`` caps an unspecified ``max_tokens`` (None = the recipe's default,
     lowered to the context left); ``request_timeout_s`` None = no limit (on expiry the request
-    is aborted and the answer ends with finish reason ``length``)."""
+    is aborted and the answer ends with finish reason ``length``). ``vocab_size``: token ids
+    are validated against it (None: by the engine only). ``request_id_header``: the response
+    header carrying the response's public id (None under Ray Serve, whose proxy already sends
+    ``x-request-id``)."""
 
     served_model_names: list[str]
     tokenizer_path: str
@@ -71,6 +74,7 @@ class ApiConfig:
     default_max_tokens: int | None = None
     request_timeout_s: float | None = None
     vocab_size: int | None = None
+    request_id_header: str | None = "x-request-id"
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -194,7 +198,7 @@ class _Api:
         usage = self.recipe.usage_fix(prep)
         events = run_events(prep, stream, self.recipe.stop_ids, usage)
         resp_cls = proto.response_cls
-        headers = {"x-request-id": req.request_id}
+        headers = self._id_header(prep.response_id)
         if prep.stream:
             shape = shape_for(request.url.path)
 
@@ -207,7 +211,7 @@ class _Api:
                 except ApiError as e:
                     yield sse_error_event(e, shape)
                 except Exception:
-                    logger.exception("stream %s failed", req.request_id)
+                    logger.exception("stream %s failed", prep.response_id)
                     yield sse_error_event(ApiError(500, "internal error in the stream"), shape)
                 finally:
                     await events.aclose()
@@ -226,10 +230,10 @@ class _Api:
     async def completions_route(self, request: Request) -> Response:
         _, raw = await self._body(request)
         body = cmpl.parse_body(raw)
-        req = self.completions.prepare(body)
+        req, rid = self.completions.prepare(body)
         stream = await self._start(req)
-        events = self.completions.events(body, req, stream)
-        headers = {"x-request-id": req.request_id}
+        events = self.completions.events(body, req, rid, stream)
+        headers = self._id_header(rid)
         if body.stream:
             with_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -239,7 +243,7 @@ class _Api:
                         if "usage" in chunk:
                             if not with_usage:
                                 continue
-                            chunk = {**_head(req, body), "choices": [], **chunk}
+                            chunk = {**_head(rid, req, body), "choices": [], **chunk}
                         yield sse_event(json.dumps(chunk, ensure_ascii=False))
                     yield sse_event("[DONE]")
                 except ApiError as e:
@@ -255,6 +259,10 @@ class _Api:
             await stream.close()
         return JSONResponse(cmpl.accumulate(chunks), headers=headers)
 
+    def _id_header(self, response_id: str) -> dict[str, str]:
+        name = self.cfg.request_id_header
+        return {name: response_id} if name else {}
+
     def model_card(self, name: str) -> dict[str, Any]:
         return {
             "id": name,
@@ -265,9 +273,9 @@ class _Api:
         }
 
 
-def _head(req: EngineRequest, body: cmpl.CompletionBody) -> dict[str, Any]:
+def _head(rid: str, req: EngineRequest, body: cmpl.CompletionBody) -> dict[str, Any]:
     return {
-        "id": req.request_id,
+        "id": rid,
         "object": "text_completion",
         "created": int(req.arrival_time),
         "model": body.model,

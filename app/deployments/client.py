@@ -44,13 +44,19 @@ class ServeEngineClient:
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         with tracer.start_as_current_span(
             "ingress.dispatch",
-            attributes={"request_id": req.request_id, "prompt_tokens": len(req.prompt_token_ids)},
+            attributes={
+                "request_id": req.request_id,
+                "client_request_id": req.client_request_id,
+                "prompt_tokens": len(req.prompt_token_ids),
+            },
         ):
             with tracer.start_as_current_span("router.choose"):
                 target = await self.router.choose.remote(len(req.prompt_token_ids))
             if target is None:
                 raise EngineUnavailableError("no engine rank is ready yet")
             req = _with_trace(req)
+        if req.request_id in self._streams:  # internal ids are unique: never another's stream
+            raise RequestError("request_id", f"{req.request_id!r} is already in flight")
         stream = self.rank.options(stream=True).generate.remote(req, target=target)
         self._streams[req.request_id] = stream
         finished = False

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from app.api.server import ApiConfig, build_api
 from app.deployments.client import MeteredClient, ServeEngineClient
-from app.engine.request import EngineRequest, RequestError, SamplingParams
+from app.engine.request import EngineRequest, RequestError, SamplingParams, new_request_id
 from app.grpc.fathom_pb2 import GenerateRequest, GenerateResponse
 from app.observability import RequestMetrics, setup_tracing
 
@@ -54,7 +54,8 @@ class Ingress:
 
     async def Generate(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:  # noqa: N802
         """gRPC server-streaming generation (token ids or raw text, no chat template)."""
-        rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        # the client's id is echoed back and logged, never used as a key (issue 15, finding 2)
+        rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         model = request.model or self.api_cfg.served_model_names[0]
         if model not in self.api_cfg.served_model_names:
             yield GenerateResponse(
@@ -72,7 +73,13 @@ class Ingress:
         )
         try:
             params = _sampling(request)
-            req = EngineRequest(rid, tuple(ids), params, arrival_time=time.time())
+            req = EngineRequest(
+                new_request_id(),
+                tuple(ids),
+                params,
+                arrival_time=time.time(),
+                client_request_id=request.request_id,
+            )
         except RequestError as e:
             yield GenerateResponse(
                 request_id=rid, finished=True, finish_reason="error", error=str(e)

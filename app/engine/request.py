@@ -5,6 +5,7 @@ boundary into a DP rank). Invalid values fail at construction with a message nam
 from __future__ import annotations
 
 import enum
+import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,6 +25,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "TokenLogprob",
+    "new_request_id",
 ]
 
 ConstraintKind = Literal["json", "regex", "grammar", "tool_call", "tool_call_required"]
@@ -95,9 +97,16 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # failed; ``RequestOutput.error`` says why
 
 
+def new_request_id() -> str:
+    """A fresh internal request id: the only key a request is known by inside the server."""
+    return f"req-{uuid.uuid4().hex}"
+
+
 @dataclass(frozen=True)
 class EngineRequest:
-    """One generation request for a DP rank."""
+    """One generation request for a DP rank. ``request_id`` is the server's own key
+    (:func:`new_request_id` in serving: never a value a client chose, so no client can name
+    another's request); ``client_request_id`` is what the client called it (logs, spans)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -106,6 +115,7 @@ class EngineRequest:
     extra_key: str = ""  # prefix-cache namespace (model / adapter / salt)
     arrival_time: float = 0.0
     trace_context: dict[str, str] | None = None
+    client_request_id: str = ""
 
     def __post_init__(self) -> None:
         check_request_fields(self)

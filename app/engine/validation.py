@@ -138,6 +138,11 @@ def check_request_fields(req: EngineRequest, vocab_size: int | None = None) -> N
     if not req.prompt_token_ids:
         raise RequestError("prompt_token_ids", "must not be empty")
     check_int("priority", req.priority, -(2**31), INT32_MAX)
+    cid = req.client_request_id
+    if not isinstance(cid, str) or len(cid) > MAX_REQUEST_ID_CHARS:
+        raise RequestError(
+            "request_id", f"a client request id is at most {MAX_REQUEST_ID_CHARS} chars"
+        )
     from app.engine.request import SamplingParams
 
     if not isinstance(req.params, SamplingParams):

@@ -90,8 +90,8 @@ def test_chat_stream_and_non_stream(oai):
         max_tokens=8,
         extra_body={**NO_THINK, **FULL},
     )
-    assert r.choices[0].finish_reason in ("length", "stop")
-    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 1
+    assert r.choices[0].finish_reason == "length"  # through EOS: exactly max_tokens
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 1
     chunks = list(
         oai.chat.completions.create(
             model=MODEL,
@@ -156,7 +156,9 @@ def test_responses_api(oai):
     r = oai.responses.create(
         model=MODEL, input="Say something.", max_output_tokens=8, extra_body=FULL
     )
-    assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
+    # through EOS, the answer always runs into max_output_tokens
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 8
 
 
 def test_anthropic_messages(app_urls):
@@ -165,7 +167,8 @@ def test_anthropic_messages(app_urls):
     m = c.messages.create(
         model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}], extra_body=FULL
     )
-    assert m.role == "assistant" and m.usage.output_tokens >= 1
+    assert m.role == "assistant" and m.stop_reason == "max_tokens"
+    assert m.usage.output_tokens == 8
     with c.messages.stream(
         model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "hello"}]
     ) as s:
@@ -304,3 +307,38 @@ def test_bad_requests_through_ray(app_urls, path, body, status, words):
     assert r.status_code == status, r.text
     assert words.lower() in r.text.lower()
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+
+def test_duplicate_client_ids_touch_nothing(app_urls):
+    """Issue 15, finding 2: gRPC calls carrying the id of a running HTTP stream (twice at once)
+    once aborted it. Client ids are metadata now: all three requests complete in full."""
+    base, grpc_addr = app_urls
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "victim"}],
+        "max_tokens": 48,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **NO_THINK,
+        **FULL,
+    }
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+        events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+        victim_id = next(events)["id"]
+        req = pb.GenerateRequest(
+            model=MODEL,
+            token_ids=pb.TokenIds(ids=[0, 5, 9]),
+            sampling=pb.SamplingOptions(max_tokens=3, ignore_eos=True),
+            request_id=victim_id,
+        )
+        with grpc.insecure_channel(grpc_addr) as ch:
+            stub = pbg.GenerateServiceStub(ch)
+            calls = [stub.Generate(req, metadata=(("application", "fathom"),), timeout=120)
+                     for _ in range(2)]  # fmt: skip
+            outs = [list(c) for c in calls]
+        rest = list(events)
+    for o in outs:
+        assert o[-1].finish_reason == "length" and o[-1].completion_tokens == 3, o[-1]
+        assert o[-1].request_id == victim_id  # echoed back as metadata
+    assert rest[-1]["usage"]["completion_tokens"] == 48
+    assert any(e["choices"] and e["choices"][0]["finish_reason"] == "length" for e in rest)
