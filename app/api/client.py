@@ -11,11 +11,16 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import anyio
 
+from app.api.errors import ApiError
 from app.engine.request import EngineRequest, RequestError, RequestOutput
 from app.engine.validation import check_request
 
 if TYPE_CHECKING:
     from app.engine.engine import AsyncEngine
+
+
+OVERLOAD_RETRY_S = 1  # Retry-After of a 429 (queues turn over within seconds)
+UNAVAILABLE_RETRY_S = 5  # Retry-After of a 503 (ranks starting or restarting)
 
 
 class EngineOverloadedError(RuntimeError):
@@ -103,6 +108,29 @@ class LocalEngineClient:
     def drain(self, draining: bool = True) -> None:
         """Stop (or resume) taking new requests."""
         self._draining = draining
+
+
+async def open_stream(
+    client: EngineClient, req: EngineRequest, timeout_s: float | None
+) -> EngineStream:
+    """Submit ``req`` and wait for its first delta (or ack), so request errors become statuses
+    before any response goes out: :class:`ApiError` 400 (invalid), 429 (overloaded) or 503
+    (unavailable), each with a message saying what was wrong."""
+    stream = EngineStream(client, req, timeout_s)
+    try:
+        await stream.start()
+    except BaseException as e:
+        await stream.close()
+        if isinstance(e, RequestError):
+            raise ApiError(400, str(e), param=e.field) from None
+        if isinstance(e, EngineOverloadedError):
+            msg = f"the server is overloaded ({e}); retry later"
+            raise ApiError(429, msg, headers={"Retry-After": str(OVERLOAD_RETRY_S)}) from None
+        if isinstance(e, EngineUnavailableError):
+            msg = f"the engine is not available: {e}"
+            raise ApiError(503, msg, headers={"Retry-After": str(UNAVAILABLE_RETRY_S)}) from None
+        raise
+    return stream
 
 
 class EngineStream:

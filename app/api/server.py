@@ -7,7 +7,6 @@ models, health and metrics, over any :class:`~app.api.client.EngineClient`.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -21,12 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api import completions as cmpl
-from app.api.client import (
-    EngineClient,
-    EngineOverloadedError,
-    EngineStream,
-    EngineUnavailableError,
-)
+from app.api.client import EngineClient, EngineStream, open_stream
 from app.api.errors import (
     ApiError,
     api_error_handler,
@@ -35,6 +29,7 @@ from app.api.errors import (
     shape_for,
     sse_error_event,
 )
+from app.api.limits import check_api_key
 from app.api.protocols import (
     CHAT,
     MESSAGES,
@@ -44,7 +39,7 @@ from app.api.protocols import (
     run_events,
 )
 from app.api.sse import SSEResponse, sse_event
-from app.engine.request import EngineRequest, RequestError
+from app.engine.request import EngineRequest
 from app.engine.validation import RequestLimits
 
 if TYPE_CHECKING:
@@ -156,17 +151,8 @@ class _Api:
         self.created = int(time.time())
 
     def check_auth(self, request: Request) -> None:
-        if not self.cfg.api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        key = key or request.headers.get("x-api-key")
-        if not key:
-            raise ApiError(
-                401, "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
-            )
-        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.cfg.api_keys):
-            raise ApiError(401, "invalid API key", code="invalid_api_key")
+        h = request.headers
+        check_api_key(self.cfg.api_keys, h.get("authorization"), h.get("x-api-key"))
 
     async def _body(self, request: Request) -> tuple[bytes, dict[str, Any]]:
         self.check_auth(request)
@@ -174,21 +160,7 @@ class _Api:
         return body, _parse_json(body)
 
     async def _start(self, req: EngineRequest) -> EngineStream:
-        """Submit and wait for the first delta (or ack): request errors become 4xx here."""
-        stream = EngineStream(self.client, req, self.cfg.request_timeout_s)
-        try:
-            await stream.start()
-        except BaseException as e:
-            await stream.close()
-            if isinstance(e, RequestError):
-                raise ApiError(400, str(e), param=e.field) from None
-            if isinstance(e, EngineOverloadedError):
-                msg = f"the server is overloaded ({e}); retry later"
-                raise ApiError(429, msg, headers={"Retry-After": "1"}) from None
-            if isinstance(e, EngineUnavailableError):
-                raise ApiError(503, f"the engine is not available: {e}") from None
-            raise
-        return stream
+        return await open_stream(self.client, req, self.cfg.request_timeout_s)
 
     async def recipe_route(self, proto: Protocol, request: Request) -> Response:
         body, raw = await self._body(request)

@@ -28,6 +28,9 @@ NO_THINK = {"thinking": {"type": "disabled"}}
 # the tiny model is random: at temperature 1 its first token is EOS often enough to flake a
 # ">= 1 output token" check, so requests that count tokens generate through EOS
 FULL = {"ignore_eos": True}
+KEY = "serve-test-key"  # the app requires it (api.api_keys) on HTTP /v1/* and on gRPC
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GRPC_META = (("application", "fathom"), ("authorization", f"Bearer {KEY}"))
 
 
 def _port() -> int:
@@ -45,9 +48,7 @@ def app_urls(tmp_path_factory):
         http_options={"host": "127.0.0.1", "port": http_port},
         grpc_options=gRPCOptions(
             port=grpc_port,
-            grpc_servicer_functions=[
-                "app.grpc.fathom_pb2_grpc.add_GenerateServiceServicer_to_server"
-            ],
+            grpc_servicer_functions=["app.grpc.raw.add_GenerateServiceServicer_to_server"],
         ),
     )
     args = {
@@ -60,7 +61,7 @@ def app_urls(tmp_path_factory):
             "max_num_seqs": 48,
             "max_num_batched_tokens": 512,
         },
-        "api": {"max_prompt_tokens": 2000, "request_timeout_s": 120},
+        "api": {"max_prompt_tokens": 2000, "request_timeout_s": 120, "api_keys": [KEY]},
     }
     serve.run(build_app(args), name="fathom", route_prefix="/")
     base = f"http://127.0.0.1:{http_port}"
@@ -80,7 +81,7 @@ def app_urls(tmp_path_factory):
 @pytest.fixture(scope="module")
 def oai(app_urls):
     openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{app_urls[0]}/v1", api_key="unused", timeout=120)
+    return openai.OpenAI(base_url=f"{app_urls[0]}/v1", api_key=KEY, timeout=120)
 
 
 def test_chat_stream_and_non_stream(oai):
@@ -163,7 +164,7 @@ def test_responses_api(oai):
 
 def test_anthropic_messages(app_urls):
     anthropic = pytest.importorskip("anthropic")
-    c = anthropic.Anthropic(base_url=app_urls[0], api_key="unused", timeout=120)
+    c = anthropic.Anthropic(base_url=app_urls[0], api_key=KEY, timeout=120)
     m = c.messages.create(
         model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}], extra_body=FULL
     )
@@ -184,13 +185,13 @@ def test_grpc_streams_token_ids_and_text(app_urls):
             text="Hello there",
             sampling=pb.SamplingOptions(max_tokens=5, temperature=0),
         )
-        outs = list(stub.Generate(req, metadata=(("application", "fathom"),), timeout=120))
+        outs = list(stub.Generate(req, metadata=GRPC_META, timeout=120))
         ids = pb.GenerateRequest(
             model=MODEL,
             token_ids=pb.TokenIds(ids=[0, 5, 9]),
             sampling=pb.SamplingOptions(max_tokens=3, ignore_eos=True),
         )
-        outs2 = list(stub.Generate(ids, metadata=(("application", "fathom"),), timeout=120))
+        outs2 = list(stub.Generate(ids, metadata=GRPC_META, timeout=120))
     assert outs[-1].finished and outs[-1].completion_tokens == sum(len(o.token_ids) for o in outs)
     assert outs2[-1].finish_reason == "length" and outs2[-1].completion_tokens == 3
 
@@ -199,7 +200,7 @@ def test_32_concurrent_streams_complete(app_urls):
     openai = pytest.importorskip("openai")
 
     async def main() -> list[int]:
-        client = openai.AsyncOpenAI(base_url=f"{app_urls[0]}/v1", api_key="x", timeout=300)
+        client = openai.AsyncOpenAI(base_url=f"{app_urls[0]}/v1", api_key=KEY, timeout=300)
 
         async def one(i: int) -> int:
             n = 0
@@ -269,7 +270,9 @@ def test_burst_of_disconnects_keeps_serving(app_urls):
             pass
 
     async def main() -> None:
-        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as c:
+        async with httpx.AsyncClient(
+            timeout=60, limits=httpx.Limits(max_connections=100), headers=AUTH
+        ) as c:
             for _ in range(6):  # without the fix, about one round in two wedged the ingress
                 await asyncio.gather(*(one(c, i) for i in range(64)))
                 t = time.time()
@@ -290,7 +293,9 @@ def test_disconnected_stream_frees_its_kv(app_urls):
         "stream": True,
         **NO_THINK,
     }
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json=body, timeout=60, headers=AUTH
+    ) as r:
         lines = r.iter_lines()
         for _ in range(4):
             next(lines)
@@ -303,7 +308,8 @@ def test_disconnected_stream_frees_its_kv(app_urls):
 def test_bad_requests_through_ray(app_urls, path, body, status, words):
     base = app_urls[0]
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{base}{path}", headers={"content-type": "application/json"}, timeout=60, **kw)
+    headers = {"content-type": "application/json", **AUTH}
+    r = httpx.post(f"{base}{path}", headers=headers, timeout=60, **kw)
     assert r.status_code == status, r.text
     assert words.lower() in r.text.lower()
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
@@ -322,7 +328,9 @@ def test_duplicate_client_ids_touch_nothing(app_urls):
         **NO_THINK,
         **FULL,
     }
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json=body, timeout=120, headers=AUTH
+    ) as r:
         events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
         victim_id = next(events)["id"]
         req = pb.GenerateRequest(
@@ -333,7 +341,7 @@ def test_duplicate_client_ids_touch_nothing(app_urls):
         )
         with grpc.insecure_channel(grpc_addr) as ch:
             stub = pbg.GenerateServiceStub(ch)
-            calls = [stub.Generate(req, metadata=(("application", "fathom"),), timeout=120)
+            calls = [stub.Generate(req, metadata=GRPC_META, timeout=120)
                      for _ in range(2)]  # fmt: skip
             outs = [list(c) for c in calls]
         rest = list(events)
@@ -342,3 +350,31 @@ def test_duplicate_client_ids_touch_nothing(app_urls):
         assert o[-1].request_id == victim_id  # echoed back as metadata
     assert rest[-1]["usage"]["completion_tokens"] == 48
     assert any(e["choices"] and e["choices"][0]["finish_reason"] == "length" for e in rest)
+
+
+def test_grpc_status_codes_through_serve(app_urls):
+    """Issue 15, finding 3: through Serve's gRPC proxy, a missing key, a malformed message and
+    an invalid field get UNAUTHENTICATED / INVALID_ARGUMENT with a clear message (they once
+    got OK with the error in-band, or UNKNOWN with a Python exception text)."""
+    ok = pb.GenerateRequest(
+        model=MODEL, token_ids=pb.TokenIds(ids=[0, 5]), sampling=pb.SamplingOptions(max_tokens=2)
+    )
+    bad = pb.GenerateRequest(
+        model=MODEL, token_ids=pb.TokenIds(ids=[0, 5]), sampling=pb.SamplingOptions(top_p=0)
+    )
+    with grpc.insecure_channel(app_urls[1]) as ch:
+        stub = pbg.GenerateServiceStub(ch)
+        raw = ch.unary_stream("/fathom.GenerateService/Generate", request_serializer=None)
+        cases = [
+            (lambda: stub.Generate(ok, metadata=GRPC_META[:1], timeout=60), "UNAUTHENTICATED"),
+            (lambda: raw(b"\x12\xff\xff\xff\xff\x0f", metadata=GRPC_META, timeout=60),
+             "INVALID_ARGUMENT"),
+            (lambda: stub.Generate(bad, metadata=GRPC_META, timeout=60), "INVALID_ARGUMENT"),
+        ]  # fmt: skip
+        for make, code in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                list(make())
+            assert e.value.code().name == code, e.value
+            assert "Traceback" not in e.value.details()
+        assert "top_p" in e.value.details()  # the last case names its field
+        assert list(stub.Generate(ok, metadata=GRPC_META, timeout=60))[-1].finished
