@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import anyio
 
+from app.api.admission import Admission, EngineOverloadedError
 from app.api.errors import ApiError
 from app.engine.request import EngineRequest, RequestError, RequestOutput
 from app.engine.validation import check_request
@@ -23,12 +25,35 @@ OVERLOAD_RETRY_S = 1  # Retry-After of a 429 (queues turn over within seconds)
 UNAVAILABLE_RETRY_S = 5  # Retry-After of a 503 (ranks starting or restarting)
 
 
-class EngineOverloadedError(RuntimeError):
-    """The engine's queue is full; the API answers 429 with ``Retry-After``."""
-
-
 class EngineUnavailableError(RuntimeError):
     """The engine is not ready (starting, draining or failed); the API answers 503."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request refused before it started, sent across a process boundary as a value (a
+    raised exception there costs a logged traceback per 429); :meth:`error` raises it again."""
+
+    kind: Literal["invalid", "overloaded", "unavailable"]
+    message: str
+    field: str = ""
+
+    @classmethod
+    def of(cls, e: Exception) -> Refusal | None:
+        if isinstance(e, RequestError):
+            return cls("invalid", e.message, e.field)
+        if isinstance(e, EngineOverloadedError):
+            return cls("overloaded", str(e))
+        if isinstance(e, EngineUnavailableError):
+            return cls("unavailable", str(e))
+        return None
+
+    def error(self) -> Exception:
+        if self.kind == "invalid":
+            return RequestError(self.field, self.message)
+        if self.kind == "overloaded":
+            return EngineOverloadedError(self.message)
+        return EngineUnavailableError(self.message)
 
 
 @runtime_checkable
@@ -53,33 +78,50 @@ class EngineClient(Protocol):
 
 
 class LocalEngineClient:
-    """:class:`EngineClient` over an in-process :class:`AsyncEngine` (tests, one-process serving).
+    """:class:`EngineClient` over an in-process :class:`AsyncEngine` (a DP rank, tests).
 
-    ``max_pending``: more unfinished requests than this -> :class:`EngineOverloadedError`.
+    ``max_pending`` unfinished requests and ``max_queued_tokens`` prompt tokens waiting for
+    prefill bound the queue (:class:`~app.api.admission.Admission`, prompts up to one step's
+    token budget count as short; beyond the bounds :class:`EngineOverloadedError`).
     :meth:`drain` stops taking requests (503) while running ones finish.
     """
 
-    def __init__(self, engine: AsyncEngine, max_pending: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        max_pending: int | None = None,
+        max_queued_tokens: int | None = None,
+    ) -> None:
         self.engine = engine
-        self.max_pending = max_pending
+        short = engine.core.cfg.scheduler.max_num_batched_tokens
+        self.admission = Admission(max_pending, max_queued_tokens, short_prompt_tokens=short)
         self._draining = False
+
+    @property
+    def max_pending(self) -> int | None:
+        return self.admission.max_requests
+
+    @max_pending.setter
+    def max_pending(self, v: int | None) -> None:
+        self.admission.max_requests = v
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self._draining:
             raise EngineUnavailableError("the engine is draining and takes no new requests")
-        if self.max_pending is not None and self.engine.num_unfinished >= self.max_pending:
-            raise EngineOverloadedError(
-                f"{self.engine.num_unfinished} requests pending (limit {self.max_pending})"
-            )
+        if not self.engine.healthy:
+            raise EngineUnavailableError(f"the engine stopped: {self.engine.error!r}")
         await self._check(req)
-        yield RequestOutput(req.request_id, num_prompt_tokens=len(req.prompt_token_ids))
+        ticket = self.admission.admit(len(req.prompt_token_ids))
         try:
+            yield RequestOutput(req.request_id, num_prompt_tokens=len(req.prompt_token_ids))
             async for out in self.engine.generate(req):
+                if out.token_ids or out.finished:
+                    ticket.prefilled()
                 yield out
-        except RuntimeError as e:
-            if isinstance(e, RequestError):
-                raise
+        except RuntimeError as e:  # the engine stopped (after a failed step)
             raise EngineUnavailableError(str(e)) from e
+        finally:
+            ticket.release()
 
     async def _check(self, req: EngineRequest) -> None:
         """What ``EngineCore.add_request`` checks (the shared validator, the constraint

@@ -18,7 +18,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from app.api.client import EngineOverloadedError, EngineUnavailableError
+from app.api.client import EngineOverloadedError, EngineUnavailableError, Refusal
 from app.engine.request import EngineRequest, RequestError, RequestOutput
 from app.observability import RequestMetrics, carrier, tracer
 
@@ -62,6 +62,9 @@ class ServeEngineClient:
         finished = False
         try:
             async for out in stream:
+                if isinstance(out, Refusal):
+                    finished = True
+                    raise out.error()
                 finished = out.finished
                 yield out
         except Exception as e:

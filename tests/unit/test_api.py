@@ -400,6 +400,7 @@ def test_overloaded_and_not_ready(tiny_ckpt, engine):
     assert "overloaded" in r429.json()["error"]["message"]
     assert r429a.json()["error"]["type"] == "rate_limit_error"
     assert r503.status_code == 503 and "not available" in r503.json()["error"]["message"]
+    assert r503.headers["retry-after"] == "5"
     assert health.status_code == 503
     assert "fathom_num_waiting 7.0" in metrics.text
 
