@@ -75,11 +75,15 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Scheduling options. ``max_model_len`` 0 = the model's limit (further capped by what
-    one request can hold in the KV pool)."""
+    one request can hold in the KV pool). ``long_prefill_share``: while other requests are
+    present, prefills with more than ``long_prefill_threshold`` tokens left (0 = one step's
+    budget) take at most this share of a step's budget (1.0 = no limit)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
+    long_prefill_share: float = 0.5
+    long_prefill_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -88,6 +92,14 @@ class SchedulerConfig:
                 raise EngineConfigError(f"{name} must be a positive integer, got {v!r}")
         if self.max_model_len < 0:
             raise EngineConfigError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not 0.0 < self.long_prefill_share <= 1.0:
+            raise EngineConfigError(
+                f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}"
+            )
+        if self.long_prefill_threshold < 0:
+            raise EngineConfigError(
+                f"long_prefill_threshold must be >= 0, got {self.long_prefill_threshold}"
+            )
 
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
