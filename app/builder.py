@@ -51,6 +51,11 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
         request_timeout_s=sa.api.request_timeout_s,
         vocab_size=mcfg.vocab_size,
         request_id_header=None,  # Serve's proxy sends x-request-id
+        body_read_timeout_s=sa.api.body_read_timeout_s,
+        max_json_depth=sa.api.max_json_depth,
+        max_header_bytes=sa.api.max_header_bytes,
+        max_headers=sa.api.max_headers,
+        cors_allow_origins=list(sa.api.cors_allow_origins),
     )
     max_pending, max_tokens = sa.rank_limits(engine_cfg)
     return AppConfigs(engine_cfg, api_cfg, mcfg.bos_token_id, max_pending, max_tokens)

@@ -27,6 +27,11 @@ class ApiArgs(BaseModel):
     api_keys: list[str] = Field(default_factory=list)
     default_max_tokens: int | None = Field(None, gt=0)
     request_timeout_s: float | None = Field(600.0, gt=0)
+    body_read_timeout_s: float | None = Field(30.0, gt=0)
+    max_json_depth: int = Field(64, gt=0)
+    max_header_bytes: int = Field(32 << 10, gt=0)
+    max_headers: int = Field(100, gt=0)
+    cors_allow_origins: list[str] = Field(default_factory=list)
     max_pending_per_rank: int | None = Field(None, gt=0)  # None: 2 x engine.max_num_seqs
     max_queued_tokens_per_rank: int | None = Field(None, gt=0)  # None: 32 x max_num_batched
 

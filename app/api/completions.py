@@ -122,7 +122,9 @@ class CompletionsFrontend:
                 code="model_not_found",
             )
         if isinstance(body.prompt, str):
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=False).ids
+            # encode_batch releases the GIL (encode holds it: 4.7 s for a 4 MB prompt, during
+            # which no other request was served)
+            ids = self.tokenizer.encode_batch([body.prompt], add_special_tokens=False)[0].ids
             ids = ([self.bos] if self.bos is not None else []) + ids
         else:
             ids = body.prompt

@@ -101,6 +101,23 @@ def check_fields(proto_name: str, raw: Mapping[str, Any]) -> None:
             raise ApiError(400, f"{name} must be {what}, got {got}", param=name)
         if name in _AT_LEAST_ONE and v < 1:
             raise ApiError(400, f"{name} must be >= 1, got {v}", param=name)
+    if proto_name == "messages":
+        _check_messages(raw)
+
+
+def _check_messages(raw: Mapping[str, Any]) -> None:
+    """What Anthropic's Messages API refuses and the recipe would accept: no ``max_tokens``,
+    a ``system`` turn inside ``messages``."""
+    if raw.get("max_tokens") is None:
+        raise ApiError(400, "max_tokens: field required", param="max_tokens")
+    for i, m in enumerate(raw.get("messages") or ()):
+        if isinstance(m, dict) and m.get("role") == "system":
+            raise ApiError(
+                400,
+                f'messages.{i}.role: unexpected role "system"; the Messages API takes the '
+                "system prompt as the top-level `system` field",
+                param="messages",
+            )
 
 
 @dataclass(frozen=True)

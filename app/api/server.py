@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api import completions as cmpl
@@ -29,11 +30,13 @@ from app.api.errors import (
     shape_for,
     sse_error_event,
 )
-from app.api.limits import check_api_key
+from app.api.guard import RequestGuard
+from app.api.limits import PrepareGate, check_api_key, parse_json, read_body
 from app.api.protocols import (
     CHAT,
     MESSAGES,
     RESPONSES,
+    Prepared,
     Protocol,
     RecipeFrontend,
     run_events,
@@ -57,7 +60,10 @@ class ApiConfig:
     is aborted and the answer ends with finish reason ``length``). ``vocab_size``: token ids
     are validated against it (None: by the engine only). ``request_id_header``: the response
     header carrying the response's public id (None under Ray Serve, whose proxy already sends
-    ``x-request-id``)."""
+    ``x-request-id``). ``body_read_timeout_s``: a body not in full by then gets 408.
+    ``max_json_depth``: deeper JSON gets 400. ``max_header_bytes`` / ``max_headers``: beyond
+    them 431. ``cors_allow_origins``: empty = cross-origin requests (an ``Origin`` header not
+    listed) get 403; ``["*"]`` = any."""
 
     served_model_names: list[str]
     tokenizer_path: str
@@ -70,6 +76,11 @@ class ApiConfig:
     request_timeout_s: float | None = None
     vocab_size: int | None = None
     request_id_header: str | None = "x-request-id"
+    body_read_timeout_s: float | None = 30.0
+    max_json_depth: int = 64
+    max_header_bytes: int = 32 << 10
+    max_headers: int = 100
+    cors_allow_origins: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -93,43 +104,6 @@ class ApiConfig:
         return RequestLimits(self.vocab_size, self.context_limit)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it exceeds ``limit`` (before any parsing)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ApiError(400, "the client disconnected while sending the body") from None
-    return b"".join(chunks)
-
-
-def _parse_json(body: bytes) -> dict[str, Any]:
-    """A JSON object with valid unicode (no lone surrogates), or a 400 saying why not."""
-    if not body.strip():
-        raise ApiError(400, "request body is empty; expected a JSON object")
-    try:
-        obj = json.loads(body)
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not valid UTF-8: {e.reason} at {e.start}") from None
-    except json.JSONDecodeError as e:
-        where = f"line {e.lineno} column {e.colno}"
-        raise ApiError(400, f"malformed JSON: {e.msg} at {where}") from None
-    if not isinstance(obj, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
-    try:
-        json.dumps(obj, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise ApiError(400, "request body holds invalid unicode (a lone surrogate)") from None
-    return obj
-
-
 class _Api:
     """Route handlers bound to one config and engine client."""
 
@@ -149,22 +123,31 @@ class _Api:
             cfg.tokenizer_path, cfg.served_model_names, cfg.limits, cfg.max_prompt_tokens
         )
         self.created = int(time.time())
+        self.gate = PrepareGate()
 
     def check_auth(self, request: Request) -> None:
         h = request.headers
         check_api_key(self.cfg.api_keys, h.get("authorization"), h.get("x-api-key"))
 
-    async def _body(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+    async def _body(self, request: Request) -> bytes:
         self.check_auth(request)
-        body = await _read_body(request, self.cfg.max_body_bytes)
-        return body, _parse_json(body)
+        return await read_body(request, self.cfg.max_body_bytes, self.cfg.body_read_timeout_s)
+
+    def _prepare_recipe(self, proto: Protocol, body: bytes) -> Prepared:
+        """Parse, convert, render and encode (a worker thread: the loop keeps serving)."""
+        return self.recipe.prepare(proto, body, parse_json(body, self.cfg.max_json_depth))
+
+    def _prepare_completion(self, body: bytes) -> tuple[cmpl.CompletionBody, EngineRequest, str]:
+        parsed = cmpl.parse_body(parse_json(body, self.cfg.max_json_depth))
+        req, rid = self.completions.prepare(parsed)
+        return parsed, req, rid
 
     async def _start(self, req: EngineRequest) -> EngineStream:
         return await open_stream(self.client, req, self.cfg.request_timeout_s)
 
     async def recipe_route(self, proto: Protocol, request: Request) -> Response:
-        body, raw = await self._body(request)
-        prep = self.recipe.prepare(proto, body, raw)
+        body = await self._body(request)
+        prep = await self.gate.run(len(body), self._prepare_recipe, proto, body)
         req = prep.engine_request
         stream = await self._start(req)
         usage = self.recipe.usage_fix(prep)
@@ -200,9 +183,8 @@ class _Api:
         return Response(text, media_type="application/json", headers=headers)
 
     async def completions_route(self, request: Request) -> Response:
-        _, raw = await self._body(request)
-        body = cmpl.parse_body(raw)
-        req, rid = self.completions.prepare(body)
+        raw = await self._body(request)
+        body, req, rid = await self.gate.run(len(raw), self._prepare_completion, raw)
         stream = await self._start(req)
         events = self.completions.events(body, req, rid, stream)
         headers = self._id_header(rid)
@@ -283,6 +265,19 @@ def build_api(cfg: ApiConfig, client: EngineClient, metrics_app: ASGIApp | None 
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
+    app.add_middleware(
+        RequestGuard,
+        max_headers=cfg.max_headers,
+        max_header_bytes=cfg.max_header_bytes,
+        allow_origins=cfg.cors_allow_origins,
+    )
+    if cfg.cors_allow_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cfg.cors_allow_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -412,3 +412,26 @@ def test_1000_at_once_excess_gets_429(app_urls):
     assert len(ok) >= 80 and all(r[2]["usage"]["completion_tokens"] == 2 for r in ok)
     print(f"1000 at once: {len(ok)} x 200, {len(busy)} x 429 in {took:.1f} s")
     assert _drained(base)
+
+
+def test_http_hygiene_through_serve(app_urls):
+    """Issue 15, findings 7-8 through Serve's proxy: one x-request-id per response, deep JSON
+    and a 1 MB header are 4xx (not 500 / accepted), a cross-origin text/plain POST is 403."""
+    base = app_urls[0]
+    body = {"model": MODEL, "prompt": [0, 5], "max_tokens": 1}
+    ok = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert ok.status_code == 200 and len(ok.headers.get_list("x-request-id")) == 1
+    deep = b'{"model": "tiny-v41", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    r = httpx.post(f"{base}/v1/completions", content=deep, timeout=60,
+                   headers={**AUTH, "content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and "nested deeper" in r.text
+    big = httpx.get(f"{base}/v1/models", headers={**AUTH, "x-big": "v" * (1 << 20)}, timeout=60)
+    assert big.status_code == 431, big.status_code
+    evil = httpx.post(
+        f"{base}/v1/completions",
+        content=json.dumps(body),
+        headers={"content-type": "text/plain", "origin": "http://evil.example"},
+        timeout=60,
+    )
+    assert evil.status_code == 403 and "cross-origin" in evil.json()["error"]["message"]
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
