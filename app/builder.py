@@ -74,7 +74,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         ray_actor_options={"num_cpus": sa.rank_num_cpus, "num_gpus": sa.rank_num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PinnedRequestRouter),
         health_check_period_s=10,
-    ).bind(cfgs.engine, router, cfgs.max_pending_per_rank, cfgs.max_queued_tokens_per_rank)
+    ).bind(
+        cfgs.engine,
+        router,
+        cfgs.max_pending_per_rank,
+        cfgs.max_queued_tokens_per_rank,
+        sa.rank_step_timeout_s,
+    )
     obs = sa.observability
     ingress = serve.deployment(
         serve.ingress()(Ingress),

@@ -57,6 +57,7 @@ class ServeArgs(BaseModel):
     dp_size: int = Field(2, gt=0)
     rank_num_cpus: float = Field(0.5, gt=0)
     rank_num_gpus: float = Field(0, ge=0)
+    rank_step_timeout_s: float = Field(300.0, gt=0)  # a step running longer: restart the rank
     ingress_num_cpus: float = Field(0.25, gt=0)
     ingress_replicas: int = Field(1, gt=0)
     engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig.from_options keywords

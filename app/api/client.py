@@ -187,6 +187,7 @@ class EngineStream:
         self._first: RequestOutput | None = None
         self._timeout = timeout_s
         self._deadline: float | None = None
+        self.started = False  # the first delta arrived
         self.finished = False
         self.timed_out = False
 
@@ -200,15 +201,22 @@ class EngineStream:
             raise EngineUnavailableError(f"the engine gave no output {why}") from None
 
     async def _next(self) -> RequestOutput:
-        if self._deadline is None:
-            out = await anext(self._it)
-        else:
-            left = self._deadline - asyncio.get_running_loop().time()
-            try:
-                out = await asyncio.wait_for(anext(self._it), max(left, 0.0))
-            except TimeoutError:
-                self.timed_out = True
-                raise StopAsyncIteration from None
+        try:
+            if self._deadline is None:
+                out = await anext(self._it)
+            else:
+                left = self._deadline - asyncio.get_running_loop().time()
+                try:
+                    out = await asyncio.wait_for(anext(self._it), max(left, 0.0))
+                except TimeoutError:
+                    self.timed_out = True
+                    raise StopAsyncIteration from None
+        except EngineUnavailableError as e:
+            if not self.started:  # before the first delta: open_stream answers the 503
+                raise
+            raise ApiError(503, f"{e}", code="engine_unavailable",
+                           headers={"Retry-After": str(UNAVAILABLE_RETRY_S)}) from None  # fmt: skip
+        self.started = True
         self.finished = out.finished
         return out
 

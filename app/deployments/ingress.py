@@ -15,6 +15,7 @@ from app.api.grpc_service import GenerateService
 from app.api.server import ApiConfig, build_api
 from app.deployments.client import MeteredClient, ServeEngineClient
 from app.grpc.fathom_pb2 import GenerateResponse
+from app.logs import setup_logging
 from app.observability import RequestMetrics, setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class Ingress:
         bos_token_id: int,
         tracing: tuple[str, str | None, str],
     ) -> None:
+        setup_logging()
         setup_tracing(*tracing)
         self.api_cfg = api_cfg
         self.metrics = RequestMetrics()

@@ -15,6 +15,7 @@ from app.config import EngineConfig
 from app.deployments.router import REPORT_S
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, RequestOutput
+from app.logs import setup_logging
 from app.observability import span_from
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,10 @@ class DPRank:
         router: DeploymentHandle,
         max_pending: int | None = None,
         max_queued_tokens: int | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
+        setup_logging()
+        self.step_timeout_s = step_timeout_s
         self.engine = AsyncEngine(engine_cfg)
         self.client = LocalEngineClient(self.engine, max_pending, max_queued_tokens)
         self.router = router
@@ -50,6 +54,7 @@ class DPRank:
                     **self.engine.stats(),
                     "num_unfinished": self.engine.num_unfinished,
                     "queued_prefill_tokens": adm.queued_tokens,
+                    "healthy": int(self.engine.problem(self.step_timeout_s) is None),
                 }
                 self.router.report.remote(self.replica_id, stats, meta)
             except Exception:  # the router may be restarting; report again next period
@@ -94,9 +99,11 @@ class DPRank:
 
     def check_health(self) -> None:
         """Serve restarts the rank when this raises: after a failed step (the engine stopped
-        taking work) or when the loop thread died."""
-        if not self.engine.healthy:
-            raise RuntimeError(f"the engine stopped: {self.engine.error or 'loop thread died'}")
+        taking work), when the loop thread died, or when a step is stuck (watchdog)."""
+        problem = self.engine.problem(self.step_timeout_s)
+        if problem is not None:
+            logger.error("DP rank %s unhealthy: %s", self.replica_id, problem)
+            raise RuntimeError(problem)
 
     def __del__(self) -> None:
         self._stop.set()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -33,6 +34,7 @@ from app.engine.validation import RequestLimits
 from app.model.model import DeepseekModel
 
 logger = logging.getLogger(__name__)
+ENGINE_FAILED = "the engine step failed"  # the error of every request a failed step ended
 
 
 class AsyncEngine:
@@ -45,6 +47,7 @@ class AsyncEngine:
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
         self._stopped = False
         self._error: BaseException | None = None
+        self._step_started: float | None = None  # monotonic start of the running step
         self._thread = threading.Thread(target=self._loop, name="fathom-engine", daemon=True)
         self._thread.start()
 
@@ -95,6 +98,24 @@ class AsyncEngine:
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    @property
+    def step_running_s(self) -> float:
+        """How long the current step has been running (0 between steps)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def problem(self, step_timeout_s: float | None = None) -> str | None:
+        """Why this engine should be restarted, or None: a failed step, a dead loop thread,
+        or a step running longer than ``step_timeout_s`` (a watchdog)."""
+        if self._error is not None:
+            return f"a step failed: {self._error!r}"
+        if not self._thread.is_alive():
+            return "the engine loop thread died"
+        running = self.step_running_s
+        if step_timeout_s is not None and running > step_timeout_s:
+            return f"a step has been running for {running:.0f} s (limit {step_timeout_s:g} s)"
+        return None
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -155,6 +176,7 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self._step_started = time.monotonic()
             try:
                 outs = self.core.step()
             except Exception as e:  # a broken step: fail every request, stop taking work
@@ -162,6 +184,8 @@ class AsyncEngine:
                 self._error = e
                 self._fail_all(e)
                 continue
+            finally:
+                self._step_started = None
             for out in outs:
                 sink = self._sinks.get(out.request_id)
                 if sink is None:
@@ -174,7 +198,7 @@ class AsyncEngine:
         for rid in list(self._sinks):
             self.core.abort(rid)
             sink = self._sinks.pop(rid)
-            msg = f"the engine step failed: {err!r}"
+            msg = f"{ENGINE_FAILED}: {err!r}"
             self._deliver(
                 sink, RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=msg)
             )

@@ -435,3 +435,73 @@ def test_http_hygiene_through_serve(app_urls):
     )
     assert evil.status_code == 403 and "cross-origin" in evil.json()["error"]["message"]
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+
+def _rank_stat(base: str, stat: str) -> dict[str, float]:
+    """rank -> its last reported ``stat``, from /metrics."""
+    out = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("fathom_rank_stat{") and f'stat="{stat}"' in line:
+            out[line.split('rank="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _rank_labels(base: str) -> set[str]:
+    return set(_rank_stat(base, "num_unfinished"))
+
+
+def test_killed_rank_streams_end_retriably_new_requests_succeed(app_urls):
+    """A rank SIGKILLed mid-traffic (runs last: Serve restarts the rank): its streams end
+    with a retriable 503 error event, the other rank's streams finish, requests sent right
+    after are retried on the live rank (no failure reaches a client), the dead rank's metric
+    series disappear, and the app is back to two ranks."""
+    base = app_urls[0]
+    actors = {
+        a["name"].rsplit("#", 1)[1]: a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "DPRank" in a["name"]
+    }
+    assert len(actors) == 2 and _rank_labels(base) == set(actors)
+    victim: dict = {}
+
+    async def stream(c: httpx.AsyncClient, i: int) -> str:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"s{i}"}],
+                "max_tokens": 300, "stream": True, **NO_THINK, **FULL}  # fmt: skip
+        async with c.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            last = ""
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    last = line
+        return last
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[int, int]:
+        body = {"model": MODEL, "prompt": [0, 7, i], "max_tokens": 4, "ignore_eos": True}
+        r = await c.post(f"{base}/v1/completions", json=body)
+        return r.status_code, r.json().get("usage", {}).get("completion_tokens", 0)
+
+    async def main() -> tuple[list[str], list[tuple[int, int]]]:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
+            streams = [asyncio.create_task(stream(c, i)) for i in range(4)]
+            await asyncio.sleep(3)  # every stream has tokens out (and the ranks reported)
+            busy = _rank_stat(base, "num_unfinished")
+            rid = max(busy, key=busy.get)  # a rank serving some of the streams
+            victim.update(id=rid, streams=int(busy[rid]))
+            actor = actors[rid]
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            after = await asyncio.gather(*(one(c, i) for i in range(10)))
+            return await asyncio.gather(*streams), after
+
+    lasts, after = asyncio.run(main())
+    assert after == [(200, 4)] * 10, after  # retried on the live rank, none failed
+    errors = [json.loads(x[6:]) for x in lasts if x.startswith("data: {") and '"error"' in x]
+    n_victim = victim["streams"]
+    assert n_victim >= 1 and len(errors) == n_victim, (victim, lasts)
+    assert sum(x == "data: [DONE]" for x in lasts) == 4 - n_victim, lasts
+    for e in errors:
+        assert e["error"]["type"] == "service_unavailable" and "retry" in e["error"]["message"]
+    assert victim["id"] not in _rank_labels(base)  # dropped at once: its series are gone
+    deadline = time.time() + 120
+    while len(_rank_labels(base)) < 2:  # Serve restarts the rank
+        assert time.time() < deadline, "the killed rank did not come back"
+        time.sleep(1)
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
