@@ -103,12 +103,18 @@ class CompletionsFrontend:
     """Builds engine requests and OpenAI ``text_completion`` objects."""
 
     def __init__(
-        self, tokenizer_path: str, served: list[str], limits: RequestLimits, max_prompt: int
+        self,
+        tokenizer_path: str,
+        served: list[str],
+        limits: RequestLimits,
+        max_prompt: int,
+        default_max_tokens: int | None = None,
     ) -> None:
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
         self.served = served
         self.limits = limits
         self.context_limit = limits.max_model_len
+        self.default_max_tokens = default_max_tokens
         self.max_prompt = max_prompt
         self.bos = self.tokenizer.token_to_id("<｜begin▁of▁sentence｜>")
 
@@ -134,7 +140,11 @@ class CompletionsFrontend:
                 413, f"prompt is {n} tokens; the limit is {self.max_prompt}", param="prompt"
             )
         room = self.context_limit - n
-        max_tokens = room if body.max_tokens is None else body.max_tokens
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # null: the context left, capped by api.default_max_tokens
+            max_tokens = (
+                room if self.default_max_tokens is None else min(room, self.default_max_tokens)
+            )
         if max_tokens > room:
             raise ApiError(
                 400,

@@ -120,7 +120,11 @@ class _Api:
             cfg.default_max_tokens,
         )
         self.completions = cmpl.CompletionsFrontend(
-            cfg.tokenizer_path, cfg.served_model_names, cfg.limits, cfg.max_prompt_tokens
+            cfg.tokenizer_path,
+            cfg.served_model_names,
+            cfg.limits,
+            cfg.max_prompt_tokens,
+            cfg.default_max_tokens,
         )
         self.created = int(time.time())
         self.gate = PrepareGate()
