@@ -39,6 +39,7 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
     path = sa.model_path()
     mcfg = ModelConfig.from_file(path)
     engine_cfg = resolve_max_model_len(sa.engine_config(path), mcfg)
+    max_pending, max_tokens = sa.rank_limits(engine_cfg)
     api_cfg = ApiConfig(
         served_model_names=sa.names(),
         tokenizer_path=str(path / "tokenizer.json"),
@@ -56,8 +57,9 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
         max_header_bytes=sa.api.max_header_bytes,
         max_headers=sa.api.max_headers,
         cors_allow_origins=list(sa.api.cors_allow_origins),
+        # shed load before any work: what every rank's queue holds, plus what is being prepared
+        max_in_flight=-(-sa.dp_size * max_pending // sa.ingress_replicas) + 32,
     )
-    max_pending, max_tokens = sa.rank_limits(engine_cfg)
     return AppConfigs(engine_cfg, api_cfg, mcfg.bos_token_id, max_pending, max_tokens)
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.config import EngineConfig
 
-TINY_MODELS = {"tiny-v41": "v41", "tiny-v4": "v4"}
+TINY_MODELS = ("tiny-v41", "tiny-v4")  # app.engine.model_path (imported lazily: torch)
 
 
 class ApiArgs(BaseModel):
@@ -79,20 +79,9 @@ class ServeArgs(BaseModel):
 
     def model_path(self) -> Path:
         """The checkpoint directory; a built-in tiny model is made on first use."""
-        if self.model in TINY_MODELS:
-            from app.model.tiny import make_tiny_checkpoint
+        from app.engine.model_path import resolve_model
 
-            path = Path(self.cache_dir).expanduser() / self.model
-            if not (path / "config.json").is_file():
-                make_tiny_checkpoint(path, arch=TINY_MODELS[self.model], seed=0)
-            return path
-        path = Path(self.model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model {self.model!r} is neither a built-in tiny model "
-                f"({', '.join(TINY_MODELS)}) nor a directory with config.json"
-            )
-        return path
+        return resolve_model(self.model, self.cache_dir)
 
     def names(self) -> list[str]:
         return self.served_model_names or [

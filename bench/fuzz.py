@@ -268,7 +268,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10000)
     ap.add_argument("--grpc-share", type=float, default=0.2)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--timeout", type=float, default=660.0, help="> api.request_timeout_s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--api-key")
     ap.add_argument("--out")

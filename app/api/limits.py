@@ -6,6 +6,8 @@ naming the field."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import hmac
 import json
 from collections.abc import Callable
@@ -117,7 +119,9 @@ class PrepareGate:
     """Runs request preparation (JSON parse, rendering, tokenization) in worker threads, so
     the event loop keeps serving while a large prompt is tokenized; at most ``large_slots``
     bodies over ``large_bytes`` at once (others wait, without blocking the loop), which
-    bounds the memory a burst of large bodies can take."""
+    bounds the memory a burst of large bodies can take. After a large one the allocator
+    returns its free pages to the system (a 4 MB prompt's tokenization takes ~0.5 GB that
+    glibc otherwise keeps: the ingress stayed at 2.5 GB after a burst)."""
 
     def __init__(self, large_bytes: int = 256 << 10, large_slots: int = 2) -> None:
         self.large_bytes = large_bytes
@@ -127,4 +131,25 @@ class PrepareGate:
         if size <= self.large_bytes:
             return await anyio.to_thread.run_sync(fn, *args)
         async with self._large:
-            return await anyio.to_thread.run_sync(fn, *args)
+            return await anyio.to_thread.run_sync(_then_trim, fn, *args)
+
+
+def _then_trim(fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    finally:
+        _malloc_trim()
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return None
+
+
+def _malloc_trim() -> None:
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api import completions as cmpl
-from app.api.client import EngineClient, EngineStream, open_stream
+from app.api.admission import Admission, EngineOverloadedError
+from app.api.client import OVERLOAD_RETRY_S, EngineClient, EngineStream, open_stream
 from app.api.errors import (
     ApiError,
     api_error_handler,
@@ -63,7 +64,9 @@ class ApiConfig:
     ``x-request-id``). ``body_read_timeout_s``: a body not in full by then gets 408.
     ``max_json_depth``: deeper JSON gets 400. ``max_header_bytes`` / ``max_headers``: beyond
     them 431. ``cors_allow_origins``: empty = cross-origin requests (an ``Origin`` header not
-    listed) get 403; ``["*"]`` = any."""
+    listed) get 403; ``["*"]`` = any. ``max_in_flight``: generation requests this server
+    holds at once (being prepared, queued or streaming); beyond it 429 at once, before any
+    parsing or engine call (load shedding in front of the ranks' own bounds)."""
 
     served_model_names: list[str]
     tokenizer_path: str
@@ -81,6 +84,7 @@ class ApiConfig:
     max_header_bytes: int = 32 << 10
     max_headers: int = 100
     cors_allow_origins: list[str] = field(default_factory=list)
+    max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -128,6 +132,26 @@ class _Api:
         )
         self.created = int(time.time())
         self.gate = PrepareGate()
+        self.in_flight = Admission(cfg.max_in_flight, None)
+
+    async def shed(self, handler: Callable[[], Awaitable[Response]]) -> Response:
+        """Run a generation route within ``max_in_flight`` (429 beyond it); a streamed
+        response holds its slot until the stream is over."""
+        try:
+            ticket = self.in_flight.admit(0)
+        except EngineOverloadedError as e:
+            msg = f"the server is overloaded ({e}); retry later"
+            raise ApiError(429, msg, headers={"Retry-After": str(OVERLOAD_RETRY_S)}) from None
+        try:
+            resp = await handler()
+        except BaseException:
+            ticket.release()
+            raise
+        if isinstance(resp, SSEResponse):
+            resp.on_close.append(ticket.release)
+        else:
+            ticket.release()
+        return resp
 
     def check_auth(self, request: Request) -> None:
         h = request.headers
@@ -285,19 +309,19 @@ def build_api(cfg: ApiConfig, client: EngineClient, metrics_app: ASGIApp | None 
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await api.recipe_route(CHAT, request)
+        return await api.shed(lambda: api.recipe_route(CHAT, request))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await api.recipe_route(RESPONSES, request)
+        return await api.shed(lambda: api.recipe_route(RESPONSES, request))
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await api.recipe_route(MESSAGES, request)
+        return await api.shed(lambda: api.recipe_route(MESSAGES, request))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await api.completions_route(request)
+        return await api.shed(lambda: api.completions_route(request))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

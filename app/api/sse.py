@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -34,6 +34,7 @@ class SSEResponse(StreamingResponse):
     def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
         super().__init__(content, headers={**SSE_HEADERS, **headers})
         self._events = content
+        self.on_close: list[Callable[[], None]] = []  # run once the stream is over
 
     async def _until_disconnect(self, receive: Receive) -> None:
         """Return when the client goes away: an ``http.disconnect`` message, or (under Ray
@@ -63,3 +64,5 @@ class SSEResponse(StreamingResponse):
                 aclose = getattr(self._events, "aclose", None)
                 if aclose is not None:
                     await aclose()
+            for fn in self.on_close:
+                fn()

@@ -5,6 +5,7 @@ max_model_len that the ingress and the ranks share (finding 5)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,31 @@ def test_serve_args_engine_options_are_validated_by_the_engine_config(engine_arg
     ok = ServeArgs.model_validate({"engine": {"max_num_seqs": 4, "bounded_replay": "off"}})
     cfg = ok.engine_config(Path("/m"))
     assert cfg.scheduler.max_num_seqs == 4 and cfg.cache.bounded_replay == "off"
+
+
+def test_ingress_sheds_load_before_any_work(tiny_ckpt, engine):  # noqa: F811
+    """``max_in_flight``: a stream holds its slot until it is over; beyond the bound the
+    answer is 429 at once (nothing parsed, nothing sent to an engine)."""
+    import httpx
+
+    from app.api import build_api
+    from tests.unit.test_api import HI, MODEL, Server, api_config
+
+    client = LocalEngineClient(engine)
+    with Server(build_api(api_config(tiny_ckpt, engine, max_in_flight=1), client)) as srv:
+        body = {"model": MODEL, "messages": HI, "max_tokens": 400, "stream": True,
+                "ignore_eos": True, "thinking": {"type": "disabled"}}  # fmt: skip
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                next(r.iter_lines())
+                shed = http.post("/v1/completions", content=b"not even json",
+                                 headers={"content-type": "application/json"})  # fmt: skip
+            assert shed.status_code == 429 and shed.headers["retry-after"] == "1"
+            assert "overloaded" in shed.json()["error"]["message"]
+            for _ in range(100):  # the closed stream gives its slot back
+                ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                        "max_tokens": 1})  # fmt: skip
+                if ok.status_code == 200:
+                    break
+                time.sleep(0.05)
+            assert ok.status_code == 200
