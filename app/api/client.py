@@ -211,11 +211,20 @@ class EngineStream:
                 except TimeoutError:
                     self.timed_out = True
                     raise StopAsyncIteration from None
-        except EngineUnavailableError as e:
-            if not self.started:  # before the first delta: open_stream answers the 503
+        except (EngineUnavailableError, EngineOverloadedError) as e:
+            if not self.started:  # before the first delta: open_stream answers 503 / 429
                 raise
-            raise ApiError(503, f"{e}", code="engine_unavailable",
-                           headers={"Retry-After": str(UNAVAILABLE_RETRY_S)}) from None  # fmt: skip
+            # after it (a retry on another rank found it down or full): the same, retriable
+            busy = isinstance(e, EngineOverloadedError)
+            wait = OVERLOAD_RETRY_S if busy else UNAVAILABLE_RETRY_S
+            status, headers = (429 if busy else 503), {"Retry-After": str(wait)}
+            msg = f"{e}; retry the request"
+            raise ApiError(status, msg, code="engine_unavailable", headers=headers) from None
+        if out.engine_failed:  # the engine failed under this request (no rank to retry on)
+            self.finished = True
+            msg = f"{out.error}; retry the request"
+            raise ApiError(503, msg, code="engine_unavailable",
+                           headers={"Retry-After": str(UNAVAILABLE_RETRY_S)})  # fmt: skip
         self.started = True
         self.finished = out.finished
         return out

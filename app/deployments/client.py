@@ -23,8 +23,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from ray.serve.handle import DeploymentHandle
 
 from app.api.client import EngineOverloadedError, EngineUnavailableError, Refusal
-from app.engine.engine import ENGINE_FAILED
-from app.engine.request import EngineRequest, FinishReason, RequestError, RequestOutput
+from app.engine.request import EngineRequest, RequestError, RequestOutput
 from app.observability import RequestMetrics, carrier, tracer
 
 logger = logging.getLogger(__name__)
@@ -38,11 +37,6 @@ class _RankFailed(RuntimeError):
 
 
 _RETRIABLE = (_RankFailed, RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
-
-
-def _engine_failed(out: RequestOutput) -> bool:
-    """The delta a failed step ends every request of its rank with."""
-    return out.finish_reason is FinishReason.ERROR and (out.error or "").startswith(ENGINE_FAILED)
 
 
 def _why(e: BaseException) -> str:
@@ -85,7 +79,7 @@ class ServeEngineClient:
             try:
                 async with aclosing(self._stream(traced, target)) as outs:
                     async for out in outs:
-                        if _engine_failed(out) and not sent:
+                        if out.engine_failed:  # the rank's step failed: not this request
                             raise _RankFailed(out.error or "")
                         if not out.token_ids and not out.finished:
                             if acked:

@@ -29,12 +29,11 @@ from dataclasses import asdict
 
 from app.config import EngineConfig
 from app.engine.core import EngineCore
-from app.engine.request import EngineRequest, FinishReason, RequestOutput
+from app.engine.request import ENGINE_FAILED, EngineRequest, FinishReason, RequestOutput
 from app.engine.validation import RequestLimits
 from app.model.model import DeepseekModel
 
 logger = logging.getLogger(__name__)
-ENGINE_FAILED = "the engine step failed"  # the error of every request a failed step ended
 
 
 class AsyncEngine:

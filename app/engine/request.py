@@ -17,6 +17,7 @@ from app.engine.validation import (
 )
 
 __all__ = [
+    "ENGINE_FAILED",
     "MAX_TOP_LOGPROBS",
     "EngineRequest",
     "FinishReason",
@@ -88,6 +89,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+ENGINE_FAILED = "the engine step failed"  # the error of every request a failed step ended
+
+
 class FinishReason(enum.StrEnum):
     """Why a request stopped producing tokens."""
 
@@ -149,3 +153,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     text: str = ""
     error: str | None = None
+
+    @property
+    def engine_failed(self) -> bool:
+        """Ended by a failed engine step (not by anything about this request): retriable."""
+        return self.finish_reason is FinishReason.ERROR and (self.error or "").startswith(
+            ENGINE_FAILED
+        )

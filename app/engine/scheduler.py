@@ -217,4 +217,22 @@ class Scheduler:
             self.running.append(seq)
             self._take(seq, n, out)
             budget -= n
+        out.items = self._dropped_last(out.items)
         return out
+
+    def _dropped_last(self, items: list[Scheduled]) -> list[Scheduled]:
+        """Chunks that V4.1 decoder replay drops whole (every row below the prompt's decoder
+        floor: a long prefill's early chunk) go last in the batch. Workaround: the model's
+        decoder layers read the KV store with the parent batch's sequence indices after a
+        sequence was dropped (DeepseekModel.hidden passes ``store``, not the sub-batch's
+        ``batch.kv``), so any chunk after a dropped one read another sequence's block table
+        (an IndexError failing the step). Long prefills sharing a step made that common."""
+
+        def dropped(it: Scheduled) -> bool:
+            s, a = it.seq, it.start
+            if s.wants_prompt_logprobs or a >= s.num_prompt:
+                return False
+            return a + it.num_tokens <= self.cache.decoder_floor(s.num_prompt, a)
+
+        gone = [it for it in items if dropped(it)]
+        return [it for it in items if not dropped(it)] + gone if gone else items

@@ -9,14 +9,23 @@ import logging
 import threading
 import time
 
+import httpx
 import pytest
 from prometheus_client import generate_latest
 
 from app import observability as obs
+from app.api import build_api
 from app.api.sse import SSEResponse
 from app.config import EngineConfig
 from app.engine.engine import AsyncEngine
-from app.engine.request import EngineRequest, SamplingParams
+from app.engine.request import (
+    ENGINE_FAILED,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+)
+from tests.unit.test_api import api_config, engine  # noqa: F401 (fixture)
 
 pytest.importorskip("ray")
 from app.deployments.router import STALE_S, Router  # noqa: E402
@@ -115,3 +124,40 @@ def test_disconnect_under_serve_is_one_debug_line(caplog):
     assert closed.is_set()
     msgs = [r for r in caplog.records if r.name == "app.api.sse"]
     assert len(msgs) == 1 and msgs[0].levelno == logging.DEBUG
+
+
+class _FailingEngine:
+    """An EngineClient whose engine step fails under the request after one token (what a
+    single-process server sees: there is no other rank to retry on)."""
+
+    async def generate(self, req: EngineRequest):
+        yield RequestOutput(req.request_id)
+        yield RequestOutput(req.request_id, token_ids=[7])
+        yield RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ERROR,
+                            error=f"{ENGINE_FAILED}: RuntimeError('device lost')")  # fmt: skip
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def stats(self) -> dict:
+        return {}
+
+    async def ready(self) -> bool:
+        return True
+
+
+def test_a_failed_step_is_a_retriable_503_not_a_500(tiny_ckpt, engine):  # noqa: F811
+    app = build_api(api_config(tiny_ckpt, engine), _FailingEngine())
+    body = {"model": "tiny-v41", "prompt": "hi", "max_tokens": 4}
+
+    async def main() -> tuple[httpx.Response, str]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            plain = await c.post("/v1/completions", json=body)
+            streamed = await c.post("/v1/completions", json={**body, "stream": True})
+            return plain, streamed.text
+
+    plain, streamed = asyncio.run(main())
+    assert plain.status_code == 503 and plain.headers["retry-after"] == "5"
+    assert "retry the request" in plain.json()["error"]["message"]
+    assert '"service_unavailable"' in streamed and "device lost" in streamed

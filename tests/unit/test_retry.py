@@ -14,8 +14,12 @@ from ray.exceptions import ActorDiedError  # noqa: E402
 
 from app.api.client import EngineUnavailableError, Refusal  # noqa: E402
 from app.deployments.client import ServeEngineClient  # noqa: E402
-from app.engine.engine import ENGINE_FAILED  # noqa: E402
-from app.engine.request import EngineRequest, FinishReason, RequestOutput  # noqa: E402
+from app.engine.request import (  # noqa: E402
+    ENGINE_FAILED,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,  # noqa: E402
+)
 
 REQ = EngineRequest("req-1", (0, 5))
 ACK = RequestOutput("req-1")
@@ -110,8 +114,9 @@ def test_failure_before_the_first_token_is_retried_elsewhere(failure):
     assert router.dropped == ["a"] and router.excludes == [[], ["a"]]
 
 
-def test_failure_after_a_token_is_a_retriable_error():
-    ranks, router = Ranks({"a": [ACK, tokens(1), ActorDiedError()]}), Router(["a", "b"])
+@pytest.mark.parametrize("failure", [ActorDiedError(), FAILED_STEP], ids=["died", "step-failed"])
+def test_failure_after_a_token_is_a_retriable_error(failure):
+    ranks, router = Ranks({"a": [ACK, tokens(1), failure]}), Router(["a", "b"])
     client = ServeEngineClient(ranks, router)
 
     async def main() -> list[RequestOutput]:
