@@ -60,7 +60,9 @@ async def burst(url: str, n: int) -> dict[str, Any]:
     }
 
 
-async def long_prompts(url: str, tokens: int, shorts: int, wait_s: float) -> dict[str, Any]:
+async def long_prompts(
+    url: str, tokens: int, shorts: int, wait_s: float, short_timeout_s: float
+) -> dict[str, Any]:
     """Two ``tokens``-token prompts (one per rank), then ``shorts`` small chat streams
     ``wait_s`` later: the short requests' TTFT. The long ones are dropped afterwards."""
 
@@ -79,12 +81,16 @@ async def long_prompts(url: str, tokens: int, shorts: int, wait_s: float) -> dic
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}],
                 "max_tokens": 8, "stream": True, "ignore_eos": True, **NO_THINK}  # fmt: skip
         t0, ttft = time.monotonic(), None
-        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if ttft is None and line.startswith("data: {"):
-                    choices = json.loads(line[6:])["choices"]
-                    if choices and choices[0]["delta"].get("content"):  # a token, not the role
-                        ttft = time.monotonic() - t0
+        try:
+            async with asyncio.timeout(short_timeout_s):
+                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if ttft is None and line.startswith("data: {"):
+                            choices = json.loads(line[6:])["choices"]
+                            if choices and choices[0]["delta"].get("content"):  # not the role
+                                ttft = time.monotonic() - t0
+        except TimeoutError:
+            pass
         return ttft, time.monotonic() - t0
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
@@ -95,14 +101,15 @@ async def long_prompts(url: str, tokens: int, shorts: int, wait_s: float) -> dic
         for t in longs:
             t.cancel()
         await asyncio.gather(*longs, return_exceptions=True)
-    ttfts = [r[0] for r in res if r[0] is not None]
+    ttfts = [r[0] for r in res if r[0] is not None] or [float("nan")]
     return {
         "long_prompt_tokens": tokens,
         "long_status": statuses,
         "long_still_prefilling": running,
         "shorts_sent_after_s": wait_s,
         "short_requests": shorts,
-        "short_with_a_token": len(ttfts),
+        "short_timeout_s": short_timeout_s,
+        "short_with_a_token": sum(r[0] is not None for r in res),
         "ttft_p50_s": _pct(ttfts, 0.5),
         "ttft_max_s": _pct(ttfts, 1.0),
         "e2e_max_s": round(max(r[1] for r in res), 2),
@@ -218,12 +225,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=100_000)
     ap.add_argument("--mb", type=float, default=4.0)
     ap.add_argument("--wait", type=float, default=3.0, help="long-prompts: shorts sent after")
+    ap.add_argument("--short-timeout", type=float, default=120.0, help="long-prompts")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.what == "burst":
         res = asyncio.run(burst(a.url, a.n or 1000))
     elif a.what == "long-prompts":
-        res = asyncio.run(long_prompts(a.url, a.tokens, a.n or 10, wait_s=a.wait))
+        res = asyncio.run(long_prompts(a.url, a.tokens, a.n or 10, a.wait, a.short_timeout))
     elif a.what == "big-bodies":
         res = asyncio.run(big_bodies(a.url, a.n or 8, a.mb))
     else:

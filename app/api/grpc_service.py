@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tokenizers import Tokenizer
 
+from app.api.admission import Admission, EngineOverloadedError
 from app.api.client import EngineClient, open_stream
 from app.api.errors import ApiError
 from app.api.limits import check_api_key, make_request
@@ -73,9 +74,15 @@ class GenerateService:
     ``application`` metadata entry when the client sends one."""
 
     def __init__(
-        self, cfg: ApiConfig, client: EngineClient, bos_token_id: int, app_name: str | None = None
+        self,
+        cfg: ApiConfig,
+        client: EngineClient,
+        bos_token_id: int,
+        app_name: str | None = None,
+        in_flight: Admission | None = None,
     ) -> None:
         self.cfg = cfg
+        self.in_flight = in_flight or Admission(cfg.max_in_flight, None)
         self.client = client
         self.tokenizer = Tokenizer.from_file(cfg.tokenizer_path)
         self.bos = bos_token_id
@@ -87,9 +94,14 @@ class GenerateService:
         """Stream responses; on an error set the status code and end with an error message."""
         rid = ""
         n_prompt = n_gen = 0
+        ticket = None
         try:
             meta = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
             self._check_call(meta)
+            try:
+                ticket = self.in_flight.admit(0)  # the same bound as the HTTP routes
+            except EngineOverloadedError as e:
+                raise ApiError(429, f"the server is overloaded ({e}); retry later") from None
             request = self._parse(raw)
             rid = request.request_id or f"gen-{uuid.uuid4().hex}"
             req = await self._engine_request(request)
@@ -125,6 +137,9 @@ class GenerateService:
                 request_id=rid, finished=True, finish_reason="error", error=e.message,
                 prompt_tokens=n_prompt, completion_tokens=n_gen,
             )  # fmt: skip
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     def _check_call(self, meta: dict[str, str]) -> None:
         check_api_key(self.cfg.api_keys, meta.get("authorization"), meta.get("x-api-key"))

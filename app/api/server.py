@@ -111,7 +111,9 @@ class ApiConfig:
 class _Api:
     """Route handlers bound to one config and engine client."""
 
-    def __init__(self, cfg: ApiConfig, client: EngineClient) -> None:
+    def __init__(
+        self, cfg: ApiConfig, client: EngineClient, in_flight: Admission | None = None
+    ) -> None:
         self.cfg = cfg
         self.client = client
         assert cfg.max_prompt_tokens is not None
@@ -132,7 +134,7 @@ class _Api:
         )
         self.created = int(time.time())
         self.gate = PrepareGate()
-        self.in_flight = Admission(cfg.max_in_flight, None)
+        self.in_flight = in_flight or Admission(cfg.max_in_flight, None)
 
     async def shed(self, handler: Callable[[], Awaitable[Response]]) -> Response:
         """Run a generation route within ``max_in_flight`` (429 beyond it); a streamed
@@ -284,10 +286,16 @@ class _Asgi:
         await self.app(scope, receive, send)
 
 
-def build_api(cfg: ApiConfig, client: EngineClient, metrics_app: ASGIApp | None = None) -> FastAPI:
+def build_api(
+    cfg: ApiConfig,
+    client: EngineClient,
+    metrics_app: ASGIApp | None = None,
+    in_flight: Admission | None = None,
+) -> FastAPI:
     """The FastAPI app. ``metrics_app`` (e.g. a Prometheus ASGI app) is mounted at
-    ``/metrics``; without one, ``/metrics`` lists the client's numeric stats as gauges."""
-    api = _Api(cfg, client)
+    ``/metrics``; without one, ``/metrics`` lists the client's numeric stats as gauges.
+    ``in_flight``: the ``max_in_flight`` count, shared with the gRPC service."""
+    api = _Api(cfg, client, in_flight)
     app = FastAPI(title="Fathom", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
     app.add_exception_handler(ApiError, api_error_handler)

@@ -11,6 +11,7 @@ from prometheus_client import make_asgi_app
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from app.api.admission import Admission
 from app.api.grpc_service import GenerateService
 from app.api.server import ApiConfig, build_api
 from app.deployments.client import MeteredClient, ServeEngineClient
@@ -39,7 +40,10 @@ class Ingress:
         self.engines = ServeEngineClient(rank, router)
         self.client = MeteredClient(self.engines, self.metrics, api_cfg.served_model_names[0])
         app_name = serve.get_replica_context().app_name
-        self.grpc = GenerateService(api_cfg, self.client, bos_token_id, app_name=app_name)
+        self.in_flight = Admission(api_cfg.max_in_flight, None)  # HTTP and gRPC together
+        self.grpc = GenerateService(
+            api_cfg, self.client, bos_token_id, app_name=app_name, in_flight=self.in_flight
+        )
 
     def __serve_build_asgi_app__(self):
         metrics_app = make_asgi_app(self.metrics.registry)
@@ -51,7 +55,7 @@ class Ingress:
                 logger.warning("rank stats for /metrics failed: %r", e)
             await metrics_app(scope, receive, send)
 
-        return build_api(self.api_cfg, self.client, metrics_app=metrics)
+        return build_api(self.api_cfg, self.client, metrics_app=metrics, in_flight=self.in_flight)
 
     async def Generate(  # noqa: N802 (the gRPC method name)
         self, request: bytes, grpc_context=None

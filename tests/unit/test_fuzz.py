@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from app.api import LocalEngineClient, build_api
 from bench.fuzz import case, check_http, grpc_case
 from tests.unit.test_api import Server, api_config, engine  # noqa: F401 (fixture)
-from tests.unit.test_grpc import AUTH, METHOD, channel, client  # noqa: F401 (fixtures)
+from tests.unit.test_grpc import AUTH, METHOD, channel, client, service  # noqa: F401
 
 SOAK = settings(
     max_examples=int(os.environ.get("FATHOM_FUZZ_EXAMPLES", "200")),

@@ -67,7 +67,7 @@ def client(engine) -> LocalEngineClient:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def channel(tiny_ckpt, engine, client) -> Iterator[grpc.Channel]:  # noqa: F811
+def service(tiny_ckpt, engine, client) -> GenerateService:  # noqa: F811
     cfg = ApiConfig(
         served_model_names=[MODEL],
         tokenizer_path=f"{tiny_ckpt('v41')}/tokenizer.json",
@@ -77,7 +77,11 @@ def channel(tiny_ckpt, engine, client) -> Iterator[grpc.Channel]:  # noqa: F811
         default_max_tokens=5,
         vocab_size=engine.core.model.cfg.vocab_size,
     )
-    service = GenerateService(cfg, client, engine.core.model.cfg.bos_token_id, app_name="fathom")
+    return GenerateService(cfg, client, engine.core.model.cfg.bos_token_id, app_name="fathom")
+
+
+@pytest.fixture(scope="module")
+def channel(service) -> Iterator[grpc.Channel]:
     with GrpcServer(service) as srv, grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
         yield ch
 
@@ -169,7 +173,14 @@ def test_wrong_application_is_not_found(stub):
     assert "other" in err.details()
 
 
-def test_overloaded_and_draining(stub, client):
+def test_overloaded_and_draining(stub, client, service):
+    service.in_flight.max_requests = 0  # the ingress's own bound (shared with HTTP)
+    try:
+        _, shed = call(stub, ids_request())
+    finally:
+        service.in_flight.max_requests = None
+    assert shed is not None and shed.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert service.in_flight.requests == 0
     client.max_pending = 0
     try:
         _, full = call(stub, ids_request())
