@@ -21,9 +21,10 @@ $(DEV_STAMP): $(RUN_STAMP)
 	$(PIP) -e ".[dev]"
 	touch $@
 
-# Ray writes an auth token unless told not to; a background `serve run` stops on SIGTERM.
+# Ray writes an auth token unless told not to. app.run = `serve run` plus a "ready" line with
+# the URLs and a clean shutdown on SIGTERM / Ctrl-C.
 serve: $(RUN_STAMP)
-	RAY_AUTH_MODE=disabled $(BIN)/serve run serve_config.yaml
+	RAY_AUTH_MODE=disabled $(BIN)/python -m app.run serve_config.yaml
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check app kernels tests bench

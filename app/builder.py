@@ -6,37 +6,67 @@ Ingress (HTTP + gRPC) --choose--> Router          (one replica: load, later pref
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.api.server import ApiConfig
+from app.config import EngineConfig
 from app.deployments.ingress import Ingress
 from app.deployments.rank import DPRank
 from app.deployments.router import PinnedRequestRouter, Router
+from app.engine.capacity import resolve_max_model_len
 from app.model.config import ModelConfig
 from app.serve_args import ServeArgs
 
 
-def build_app(args: dict[str, Any]) -> serve.Application:
-    """Validate ``args`` (ServeArgs) and bind Router, DPRank and Ingress."""
-    sa = ServeArgs.model_validate(args or {})
+@dataclass(frozen=True)
+class AppConfigs:
+    """What the deployments are built from: one ``max_model_len`` for ingress and ranks."""
+
+    engine: EngineConfig
+    api: ApiConfig
+    bos_token_id: int
+    max_pending_per_rank: int
+    max_queued_tokens_per_rank: int
+
+
+def app_configs(sa: ServeArgs) -> AppConfigs:
+    """Resolve ``sa`` against the model: the engine config with an explicit max_model_len
+    (auto = the model's limit capped by the KV pool), and the API config sharing it."""
     path = sa.model_path()
     mcfg = ModelConfig.from_file(path)
-    engine_cfg = sa.engine_config(path)
-    limit = engine_cfg.scheduler.max_model_len or mcfg.max_position_embeddings
+    engine_cfg = resolve_max_model_len(sa.engine_config(path), mcfg)
+    max_pending, max_tokens = sa.rank_limits(engine_cfg)
     api_cfg = ApiConfig(
         served_model_names=sa.names(),
         tokenizer_path=str(path / "tokenizer.json"),
-        context_limit=min(limit, mcfg.max_position_embeddings),
+        context_limit=engine_cfg.scheduler.max_model_len,
         model_version=mcfg.arch,
         max_body_bytes=sa.api.max_body_bytes,
         max_prompt_tokens=sa.api.max_prompt_tokens,
         api_keys=list(sa.api.api_keys),
         default_max_tokens=sa.api.default_max_tokens,
         request_timeout_s=sa.api.request_timeout_s,
+        vocab_size=mcfg.vocab_size,
+        request_id_header=None,  # Serve's proxy sends x-request-id
+        body_read_timeout_s=sa.api.body_read_timeout_s,
+        max_json_depth=sa.api.max_json_depth,
+        max_header_bytes=sa.api.max_header_bytes,
+        max_headers=sa.api.max_headers,
+        cors_allow_origins=list(sa.api.cors_allow_origins),
+        # shed load before any work: what every rank's queue holds, plus what is being prepared
+        max_in_flight=-(-sa.dp_size * max_pending // sa.ingress_replicas) + 32,
     )
+    return AppConfigs(engine_cfg, api_cfg, mcfg.bos_token_id, max_pending, max_tokens)
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Validate ``args`` (ServeArgs) and bind Router, DPRank and Ingress."""
+    sa = ServeArgs.model_validate(args or {})
+    cfgs = app_configs(sa)
     router = Router.bind()
     rank = serve.deployment(
         DPRank,
@@ -46,7 +76,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         ray_actor_options={"num_cpus": sa.rank_num_cpus, "num_gpus": sa.rank_num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PinnedRequestRouter),
         health_check_period_s=10,
-    ).bind(engine_cfg, router, sa.api.max_pending_per_rank)
+    ).bind(
+        cfgs.engine,
+        router,
+        cfgs.max_pending_per_rank,
+        cfgs.max_queued_tokens_per_rank,
+        sa.rank_step_timeout_s,
+    )
     obs = sa.observability
     ingress = serve.deployment(
         serve.ingress()(Ingress),
@@ -55,6 +91,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": sa.ingress_num_cpus},
     ).bind(
-        api_cfg, rank, router, mcfg.bos_token_id, (obs.tracing, obs.otlp_endpoint, obs.service_name)
+        cfgs.api,
+        rank,
+        router,
+        cfgs.bos_token_id,
+        (obs.tracing, obs.otlp_endpoint, obs.service_name),
     )
     return ingress

@@ -8,6 +8,8 @@ memory budget; resolution makes a new object with :func:`dataclasses.replace`.
 from __future__ import annotations
 
 import math
+import types
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -73,11 +75,15 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Scheduling options. ``max_model_len`` 0 = the model's limit (further capped by what
-    one request can hold in the KV pool)."""
+    one request can hold in the KV pool). ``long_prefill_share``: while other requests are
+    present, prefills with more than ``long_prefill_threshold`` tokens left (0 = one step's
+    budget) take at most this share of a step's budget (1.0 = no limit)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
+    long_prefill_share: float = 0.5
+    long_prefill_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -86,6 +92,14 @@ class SchedulerConfig:
                 raise EngineConfigError(f"{name} must be a positive integer, got {v!r}")
         if self.max_model_len < 0:
             raise EngineConfigError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not 0.0 < self.long_prefill_share <= 1.0:
+            raise EngineConfigError(
+                f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}"
+            )
+        if self.long_prefill_threshold < 0:
+            raise EngineConfigError(
+                f"long_prefill_threshold must be >= 0, got {self.long_prefill_threshold}"
+            )
 
 
 SpecMethod = Literal["dspark", "mtp"]
@@ -200,11 +214,17 @@ class EngineConfig:
             "cache": set(CacheConfig.__dataclass_fields__),
             "scheduler": set(SchedulerConfig.__dataclass_fields__),
         }
+        hints = {
+            "engine": typing.get_type_hints(cls),
+            "cache": typing.get_type_hints(CacheConfig),
+            "scheduler": typing.get_type_hints(SchedulerConfig),
+        }
         for name, value in options.items():
             owner = next((g for g, names in owners.items() if name in names), None)
             if owner is None or name == "model":
                 valid = sorted(set().union(*owners.values()) - {"model"})
                 raise EngineConfigError(f"unknown engine option {name!r}; valid: {valid}")
+            _check_type(name, value, hints[owner][name])
             groups[owner][name] = value
         try:
             return cls(
@@ -215,3 +235,32 @@ class EngineConfig:
             )
         except TypeError as e:  # wrong value types reach here as TypeError
             raise EngineConfigError(str(e)) from e
+
+
+def _check_type(name: str, value: object, hint: object) -> None:
+    """``value`` fits the field's annotation (bool, int, float, str, Literal, ``X | None``)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for t in options:
+        if t is type(None) and value is None:
+            return
+        if typing.get_origin(t) is Literal and value in typing.get_args(t):
+            return
+        if t is bool and isinstance(value, bool):
+            return
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if t is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return
+        if t is str and isinstance(value, str):
+            return
+    raise EngineConfigError(f"engine option {name!r} must be {_describe(options)}, got {value!r}")
+
+
+def _describe(options: tuple) -> str:
+    words = []
+    for t in options:
+        if typing.get_origin(t) is Literal:
+            words.append("one of " + ", ".join(repr(a) for a in typing.get_args(t)))
+        else:
+            words.append("null" if t is type(None) else getattr(t, "__name__", str(t)))
+    return " or ".join(words)

@@ -102,6 +102,7 @@ class RequestMetrics:
         self.rank = Gauge(
             "fathom_rank_stat", "per-rank engine statistic", ["rank", "stat"], registry=r
         )
+        self._rank_labels: set[tuple[str, str]] = set()
         self._ray = None
         try:
             from ray.serve import metrics as rm
@@ -148,7 +149,16 @@ class RequestMetrics:
                 self._ray["tokens"].inc(n_gen, tags=tags)
 
     def set_ranks(self, ranks: dict[str, dict[str, float]]) -> None:
-        for rank, stats in ranks.items():
-            for k, v in stats.items():
-                if isinstance(v, int | float):
-                    self.rank.labels(rank, k).set(v)
+        """The rank gauges: the live ranks' last reports; a rank that is gone (dead, or
+        dropped by the Router) loses its series."""
+        labels = {
+            (rank, k): float(v)
+            for rank, stats in ranks.items()
+            for k, v in stats.items()
+            if isinstance(v, int | float)
+        }
+        for gone in self._rank_labels - labels.keys():
+            self.rank.remove(*gone)
+        for key, v in labels.items():
+            self.rank.labels(*key).set(v)
+        self._rank_labels = set(labels)

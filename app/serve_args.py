@@ -1,40 +1,20 @@
 """ServeArgs: what ``serve_config.yaml``'s ``args:`` holds, validated once with pydantic and
 turned into the frozen engine configs. Kept apart from ``app/config.py`` so the engine (and the
-GPU machine, which has no pydantic) never imports pydantic.
+GPU machine, which has no pydantic) never imports pydantic. ``engine:`` holds the flat options
+of :meth:`EngineConfig.from_options` (the engine dataclasses are their only declaration: names,
+types and bounds are checked there, at validation time).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.config import EngineConfig
 
-TINY_MODELS = {"tiny-v41": "v41", "tiny-v4": "v4"}
-
-
-class EngineArgs(BaseModel):
-    """Engine options of every DP rank (fields of EngineConfig / CacheConfig /
-    SchedulerConfig; see docs/configuration.md)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    packed_experts: Literal["auto", "on", "off"] = "auto"
-    overlap_schedule: bool = True
-    seed: int = 0
-    max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(2048, gt=0)
-    max_model_len: int = Field(0, ge=0)
-    block_size: int = Field(0, ge=0)
-    enable_prefix_caching: bool = True
-    bounded_replay: Literal["off", "encoder", "encoder+decoder"] = "encoder+decoder"
-    kv_cache_bytes: int | None = Field(None, gt=0)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    kv_quant: bool = False
+TINY_MODELS = ("tiny-v41", "tiny-v4")  # app.engine.model_path (imported lazily: torch)
 
 
 class ApiArgs(BaseModel):
@@ -47,7 +27,13 @@ class ApiArgs(BaseModel):
     api_keys: list[str] = Field(default_factory=list)
     default_max_tokens: int | None = Field(None, gt=0)
     request_timeout_s: float | None = Field(600.0, gt=0)
-    max_pending_per_rank: int | None = Field(None, gt=0)
+    body_read_timeout_s: float | None = Field(30.0, gt=0)
+    max_json_depth: int = Field(64, gt=0)
+    max_header_bytes: int = Field(32 << 10, gt=0)
+    max_headers: int = Field(100, gt=0)
+    cors_allow_origins: list[str] = Field(default_factory=list)
+    max_pending_per_rank: int | None = Field(None, gt=0)  # None: 2 x engine.max_num_seqs
+    max_queued_tokens_per_rank: int | None = Field(None, gt=0)  # None: 32 x max_num_batched
 
 
 class ObservabilityArgs(BaseModel):
@@ -71,11 +57,18 @@ class ServeArgs(BaseModel):
     dp_size: int = Field(2, gt=0)
     rank_num_cpus: float = Field(0.5, gt=0)
     rank_num_gpus: float = Field(0, ge=0)
+    rank_step_timeout_s: float = Field(300.0, gt=0)  # a step running longer: restart the rank
     ingress_num_cpus: float = Field(0.25, gt=0)
     ingress_replicas: int = Field(1, gt=0)
-    engine: EngineArgs = Field(default_factory=EngineArgs)
+    engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig.from_options keywords
     api: ApiArgs = Field(default_factory=ApiArgs)
     observability: ObservabilityArgs = Field(default_factory=ObservabilityArgs)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: dict[str, Any]) -> dict[str, Any]:
+        EngineConfig.from_options("<model>", **v)  # EngineConfigError names the option
+        return v
 
     @field_validator("served_model_names")
     @classmethod
@@ -86,20 +79,9 @@ class ServeArgs(BaseModel):
 
     def model_path(self) -> Path:
         """The checkpoint directory; a built-in tiny model is made on first use."""
-        if self.model in TINY_MODELS:
-            from app.model.tiny import make_tiny_checkpoint
+        from app.engine.model_path import resolve_model
 
-            path = Path(self.cache_dir).expanduser() / self.model
-            if not (path / "config.json").is_file():
-                make_tiny_checkpoint(path, arch=TINY_MODELS[self.model], seed=0)
-            return path
-        path = Path(self.model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model {self.model!r} is neither a built-in tiny model "
-                f"({', '.join(TINY_MODELS)}) nor a directory with config.json"
-            )
-        return path
+        return resolve_model(self.model, self.cache_dir)
 
     def names(self) -> list[str]:
         return self.served_model_names or [
@@ -107,25 +89,12 @@ class ServeArgs(BaseModel):
         ]
 
     def engine_config(self, path: Path) -> EngineConfig:
-        e = self.engine
-        return EngineConfig(
-            model=str(path),
-            device=e.device,
-            dtype=e.dtype,
-            packed_experts=e.packed_experts,
-            overlap_schedule=e.overlap_schedule,
-            seed=e.seed,
-            cache=CacheConfig(
-                block_size=e.block_size,
-                enable_prefix_caching=e.enable_prefix_caching,
-                bounded_replay=e.bounded_replay,
-                kv_cache_bytes=e.kv_cache_bytes,
-                gpu_memory_utilization=e.gpu_memory_utilization,
-                kv_quant=e.kv_quant,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=e.max_num_seqs,
-                max_num_batched_tokens=e.max_num_batched_tokens,
-                max_model_len=e.max_model_len,
-            ),
+        return EngineConfig.from_options(str(path), **self.engine)
+
+    def rank_limits(self, cfg: EngineConfig) -> tuple[int, int]:
+        """Per-rank queue bounds: unfinished requests, prompt tokens queued for prefill."""
+        api, s = self.api, cfg.scheduler
+        return (
+            api.max_pending_per_rank or 2 * s.max_num_seqs,
+            api.max_queued_tokens_per_rank or 32 * s.max_num_batched_tokens,
         )

@@ -7,22 +7,53 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import anyio
 
+from app.api.admission import Admission, EngineOverloadedError
+from app.api.errors import ApiError
 from app.engine.request import EngineRequest, RequestError, RequestOutput
+from app.engine.validation import check_request
 
 if TYPE_CHECKING:
     from app.engine.engine import AsyncEngine
 
 
-class EngineOverloadedError(RuntimeError):
-    """The engine's queue is full; the API answers 429 with ``Retry-After``."""
+OVERLOAD_RETRY_S = 1  # Retry-After of a 429 (queues turn over within seconds)
+UNAVAILABLE_RETRY_S = 5  # Retry-After of a 503 (ranks starting or restarting)
 
 
 class EngineUnavailableError(RuntimeError):
     """The engine is not ready (starting, draining or failed); the API answers 503."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request refused before it started, sent across a process boundary as a value (a
+    raised exception there costs a logged traceback per 429); :meth:`error` raises it again."""
+
+    kind: Literal["invalid", "overloaded", "unavailable"]
+    message: str
+    field: str = ""
+
+    @classmethod
+    def of(cls, e: Exception) -> Refusal | None:
+        if isinstance(e, RequestError):
+            return cls("invalid", e.message, e.field)
+        if isinstance(e, EngineOverloadedError):
+            return cls("overloaded", str(e))
+        if isinstance(e, EngineUnavailableError):
+            return cls("unavailable", str(e))
+        return None
+
+    def error(self) -> Exception:
+        if self.kind == "invalid":
+            return RequestError(self.field, self.message)
+        if self.kind == "overloaded":
+            return EngineOverloadedError(self.message)
+        return EngineUnavailableError(self.message)
 
 
 @runtime_checkable
@@ -47,49 +78,58 @@ class EngineClient(Protocol):
 
 
 class LocalEngineClient:
-    """:class:`EngineClient` over an in-process :class:`AsyncEngine` (tests, one-process serving).
+    """:class:`EngineClient` over an in-process :class:`AsyncEngine` (a DP rank, tests).
 
-    ``max_pending``: more unfinished requests than this -> :class:`EngineOverloadedError`.
+    ``max_pending`` unfinished requests and ``max_queued_tokens`` prompt tokens waiting for
+    prefill bound the queue (:class:`~app.api.admission.Admission`, prompts up to one step's
+    token budget count as short; beyond the bounds :class:`EngineOverloadedError`).
     :meth:`drain` stops taking requests (503) while running ones finish.
     """
 
-    def __init__(self, engine: AsyncEngine, max_pending: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        max_pending: int | None = None,
+        max_queued_tokens: int | None = None,
+    ) -> None:
         self.engine = engine
-        self.max_pending = max_pending
+        short = engine.core.cfg.scheduler.max_num_batched_tokens
+        self.admission = Admission(max_pending, max_queued_tokens, short_prompt_tokens=short)
         self._draining = False
+
+    @property
+    def max_pending(self) -> int | None:
+        return self.admission.max_requests
+
+    @max_pending.setter
+    def max_pending(self, v: int | None) -> None:
+        self.admission.max_requests = v
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self._draining:
             raise EngineUnavailableError("the engine is draining and takes no new requests")
-        if self.max_pending is not None and self.engine.num_unfinished >= self.max_pending:
-            raise EngineOverloadedError(
-                f"{self.engine.num_unfinished} requests pending (limit {self.max_pending})"
-            )
+        if not self.engine.healthy:
+            raise EngineUnavailableError(f"the engine stopped: {self.engine.error!r}")
         await self._check(req)
-        yield RequestOutput(req.request_id, num_prompt_tokens=len(req.prompt_token_ids))
+        ticket = self.admission.admit(len(req.prompt_token_ids))
         try:
+            yield RequestOutput(req.request_id, num_prompt_tokens=len(req.prompt_token_ids))
             async for out in self.engine.generate(req):
+                if out.token_ids or out.finished:
+                    ticket.prefilled()
                 yield out
-        except RuntimeError as e:
-            if isinstance(e, RequestError):
-                raise
+        except RuntimeError as e:  # the engine stopped (after a failed step)
             raise EngineUnavailableError(str(e)) from e
+        finally:
+            ticket.release()
 
     async def _check(self, req: EngineRequest) -> None:
-        """The checks ``EngineCore.add_request`` makes, run before the ack so a stream's errors
-        still get a 4xx status (the constraint compile is cached: the engine's is then a hit)."""
+        """What ``EngineCore.add_request`` checks (the shared validator, the constraint
+        compile), before the ack, so a stream's errors still get a 4xx status (the compile is
+        cached: the engine's is then a hit)."""
+        check_request(req, self.engine.limits)
         core = self.engine.core
-        vocab = core.model.cfg.vocab_size
-        bad = next((t for t in req.prompt_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise RequestError("prompt_token_ids", f"token id {bad} >= vocab size {vocab}")
-        n, limit, p = len(req.prompt_token_ids), core.max_model_len, req.params
-        if n >= limit:
-            raise RequestError("prompt_token_ids", f"prompt of {n} tokens >= limit {limit}")
-        if p.max_tokens is not None and n + p.max_tokens > limit:
-            raise RequestError(
-                "max_tokens", f"prompt ({n}) + max_tokens ({p.max_tokens}) exceeds {limit}"
-            )
+        p = req.params
         if p.constraint is not None:
             from app.engine.grammar import GrammarError
 
@@ -112,6 +152,29 @@ class LocalEngineClient:
         self._draining = draining
 
 
+async def open_stream(
+    client: EngineClient, req: EngineRequest, timeout_s: float | None
+) -> EngineStream:
+    """Submit ``req`` and wait for its first delta (or ack), so request errors become statuses
+    before any response goes out: :class:`ApiError` 400 (invalid), 429 (overloaded) or 503
+    (unavailable), each with a message saying what was wrong."""
+    stream = EngineStream(client, req, timeout_s)
+    try:
+        await stream.start()
+    except BaseException as e:
+        await stream.close()
+        if isinstance(e, RequestError):
+            raise ApiError(400, str(e), param=e.field) from None
+        if isinstance(e, EngineOverloadedError):
+            msg = f"the server is overloaded ({e}); retry later"
+            raise ApiError(429, msg, headers={"Retry-After": str(OVERLOAD_RETRY_S)}) from None
+        if isinstance(e, EngineUnavailableError):
+            msg = f"the engine is not available: {e}"
+            raise ApiError(503, msg, headers={"Retry-After": str(UNAVAILABLE_RETRY_S)}) from None
+        raise
+    return stream
+
+
 class EngineStream:
     """One request's deltas: :meth:`start` waits for the first one (so request errors surface
     before any response is sent), iteration yields it and the rest, :meth:`close` aborts the
@@ -124,6 +187,7 @@ class EngineStream:
         self._first: RequestOutput | None = None
         self._timeout = timeout_s
         self._deadline: float | None = None
+        self.started = False  # the first delta arrived
         self.finished = False
         self.timed_out = False
 
@@ -137,15 +201,31 @@ class EngineStream:
             raise EngineUnavailableError(f"the engine gave no output {why}") from None
 
     async def _next(self) -> RequestOutput:
-        if self._deadline is None:
-            out = await anext(self._it)
-        else:
-            left = self._deadline - asyncio.get_running_loop().time()
-            try:
-                out = await asyncio.wait_for(anext(self._it), max(left, 0.0))
-            except TimeoutError:
-                self.timed_out = True
-                raise StopAsyncIteration from None
+        try:
+            if self._deadline is None:
+                out = await anext(self._it)
+            else:
+                left = self._deadline - asyncio.get_running_loop().time()
+                try:
+                    out = await asyncio.wait_for(anext(self._it), max(left, 0.0))
+                except TimeoutError:
+                    self.timed_out = True
+                    raise StopAsyncIteration from None
+        except (EngineUnavailableError, EngineOverloadedError) as e:
+            if not self.started:  # before the first delta: open_stream answers 503 / 429
+                raise
+            # after it (a retry on another rank found it down or full): the same, retriable
+            busy = isinstance(e, EngineOverloadedError)
+            wait = OVERLOAD_RETRY_S if busy else UNAVAILABLE_RETRY_S
+            status, headers = (429 if busy else 503), {"Retry-After": str(wait)}
+            msg = f"{e}; retry the request"
+            raise ApiError(status, msg, code="engine_unavailable", headers=headers) from None
+        if out.engine_failed:  # the engine failed under this request (no rank to retry on)
+            self.finished = True
+            msg = f"{out.error}; retry the request"
+            raise ApiError(503, msg, code="engine_unavailable",
+                           headers={"Retry-After": str(UNAVAILABLE_RETRY_S)})  # fmt: skip
+        self.started = True
         self.finished = out.finished
         return out
 

@@ -18,13 +18,16 @@ from tokenizers import Tokenizer
 
 from app.api.client import EngineStream
 from app.api.errors import ApiError
+from app.api.limits import make_request
 from app.engine.request import (
     EngineRequest,
     FinishReason,
     RequestError,
     RequestOutput,
     SamplingParams,
+    new_request_id,
 )
+from app.engine.validation import RequestLimits
 
 StopList = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
 
@@ -100,15 +103,23 @@ class CompletionsFrontend:
     """Builds engine requests and OpenAI ``text_completion`` objects."""
 
     def __init__(
-        self, tokenizer_path: str, served: list[str], context_limit: int, max_prompt: int
+        self,
+        tokenizer_path: str,
+        served: list[str],
+        limits: RequestLimits,
+        max_prompt: int,
+        default_max_tokens: int | None = None,
     ) -> None:
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
         self.served = served
-        self.context_limit = context_limit
+        self.limits = limits
+        self.context_limit = limits.max_model_len
+        self.default_max_tokens = default_max_tokens
         self.max_prompt = max_prompt
         self.bos = self.tokenizer.token_to_id("<｜begin▁of▁sentence｜>")
 
-    def prepare(self, body: CompletionBody) -> EngineRequest:
+    def prepare(self, body: CompletionBody) -> tuple[EngineRequest, str]:
+        """The engine request (internal id) and the response's public ``cmpl-`` id."""
         if body.model not in self.served:
             raise ApiError(
                 404,
@@ -117,7 +128,9 @@ class CompletionsFrontend:
                 code="model_not_found",
             )
         if isinstance(body.prompt, str):
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=False).ids
+            # encode_batch releases the GIL (encode holds it: 4.7 s for a 4 MB prompt, during
+            # which no other request was served)
+            ids = self.tokenizer.encode_batch([body.prompt], add_special_tokens=False)[0].ids
             ids = ([self.bos] if self.bos is not None else []) + ids
         else:
             ids = body.prompt
@@ -127,7 +140,11 @@ class CompletionsFrontend:
                 413, f"prompt is {n} tokens; the limit is {self.max_prompt}", param="prompt"
             )
         room = self.context_limit - n
-        max_tokens = room if body.max_tokens is None else body.max_tokens
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # null: the context left, capped by api.default_max_tokens
+            max_tokens = (
+                room if self.default_max_tokens is None else min(room, self.default_max_tokens)
+            )
         if max_tokens > room:
             raise ApiError(
                 400,
@@ -152,10 +169,10 @@ class CompletionsFrontend:
                 logprobs=body.logprobs,
                 ignore_eos=body.ignore_eos,
             )
-            rid = f"cmpl-{uuid.uuid4().hex}"
-            return EngineRequest(rid, tuple(ids), params, arrival_time=time.time())
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
+        req = make_request(new_request_id(), ids, params, self.limits, arrival_time=time.time())
+        return req, f"cmpl-{uuid.uuid4().hex}"
 
     def _logprobs(self, out: RequestOutput, offset: int) -> dict[str, Any]:
         lps = out.logprobs or []
@@ -176,10 +193,11 @@ class CompletionsFrontend:
         }
 
     async def events(
-        self, body: CompletionBody, req: EngineRequest, stream: EngineStream
+        self, body: CompletionBody, req: EngineRequest, rid: str, stream: EngineStream
     ) -> AsyncIterator[dict[str, Any]]:
-        """``text_completion`` chunks (the last has ``finish_reason``; usage when asked)."""
-        rid, created = req.request_id, int(time.time())
+        """``text_completion`` chunks with id ``rid`` (the last has ``finish_reason``; usage
+        when asked)."""
+        created = int(time.time())
         detok = Detokenizer(self.tokenizer, req.params.stop)
         n_out, cached, finish, offset = 0, 0, None, 0
         async for out in stream:

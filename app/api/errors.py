@@ -6,9 +6,13 @@ OpenAI routes answer ``{"error": {"message", "type", "param", "code"}}``; the An
     status  OpenAI type              Anthropic type          when
     400     invalid_request_error    invalid_request_error   malformed / invalid request
     401     authentication_error     authentication_error    missing or wrong API key
+    403     permission_error         permission_error        cross-origin request not allowed
     404     not_found_error          not_found_error         unknown model or route
+    408     timeout_error            timeout_error           body not sent in time
     413     invalid_request_error    request_too_large       body or prompt too long
+    415     invalid_request_error    invalid_request_error   Content-Type not JSON
     429     rate_limit_error         rate_limit_error        engine queue full
+    431     invalid_request_error    request_too_large       too many / too large headers
     500     server_error             api_error               engine failure (never user input)
     503     service_unavailable      overloaded_error        engine not ready / draining
 """
@@ -30,20 +34,28 @@ Shape = Literal["openai", "anthropic"]
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "request_too_large",
     500: "api_error",
     503: "overloaded_error",
 }

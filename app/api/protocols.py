@@ -22,6 +22,7 @@ import deepseek_recipe as dr
 
 from app.api.client import EngineStream
 from app.api.errors import ApiError, from_recipe_error
+from app.api.limits import make_request
 from app.engine.request import (
     EngineRequest,
     FinishReason,
@@ -29,7 +30,9 @@ from app.engine.request import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    new_request_id,
 )
+from app.engine.validation import RequestLimits
 
 _VERSIONS = {"v41": dr.ModelVersion.DeepseekV41Flash, "v4": dr.ModelVersion.DeepseekV4Pro}
 # Sampling fields beyond what the recipe extracts, read from the raw body (per protocol).
@@ -98,6 +101,23 @@ def check_fields(proto_name: str, raw: Mapping[str, Any]) -> None:
             raise ApiError(400, f"{name} must be {what}, got {got}", param=name)
         if name in _AT_LEAST_ONE and v < 1:
             raise ApiError(400, f"{name} must be >= 1, got {v}", param=name)
+    if proto_name == "messages":
+        _check_messages(raw)
+
+
+def _check_messages(raw: Mapping[str, Any]) -> None:
+    """What Anthropic's Messages API refuses and the recipe would accept: no ``max_tokens``,
+    a ``system`` turn inside ``messages``."""
+    if raw.get("max_tokens") is None:
+        raise ApiError(400, "max_tokens: field required", param="max_tokens")
+    for i, m in enumerate(raw.get("messages") or ()):
+        if isinstance(m, dict) and m.get("role") == "system":
+            raise ApiError(
+                400,
+                f'messages.{i}.role: unexpected role "system"; the Messages API takes the '
+                "system prompt as the top-level `system` field",
+                param="messages",
+            )
 
 
 @dataclass(frozen=True)
@@ -122,7 +142,7 @@ class Prepared:
     proto: Protocol
     engine_request: EngineRequest
     processor: dr.StreamProcessor
-    response_id: str
+    response_id: str  # the public id (x-request-id, the body's "id"), never an engine key
     model: str
     created: int
     stream: bool
@@ -138,7 +158,7 @@ class RecipeFrontend:
         served_names: list[str],
         model_version: str,
         tokenizer_path: str,
-        context_limit: int,
+        limits: RequestLimits,
         max_prompt_tokens: int,
         default_max_tokens: int | None,
     ) -> None:
@@ -152,7 +172,8 @@ class RecipeFrontend:
         self.tokenizer = dr.Tokenizer.from_file(tokenizer_path)
         enc = dr.DeepseekV41Encoding() if model_version == "v41" else dr.DeepseekV4Encoding()
         self.encoding = enc.with_tokenizer(self.tokenizer)
-        self.context_limit = context_limit
+        self.limits = limits
+        self.context_limit = limits.max_model_len
         self.max_prompt_tokens = max_prompt_tokens
         self.default_max_tokens = default_max_tokens
         eos = self.tokenizer.encode(dr.SpecialToken.Eos.default_str())
@@ -210,12 +231,11 @@ class RecipeFrontend:
             max_tokens = min(max_tokens, self.default_max_tokens)
         parsing = conv.parsing_options
         stage = parsing.thinking_initial_stage
-        rid = f"{proto.id_prefix}{uuid.uuid4().hex}"
+        rid = f"{proto.id_prefix}{uuid.uuid4().hex}"  # the response's id (public)
         params = self._sampling(proto, conv, raw, max_tokens, list(parsing.stop_sequences))
-        try:
-            engine_request = EngineRequest(rid, tuple(ids), params, arrival_time=time.time())
-        except RequestError as e:
-            raise ApiError(400, str(e), param=e.field) from None
+        engine_request = make_request(
+            new_request_id(), ids, params, self.limits, arrival_time=time.time()
+        )
         gen = proto.request_cls.chunk_generator(conv, rid, model)
         if echo is not None:
             gen = gen.with_echo(echo)

@@ -7,26 +7,22 @@ models, health and metrics, over any :class:`~app.api.client.EngineClient`.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api import completions as cmpl
-from app.api.client import (
-    EngineClient,
-    EngineOverloadedError,
-    EngineStream,
-    EngineUnavailableError,
-)
+from app.api.admission import Admission, EngineOverloadedError
+from app.api.client import OVERLOAD_RETRY_S, EngineClient, EngineStream, open_stream
 from app.api.errors import (
     ApiError,
     api_error_handler,
@@ -35,16 +31,20 @@ from app.api.errors import (
     shape_for,
     sse_error_event,
 )
+from app.api.guard import RequestGuard
+from app.api.limits import PrepareGate, check_api_key, parse_json, read_body
 from app.api.protocols import (
     CHAT,
     MESSAGES,
     RESPONSES,
+    Prepared,
     Protocol,
     RecipeFrontend,
     run_events,
 )
 from app.api.sse import SSEResponse, sse_event
-from app.engine.request import EngineRequest, RequestError
+from app.engine.request import EngineRequest
+from app.engine.validation import RequestLimits
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
@@ -58,7 +58,15 @@ class ApiConfig:
     ``max_prompt_tokens`` None = ``context_limit - 1``; ``api_keys`` empty = no auth;
     ``default_max_tokens`` caps an unspecified ``max_tokens`` (None = the recipe's default,
     lowered to the context left); ``request_timeout_s`` None = no limit (on expiry the request
-    is aborted and the answer ends with finish reason ``length``)."""
+    is aborted and the answer ends with finish reason ``length``). ``vocab_size``: token ids
+    are validated against it (None: by the engine only). ``request_id_header``: the response
+    header carrying the response's public id (None under Ray Serve, whose proxy already sends
+    ``x-request-id``). ``body_read_timeout_s``: a body not in full by then gets 408.
+    ``max_json_depth``: deeper JSON gets 400. ``max_header_bytes`` / ``max_headers``: beyond
+    them 431. ``cors_allow_origins``: empty = cross-origin requests (an ``Origin`` header not
+    listed) get 403; ``["*"]`` = any. ``max_in_flight``: generation requests this server
+    holds at once (being prepared, queued or streaming); beyond it 429 at once, before any
+    parsing or engine call (load shedding in front of the ranks' own bounds)."""
 
     served_model_names: list[str]
     tokenizer_path: str
@@ -69,6 +77,14 @@ class ApiConfig:
     api_keys: list[str] = field(default_factory=list)
     default_max_tokens: int | None = None
     request_timeout_s: float | None = None
+    vocab_size: int | None = None
+    request_id_header: str | None = "x-request-id"
+    body_read_timeout_s: float | None = 30.0
+    max_json_depth: int = 64
+    max_header_bytes: int = 32 << 10
+    max_headers: int = 100
+    cors_allow_origins: list[str] = field(default_factory=list)
+    max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -86,48 +102,18 @@ class ApiConfig:
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive")
 
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it exceeds ``limit`` (before any parsing)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ApiError(400, "the client disconnected while sending the body") from None
-    return b"".join(chunks)
-
-
-def _parse_json(body: bytes) -> dict[str, Any]:
-    """A JSON object with valid unicode (no lone surrogates), or a 400 saying why not."""
-    if not body.strip():
-        raise ApiError(400, "request body is empty; expected a JSON object")
-    try:
-        obj = json.loads(body)
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not valid UTF-8: {e.reason} at {e.start}") from None
-    except json.JSONDecodeError as e:
-        where = f"line {e.lineno} column {e.colno}"
-        raise ApiError(400, f"malformed JSON: {e.msg} at {where}") from None
-    if not isinstance(obj, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
-    try:
-        json.dumps(obj, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise ApiError(400, "request body holds invalid unicode (a lone surrogate)") from None
-    return obj
+    @property
+    def limits(self) -> RequestLimits:
+        """What the engine validates requests against (the same validator runs here)."""
+        return RequestLimits(self.vocab_size, self.context_limit)
 
 
 class _Api:
     """Route handlers bound to one config and engine client."""
 
-    def __init__(self, cfg: ApiConfig, client: EngineClient) -> None:
+    def __init__(
+        self, cfg: ApiConfig, client: EngineClient, in_flight: Admission | None = None
+    ) -> None:
         self.cfg = cfg
         self.client = client
         assert cfg.max_prompt_tokens is not None
@@ -135,59 +121,69 @@ class _Api:
             cfg.served_model_names,
             cfg.model_version,
             cfg.tokenizer_path,
-            cfg.context_limit,
+            cfg.limits,
             cfg.max_prompt_tokens,
             cfg.default_max_tokens,
         )
         self.completions = cmpl.CompletionsFrontend(
-            cfg.tokenizer_path, cfg.served_model_names, cfg.context_limit, cfg.max_prompt_tokens
+            cfg.tokenizer_path,
+            cfg.served_model_names,
+            cfg.limits,
+            cfg.max_prompt_tokens,
+            cfg.default_max_tokens,
         )
         self.created = int(time.time())
+        self.gate = PrepareGate()
+        self.in_flight = in_flight or Admission(cfg.max_in_flight, None)
+
+    async def shed(self, handler: Callable[[], Awaitable[Response]]) -> Response:
+        """Run a generation route within ``max_in_flight`` (429 beyond it); a streamed
+        response holds its slot until the stream is over."""
+        try:
+            ticket = self.in_flight.admit(0)
+        except EngineOverloadedError as e:
+            msg = f"the server is overloaded ({e}); retry later"
+            raise ApiError(429, msg, headers={"Retry-After": str(OVERLOAD_RETRY_S)}) from None
+        try:
+            resp = await handler()
+        except BaseException:
+            ticket.release()
+            raise
+        if isinstance(resp, SSEResponse):
+            resp.on_close.append(ticket.release)
+        else:
+            ticket.release()
+        return resp
 
     def check_auth(self, request: Request) -> None:
-        if not self.cfg.api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        key = key or request.headers.get("x-api-key")
-        if not key:
-            raise ApiError(
-                401, "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
-            )
-        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.cfg.api_keys):
-            raise ApiError(401, "invalid API key", code="invalid_api_key")
+        h = request.headers
+        check_api_key(self.cfg.api_keys, h.get("authorization"), h.get("x-api-key"))
 
-    async def _body(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+    async def _body(self, request: Request) -> bytes:
         self.check_auth(request)
-        body = await _read_body(request, self.cfg.max_body_bytes)
-        return body, _parse_json(body)
+        return await read_body(request, self.cfg.max_body_bytes, self.cfg.body_read_timeout_s)
+
+    def _prepare_recipe(self, proto: Protocol, body: bytes) -> Prepared:
+        """Parse, convert, render and encode (a worker thread: the loop keeps serving)."""
+        return self.recipe.prepare(proto, body, parse_json(body, self.cfg.max_json_depth))
+
+    def _prepare_completion(self, body: bytes) -> tuple[cmpl.CompletionBody, EngineRequest, str]:
+        parsed = cmpl.parse_body(parse_json(body, self.cfg.max_json_depth))
+        req, rid = self.completions.prepare(parsed)
+        return parsed, req, rid
 
     async def _start(self, req: EngineRequest) -> EngineStream:
-        """Submit and wait for the first delta (or ack): request errors become 4xx here."""
-        stream = EngineStream(self.client, req, self.cfg.request_timeout_s)
-        try:
-            await stream.start()
-        except BaseException as e:
-            await stream.close()
-            if isinstance(e, RequestError):
-                raise ApiError(400, str(e), param=e.field) from None
-            if isinstance(e, EngineOverloadedError):
-                msg = f"the server is overloaded ({e}); retry later"
-                raise ApiError(429, msg, headers={"Retry-After": "1"}) from None
-            if isinstance(e, EngineUnavailableError):
-                raise ApiError(503, f"the engine is not available: {e}") from None
-            raise
-        return stream
+        return await open_stream(self.client, req, self.cfg.request_timeout_s)
 
     async def recipe_route(self, proto: Protocol, request: Request) -> Response:
-        body, raw = await self._body(request)
-        prep = self.recipe.prepare(proto, body, raw)
+        body = await self._body(request)
+        prep = await self.gate.run(len(body), self._prepare_recipe, proto, body)
         req = prep.engine_request
         stream = await self._start(req)
         usage = self.recipe.usage_fix(prep)
         events = run_events(prep, stream, self.recipe.stop_ids, usage)
         resp_cls = proto.response_cls
-        headers = {"x-request-id": req.request_id}
+        headers = self._id_header(prep.response_id)
         if prep.stream:
             shape = shape_for(request.url.path)
 
@@ -200,7 +196,7 @@ class _Api:
                 except ApiError as e:
                     yield sse_error_event(e, shape)
                 except Exception:
-                    logger.exception("stream %s failed", req.request_id)
+                    logger.exception("stream %s failed", prep.response_id)
                     yield sse_error_event(ApiError(500, "internal error in the stream"), shape)
                 finally:
                     await events.aclose()
@@ -217,12 +213,11 @@ class _Api:
         return Response(text, media_type="application/json", headers=headers)
 
     async def completions_route(self, request: Request) -> Response:
-        _, raw = await self._body(request)
-        body = cmpl.parse_body(raw)
-        req = self.completions.prepare(body)
+        raw = await self._body(request)
+        body, req, rid = await self.gate.run(len(raw), self._prepare_completion, raw)
         stream = await self._start(req)
-        events = self.completions.events(body, req, stream)
-        headers = {"x-request-id": req.request_id}
+        events = self.completions.events(body, req, rid, stream)
+        headers = self._id_header(rid)
         if body.stream:
             with_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -232,7 +227,7 @@ class _Api:
                         if "usage" in chunk:
                             if not with_usage:
                                 continue
-                            chunk = {**_head(req, body), "choices": [], **chunk}
+                            chunk = {**_head(rid, req, body), "choices": [], **chunk}
                         yield sse_event(json.dumps(chunk, ensure_ascii=False))
                     yield sse_event("[DONE]")
                 except ApiError as e:
@@ -248,6 +243,10 @@ class _Api:
             await stream.close()
         return JSONResponse(cmpl.accumulate(chunks), headers=headers)
 
+    def _id_header(self, response_id: str) -> dict[str, str]:
+        name = self.cfg.request_id_header
+        return {name: response_id} if name else {}
+
     def model_card(self, name: str) -> dict[str, Any]:
         return {
             "id": name,
@@ -258,9 +257,9 @@ class _Api:
         }
 
 
-def _head(req: EngineRequest, body: cmpl.CompletionBody) -> dict[str, Any]:
+def _head(rid: str, req: EngineRequest, body: cmpl.CompletionBody) -> dict[str, Any]:
     return {
-        "id": req.request_id,
+        "id": rid,
         "object": "text_completion",
         "created": int(req.arrival_time),
         "model": body.model,
@@ -287,31 +286,50 @@ class _Asgi:
         await self.app(scope, receive, send)
 
 
-def build_api(cfg: ApiConfig, client: EngineClient, metrics_app: ASGIApp | None = None) -> FastAPI:
+def build_api(
+    cfg: ApiConfig,
+    client: EngineClient,
+    metrics_app: ASGIApp | None = None,
+    in_flight: Admission | None = None,
+) -> FastAPI:
     """The FastAPI app. ``metrics_app`` (e.g. a Prometheus ASGI app) is mounted at
-    ``/metrics``; without one, ``/metrics`` lists the client's numeric stats as gauges."""
-    api = _Api(cfg, client)
+    ``/metrics``; without one, ``/metrics`` lists the client's numeric stats as gauges.
+    ``in_flight``: the ``max_in_flight`` count, shared with the gRPC service."""
+    api = _Api(cfg, client, in_flight)
     app = FastAPI(title="Fathom", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
+    app.add_middleware(
+        RequestGuard,
+        max_headers=cfg.max_headers,
+        max_header_bytes=cfg.max_header_bytes,
+        allow_origins=cfg.cors_allow_origins,
+    )
+    if cfg.cors_allow_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cfg.cors_allow_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await api.recipe_route(CHAT, request)
+        return await api.shed(lambda: api.recipe_route(CHAT, request))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await api.recipe_route(RESPONSES, request)
+        return await api.shed(lambda: api.recipe_route(RESPONSES, request))
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await api.recipe_route(MESSAGES, request)
+        return await api.shed(lambda: api.recipe_route(MESSAGES, request))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await api.completions_route(request)
+        return await api.shed(lambda: api.completions_route(request))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -5,12 +5,14 @@ aborted and its KV freed."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -32,6 +34,18 @@ class SSEResponse(StreamingResponse):
     def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
         super().__init__(content, headers={**SSE_HEADERS, **headers})
         self._events = content
+        self.on_close: list[Callable[[], None]] = []  # run once the stream is over
+
+    async def _until_disconnect(self, receive: Receive) -> None:
+        """Return when the client goes away: an ``http.disconnect`` message, or (under Ray
+        Serve) ``receive`` raising because the proxy cancelled the call. One debug line, no
+        traceback: a disconnect is normal."""
+        try:
+            await self.listen_for_disconnect(receive)
+        except Exception as e:
+            logger.debug("client went away mid-stream (%s)", type(e).__name__)
+            return
+        logger.debug("client went away mid-stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -43,10 +57,12 @@ class SSEResponse(StreamingResponse):
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
+                await self._until_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self._events, "aclose", None)
                 if aclose is not None:
                     await aclose()
+            for fn in self.on_close:
+                fn()

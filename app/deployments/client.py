@@ -1,7 +1,8 @@
 """The engine as the ingress sees it under Ray Serve: ask the Router for a rank, then stream
 from that rank directly (pinned), cancelling that stream when the client goes away.
 
-One request makes exactly one call to the DPRank deployment. Serve's request router matches
+One request makes one call to the DPRank deployment at a time (a retry follows only a failed
+call to a rank that is gone). Serve's request router matches
 a chosen replica to a pending call by the internal request id, which every handle call made
 while serving one HTTP request inherits: a second call (an explicit ``abort``) was at times
 given the replica picked for the first and left the other pending for good, or sent the
@@ -14,17 +15,32 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from app.api.client import EngineOverloadedError, EngineUnavailableError
+from app.api.client import EngineOverloadedError, EngineUnavailableError, Refusal
 from app.engine.request import EngineRequest, RequestError, RequestOutput
 from app.observability import RequestMetrics, carrier, tracer
 
 logger = logging.getLogger(__name__)
 _PASS_THROUGH = (RequestError, EngineOverloadedError, EngineUnavailableError)
 CONTROL_TIMEOUT_S = 5.0  # Router calls of /health and /metrics
+MAX_ATTEMPTS = 3  # ranks tried for a request that failed before its first token
+
+
+class _RankFailed(RuntimeError):
+    """A rank's engine stopped (a failed step) before this request's first token."""
+
+
+_RETRIABLE = (_RankFailed, RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+
+
+def _why(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -42,20 +58,76 @@ class ServeEngineClient:
         self._streams: dict[str, Any] = {}  # request id -> the rank's response stream
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
-        with tracer.start_as_current_span(
-            "ingress.dispatch",
-            attributes={"request_id": req.request_id, "prompt_tokens": len(req.prompt_token_ids)},
-        ):
-            with tracer.start_as_current_span("router.choose"):
-                target = await self.router.choose.remote(len(req.prompt_token_ids))
-            if target is None:
-                raise EngineUnavailableError("no engine rank is ready yet")
-            req = _with_trace(req)
+        """Stream ``req`` from the rank the Router picks. A rank that fails before the
+        request's first token (its process died, or its engine stopped) is dropped from the
+        Router and the request is retried on another (up to ``MAX_ATTEMPTS`` ranks); after
+        the first token a failure ends the stream with :class:`EngineUnavailableError`
+        (retriable: the API answers 503 / an error event saying so)."""
+        tried: list[str] = []
+        acked = False
+        for attempt in range(MAX_ATTEMPTS):
+            attrs = {
+                "request_id": req.request_id,
+                "client_request_id": req.client_request_id,
+                "prompt_tokens": len(req.prompt_token_ids),
+                "attempt": attempt,
+            }
+            with tracer.start_as_current_span("ingress.dispatch", attributes=attrs):
+                target = await self._choose(req, tried)
+                traced = _with_trace(req)
+            sent = False  # a token or the final delta reached the caller
+            try:
+                async with aclosing(self._stream(traced, target)) as outs:
+                    async for out in outs:
+                        if out.engine_failed:  # the rank's step failed: not this request
+                            raise _RankFailed(out.error or "")
+                        if not out.token_ids and not out.finished:
+                            if acked:
+                                continue  # a retry's ack: the caller has had one
+                            acked = True
+                        sent = sent or bool(out.token_ids) or out.finished
+                        yield out
+                return
+            except _RETRIABLE as e:
+                await self._drop(target)
+                if sent:
+                    raise EngineUnavailableError(
+                        f"the engine rank serving this request failed mid-stream ({_why(e)}); "
+                        "retry the request"
+                    ) from None
+                logger.warning("rank %s failed before the first token (%s); retrying", target,
+                               _why(e))  # fmt: skip
+                tried.append(target)
+        raise EngineUnavailableError(f"{len(tried)} engine ranks failed this request; retry later")
+
+    async def _choose(self, req: EngineRequest, exclude: list[str]) -> str:
+        with tracer.start_as_current_span("router.choose"):
+            target = await self.router.choose.remote(len(req.prompt_token_ids), exclude)
+        if target is None:
+            why = "no other engine rank is ready" if exclude else "no engine rank is ready yet"
+            raise EngineUnavailableError(why)
+        return target
+
+    async def _drop(self, target: str) -> None:
+        try:
+            await asyncio.wait_for(self.router.drop.remote(target), CONTROL_TIMEOUT_S)
+        except Exception as e:  # the Router also drops ranks that stop reporting
+            logger.debug("dropping rank %s failed: %r", target, e)
+
+    async def _stream(self, req: EngineRequest, target: str) -> AsyncIterator[RequestOutput]:
+        """One call to one rank (pinned), cancelled if it does not finish."""
+        if req.request_id in self._streams:  # internal ids are unique: never another's stream
+            raise RequestError("request_id", f"{req.request_id!r} is already in flight")
         stream = self.rank.options(stream=True).generate.remote(req, target=target)
         self._streams[req.request_id] = stream
         finished = False
         try:
             async for out in stream:
+                if isinstance(out, Refusal):
+                    finished = True
+                    if out.kind == "unavailable":
+                        raise _RankFailed(out.message)
+                    raise out.error()
                 finished = out.finished
                 yield out
         except Exception as e:
@@ -109,12 +181,13 @@ class MeteredClient:
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         t0, ttft, n_gen, last = time.perf_counter(), None, 0, None
         try:
-            async for out in self.inner.generate(req):
-                if out.token_ids and ttft is None:
-                    ttft = time.perf_counter() - t0
-                n_gen += len(out.token_ids)
-                last = out
-                yield out
+            async with aclosing(self.inner.generate(req)) as outs:
+                async for out in outs:
+                    if out.token_ids and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    n_gen += len(out.token_ids)
+                    last = out
+                    yield out
         finally:
             reason = "disconnect"
             if last is not None and last.finished and last.finish_reason is not None:

@@ -1,21 +1,22 @@
-"""Ingress: the HTTP API (OpenAI / Anthropic, via app.api) and the gRPC ``Generate`` service,
-both over the Router + DPRank handles. Tokenization and protocol conversion happen here."""
+"""Ingress: the HTTP API (OpenAI / Anthropic, via app.api) and the gRPC ``Generate`` service
+(``app.api.grpc_service``: the same keys, limits, defaults and validation), both over the
+Router + DPRank handles. Tokenization and protocol conversion happen here."""
 
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 from prometheus_client import make_asgi_app
+from ray import serve
 from ray.serve.handle import DeploymentHandle
-from tokenizers import Tokenizer
 
+from app.api.admission import Admission
+from app.api.grpc_service import GenerateService
 from app.api.server import ApiConfig, build_api
 from app.deployments.client import MeteredClient, ServeEngineClient
-from app.engine.request import EngineRequest, RequestError, SamplingParams
-from app.grpc.fathom_pb2 import GenerateRequest, GenerateResponse
+from app.grpc.fathom_pb2 import GenerateResponse
+from app.logs import setup_logging
 from app.observability import RequestMetrics, setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -32,13 +33,17 @@ class Ingress:
         bos_token_id: int,
         tracing: tuple[str, str | None, str],
     ) -> None:
+        setup_logging()
         setup_tracing(*tracing)
         self.api_cfg = api_cfg
         self.metrics = RequestMetrics()
         self.engines = ServeEngineClient(rank, router)
         self.client = MeteredClient(self.engines, self.metrics, api_cfg.served_model_names[0])
-        self.tokenizer = Tokenizer.from_file(api_cfg.tokenizer_path)
-        self.bos = bos_token_id
+        app_name = serve.get_replica_context().app_name
+        self.in_flight = Admission(api_cfg.max_in_flight, None)  # HTTP and gRPC together
+        self.grpc = GenerateService(
+            api_cfg, self.client, bos_token_id, app_name=app_name, in_flight=self.in_flight
+        )
 
     def __serve_build_asgi_app__(self):
         metrics_app = make_asgi_app(self.metrics.registry)
@@ -50,75 +55,12 @@ class Ingress:
                 logger.warning("rank stats for /metrics failed: %r", e)
             await metrics_app(scope, receive, send)
 
-        return build_api(self.api_cfg, self.client, metrics_app=metrics)
+        return build_api(self.api_cfg, self.client, metrics_app=metrics, in_flight=self.in_flight)
 
-    async def Generate(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:  # noqa: N802
-        """gRPC server-streaming generation (token ids or raw text, no chat template)."""
-        rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        model = request.model or self.api_cfg.served_model_names[0]
-        if model not in self.api_cfg.served_model_names:
-            yield GenerateResponse(
-                request_id=rid,
-                finished=True,
-                finish_reason="error",
-                error=f"unknown model {model!r}",
-            )
-            return
-        which = request.WhichOneof("prompt")
-        ids = (
-            list(request.token_ids.ids)
-            if which == "token_ids"
-            else [self.bos, *self.tokenizer.encode(request.text).ids]
-        )
-        try:
-            params = _sampling(request)
-            req = EngineRequest(rid, tuple(ids), params, arrival_time=time.time())
-        except RequestError as e:
-            yield GenerateResponse(
-                request_id=rid, finished=True, finish_reason="error", error=str(e)
-            )
-            return
-        n_gen = 0
-        try:
-            async for out in self.client.generate(req):
-                n_gen += len(out.token_ids)
-                if not out.token_ids and not out.finished:
-                    continue  # the ack delta
-                yield GenerateResponse(
-                    request_id=rid,
-                    token_ids=out.token_ids,
-                    text=self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
-                    finished=out.finished,
-                    finish_reason=str(out.finish_reason.value) if out.finish_reason else "",
-                    error=out.error or "",
-                    prompt_tokens=len(ids),
-                    completion_tokens=n_gen,
-                    cached_tokens=out.num_cached_tokens,
-                )
-        except RequestError as e:
-            yield GenerateResponse(
-                request_id=rid, finished=True, finish_reason="error", error=str(e)
-            )
-
-
-def _sampling(r: GenerateRequest) -> SamplingParams:
-    s = r.sampling
-    kw: dict[str, object] = {
-        "stop": list(s.stop),
-        "stop_token_ids": list(s.stop_token_ids),
-        "ignore_eos": s.ignore_eos,
-    }
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "max_tokens",
-        "seed",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    ):
-        if s.HasField(name):
-            kw[name] = getattr(s, name)
-    return SamplingParams(**kw)
+    async def Generate(  # noqa: N802 (the gRPC method name)
+        self, request: bytes, grpc_context=None
+    ) -> AsyncIterator[GenerateResponse]:
+        """gRPC server-streaming generation (token ids or raw text, no chat template); the
+        request comes as raw bytes (``app.grpc.raw``), Serve passes ``grpc_context``."""
+        async for out in self.grpc.generate(request, grpc_context):
+            yield out

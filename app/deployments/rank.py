@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app.api.client import LocalEngineClient
+from app.api.client import LocalEngineClient, Refusal
 from app.config import EngineConfig
 from app.deployments.router import REPORT_S
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, RequestOutput
+from app.logs import setup_logging
 from app.observability import span_from
 
 logger = logging.getLogger(__name__)
@@ -24,10 +25,17 @@ class DPRank:
     """Holds an :class:`AsyncEngine` (built from ``engine_cfg``) on this replica's devices."""
 
     def __init__(
-        self, engine_cfg: EngineConfig, router: DeploymentHandle, max_pending: int | None = None
+        self,
+        engine_cfg: EngineConfig,
+        router: DeploymentHandle,
+        max_pending: int | None = None,
+        max_queued_tokens: int | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
+        setup_logging()
+        self.step_timeout_s = step_timeout_s
         self.engine = AsyncEngine(engine_cfg)
-        self.client = LocalEngineClient(self.engine, max_pending=max_pending)
+        self.client = LocalEngineClient(self.engine, max_pending, max_queued_tokens)
         self.router = router
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._stop = threading.Event()
@@ -41,15 +49,22 @@ class DPRank:
         meta = {"max_model_len": self.engine.core.max_model_len}
         while not self._stop.wait(REPORT_S):
             try:
-                stats = {**self.engine.stats(), "num_unfinished": self.engine.num_unfinished}
+                adm = self.client.admission
+                stats = {
+                    **self.engine.stats(),
+                    "num_unfinished": self.engine.num_unfinished,
+                    "queued_prefill_tokens": adm.queued_tokens,
+                    "healthy": int(self.engine.problem(self.step_timeout_s) is None),
+                }
                 self.router.report.remote(self.replica_id, stats, meta)
             except Exception:  # the router may be restarting; report again next period
                 logger.debug("rank report failed", exc_info=True)
 
     async def generate(
         self, req: EngineRequest, target: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream ``req``'s deltas (an empty ack first, then tokens; the last is finished)."""
+    ) -> AsyncIterator[RequestOutput | Refusal]:
+        """Stream ``req``'s deltas (an empty ack first, then tokens; the last is finished), or
+        one :class:`Refusal` (invalid, overloaded, unavailable) instead of the ack."""
         del target  # consumed by PinnedRequestRouter
         with span_from(
             req.trace_context,
@@ -58,14 +73,23 @@ class DPRank:
             prompt_tokens=len(req.prompt_token_ids),
         ) as span:
             # engine phases as span events: queued (admitted) -> prefill -> decode -> done
-            first = True
-            async for out in self.client.generate(req):
-                if not out.token_ids and not out.finished:
-                    span.add_event("queued")
-                elif first and out.token_ids:
-                    span.add_event("prefill_done", {"cached_tokens": out.num_cached_tokens})
-                    first = False
-                yield out
+            first, started = True, False
+            try:
+                async for out in self.client.generate(req):
+                    started = True
+                    if not out.token_ids and not out.finished:
+                        span.add_event("queued")
+                    elif first and out.token_ids:
+                        span.add_event("prefill_done", {"cached_tokens": out.num_cached_tokens})
+                        first = False
+                    yield out
+            except Exception as e:
+                refusal = None if started else Refusal.of(e)
+                if refusal is None:
+                    raise
+                span.set_attribute("refused", refusal.kind)
+                yield refusal
+                return
             span.add_event("decode_done")
             span.set_attribute("finish_reason", str(out.finish_reason))
 
@@ -74,8 +98,12 @@ class DPRank:
         return {**self.engine.stats(), "replica_id": self.replica_id}
 
     def check_health(self) -> None:
-        if not self.engine._thread.is_alive():
-            raise RuntimeError("the engine loop thread died")
+        """Serve restarts the rank when this raises: after a failed step (the engine stopped
+        taking work), when the loop thread died, or when a step is stuck (watchdog)."""
+        problem = self.engine.problem(self.step_timeout_s)
+        if problem is not None:
+            logger.error("DP rank %s unhealthy: %s", self.replica_id, problem)
+            raise RuntimeError(problem)
 
     def __del__(self) -> None:
         self._stop.set()

@@ -36,6 +36,7 @@ from app.engine.sampler import RowState, SampleOutput, sample, to_device
 from app.engine.scheduler import Scheduled, Scheduler, Sequence
 from app.engine.spec.proposer import Proposer, check_speculation, make_proposer
 from app.engine.spec.verify import accepted_lengths, accepted_prefix
+from app.engine.validation import RequestLimits, check_request
 from app.model.loader import load_model
 from app.model.model import DeepseekModel
 
@@ -205,23 +206,8 @@ class EngineCore:
         """Validate and queue a request; raises :class:`RequestError` naming the problem."""
         if req.request_id in self._seqs:
             raise RequestError("request_id", f"{req.request_id!r} is already running")
-        vocab = self.model.cfg.vocab_size
-        bad = next((t for t in req.prompt_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise RequestError("prompt_token_ids", f"token id {bad} >= vocab size {vocab}")
-        n = len(req.prompt_token_ids)
-        if n >= self.max_model_len:
-            raise RequestError(
-                "prompt_token_ids",
-                f"prompt of {n} tokens leaves no room under max_model_len {self.max_model_len}",
-            )
+        check_request(req, RequestLimits(self.model.cfg.vocab_size, self.max_model_len))
         p = req.params
-        if p.max_tokens is not None and n + p.max_tokens > self.max_model_len:
-            raise RequestError(
-                "max_tokens",
-                f"prompt ({n}) + max_tokens ({p.max_tokens}) exceeds max_model_len "
-                f"{self.max_model_len}",
-            )
         matcher = None
         if p.constraint is not None:
             from app.engine.grammar import GrammarError

@@ -7,7 +7,13 @@ add requests from asyncio code and iterate over their output deltas.
     engine.abort("r1")                        # from any thread; frees the request's KV
 
 Adds and aborts are commands the loop thread applies between steps, so the core is only
-touched by one thread. A generator that is closed early (client disconnect) aborts its request.
+touched by one thread. A generator that is closed early (client disconnect) aborts its request
+(only its own: a rejected duplicate id never touches the request that holds the id).
+
+Isolation: a bad request fails in ``add_request`` (validated there) and only its caller sees
+the error; a sink that fails drops only its request. A step that raises is a broken device
+step: every request ends with an error and the engine stops taking work (``healthy`` turns
+False, so the deployment restarts the rank) rather than running on a suspect state.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -22,7 +29,8 @@ from dataclasses import asdict
 
 from app.config import EngineConfig
 from app.engine.core import EngineCore
-from app.engine.request import EngineRequest, FinishReason, RequestOutput
+from app.engine.request import ENGINE_FAILED, EngineRequest, FinishReason, RequestOutput
+from app.engine.validation import RequestLimits
 from app.model.model import DeepseekModel
 
 logger = logging.getLogger(__name__)
@@ -38,6 +46,7 @@ class AsyncEngine:
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
         self._stopped = False
         self._error: BaseException | None = None
+        self._step_started: float | None = None  # monotonic start of the running step
         self._thread = threading.Thread(target=self._loop, name="fathom-engine", daemon=True)
         self._thread.start()
 
@@ -60,8 +69,8 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:
-                self.abort(rid)
+            if not finished:  # ours only: a rejected duplicate leaves the holder alone
+                self._submit(lambda: self._abort_own(rid, sink))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe, idempotent)."""
@@ -74,6 +83,38 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._sinks)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The bounds requests are validated against (vocabulary, max_model_len)."""
+        return RequestLimits(self.core.model.cfg.vocab_size, self.core.max_model_len)
+
+    @property
+    def healthy(self) -> bool:
+        """False once the loop thread died or a step failed (the rank should restart)."""
+        return self._error is None and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def step_running_s(self) -> float:
+        """How long the current step has been running (0 between steps)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def problem(self, step_timeout_s: float | None = None) -> str | None:
+        """Why this engine should be restarted, or None: a failed step, a dead loop thread,
+        or a step running longer than ``step_timeout_s`` (a watchdog)."""
+        if self._error is not None:
+            return f"a step failed: {self._error!r}"
+        if not self._thread.is_alive():
+            return "the engine loop thread died"
+        running = self.step_running_s
+        if step_timeout_s is not None and running > step_timeout_s:
+            return f"a step has been running for {running:.0f} s (limit {step_timeout_s:g} s)"
+        return None
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -101,6 +142,8 @@ class AsyncEngine:
         return fut
 
     def _add(self, req: EngineRequest, sink: Callable[[RequestOutput], None]) -> None:
+        if self._error is not None:  # queued before the step failed
+            raise RuntimeError(f"engine stopped after an error: {self._error!r}")
         self.core.add_request(req)
         self._sinks[req.request_id] = sink
 
@@ -108,7 +151,21 @@ class AsyncEngine:
         out = self.core.abort(request_id)
         sink = self._sinks.pop(request_id, None)
         if out is not None and sink is not None:
+            self._deliver(sink, out)
+
+    def _abort_own(self, request_id: str, sink: Callable[[RequestOutput], None]) -> None:
+        if self._sinks.get(request_id) is sink:
+            self._abort(request_id)
+
+    def _deliver(self, sink: Callable[[RequestOutput], None], out: RequestOutput) -> None:
+        """Hand ``out`` to its stream; a sink that fails (its event loop is gone) ends only
+        its own request."""
+        try:
             sink(out)
+        except Exception as e:
+            logger.warning("request %s: its stream is gone (%r); aborting it", out.request_id, e)
+            self._sinks.pop(out.request_id, None)
+            self.core.abort(out.request_id)
 
     def _loop(self) -> None:
         while not self._stopped:
@@ -118,27 +175,30 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self._step_started = time.monotonic()
             try:
                 outs = self.core.step()
-            except Exception as e:  # fail every request with the reason, keep serving
-                logger.exception("engine step failed")
+            except Exception as e:  # a broken step: fail every request, stop taking work
+                logger.exception("engine step failed; the engine stops (the rank restarts)")
+                self._error = e
                 self._fail_all(e)
                 continue
+            finally:
+                self._step_started = None
             for out in outs:
                 sink = self._sinks.get(out.request_id)
                 if sink is None:
                     continue
                 if out.finished:
                     del self._sinks[out.request_id]
-                sink(out)
+                self._deliver(sink, out)
 
     def _fail_all(self, err: Exception) -> None:
         for rid in list(self._sinks):
             self.core.abort(rid)
             sink = self._sinks.pop(rid)
-            sink(
-                RequestOutput(
-                    rid, finished=True, finish_reason=FinishReason.ERROR, error=f"{err!r}"
-                )
+            msg = f"{ENGINE_FAILED}: {err!r}"
+            self._deliver(
+                sink, RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=msg)
             )
         self.core.drain_after_error()

@@ -1,8 +1,10 @@
 """Offline API: ``LLM(model=DIR, device="cpu", dtype="float32", **engine options).generate()``.
+``model`` is a checkpoint directory or a built-in tiny model name (``tiny-v41``, ``tiny-v4``:
+made into ``~/.cache/fathom`` on first use).
 
 >>> from app.engine.llm import LLM
 >>> from app.engine.request import SamplingParams
->>> llm = LLM(model="/tmp/tiny-v41", enable_prefix_caching=True)
+>>> llm = LLM(model="tiny-v41", enable_prefix_caching=True)
 >>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
 >>> outs[0].text, outs[0].token_ids, outs[0].finish_reason
 """
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 
 from app.config import EngineConfig
 from app.engine.core import EngineCore
+from app.engine.model_path import resolve_model
 from app.engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
 
 _ids = itertools.count()
@@ -25,8 +28,9 @@ class LLM:
     def __init__(
         self, model: str, device: str = "cpu", dtype: str = "float32", **options: object
     ) -> None:
+        path = str(resolve_model(model))
         self.engine = EngineCore(
-            EngineConfig.from_options(model, device=device, dtype=dtype, **options)
+            EngineConfig.from_options(path, device=device, dtype=dtype, **options)
         )
         self.tokenizer = self.engine.tokenizer
 

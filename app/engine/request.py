@@ -5,25 +5,32 @@ boundary into a DP rank). Invalid values fail at construction with a message nam
 from __future__ import annotations
 
 import enum
-import math
+import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.engine.validation import (
+    MAX_TOP_LOGPROBS,
+    RequestError,
+    check_request_fields,
+    check_sampling,
+)
+
+__all__ = [
+    "ENGINE_FAILED",
+    "MAX_TOP_LOGPROBS",
+    "EngineRequest",
+    "FinishReason",
+    "OutputConstraint",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+    "new_request_id",
+]
+
 ConstraintKind = Literal["json", "regex", "grammar", "tool_call", "tool_call_required"]
 CONSTRAINT_KINDS: tuple[str, ...] = ("json", "regex", "grammar", "tool_call", "tool_call_required")
-MAX_TOP_LOGPROBS = 20
-
-
-class RequestError(ValueError):
-    """A request parameter with an invalid value (``field`` names it)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-    def __reduce__(self):  # picklable across the Ray boundary (two-argument constructor)
-        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True)
@@ -48,25 +55,6 @@ class OutputConstraint:
             raise RequestError("constraint.spec", "must be a string")
         if self.kind in ("regex", "grammar") and not self.spec:
             raise RequestError("constraint.spec", f"a {self.kind} constraint needs a pattern")
-
-
-def _check_int(name: str, v: object, lo: int, hi: int | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(name, f"must be an integer, got {type(v).__name__}")
-    if v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise RequestError(name, f"must be {rng}, got {v}")
-
-
-def _check_float(name: str, v: object, lo: float, hi: float | None = None,
-                 lo_open: bool = False) -> None:  # fmt: skip
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise RequestError(name, f"must be a finite number, got {v!r}")
-    bad_lo = v <= lo if lo_open else v < lo
-    if bad_lo or (hi is not None and v > hi):
-        left = "(" if lo_open else "["
-        rng = f"{left}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
-        raise RequestError(name, f"must be in {rng}, got {v}")
 
 
 @dataclass(frozen=True)
@@ -94,38 +82,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _check_float("temperature", self.temperature, 0.0, 100.0)
-        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_int("top_k", self.top_k, -1)
-        _check_float("min_p", self.min_p, 0.0, 1.0)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
-        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.seed is not None:
-            _check_int("seed", self.seed, -(2**63), 2**63 - 1)
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("min_tokens", self.min_tokens, 0)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise RequestError("min_tokens", "must not exceed max_tokens")
-        if not isinstance(self.stop_token_ids, tuple | list):
-            raise RequestError("stop_token_ids", "must be a list of token ids")
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0)
-        if not isinstance(self.stop, tuple | list):
-            raise RequestError("stop", "must be a list of strings")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError("stop", "stop sequences must be non-empty strings")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None:
-                _check_int(name, v, 0, MAX_TOP_LOGPROBS)
-        if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
-            raise RequestError("constraint", "must be an OutputConstraint")
+        check_sampling(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+ENGINE_FAILED = "the engine step failed"  # the error of every request a failed step ended
 
 
 class FinishReason(enum.StrEnum):
@@ -137,9 +101,16 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # failed; ``RequestOutput.error`` says why
 
 
+def new_request_id() -> str:
+    """A fresh internal request id: the only key a request is known by inside the server."""
+    return f"req-{uuid.uuid4().hex}"
+
+
 @dataclass(frozen=True)
 class EngineRequest:
-    """One generation request for a DP rank."""
+    """One generation request for a DP rank. ``request_id`` is the server's own key
+    (:func:`new_request_id` in serving: never a value a client chose, so no client can name
+    another's request); ``client_request_id`` is what the client called it (logs, spans)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -148,20 +119,10 @@ class EngineRequest:
     extra_key: str = ""  # prefix-cache namespace (model / adapter / salt)
     arrival_time: float = 0.0
     trace_context: dict[str, str] | None = None
+    client_request_id: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.request_id, str) or not self.request_id:
-            raise RequestError("request_id", "must be a non-empty string")
-        if not isinstance(self.prompt_token_ids, tuple | list):
-            raise RequestError("prompt_token_ids", "must be a list of token ids")
-        if not self.prompt_token_ids:
-            raise RequestError("prompt_token_ids", "must not be empty")
-        for t in self.prompt_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise RequestError("prompt_token_ids", f"token ids must be ints >= 0, got {t!r}")
-        if not isinstance(self.params, SamplingParams):
-            raise RequestError("params", "must be SamplingParams")
-        _check_int("priority", self.priority, -(2**31), 2**31 - 1)
+        check_request_fields(self)
 
 
 @dataclass(frozen=True)
@@ -192,3 +153,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     text: str = ""
     error: str | None = None
+
+    @property
+    def engine_failed(self) -> bool:
+        """Ended by a failed engine step (not by anything about this request): retriable."""
+        return self.finish_reason is FinishReason.ERROR and (self.error or "").startswith(
+            ENGINE_FAILED
+        )

@@ -5,7 +5,9 @@ tokens sampled on the device but not yet seen, under overlap scheduling), within
 ``max_num_batched_tokens`` and ``max_num_seqs``. Chunked prefill, decode, prefix hits and
 bounded replay all fall out of it: a hit or a replay plan only moves where computing starts.
 
-Order: running requests first (by priority, then arrival), then waiting ones. When the KV pool
+Order: running requests first (by priority, then arrival), then waiting ones; long prefills
+draw on a share of the budget while other requests are present (``app.engine.fairness``), and
+a waiting long prompt whose share is spent lets the short ones behind it in. When the KV pool
 runs out, the lowest-priority, latest running request is preempted (recompute: its cache is
 freed, it returns to the waiting queue with its output so far, and resumes later with the same
 output; a prefix hit usually brings most of its blocks back).
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from app.cache.block_pool import NoFreeBlocks
 from app.cache.manager import CacheManager
 from app.config import SchedulerConfig
+from app.engine.fairness import LongPrefillShare
 from app.engine.request import EngineRequest, FinishReason
 
 
@@ -108,6 +111,9 @@ class Scheduler:
         self.cfg, self.cache = cfg, cache
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.fair = LongPrefillShare(
+            cfg.max_num_batched_tokens, cfg.long_prefill_share, cfg.long_prefill_threshold
+        )
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -182,10 +188,11 @@ class Scheduler:
         out = SchedulerOutput([], [])
         budget = self.cfg.max_num_batched_tokens
         self.running.sort(key=Sequence.sort_key)
+        self.fair.start(self.running + self.waiting)
         for seq in list(self.running):
             if seq not in self.running:  # preempted by a higher-priority request this step
                 continue
-            n = min(seq.num_known - seq.num_computed, budget)
+            n = self.fair.cap(seq, min(seq.num_known - seq.num_computed, budget))
             if n <= 0:
                 continue
             if seq.drafts and seq.num_computed + n < seq.num_known:
@@ -200,24 +207,46 @@ class Scheduler:
                 continue
             self._take(seq, n, out)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[i]
             if self.cache.kv.num_free_slots == 0:
                 break
+            if self.fair.is_long(seq) and self.fair.left <= 0:
+                i += 1  # its share of this step is spent: the short prompts behind it go
+                continue
             use_prefix = not seq.wants_prompt_logprobs
             plan = self.cache.admit(
                 seq.request_id, seq.tokens, seq.req.extra_key, use_prefix_cache=use_prefix
             )
             seq.num_computed, seq.num_cached = plan.start, min(plan.num_cached, seq.num_prompt)
-            n = min(seq.num_known - seq.num_computed, budget)
-            try:
+            n = self.fair.cap(seq, min(seq.num_known - seq.num_computed, budget))
+            try:  # n >= 1: a long prompt got here with some of the share left
                 self.cache.ensure(seq.request_id, seq.num_computed + n)
             except NoFreeBlocks:  # wait for running requests to finish or be preempted
                 self.cache.free(seq.request_id)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._take(seq, n, out)
             budget -= n
+        out.items = self._dropped_last(out.items)
         return out
+
+    def _dropped_last(self, items: list[Scheduled]) -> list[Scheduled]:
+        """Chunks that V4.1 decoder replay drops whole (every row below the prompt's decoder
+        floor: a long prefill's early chunk) go last in the batch. Workaround: the model's
+        decoder layers read the KV store with the parent batch's sequence indices after a
+        sequence was dropped (DeepseekModel.hidden passes ``store``, not the sub-batch's
+        ``batch.kv``), so any chunk after a dropped one read another sequence's block table
+        (an IndexError failing the step). Long prefills sharing a step made that common."""
+
+        def dropped(it: Scheduled) -> bool:
+            s, a = it.seq, it.start
+            if s.wants_prompt_logprobs or a >= s.num_prompt:
+                return False
+            return a + it.num_tokens <= self.cache.decoder_floor(s.num_prompt, a)
+
+        gone = [it for it in items if dropped(it)]
+        return [it for it in items if not dropped(it)] + gone if gone else items

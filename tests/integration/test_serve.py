@@ -28,6 +28,9 @@ NO_THINK = {"thinking": {"type": "disabled"}}
 # the tiny model is random: at temperature 1 its first token is EOS often enough to flake a
 # ">= 1 output token" check, so requests that count tokens generate through EOS
 FULL = {"ignore_eos": True}
+KEY = "serve-test-key"  # the app requires it (api.api_keys) on HTTP /v1/* and on gRPC
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GRPC_META = (("application", "fathom"), ("authorization", f"Bearer {KEY}"))
 
 
 def _port() -> int:
@@ -45,9 +48,7 @@ def app_urls(tmp_path_factory):
         http_options={"host": "127.0.0.1", "port": http_port},
         grpc_options=gRPCOptions(
             port=grpc_port,
-            grpc_servicer_functions=[
-                "app.grpc.fathom_pb2_grpc.add_GenerateServiceServicer_to_server"
-            ],
+            grpc_servicer_functions=["app.grpc.raw.add_GenerateServiceServicer_to_server"],
         ),
     )
     args = {
@@ -60,7 +61,12 @@ def app_urls(tmp_path_factory):
             "max_num_seqs": 48,
             "max_num_batched_tokens": 512,
         },
-        "api": {"max_prompt_tokens": 2000, "request_timeout_s": 120},
+        "api": {
+            "max_prompt_tokens": 2000,
+            "request_timeout_s": 120,
+            "api_keys": [KEY],
+            "max_pending_per_rank": 40,
+        },
     }
     serve.run(build_app(args), name="fathom", route_prefix="/")
     base = f"http://127.0.0.1:{http_port}"
@@ -80,7 +86,7 @@ def app_urls(tmp_path_factory):
 @pytest.fixture(scope="module")
 def oai(app_urls):
     openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{app_urls[0]}/v1", api_key="unused", timeout=120)
+    return openai.OpenAI(base_url=f"{app_urls[0]}/v1", api_key=KEY, timeout=120)
 
 
 def test_chat_stream_and_non_stream(oai):
@@ -90,8 +96,8 @@ def test_chat_stream_and_non_stream(oai):
         max_tokens=8,
         extra_body={**NO_THINK, **FULL},
     )
-    assert r.choices[0].finish_reason in ("length", "stop")
-    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 1
+    assert r.choices[0].finish_reason == "length"  # through EOS: exactly max_tokens
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 1
     chunks = list(
         oai.chat.completions.create(
             model=MODEL,
@@ -156,16 +162,19 @@ def test_responses_api(oai):
     r = oai.responses.create(
         model=MODEL, input="Say something.", max_output_tokens=8, extra_body=FULL
     )
-    assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
+    # through EOS, the answer always runs into max_output_tokens
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 8
 
 
 def test_anthropic_messages(app_urls):
     anthropic = pytest.importorskip("anthropic")
-    c = anthropic.Anthropic(base_url=app_urls[0], api_key="unused", timeout=120)
+    c = anthropic.Anthropic(base_url=app_urls[0], api_key=KEY, timeout=120)
     m = c.messages.create(
         model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}], extra_body=FULL
     )
-    assert m.role == "assistant" and m.usage.output_tokens >= 1
+    assert m.role == "assistant" and m.stop_reason == "max_tokens"
+    assert m.usage.output_tokens == 8
     with c.messages.stream(
         model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "hello"}]
     ) as s:
@@ -181,13 +190,13 @@ def test_grpc_streams_token_ids_and_text(app_urls):
             text="Hello there",
             sampling=pb.SamplingOptions(max_tokens=5, temperature=0),
         )
-        outs = list(stub.Generate(req, metadata=(("application", "fathom"),), timeout=120))
+        outs = list(stub.Generate(req, metadata=GRPC_META, timeout=120))
         ids = pb.GenerateRequest(
             model=MODEL,
             token_ids=pb.TokenIds(ids=[0, 5, 9]),
             sampling=pb.SamplingOptions(max_tokens=3, ignore_eos=True),
         )
-        outs2 = list(stub.Generate(ids, metadata=(("application", "fathom"),), timeout=120))
+        outs2 = list(stub.Generate(ids, metadata=GRPC_META, timeout=120))
     assert outs[-1].finished and outs[-1].completion_tokens == sum(len(o.token_ids) for o in outs)
     assert outs2[-1].finish_reason == "length" and outs2[-1].completion_tokens == 3
 
@@ -196,7 +205,7 @@ def test_32_concurrent_streams_complete(app_urls):
     openai = pytest.importorskip("openai")
 
     async def main() -> list[int]:
-        client = openai.AsyncOpenAI(base_url=f"{app_urls[0]}/v1", api_key="x", timeout=300)
+        client = openai.AsyncOpenAI(base_url=f"{app_urls[0]}/v1", api_key=KEY, timeout=300)
 
         async def one(i: int) -> int:
             n = 0
@@ -266,7 +275,9 @@ def test_burst_of_disconnects_keeps_serving(app_urls):
             pass
 
     async def main() -> None:
-        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as c:
+        async with httpx.AsyncClient(
+            timeout=60, limits=httpx.Limits(max_connections=100), headers=AUTH
+        ) as c:
             for _ in range(6):  # without the fix, about one round in two wedged the ingress
                 await asyncio.gather(*(one(c, i) for i in range(64)))
                 t = time.time()
@@ -287,7 +298,9 @@ def test_disconnected_stream_frees_its_kv(app_urls):
         "stream": True,
         **NO_THINK,
     }
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json=body, timeout=60, headers=AUTH
+    ) as r:
         lines = r.iter_lines()
         for _ in range(4):
             next(lines)
@@ -300,7 +313,195 @@ def test_disconnected_stream_frees_its_kv(app_urls):
 def test_bad_requests_through_ray(app_urls, path, body, status, words):
     base = app_urls[0]
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{base}{path}", headers={"content-type": "application/json"}, timeout=60, **kw)
+    headers = {"content-type": "application/json", **AUTH}
+    r = httpx.post(f"{base}{path}", headers=headers, timeout=60, **kw)
     assert r.status_code == status, r.text
     assert words.lower() in r.text.lower()
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+
+def test_duplicate_client_ids_touch_nothing(app_urls):
+    """Issue 15, finding 2: gRPC calls carrying the id of a running HTTP stream (twice at once)
+    once aborted it. Client ids are metadata now: all three requests complete in full."""
+    base, grpc_addr = app_urls
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "victim"}],
+        "max_tokens": 48,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **NO_THINK,
+        **FULL,
+    }
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json=body, timeout=120, headers=AUTH
+    ) as r:
+        events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+        victim_id = next(events)["id"]
+        req = pb.GenerateRequest(
+            model=MODEL,
+            token_ids=pb.TokenIds(ids=[0, 5, 9]),
+            sampling=pb.SamplingOptions(max_tokens=3, ignore_eos=True),
+            request_id=victim_id,
+        )
+        with grpc.insecure_channel(grpc_addr) as ch:
+            stub = pbg.GenerateServiceStub(ch)
+            calls = [stub.Generate(req, metadata=GRPC_META, timeout=120)
+                     for _ in range(2)]  # fmt: skip
+            outs = [list(c) for c in calls]
+        rest = list(events)
+    for o in outs:
+        assert o[-1].finish_reason == "length" and o[-1].completion_tokens == 3, o[-1]
+        assert o[-1].request_id == victim_id  # echoed back as metadata
+    assert rest[-1]["usage"]["completion_tokens"] == 48
+    assert any(e["choices"] and e["choices"][0]["finish_reason"] == "length" for e in rest)
+
+
+def test_grpc_status_codes_through_serve(app_urls):
+    """Issue 15, finding 3: through Serve's gRPC proxy, a missing key, a malformed message and
+    an invalid field get UNAUTHENTICATED / INVALID_ARGUMENT with a clear message (they once
+    got OK with the error in-band, or UNKNOWN with a Python exception text)."""
+    ok = pb.GenerateRequest(
+        model=MODEL, token_ids=pb.TokenIds(ids=[0, 5]), sampling=pb.SamplingOptions(max_tokens=2)
+    )
+    bad = pb.GenerateRequest(
+        model=MODEL, token_ids=pb.TokenIds(ids=[0, 5]), sampling=pb.SamplingOptions(top_p=0)
+    )
+    with grpc.insecure_channel(app_urls[1]) as ch:
+        stub = pbg.GenerateServiceStub(ch)
+        raw = ch.unary_stream("/fathom.GenerateService/Generate", request_serializer=None)
+        cases = [
+            (lambda: stub.Generate(ok, metadata=GRPC_META[:1], timeout=60), "UNAUTHENTICATED"),
+            (lambda: raw(b"\x12\xff\xff\xff\xff\x0f", metadata=GRPC_META, timeout=60),
+             "INVALID_ARGUMENT"),
+            (lambda: stub.Generate(bad, metadata=GRPC_META, timeout=60), "INVALID_ARGUMENT"),
+        ]  # fmt: skip
+        for make, code in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                list(make())
+            assert e.value.code().name == code, e.value
+            assert "Traceback" not in e.value.details()
+        assert "top_p" in e.value.details()  # the last case names its field
+        assert list(stub.Generate(ok, metadata=GRPC_META, timeout=60))[-1].finished
+
+
+def test_1000_at_once_excess_gets_429(app_urls):
+    """Issue 15, finding 4: 1000 requests at once once all got 200 and queued ~490 per rank
+    (368 still waiting at 120 s). Now each rank holds at most 40: the excess gets 429 with
+    Retry-After at once, and every accepted request completes in full."""
+    base = app_urls[0]
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[int, str | None, dict]:
+        body = {"model": MODEL, "prompt": [0, 5 + i % 200], "max_tokens": 2, "ignore_eos": True}
+        r = await c.post(f"{base}/v1/completions", json=body)
+        return r.status_code, r.headers.get("retry-after"), r.json()
+
+    async def main() -> list[tuple[int, str | None, dict]]:
+        limits = httpx.Limits(max_connections=1000)
+        async with httpx.AsyncClient(timeout=300, limits=limits, headers=AUTH) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(1000)))
+
+    t0 = time.time()
+    results = asyncio.run(main())
+    took = time.time() - t0
+    ok = [r for r in results if r[0] == 200]
+    busy = [r for r in results if r[0] == 429]
+    assert len(ok) + len(busy) == 1000, {r[0] for r in results}
+    assert len(busy) > 0 and all(r[1] == "1" for r in busy)
+    assert all("overloaded" in r[2]["error"]["message"] for r in busy)
+    assert len(ok) >= 80 and all(r[2]["usage"]["completion_tokens"] == 2 for r in ok)
+    print(f"1000 at once: {len(ok)} x 200, {len(busy)} x 429 in {took:.1f} s")
+    assert _drained(base)
+
+
+def test_http_hygiene_through_serve(app_urls):
+    """Issue 15, findings 7-8 through Serve's proxy: one x-request-id per response, deep JSON
+    and a 1 MB header are 4xx (not 500 / accepted), a cross-origin text/plain POST is 403."""
+    base = app_urls[0]
+    body = {"model": MODEL, "prompt": [0, 5], "max_tokens": 1}
+    ok = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert ok.status_code == 200 and len(ok.headers.get_list("x-request-id")) == 1
+    deep = b'{"model": "tiny-v41", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    r = httpx.post(f"{base}/v1/completions", content=deep, timeout=60,
+                   headers={**AUTH, "content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and "nested deeper" in r.text
+    big = httpx.get(f"{base}/v1/models", headers={**AUTH, "x-big": "v" * (1 << 20)}, timeout=60)
+    assert big.status_code == 431, big.status_code
+    evil = httpx.post(
+        f"{base}/v1/completions",
+        content=json.dumps(body),
+        headers={"content-type": "text/plain", "origin": "http://evil.example"},
+        timeout=60,
+    )
+    assert evil.status_code == 403 and "cross-origin" in evil.json()["error"]["message"]
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+
+def _rank_stat(base: str, stat: str) -> dict[str, float]:
+    """rank -> its last reported ``stat``, from /metrics."""
+    out = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("fathom_rank_stat{") and f'stat="{stat}"' in line:
+            out[line.split('rank="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _rank_labels(base: str) -> set[str]:
+    return set(_rank_stat(base, "num_unfinished"))
+
+
+def test_killed_rank_streams_end_retriably_new_requests_succeed(app_urls):
+    """A rank SIGKILLed mid-traffic (runs last: Serve restarts the rank): its streams end
+    with a retriable 503 error event, the other rank's streams finish, requests sent right
+    after are retried on the live rank (no failure reaches a client), the dead rank's metric
+    series disappear, and the app is back to two ranks."""
+    base = app_urls[0]
+    actors = {
+        a["name"].rsplit("#", 1)[1]: a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "DPRank" in a["name"]
+    }
+    assert len(actors) == 2 and _rank_labels(base) == set(actors)
+    victim: dict = {}
+
+    async def stream(c: httpx.AsyncClient, i: int) -> str:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"s{i}"}],
+                "max_tokens": 300, "stream": True, **NO_THINK, **FULL}  # fmt: skip
+        async with c.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            last = ""
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    last = line
+        return last
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[int, int]:
+        body = {"model": MODEL, "prompt": [0, 7, i], "max_tokens": 4, "ignore_eos": True}
+        r = await c.post(f"{base}/v1/completions", json=body)
+        return r.status_code, r.json().get("usage", {}).get("completion_tokens", 0)
+
+    async def main() -> tuple[list[str], list[tuple[int, int]]]:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
+            streams = [asyncio.create_task(stream(c, i)) for i in range(4)]
+            await asyncio.sleep(3)  # every stream has tokens out (and the ranks reported)
+            busy = _rank_stat(base, "num_unfinished")
+            rid = max(busy, key=busy.get)  # a rank serving some of the streams
+            victim.update(id=rid, streams=int(busy[rid]))
+            actor = actors[rid]
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            after = await asyncio.gather(*(one(c, i) for i in range(10)))
+            return await asyncio.gather(*streams), after
+
+    lasts, after = asyncio.run(main())
+    assert after == [(200, 4)] * 10, after  # retried on the live rank, none failed
+    errors = [json.loads(x[6:]) for x in lasts if x.startswith("data: {") and '"error"' in x]
+    n_victim = victim["streams"]
+    assert n_victim >= 1 and len(errors) == n_victim, (victim, lasts)
+    assert sum(x == "data: [DONE]" for x in lasts) == 4 - n_victim, lasts
+    for e in errors:
+        assert e["error"]["type"] == "service_unavailable" and "retry" in e["error"]["message"]
+    assert victim["id"] not in _rank_labels(base)  # dropped at once: its series are gone
+    deadline = time.time() + 120
+    while len(_rank_labels(base)) < 2:  # Serve restarts the rank
+        assert time.time() < deadline, "the killed rank did not come back"
+        time.sleep(1)
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200

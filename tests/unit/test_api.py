@@ -313,7 +313,8 @@ def test_disconnect_aborts_and_frees_kv(server, engine):
         http.stream("POST", "/v1/chat/completions", json=body) as r,
     ):
         assert r.status_code == 200
-        rid = r.headers["x-request-id"]
+        rid = client.requests[-1].request_id  # the engine's key (the header is the public id)
+        assert r.headers["x-request-id"].startswith("chatcmpl-") and rid.startswith("req-")
         lines = r.iter_lines()
         first = next(line for line in lines if line)
         assert '"role":"assistant"' in first
@@ -399,6 +400,7 @@ def test_overloaded_and_not_ready(tiny_ckpt, engine):
     assert "overloaded" in r429.json()["error"]["message"]
     assert r429a.json()["error"]["type"] == "rate_limit_error"
     assert r503.status_code == 503 and "not available" in r503.json()["error"]["message"]
+    assert r503.headers["retry-after"] == "5"
     assert health.status_code == 503
     assert "fathom_num_waiting 7.0" in metrics.text
 
@@ -439,3 +441,19 @@ def test_engine_extras_reach_the_engine_and_are_type_checked(server, oai):
         neg = http.post("/v1/chat/completions", json=negative)
     assert bad.status_code == 400 and "ignore_eos" in bad.json()["error"]["message"]
     assert neg.status_code == 400 and "min_tokens" in neg.json()["error"]["message"]
+
+
+def test_engine_ids_are_internal_and_unique(server, oai):
+    """Issue 15, finding 2: the id a client sees (response id, x-request-id) is never the key
+    the engine knows a request by; every request gets a fresh internal id."""
+    _, client = server
+    seen = []
+    for _ in range(3):
+        r = oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
+        req = client.requests[-1]
+        assert r.id.startswith("chatcmpl-") and r.id != req.request_id
+        seen.append(req.request_id)
+    c = oai.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert c.id.startswith("cmpl-") and c.id != client.requests[-1].request_id
+    seen.append(client.requests[-1].request_id)
+    assert len(set(seen)) == 4 and all(s.startswith("req-") and len(s) == 36 for s in seen)

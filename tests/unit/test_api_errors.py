@@ -127,7 +127,14 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("cmpl-prompt-too-long", CMPL, cmpl(prompt=LONG), 413, "prompt"),
     ("cmpl-stream-streaming-error", CMPL, cmpl(stream=1), 400, "stream"),
     ("unknown-route", "/v1/nothing", {}, 404, "no route"),
+    # issue 15, finding 1: a top_k >= 2**63 once failed the step of every stream on its rank
+    ("top-k-2^63", CHAT, chat(top_k=2**63), 400, "top_k"),
+    ("msg-top-k-2^63", MSGS, msgs(top_k=2**63), 400, "top_k"),
+    ("cmpl-top-k-2^63", CMPL, cmpl(top_k=2**63), 400, "top_k"),
+    ("cmpl-seed-2^64", CMPL, cmpl(seed=2**64), 400, "seed"),
+    ("min-tokens-2^40", CHAT, chat(min_tokens=2**40), 400, "min_tokens"),
 ]
+POST_ROUTES = (CHAT, MSGS, CMPL, RESP)
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +161,13 @@ def test_bad_request(http, path, body, status, words):
     assert http.get("/health").status_code == 200
 
 
-def test_table_is_large_enough():
-    assert len(CASES) >= 25
+def test_every_post_route_has_bad_request_cases():
+    """The table exercises each POST route with field-level errors, and each model-taking
+    route with an unknown model (a route added without cases, or a table trimmed to one
+    protocol, fails here)."""
+    for route in POST_ROUTES:
+        assert any(c[1] == route and c[3] == 400 for c in CASES), route
+    assert {c[1] for c in CASES if c[3] == 404} >= {CHAT, MSGS, CMPL}
 
 
 def test_streaming_request_errors_before_the_stream(http):
@@ -171,4 +183,42 @@ def test_wrong_method_and_server_still_serves(http):
     assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
     ok = http.post(CHAT, json=chat(**NO_THINK))
     assert ok.status_code == 200 and json.loads(ok.text)["choices"][0]["finish_reason"]
+    assert http.get("/health").status_code == 200
+
+
+def test_bad_requests_leave_running_streams_alone(server, http):  # noqa: F811
+    """Bad requests (top_k >= 2**63 on every protocol) while 4 streams run on the same
+    engine: each bad one gets its 400, every stream completes with all its tokens."""
+    import asyncio
+
+    srv, _ = server
+    bodies = [(c[1], c[2]) for c in CASES if c[0].endswith("top-k-2^63")]
+    assert len(bodies) == 3
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+
+            async def stream(i: int) -> int:
+                msg = [{"role": "user", "content": f"hi {i}"}]
+                body = chat(max_tokens=24, stream=True, temperature=0, ignore_eos=True,
+                            messages=msg, **NO_THINK)  # fmt: skip
+                n = 0
+                async with c.stream("POST", CHAT, json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            d = json.loads(line[6:])
+                            n += bool(d["choices"] and d["choices"][0]["delta"].get("content"))
+                            assert "error" not in d, d
+                return n
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(4)]
+            await asyncio.sleep(0.5)
+            for path, body in bodies * 3:
+                r = await c.post(path, json=body)
+                assert r.status_code == 400 and "top_k" in r.text, r.text
+            return await asyncio.gather(*tasks)
+
+    counts = asyncio.run(main())
+    assert all(n > 0 for n in counts), counts
     assert http.get("/health").status_code == 200

@@ -59,11 +59,16 @@ def test_closing_a_stream_aborts_and_frees(engine):
 
 
 def test_invalid_request_raises_before_streaming(engine):
-    async def main():
+    async def main() -> list[int]:
         req = EngineRequest("bad", (0, 10**6), SamplingParams())
         with pytest.raises(RequestError, match="prompt_token_ids"):
             async for _ in engine.generate(req):
                 pass
+        assert engine.num_unfinished == 0 and "bad" not in engine.core._seqs
+        ok = EngineRequest(
+            "ok", (0, 5), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        )
+        return [t async for o in engine.generate(ok) for t in o.token_ids]
 
-    asyncio.run(main())
-    assert engine.stats()["steps"] >= 0
+    assert len(asyncio.run(main())) == 3  # the engine still serves
+    assert engine.healthy

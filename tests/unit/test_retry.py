@@ -1,0 +1,139 @@
+"""The ingress's retry on another rank (issue 15, faults), over stand-ins of the two Serve
+handles (the Serve test kills a real rank; this covers each way a rank can fail): a request
+that got no token is retried on another rank, and the failed rank is dropped from the Router;
+after a token, a failure ends the stream with a retriable error."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("ray")
+from ray.exceptions import ActorDiedError  # noqa: E402
+
+from app.api.client import EngineUnavailableError, Refusal  # noqa: E402
+from app.deployments.client import ServeEngineClient  # noqa: E402
+from app.engine.request import (  # noqa: E402
+    ENGINE_FAILED,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,  # noqa: E402
+)
+
+REQ = EngineRequest("req-1", (0, 5))
+ACK = RequestOutput("req-1")
+
+
+def tokens(*ids: int, done: bool = False) -> RequestOutput:
+    reason = FinishReason.LENGTH if done else None
+    return RequestOutput("req-1", token_ids=list(ids), finished=done, finish_reason=reason)
+
+
+FAILED_STEP = RequestOutput(
+    "req-1", finished=True, finish_reason=FinishReason.ERROR, error=f"{ENGINE_FAILED}: boom"
+)
+
+
+class Stream:
+    """What ``handle.options(stream=True).generate.remote()`` returns: async iterable +
+    cancel."""
+
+    def __init__(self, items: list) -> None:
+        self.items, self.cancelled = items, False
+
+    async def _gen(self):
+        for it in self.items:
+            if isinstance(it, BaseException):
+                raise it
+            await asyncio.sleep(0)
+            yield it
+
+    def __aiter__(self):
+        return self._gen()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Call:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class Ranks:
+    """The DPRank handle: rank id -> what its stream yields (an exception raises there)."""
+
+    def __init__(self, plans: dict[str, list]) -> None:
+        self.plans, self.calls, self.streams = plans, [], []
+        self.generate = Call(self._generate)
+
+    def options(self, stream: bool) -> Ranks:
+        return self
+
+    def _generate(self, req: EngineRequest, target: str) -> Stream:
+        self.calls.append(target)
+        s = Stream(self.plans[target])
+        self.streams.append(s)
+        return s
+
+
+class Router:
+    def __init__(self, order: list[str]) -> None:
+        self.order, self.dropped, self.excludes = order, [], []
+        self.choose, self.drop = Call(self._choose), Call(self._drop)
+
+    async def _choose(self, n: int, exclude: list[str]) -> str | None:
+        self.excludes.append(list(exclude))
+        return next((r for r in self.order if r not in exclude and r not in self.dropped), None)
+
+    async def _drop(self, rid: str) -> None:
+        self.dropped.append(rid)
+
+
+def run(plans: dict[str, list]) -> tuple[list[RequestOutput], Ranks, Router]:
+    ranks, router = Ranks(plans), Router(list(plans))
+    client = ServeEngineClient(ranks, router)
+
+    async def main() -> list[RequestOutput]:
+        return [o async for o in client.generate(REQ)]
+
+    return asyncio.run(main()), ranks, router
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [ActorDiedError(), Refusal("unavailable", "the engine stopped"), FAILED_STEP],
+    ids=["rank-died", "engine-stopped", "step-failed"],
+)
+def test_failure_before_the_first_token_is_retried_elsewhere(failure):
+    first = [failure] if isinstance(failure, Refusal) else [ACK, failure]
+    outs, ranks, router = run({"a": first, "b": [ACK, tokens(1), tokens(2, done=True)]})
+    assert [o.token_ids for o in outs] == [[], [1], [2]]  # one ack, b's tokens
+    assert outs[-1].finished and ranks.calls == ["a", "b"]
+    assert router.dropped == ["a"] and router.excludes == [[], ["a"]]
+
+
+@pytest.mark.parametrize("failure", [ActorDiedError(), FAILED_STEP], ids=["died", "step-failed"])
+def test_failure_after_a_token_is_a_retriable_error(failure):
+    ranks, router = Ranks({"a": [ACK, tokens(1), failure]}), Router(["a", "b"])
+    client = ServeEngineClient(ranks, router)
+
+    async def main() -> list[RequestOutput]:
+        return [o async for o in client.generate(REQ)]
+
+    with pytest.raises(EngineUnavailableError, match="mid-stream.*retry"):
+        asyncio.run(main())
+    assert ranks.calls == ["a"] and router.dropped == ["a"]  # not retried, but dropped
+
+
+def test_every_rank_failing_is_unavailable_not_a_hang():
+    with pytest.raises(EngineUnavailableError, match="no other engine rank|ranks failed"):
+        run({"a": [ActorDiedError()], "b": [ActorDiedError()], "c": [ActorDiedError()]})
+
+
+def test_overload_and_invalid_are_not_retried():
+    outs = None
+    with pytest.raises(Exception, match="full") as e:
+        outs = run({"a": [Refusal("overloaded", "queue full")], "b": [ACK, tokens(1, done=True)]})
+    assert type(e.value).__name__ == "EngineOverloadedError" and outs is None
