@@ -39,6 +39,8 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
     path = sa.model_path()
     mcfg = ModelConfig.from_file(path)
     engine_cfg = resolve_max_model_len(sa.engine_config(path), mcfg)
+    if engine_cfg.speculative is not None:  # e.g. mtp on a V4.1 checkpoint: fail here
+        engine_cfg.speculative.check_model(mcfg)
     max_pending, max_tokens = sa.rank_limits(engine_cfg)
     api_cfg = ApiConfig(
         served_model_names=sa.names(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -133,12 +134,19 @@ class SpeculativeConfig:
                 f"to draft one token), got {k}"
             )
 
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Raise :class:`EngineConfigError` naming the option when the model's config.json
+        cannot draft this way (checked at config time and again at engine start)."""
+        problem = cfg.draft_problem(self.method, self.num_draft_tokens)
+        if problem is not None:
+            raise EngineConfigError(f"speculative.method {self.method!r}: {problem}")
+
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
         """From None, a SpeculativeConfig or a mapping ``{"method", "num_draft_tokens"}``."""
         if value is None or isinstance(value, cls):
             return value
-        if not isinstance(value, dict):
+        if not isinstance(value, Mapping):
             raise EngineConfigError(
                 "speculative must be a mapping like {'method': 'dspark', 'num_draft_tokens': 3}"
                 f", got {type(value).__name__}"
@@ -238,7 +246,8 @@ class EngineConfig:
 
 
 def _check_type(name: str, value: object, hint: object) -> None:
-    """``value`` fits the field's annotation (bool, int, float, str, Literal, ``X | None``)."""
+    """``value`` fits the field's annotation (bool, int, float, str, Literal, ``X | None``,
+    or a mapping for :class:`SpeculativeConfig`)."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for t in options:
         if t is type(None) and value is None:
@@ -253,6 +262,8 @@ def _check_type(name: str, value: object, hint: object) -> None:
             return
         if t is str and isinstance(value, str):
             return
+        if t is SpeculativeConfig and isinstance(value, SpeculativeConfig | Mapping):
+            return  # the fields are checked by SpeculativeConfig.parse
     raise EngineConfigError(f"engine option {name!r} must be {_describe(options)}, got {value!r}")
 
 
@@ -261,6 +272,8 @@ def _describe(options: tuple) -> str:
     for t in options:
         if typing.get_origin(t) is Literal:
             words.append("one of " + ", ".join(repr(a) for a in typing.get_args(t)))
+        elif t is SpeculativeConfig:
+            words.append("a mapping like {'method': 'dspark', 'num_draft_tokens': 3}")
         else:
             words.append("null" if t is type(None) else getattr(t, "__name__", str(t)))
     return " or ".join(words)

@@ -17,6 +17,7 @@ class OracleProposer:
     else a wrong one. At 1.0 every draft of a greedy request is accepted."""
 
     needs_features = False
+    needs_next_tokens = False
 
     def __init__(self, tokens: dict[str, list[int]], vocab: int, accept_rate: float = 1.0,
                  seed: int = 0) -> None:  # fmt: skip
@@ -24,10 +25,11 @@ class OracleProposer:
         self.rng = random.Random(seed)
         self.calls = 0
 
-    def observe(self, slots, positions, features) -> None:
+    def observe(self, slots, positions, features, next_tokens) -> None:
         pass
 
-    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output):
+    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output,
+                features=None):  # fmt: skip
         self.calls += 1
         rows = []
         for rid, a in zip(request_ids, anchors.tolist(), strict=True):
@@ -43,15 +45,17 @@ class RandomProposer:
     """Uniformly random drafts (their proposal distribution is uniform)."""
 
     needs_features = False
+    needs_next_tokens = False
 
     def __init__(self, vocab: int, seed: int = 0) -> None:
         self.vocab = vocab
         self.gen = torch.Generator().manual_seed(seed)
 
-    def observe(self, slots, positions, features) -> None:
+    def observe(self, slots, positions, features, next_tokens) -> None:
         pass
 
-    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output):
+    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output,
+                features=None):  # fmt: skip
         ids = torch.randint(0, self.vocab, (len(request_ids), num_drafts), generator=self.gen)
         blk = _block(ids.to(anchors.device), self.vocab)
         blk.logits.zero_()  # uniform Q: the drafts were drawn from it
@@ -63,4 +67,4 @@ def _block(ids: torch.Tensor, vocab: int) -> DraftBlock:
     R, k = ids.shape
     logits = torch.full((R, k, vocab), -30.0, device=ids.device)
     logits.scatter_(2, ids.unsqueeze(-1), 30.0)
-    return DraftBlock(ids, logits, torch.ones(R, k, device=ids.device))
+    return DraftBlock(ids, logits, None)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from app.cache.manager import CacheManager
-from app.config import EngineConfig, EngineConfigError
-from app.engine.core import _DTYPES, DEFAULT_CPU_KV_BYTES
+from app.config import EngineConfig
+from app.engine.core import _DTYPES, DEFAULT_CPU_KV_BYTES, cache_extras, pool_blocks
 from app.model.config import ModelConfig
 from app.model.loader import build_empty_model
 
@@ -28,15 +28,9 @@ def kv_positions(cfg: EngineConfig, mcfg: ModelConfig) -> int | None:
             return None
         budget = DEFAULT_CPU_KV_BYTES
     model = build_empty_model(mcfg, kv_quant=cfg.cache.kv_quant)
-    probe = CacheManager(model, cfg.cache, 1, 1, dtype=_DTYPES[cfg.dtype], device="meta")
-    slots = cfg.scheduler.max_num_seqs
-    num_blocks = (budget - slots * probe.kv.bytes_per_slot()) // probe.kv.bytes_per_block()
-    if num_blocks < 1:
-        raise EngineConfigError(
-            f"KV budget of {budget} bytes holds no block after {slots} request slots; "
-            "raise kv_cache_bytes or lower max_num_seqs"
-        )
-    return num_blocks * probe.block_size
+    layout = CacheManager.layout_for(model, cfg.cache, _DTYPES[cfg.dtype],
+                                     *cache_extras(cfg, model))  # fmt: skip
+    return pool_blocks(budget, cfg.scheduler.max_num_seqs, layout) * layout.block_size
 
 
 def resolve_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> EngineConfig:

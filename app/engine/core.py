@@ -20,6 +20,7 @@ import gc
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from app.engine.scheduler import Scheduled, Scheduler, Sequence
 from app.engine.spec.proposer import Proposer, check_speculation, make_proposer
 from app.engine.spec.verify import accepted_lengths, accepted_prefix
 from app.engine.validation import RequestLimits, check_request
+from app.model.dspark import DraftBlock
 from app.model.loader import load_model
 from app.model.model import DeepseekModel
 
@@ -95,6 +97,47 @@ class EngineStats:
     spec_accepted_at: list[int] = field(default_factory=list)
     spec_verify_tokens: int = 0  # tokens of verify chunks (1 + drafts each)
 
+    def report(self) -> dict[str, float | int]:
+        """Flat numbers for metrics: the counters, the draft acceptance per position
+        (``spec_accepted_at_j``: verifies whose draft j was accepted) and the means:
+        ``spec_accept_length`` tokens emitted per verify (accepted drafts + the bonus),
+        ``spec_acceptance`` accepted / proposed drafts, ``spec_verify_tokens_per_step``."""
+        out: dict[str, float | int] = {
+            k: v for k, v in self.__dict__.items() if isinstance(v, int | float)
+        }
+        if self.spec_accepted_at:
+            for j, n in enumerate(self.spec_accepted_at, 1):
+                out[f"spec_accepted_at_{j}"] = n
+            v, d = self.spec_verifies, self.spec_drafts
+            out["spec_accept_length"] = (1 + self.spec_accepted / v) if v else 0.0
+            out["spec_acceptance"] = self.spec_accepted / d if d else 0.0
+            out["spec_verify_tokens_per_step"] = (
+                self.spec_verify_tokens / self.steps if self.steps else 0.0
+            )
+        return out
+
+
+def cache_extras(cfg: EngineConfig, model: DeepseekModel, own_drafter: bool = True):
+    """-> (ring headroom, draft rings) of the cache layout: a verify of k drafts writes k
+    rows past the window; the checkpoint's drafter keeps a context ring per draft stage
+    (DSpark 3, MTP 1; none for a test proposer, ``own_drafter=False``)."""
+    spec = cfg.speculative
+    if spec is None:
+        return 0, 0
+    return spec.num_draft_tokens, (len(model.mtp) if own_drafter else 0)
+
+
+def pool_blocks(budget: int, slots: int, layout) -> int:
+    """Usable KV blocks a budget of ``budget`` bytes buys after ``slots`` request slots (the
+    trash slot and block are allocated beside the usable ones); raises when none."""
+    num_blocks = (budget - (slots + 1) * layout.bytes_per_slot) // layout.bytes_per_block - 1
+    if num_blocks < 1:
+        raise EngineConfigError(
+            f"KV budget of {budget} bytes holds no block after {slots} request slots "
+            f"({layout.bytes_per_slot} B each); raise kv_cache_bytes or lower max_num_seqs"
+        )
+    return int(num_blocks)
+
 
 def _stop_token_ids(model_dir: Path, cfg_eos: int) -> tuple[int, ...]:
     ids = {cfg_eos}
@@ -137,21 +180,12 @@ class EngineCore:
         if spec is not None and proposer is None:
             check_speculation(spec, model)
         self.num_drafts = spec.num_draft_tokens if spec is not None else 0
-        dspark = spec is not None and spec.method == "dspark" and proposer is None
-        draft_stages = len(model.mtp) if dspark else 0
-        headroom = self.num_drafts
+        headroom, draft_stages = cache_extras(cfg, model, own_drafter=proposer is None)
         # ---- KV pool from the memory budget (one layout: allocation = accounting)
         layout = CacheManager.layout_for(model, cfg.cache, dtype, headroom, draft_stages)
         block_size = layout.block_size
-        budget = self._kv_budget()
         slots = cfg.scheduler.max_num_seqs
-        # the trash slot and block are allocated beside the usable ones
-        num_blocks = (budget - (slots + 1) * layout.bytes_per_slot) // layout.bytes_per_block - 1
-        if num_blocks < 1:
-            raise EngineConfigError(
-                f"KV budget of {budget} bytes holds no block after {slots} request slots "
-                f"({layout.bytes_per_slot} B each); raise kv_cache_bytes or lower max_num_seqs"
-            )
+        num_blocks = pool_blocks(self._kv_budget(), slots, layout)
         limit = cfg.scheduler.max_model_len or mcfg.max_position_embeddings
         self.max_model_len = min(limit, mcfg.max_position_embeddings, num_blocks * block_size)
         self.cache = CacheManager(
@@ -161,6 +195,8 @@ class EngineCore:
         )  # fmt: skip
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
         self.proposer: Proposer | None = None
+        # called with each step's proposed blocks: (request ids, anchors [R], the block)
+        self.on_draft: Callable[[list[str], torch.Tensor, DraftBlock], None] | None = None
         if spec is not None:
             self.proposer = proposer or make_proposer(spec, model, self.cache.pools)
         self.overlap = cfg.overlap_schedule and self.proposer is None
@@ -319,7 +355,10 @@ class EngineCore:
         flight.live = live
         offs = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
         self._prev_rows = {}
-        if not live:
+        if not live:  # e.g. a step of prefill chunks only: their rows still feed the drafter
+            if self.proposer is not None:
+                none = np.zeros(0, np.int64)
+                self._observe(flight, [], none, none, none, None, None)
             return
         rows = np.concatenate([np.arange(offs[i], offs[i + 1]) for i in live])
         lc = np.asarray([counts[i] for i in live], dtype=np.int64)
@@ -346,26 +385,14 @@ class EngineCore:
         self, flight: _Flight, items: list[Scheduled], bases: np.ndarray, counts: np.ndarray,
         res: SampleOutput,
     ) -> list[torch.Tensor]:  # fmt: skip
-        """Device side of a step's verify: accepted lengths, the DSpark context of committed
+        """Device side of a step's verify: accepted lengths, the drafter's context of committed
         rows, the next drafts. Returns the tensors the host copies (m, and the drafts)."""
         dev, inp = res.tokens.device, flight.inputs
         m = accepted_lengths(res.accepted, bases, counts)
         ends = np.asarray([it.start + it.num_tokens for it in items], dtype=np.int64)
         anchors = to_device(ends - counts, dev) + m  # last committed position
         bonus = res.tokens[to_device(bases, dev) + m]
-        pools = self.cache.pools
-        if flight.features is not None and inp.feat_rows.size:
-            # rows of sampling chunks above their anchor are not committed (-> trash slot)
-            index = {id(it): k for k, it in enumerate(inp.items)}
-            where = to_device(np.asarray([index[id(it)] for it in items], np.int64), dev)
-            big = np.iinfo(np.int64).max
-            thr = torch.full((len(inp.items),), big, dtype=torch.int64, device=dev)
-            thr[where] = anchors
-            item = to_device(inp.feat_item, dev)
-            pos = to_device(inp.feat_pos, dev)
-            slots = to_device(inp.spec.slots[inp.feat_item], dev)
-            slots = torch.where(pos <= thr[item], slots, pools.trash_slot)
-            self.proposer.observe(slots, pos, flight.features)
+        feats, where = self._observe(flight, items, ends, bases, counts, anchors, res.tokens)
         sel = [k for k, it in enumerate(items) if self._speculates(it.seq)]
         if not sel:
             return [m]
@@ -373,13 +400,80 @@ class EngineCore:
         seqs = [items[k].seq for k in sel]
         prompt = to_device(np.asarray([s.num_prompt for s in seqs], dtype=np.int64), dev)
         slots = to_device(np.asarray([self.cache.slot_of(s.request_id) for s in seqs]), dev)
+        anchor_feats = None
+        if feats is not None:  # the anchor's feature row: its item's rows are contiguous
+            it_of = where[sel]
+            first_row = np.searchsorted(inp.feat_item, it_of)
+            first_pos = inp.feat_pos[first_row]
+            host = first_row + (ends[sel] - counts[sel]) - first_pos
+            anchor_feats = feats[to_device(host, dev) + m[idx]]
         block = self.proposer.propose(
             [s.request_id for s in seqs], slots, anchors[idx], bonus[idx], self.num_drafts,
-            [s.req.params for s in seqs], anchors[idx] + 2 - prompt,
+            [s.req.params for s in seqs], anchors[idx] + 2 - prompt, anchor_feats,
         )  # fmt: skip
+        if self.on_draft is not None:
+            self.on_draft([s.request_id for s in seqs], anchors[idx], block)
         flight.draft_rows = {s.request_id: r for r, s in enumerate(seqs)}
         flight.drafts = block.logits
         return [m, block.ids]
+
+    def _observe(
+        self, flight: _Flight, items: list[Scheduled], ends: np.ndarray, bases: np.ndarray,
+        counts: np.ndarray, anchors: torch.Tensor | None, sampled: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, np.ndarray]:  # fmt: skip
+        """Feed the drafter the committed rows of a step: a sampling chunk's rows above its
+        anchor are not committed (written to the trash slot). -> (the step's features or
+        None, the step item of each sampled item)."""
+        inp = flight.inputs
+        index = {id(it): k for k, it in enumerate(inp.items)}
+        where = np.asarray([index[id(it)] for it in items], np.int64)
+        if flight.features is None or not inp.feat_rows.size:
+            return None, where
+        feats, dev = flight.features, flight.features.device
+        big = np.iinfo(np.int64).max
+        thr = torch.full((len(inp.items),), big, dtype=torch.int64, device=dev)
+        if where.size:
+            thr[to_device(where, dev)] = anchors
+        item = to_device(inp.feat_item, dev)
+        pos = to_device(inp.feat_pos, dev)
+        slots = to_device(inp.spec.slots[inp.feat_item], dev)
+        slots = torch.where(pos <= thr[item], slots, self.cache.pools.trash_slot)
+        nxt = None
+        if self.proposer.needs_next_tokens:
+            nxt = self._next_tokens(inp, where, ends, bases, counts, sampled, dev)
+        self.proposer.observe(slots, pos, feats, nxt)
+        return feats, where
+
+    @staticmethod
+    def _next_tokens(
+        inp: StepInputs, where: np.ndarray, ends: np.ndarray, bases: np.ndarray,
+        counts: np.ndarray, sampled: torch.Tensor | None, dev: torch.device,
+    ) -> torch.Tensor:  # fmt: skip
+        """The token after each feature row (device [N]): a sampled row's own sample (for
+        an accepted draft row that is the draft itself), else the next input token of the
+        chunk, or of the prompt after a mid-prefill chunk."""
+        spec, pos, item = inp.spec, inp.feat_pos, inp.feat_item
+        B = spec.num_seqs
+        flat0 = np.concatenate(([0], np.cumsum(spec.lens)[:-1]))
+        first_sampled = spec.starts + spec.lens  # per step item; sampled items below
+        base = np.zeros(B, np.int64)
+        first_sampled[where] = ends - counts
+        base[where] = bases
+        is_s = pos >= first_sampled[item]
+        sidx = np.where(is_s, base[item] + pos - first_sampled[item], -1)
+        nxt_pos = pos + 1 - spec.starts[item]  # index of the next token within the chunk
+        inside = nxt_pos < spec.lens[item]
+        host = np.full(pos.size, -1, np.int64)
+        ok = ~is_s & inside
+        host[ok] = spec.ids[flat0[item[ok]] + nxt_pos[ok]]
+        for r in np.flatnonzero(~is_s & ~inside):  # the last row of a mid-prefill chunk
+            it = inp.items[item[r]]
+            host[r] = it.seq.tokens[it.start + it.num_tokens]
+        out = to_device(host, dev)
+        if is_s.any():
+            rows = np.flatnonzero(is_s)
+            out[to_device(rows, dev)] = sampled[to_device(sidx[rows], dev)]
+        return out
 
     def _release(self, flight: _Flight) -> None:
         """Free requests that finished while ``flight`` still used their blocks."""

@@ -25,7 +25,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import asdict
 
 from app.config import EngineConfig
 from app.engine.core import EngineCore
@@ -77,8 +76,9 @@ class AsyncEngine:
         self._submit(lambda: self._abort(request_id))
 
     def stats(self) -> dict[str, float | int]:
-        """Current counters (running, waiting, KV usage, prefix-hit tokens, step time)."""
-        return asdict(self.core.stats)
+        """Current counters (running, waiting, KV usage, prefix-hit tokens, step time, and
+        with speculation the acceptance: ``EngineStats.report``), flat numbers."""
+        return self.core.stats.report()
 
     @property
     def num_unfinished(self) -> int:

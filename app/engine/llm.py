@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
 
 from app.config import EngineConfig
 from app.engine.core import EngineCore
@@ -20,6 +23,17 @@ from app.engine.model_path import resolve_model
 from app.engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
 
 _ids = itertools.count()
+
+
+@dataclass
+class Draft:
+    """One proposed block after a prompt: ``bonus`` the target's greedy token after it,
+    ``ids`` [k] the drafts for the positions after the bonus, ``logits`` [k, V] fp32 the
+    drafter's logits for them (before temperature)."""
+
+    bonus: int
+    ids: list[int]
+    logits: torch.Tensor
 
 
 class LLM:
@@ -82,6 +96,45 @@ class LLM:
             for o, p in zip(out, params, strict=True):
                 o.text = self._text(o, p)
         return out
+
+    def draft(self, prompt_ids: Sequence[int], anchor: int | None = None) -> Draft:
+        """The drafter's first block after ``prompt_ids[: anchor + 1]`` (default: the whole
+        prompt), as the engine computes it: the target prefills the prompt (chunked like any
+        request) and emits its greedy token, then the configured drafter (``speculative=``)
+        proposes the block after that token. For checking a drafter against a reference."""
+        eng = self.engine
+        if eng.proposer is None:
+            raise RequestError("speculative", "this LLM was made without speculative=...")
+        ids = list(prompt_ids if anchor is None else prompt_ids[: anchor + 1])
+        if not ids:
+            raise RequestError("prompt_ids", "the prompt is empty")
+        rid = f"llm-draft-{next(_ids)}"
+        got: dict[str, tuple[list[int], torch.Tensor]] = {}
+        bonus: list[int] = []
+
+        def record(rids: list[str], anchors: torch.Tensor, block) -> None:
+            if rid in rids and not got:
+                r = rids.index(rid)
+                got[rid] = (block.ids[r].tolist(), block.logits[r].float().cpu())
+
+        k = eng.num_drafts
+        params = SamplingParams(temperature=0.0, max_tokens=k + 2, ignore_eos=True)
+        eng.on_draft = record
+        try:
+            eng.add_request(EngineRequest(rid, tuple(ids), params))
+            while not got:
+                for o in eng.step():
+                    if o.request_id == rid:
+                        bonus.extend(o.token_ids)
+                        if o.finished and not got:
+                            raise RuntimeError(f"{rid} finished without a draft: {o.error}")
+        finally:
+            eng.on_draft = None
+            eng.abort(rid)
+        drafts, logits = got[rid]
+        return Draft(bonus[0], drafts, logits)
+
+    dspark_draft = draft  # the same call under its DSpark name
 
     @staticmethod
     def _merge(acc: RequestOutput, delta: RequestOutput) -> None:

@@ -196,6 +196,26 @@ class ModelConfig:
         idx = self.num_hidden_layers + k
         return self.compress_ratios[idx] if idx < len(self.compress_ratios) else 0
 
+    def draft_problem(self, method: str, num_drafts: int = 1) -> str | None:
+        """Why this config cannot draft ``num_drafts`` tokens with ``method`` ("dspark": the
+        V4.1 DSpark stages, "mtp": V4's MTP block), or None."""
+        if method == "dspark":
+            if not self.is_v41:
+                return "DSpark drafts with DeepSeek-V4.1 checkpoints (V4 uses MTP)"
+            if not self.dspark_target_layer_ids or self.dspark_block_size < 1:
+                return "config.json has no dspark_target_layer_ids / dspark_block_size"
+            if num_drafts > self.dspark_block_size:
+                return (f"num_draft_tokens {num_drafts} exceeds the checkpoint's DSpark block "
+                        f"of {self.dspark_block_size} drafts")  # fmt: skip
+            return None
+        if self.is_v41:
+            return "MTP drafts with DeepSeek-V4 checkpoints (V4.1 uses DSpark)"
+        if self.num_nextn_predict_layers < 1:
+            return "config.json has no MTP layer (num_nextn_predict_layers = 0)"
+        if self.mtp_ratio(0) != 0:
+            return f"the MTP block's compress ratio is {self.mtp_ratio(0)} (only SWA is supported)"
+        return None
+
     # ---- parsing ----------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:

@@ -34,24 +34,22 @@ from kernels.norm import norm_rope
 @dataclass
 class DraftBlock:
     """One block per request: ``ids`` [R, k] drafted tokens, ``logits`` [R, k, V] fp32
-    (Markov-corrected, before temperature: the proposal distribution is their softmax at the
-    request's temperature), ``confidence`` [R, k] in (0, 1)."""
+    (before temperature: the proposal distribution is their softmax at the request's
+    temperature; DSpark's are Markov-corrected), ``confidence`` [R, k] in (0, 1) (None: the
+    drafter has no confidence head, e.g. V4 MTP)."""
 
     ids: torch.Tensor
     logits: torch.Tensor
-    confidence: torch.Tensor
+    confidence: torch.Tensor | None
 
 
 def supports_dspark(model: DeepseekModel) -> str | None:
     """Why ``model`` cannot draft with DSpark, or None."""
     cfg = model.cfg
-    if not cfg.is_v41:
-        return "DSpark drafts with DeepSeek-V4.1 checkpoints (V4 uses MTP)"
-    if len(model.mtp) != cfg.num_nextn_predict_layers or not len(model.mtp):
+    problem = cfg.draft_problem("dspark")
+    if problem is None and (len(model.mtp) != cfg.num_nextn_predict_layers or not model.mtp):
         return "the checkpoint has no mtp.* DSpark stages"
-    if not cfg.dspark_target_layer_ids or cfg.dspark_block_size < 1:
-        return "config.json has no dspark_target_layer_ids / dspark_block_size"
-    return None
+    return problem
 
 
 class DSparkDrafter:

@@ -276,23 +276,24 @@ class DeepseekModel(nn.Module):
 
     def head_input(self, X: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
         """Final streams -> the normalized hidden state the head reads [R, d]."""
-        cfg = self.cfg
-        if cfg.is_v41:
-            h = hc_collapse(X, p)
-        else:
-            flat = X.flatten(1).float()
-            mix = (flat @ self.hc_head_fn.float().t()) * torch.rsqrt(
-                flat.square().mean(-1, keepdim=True) + cfg.rms_norm_eps
-            )
-            pre = torch.sigmoid(mix * self.hc_head_scale.float() + self.hc_head_base.float())
-            h = hc_collapse(X, pre + cfg.hc_eps)
-        return self.norm(h)
+        return self.norm(hc_collapse(X, p) if self.cfg.is_v41 else self.hc_head(X, self))
+
+    def hc_head(self, X: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+        """V4's collapse of the streams [R, n, d] -> [R, d] with ``owner``'s ``hc_head_*``
+        weights (the model's, or the MTP block's own)."""
+        flat = X.flatten(1).float()
+        mix = (flat @ owner.hc_head_fn.float().t()) * torch.rsqrt(
+            flat.square().mean(-1, keepdim=True) + self.cfg.rms_norm_eps
+        )
+        pre = torch.sigmoid(mix * owner.hc_head_scale.float() + owner.hc_head_base.float())
+        return hc_collapse(X, pre + self.cfg.hc_eps)
 
     def hidden(self, batch: ForwardBatch, features: list | None = None) -> torch.Tensor:
         """One batched step over the paged cache -> final hidden states of the rows that reach
         the head [R, d]: every row, or with V4.1 decoder replay the rows of
-        ``batch.decoder.keep``. ``features``: receives the DSpark target features of those
-        rows, [R, taps * d] (``app.model.dspark``)."""
+        ``batch.decoder.keep``. ``features``: receives the draft features of those rows: on
+        V4.1 the DSpark target features [R, taps * d] (``app.model.dspark``), on V4 the final
+        streams [R, n * d] the MTP block reads (``app.model.mtp``)."""
         cfg = self.cfg
         x = self.embed.weight[batch.input_ids]
         X = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -321,9 +322,10 @@ class DeepseekModel(nn.Module):
                 meta = StepMeta(batch, cfg.sliding_window)
             cap = caught if i in taps else None
             X, p, pending = layer(X, p, pending, batch, meta, state, ngram, self.engram_pad, cap)
-        if features is not None:
-            features.append(torch.cat(caught, dim=-1))
-        return self.head_input(apply_pending(X, pending), p)
+        X = apply_pending(X, pending)
+        if features is not None:  # V4.1: the DSpark taps; V4: the final streams (MTP)
+            features.append(torch.cat(caught, dim=-1) if cfg.is_v41 else X.flatten(1))
+        return self.head_input(X, p)
 
     def forward(self, batch: ForwardBatch, features: list | None = None) -> torch.Tensor:
         """fp32 logits [S, vocab] of ``batch.logit_rows`` (every head row when None);

@@ -33,7 +33,8 @@ class _State:
 def reference_logits(model, token_ids: torch.Tensor, features: list | None = None) -> torch.Tensor:
     """fp32 logits [L, vocab] of one sequence ``token_ids`` [L] (every position);
     ``features`` receives the DSpark target features [L, taps * d] (the mean of the streams
-    entering attention of each ``dspark_target_layer_ids`` layer, concatenated)."""
+    entering attention of each ``dspark_target_layer_ids`` layer, concatenated); on V4 the
+    final streams [L, n * d] (the MTP block's input)."""
     cfg = model.cfg
     ids = token_ids.to(model.embed.weight.device).reshape(-1)
     L = ids.numel()
@@ -51,8 +52,8 @@ def reference_logits(model, token_ids: torch.Tensor, features: list | None = Non
             X = _engram(layer, X, ngram, model.engram_pad)
             taps.append(X.mean(dim=1))
         X, p = _block(layer, X, p, ids, st, ngram, model.engram_pad, engram=not tap)
-    if features is not None:
-        features.append(torch.cat(taps, dim=-1))
+    if features is not None:  # V4: the final streams (the MTP block's input)
+        features.append(torch.cat(taps, dim=-1) if cfg.is_v41 else X.flatten(1))
     return model.compute_logits(model.head_input(X, p))
 
 

@@ -94,7 +94,9 @@ def test_queued_tokens_bound_long_prompts_only(engine):  # noqa: F811
 
 
 @pytest.mark.parametrize("opts", [{"kv_cache_bytes": 1 << 22}, {"kv_cache_bytes": 1 << 24,
-                                  "max_num_seqs": 3}, {"max_model_len": 300}])  # fmt: skip
+                                  "max_num_seqs": 3}, {"max_model_len": 300},
+                                  {"kv_cache_bytes": 1 << 22, "speculative": {"method": "dspark",
+                                   "num_draft_tokens": 3}}])  # fmt: skip
 def test_resolved_max_model_len_matches_the_engine(tiny_ckpt, opts):
     path = tiny_ckpt("v41")
     cfg = EngineConfig.from_options(path, **opts)
@@ -158,7 +160,10 @@ def test_ingress_sheds_load_before_any_work(tiny_ckpt, engine):  # noqa: F811
                 "ignore_eos": True, "thinking": {"type": "disabled"}}  # fmt: skip
         with httpx.Client(base_url=srv.url, timeout=60) as http:
             with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                next(r.iter_lines())
+                # keep the iterator: a discarded one closes the response when the garbage
+                # collector gets to it (a reference cycle), which ends the stream early
+                lines = r.iter_lines()
+                next(lines)
                 shed = http.post("/v1/completions", content=b"not even json",
                                  headers={"content-type": "application/json"})  # fmt: skip
             assert shed.status_code == 429 and shed.headers["retry-after"] == "1"

@@ -63,6 +63,11 @@ def test_oracle_accepts_everything_with_proportionally_fewer_forwards(tiny_ckpt)
     assert (base.stats.steps, eng.stats.steps) == (12, 4)
     assert st.spec_verifies == 9 and st.spec_drafts == st.spec_accepted == 3 * (3 + 3 + 2)
     assert st.spec_accepted_at == [9, 9, 6]
+    rep = st.report()  # what the rank's metrics carry (fathom_rank_stat{stat=...})
+    assert rep["spec_accept_length"] == pytest.approx(1 + 24 / 9)
+    assert rep["spec_acceptance"] == 1.0 and rep["spec_accepted_at_3"] == 6
+    assert rep["spec_verify_tokens_per_step"] == pytest.approx(st.spec_verify_tokens / 4)
+    assert all(isinstance(v, int | float) for v in rep.values())
 
 
 def test_random_drafts_are_rejected_and_rolled_back(tiny_ckpt):

@@ -6,6 +6,9 @@ decision never reaches the host before the drafts are launched).
     DSparkProposer   V4.1: the checkpoint's DSpark stages (app.model.dspark) over a context
                      ring per stage and slot (``PagedKV.draft``), fed the target features of
                      committed rows (``observe``)
+    MTPProposer      V4: the checkpoint's MTP block (app.model.mtp), one draft per step, over
+                     a window ring per slot, fed the final streams and next tokens of
+                     committed rows; the anchor row's streams come with ``propose``
 
 Test and benchmark proposers (the target's own continuation, random tokens) implement the
 same protocol in ``bench/proposers.py``.
@@ -24,17 +27,21 @@ from app.engine.sampler import draw_proposal
 from app.model.dspark import DraftBlock, DSparkDrafter, supports_dspark
 from app.model.kv_store import PagedKV
 from app.model.model import DeepseekModel
+from app.model.mtp import MTPDrafter, supports_mtp
 
 
 class Proposer(Protocol):
     """What the engine needs of a drafter."""
 
     needs_features: bool  # the step must return the target features of its head rows
+    needs_next_tokens: bool  # observe wants the token after each committed row
 
     def observe(
-        self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor | None
-    ) -> None:
-        """Committed rows of a step (``slots`` [N], trash slot = not committed)."""
+        self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor | None,
+        next_tokens: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        """Committed rows of a step (``slots`` [N], trash slot = not committed), their draft
+        features and the token after each row (``next_tokens`` [N])."""
 
     def propose(
         self,
@@ -45,15 +52,18 @@ class Proposer(Protocol):
         num_drafts: int,
         params: Sequence[SamplingParams],
         first_output: torch.Tensor,
+        features: torch.Tensor | None,
     ) -> DraftBlock:
         """``num_drafts`` drafts per request; ``first_output`` [R]: the output index of each
-        request's first draft (seeded draws count from it)."""
+        request's first draft (seeded draws count from it); ``features``: the draft features
+        of the anchor rows [R, F] (None when the step returned none)."""
 
 
 class DSparkProposer:
     """V4.1 DSpark over the engine's draft rings."""
 
     needs_features = True
+    needs_next_tokens = False
 
     def __init__(self, model: DeepseekModel, pools: PagedKV) -> None:
         self.drafter = DSparkDrafter(model)
@@ -64,34 +74,53 @@ class DSparkProposer:
             )
         self.rings = pools.draft
 
-    def observe(self, slots, positions, features) -> None:
+    def observe(self, slots, positions, features, next_tokens) -> None:
         self.drafter.write_context(self.rings, slots, features, positions)
 
-    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output):
+    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output,
+                features):  # fmt: skip
         def pick(k: int, logits: torch.Tensor) -> torch.Tensor:
             return draw_proposal(logits, params, first_output + k)
 
         return self.drafter.draft(self.rings, slots, anchors, bonus, num_drafts, pick)
 
 
+class MTPProposer:
+    """V4 MTP-1 over the engine's draft ring (one draft per verify)."""
+
+    needs_features = True
+    needs_next_tokens = True
+
+    def __init__(self, model: DeepseekModel, pools: PagedKV) -> None:
+        self.drafter = MTPDrafter(model)
+        if len(pools.draft) != 1:
+            raise ValueError(f"the KV cache has {len(pools.draft)} draft rings for one MTP block")
+        self.ring = pools.draft[0]
+
+    def observe(self, slots, positions, features, next_tokens) -> None:
+        self.drafter.write_context(self.ring, slots, features, next_tokens, positions)
+
+    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output,
+                features):  # fmt: skip
+        if num_drafts != 1:
+            raise ValueError(f"MTP drafts one token per verify, not {num_drafts}")
+        logits = self.drafter.draft(self.ring, slots, anchors, features, bonus)
+        ids = draw_proposal(logits, params, first_output)
+        return DraftBlock(ids.unsqueeze(1), logits.unsqueeze(1), None)
+
+
 def check_speculation(spec: SpeculativeConfig, model: DeepseekModel) -> None:
     """Fail at engine start, with a message naming the option, when ``model`` cannot run
-    ``spec``."""
-    if spec.method == "dspark":
-        problem = supports_dspark(model)
-        if problem is not None:
-            raise EngineConfigError(f"speculative.method 'dspark': {problem}")
-        B = model.cfg.dspark_block_size
-        if spec.num_draft_tokens > B:
-            raise EngineConfigError(
-                f"speculative.num_draft_tokens {spec.num_draft_tokens} exceeds the checkpoint's "
-                f"DSpark block of {B} drafts"
-            )
-        return
-    raise EngineConfigError(f"speculative.method {spec.method!r} is not available")
+    ``spec`` (its config: ``SpeculativeConfig.check_model``; or its weights)."""
+    spec.check_model(model.cfg)
+    problem = supports_dspark(model) if spec.method == "dspark" else supports_mtp(model)
+    if problem is not None:
+        raise EngineConfigError(f"speculative.method {spec.method!r}: {problem}")
 
 
 def make_proposer(spec: SpeculativeConfig, model: DeepseekModel, pools: PagedKV) -> Proposer:
     """The proposer of ``spec`` for ``model`` over the engine's cache tensors."""
     check_speculation(spec, model)
-    return DSparkProposer(model, pools)
+    if spec.method == "dspark":
+        return DSparkProposer(model, pools)
+    return MTPProposer(model, pools)
