@@ -120,7 +120,7 @@ class Rank:
 
     def __init__(
         self, max_seqs: int, kv_bytes: int, ep: int, max_tokens: int, model=None, device="cuda",
-        dense: str = "bf16",
+        dense: str = "bf16", ring_headroom: int = 3, draft_stages: int = 0,
     ) -> None:
         from app.cache.manager import CacheManager
         from app.config import CacheConfig
@@ -137,11 +137,13 @@ class Rank:
                   f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)  # fmt: skip
         cc = CacheConfig(block_size=64, enable_prefix_caching=False, bounded_replay="off")
         # ring headroom 3: verify steps of 1 + 3 tokens per request read the ring directly
-        # and run as CUDA graphs
-        layout = CacheManager.layout_for(self.model, cc, torch.bfloat16, ring_headroom=3)
+        # and run as CUDA graphs; ``draft_stages``: DSpark context rings (bench.spec_decode)
+        h = ring_headroom
+        layout = CacheManager.layout_for(self.model, cc, torch.bfloat16, h, draft_stages)
         blocks = (kv_bytes - (max_seqs + 1) * layout.bytes_per_slot) // layout.bytes_per_block
         self.mgr = CacheManager(self.model, cc, int(blocks) - 1, max_seqs, torch.bfloat16,
-                                device, max_blocks_per_seq=4096, ring_headroom=3)  # fmt: skip
+                                device, max_blocks_per_seq=4096, ring_headroom=h,
+                                draft_stages=draft_stages)  # fmt: skip
         self.runner = ModelRunner(self.model, self.mgr, max_tokens, self.device,
                                   cuda_graphs=True, max_graph_batch=max_seqs)  # fmt: skip
         self._randomize_cache()
@@ -152,7 +154,7 @@ class Rank:
         dev = self.device
         g = torch.Generator(device=dev).manual_seed(7)
         p = self.mgr.pools
-        for rows in [*p.window, *p.entries.values(), *p.keys.values()]:
+        for rows in [*p.window, *p.draft, *p.entries.values(), *p.keys.values()]:
             d = rows.data.view(torch.uint8)
             d.copy_(torch.randint(0, 256, d.shape, dtype=torch.uint8, device=dev, generator=g))
             if rows.fmt == "fp8":  # finite e4m3 codes only (0x7f / 0xff are NaN)

@@ -1,0 +1,275 @@
+"""W8 speculative decoding on the scaled V4.1-Flash rank (PERFORMANCE.md W8,
+``bench.flash_rank``): DSpark draft and verify step times, and the effective TPOT.
+
+    python -m bench.spec_decode [--batches 1,8,32] [--context 4096] [--drafts 3]
+        [--what steps,engine] [--model flash-rank|tiny-rank]
+
+- steps (``spec.*_step``): B requests at context L. The plain decode step (CUDA graph), the
+  verify step of 1 + k tokens per request as a CUDA graph and as the engine runs it today
+  (eager, returning the DSpark target features), the DSpark draft (write the context of the
+  k + 1 committed rows, then one block per request: 3 stages + heads), each timed with CUDA
+  events (median), beside their byte floors (bytes / measured copy bandwidth). The effective
+  TPOT at acceptance length AL is ``(T_draft + T_verify) / AL`` (W8's bound), its floor the
+  same sum of floors.
+- engine (``spec.engine_tpot``): the EngineCore on the same rank model decoding B requests
+  (prompt 1024, 64 tokens, greedy) plain and with speculation whose drafts come from the
+  oracle proposer (the target's own continuation, each draft right with probability r, set
+  for AL 2.5 and 3.5 at k = 3): the measured time per output token after the prefill, with
+  the DSpark draft time of ``steps`` added per verify (the oracle drafts on the host, so its
+  own time is not the drafter's; its host read of the anchors is a sync the DSpark proposer
+  does not make, left in).
+
+Random weights: acceptance is set by the oracle, not measured from DSpark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+import time
+
+import torch
+
+from app.config import EngineConfig
+from app.engine.core import EngineCore
+from app.engine.request import EngineRequest, SamplingParams
+from app.engine.runner import StepInputs
+from app.model.dspark import DSparkDrafter
+from bench.common import record, write
+from bench.engine_steps import Rank, _time, copy_bandwidth
+from bench.flash_rank import decode_bytes, expected_experts
+from bench.proposers import OracleProposer
+
+
+def accept_rate_for(al: float, k: int) -> float:
+    """Per-draft acceptance r with 1 + r + ... + r^k = ``al`` (drafts independent, the first
+    rejection ends the run; the bonus makes it k + 1 when all are right)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**j for j in range(k + 1)) < al else (lo, mid)
+    return (lo + hi) / 2
+
+
+def draft_bytes(model, batch: int, k: int, ep: int) -> float:
+    """Bytes a DSpark draft must read: the stages' dense weights, the local experts their
+    block rows touch (the group's ep x B x block rows), the head over the block rows and the
+    Markov head (read whole), the context rings (W rows per request per stage), and the
+    context writes of k + 1 rows."""
+    cfg = model.cfg
+    dense = experts = 0.0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not name.startswith("mtp."):
+            continue
+        if ".experts." in name or "markov_head.embed" in name:
+            continue  # touched experts below; the Markov embedding is a row lookup
+        dense += t.numel() * t.element_size()
+    pe = model.mtp[0].ffn.experts
+    per_expert = sum(b.numel() * b.element_size() for b in (pe.w13, pe.s13, pe.w2, pe.s2))
+    per_expert /= pe.n_local
+    rows = batch * cfg.dspark_block_size * ep
+    touched = expected_experts(pe.n_local, cfg.dspark_n_routed_experts,
+                               cfg.dspark_num_experts_per_tok, rows)  # fmt: skip
+    experts = len(model.mtp) * touched * per_expert
+    head = model.head.weight.numel() * model.head.weight.element_size()
+    ring = len(model.mtp) * batch * (cfg.sliding_window + k + 1) * (cfg.head_dim + 16)
+    return dense + experts + head + ring
+
+
+def steps(rank: Rank, args, bw: float) -> tuple[list[dict], dict[int, float]]:
+    model, k, ctx = rank.model, args.drafts, args.context
+    drafter = DSparkDrafter(model)
+    rings = rank.mgr.pools.draft
+    records, t_draft = [], {}
+    taps = len(model.cfg.dspark_target_layer_ids) * model.cfg.hidden_size
+    print(f"{'B':>4} {'decode':>8} {'verify g':>8} {'verify e':>8} {'draft':>7} | "
+          f"{'dec fl':>7} {'ver fl':>7} {'dr fl':>7} | TPOT_eff AL 2.5 / 3.5 (ms; floor)",
+          flush=True)  # fmt: skip
+    for B in (int(b) for b in args.batches.split(",")):
+        res = {}
+        for name, q, graph in (("decode", 1, True), ("verify_graph", k + 1, True),
+                               ("verify_eager_features", k + 1, False)):  # fmt: skip
+            rids = rank.requests(B, ctx, q)
+            spec = rank.spec(rids, ctx, q)
+            inp = StepInputs([], spec, [], graph=graph and rank.runner.graphs is not None)
+            if name == "verify_eager_features":
+                rank.runner.features = True
+                inp.feat_rows, inp.feat_pos, inp.feat_item = rank.runner._feature_rows(
+                    spec.starts, spec.lens, spec.decoder_floors
+                )
+
+            def step(inp=inp):
+                with torch.inference_mode():
+                    logits, _ = rank.runner.forward_with_features(inp)
+                    logits.argmax(-1)
+
+            res[name] = _time(step, args.reps)
+            rank.runner.features = False
+            rank.free(rids)
+        # the draft: context of the k + 1 committed rows, then one block per request
+        dev = rank.device
+        rids = rank.requests(B, ctx, 1)
+        slots = torch.tensor([rank.mgr.slot_of(r) for r in rids], device=dev)
+        anchors = torch.full((B,), ctx + k, dtype=torch.int64, device=dev)
+        bonus = torch.full((B,), 11, dtype=torch.int64, device=dev)
+        g = torch.Generator(device=dev).manual_seed(3)
+        feats = torch.randn(B * (k + 1), taps, generator=g, device=dev).to(torch.bfloat16)
+        cslots = slots.repeat_interleave(k + 1)
+        cpos = (ctx + torch.arange(k + 1, device=dev)).repeat(B)
+
+        def draft(a=(cslots, feats, cpos), b=(slots, anchors, bonus)):
+            with torch.inference_mode():
+                drafter.write_context(rings, *a)
+                drafter.draft(rings, *b, k)
+
+        res["draft"] = _time(draft, args.reps)
+        rank.free(rids)
+        t_draft[B] = res["draft"]
+        fl = {
+            "decode": decode_bytes(model, B, ctx, 1, ep=rank.ep).total / bw,
+            "verify": decode_bytes(model, B, ctx, k + 1, ep=rank.ep).total / bw,
+            "draft": draft_bytes(model, B, k, rank.ep) / bw,
+        }
+        p = {"batch": B, "context": ctx, "drafts": k, "ep": rank.ep}
+        records += [
+            record("spec.decode_step", res["decode"] * 1e3, "ms", dict(p, cuda_graph=True),
+                   floor=fl["decode"] * 1e3),
+            record("spec.verify_step", res["verify_graph"] * 1e3, "ms",
+                   dict(p, cuda_graph=True, features=False), floor=fl["verify"] * 1e3),
+            record("spec.verify_step", res["verify_eager_features"] * 1e3, "ms",
+                   dict(p, cuda_graph=False, features=True), floor=fl["verify"] * 1e3),
+            record("spec.draft_step", res["draft"] * 1e3, "ms", p, floor=fl["draft"] * 1e3),
+        ]  # fmt: skip
+        cells = []
+        for al in (2.5, 3.5):
+            for verify, tag in ((res["verify_graph"], "graph"),
+                                (res["verify_eager_features"], "engine")):  # fmt: skip
+                tpot = (res["draft"] + verify) / al
+                floor = (fl["draft"] + fl["verify"]) / al
+                records.append(record("spec.tpot_eff", tpot * 1e3, "ms",
+                                      dict(p, accept_length=al, verify=tag),
+                                      floor=floor * 1e3,
+                                      peer={"plain_decode_ms": res["decode"] * 1e3}))  # fmt: skip
+            cells.append(f"{(res['draft'] + res['verify_graph']) / al * 1e3:.2f}g/"
+                         f"{(res['draft'] + res['verify_eager_features']) / al * 1e3:.2f}e"
+                         f" ({(fl['draft'] + fl['verify']) / al * 1e3:.2f})")  # fmt: skip
+        print(f"{B:>4} {res['decode'] * 1e3:8.2f} {res['verify_graph'] * 1e3:8.2f} "
+              f"{res['verify_eager_features'] * 1e3:8.2f} {res['draft'] * 1e3:7.2f} | "
+              f"{fl['decode'] * 1e3:7.2f} {fl['verify'] * 1e3:7.2f} {fl['draft'] * 1e3:7.2f} | "
+              f"{'  '.join(cells)}", flush=True)  # fmt: skip
+    return records, t_draft
+
+
+def _engine_run(model, B: int, k: int, prompts, truth, rate: float | None, device: str,
+                dtype: str = "bfloat16"):
+    """Decode ``prompts`` (64 tokens each, greedy); -> (outputs, s per output token after the
+    prefill, the engine's stats report)."""
+    opts = dict(device=device, dtype=dtype, max_num_seqs=B, max_num_batched_tokens=4096,
+                kv_cache_bytes=8 << 30, enable_prefix_caching=False)  # fmt: skip
+    proposer = None
+    if rate is not None:
+        opts["speculative"] = {"method": "dspark", "num_draft_tokens": k}
+        proposer = OracleProposer(truth, model.cfg.vocab_size, accept_rate=rate, seed=B)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        eng = EngineCore(EngineConfig.from_options(tmp, **opts), model=model, proposer=proposer)
+        outs = {f"s{i}": [] for i in range(B)}
+        for i, p in enumerate(prompts):
+            eng.add_request(EngineRequest(f"s{i}", tuple(p), params))
+        while not all(outs.values()):  # the prefill (and each request's first token)
+            for o in eng.step():
+                outs[o.request_id] += o.token_ids
+        if device == "cuda":
+            torch.cuda.synchronize()
+        n0 = sum(len(v) for v in outs.values())
+        t0 = time.perf_counter()
+        while eng.has_unfinished:
+            for o in eng.step():
+                outs[o.request_id] += o.token_ids
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        per_req = (sum(len(v) for v in outs.values()) - n0) / B
+        rep = eng.stats.report()
+        eng.close()
+    return outs, wall / per_req, rep
+
+
+def engine(rank: Rank, args, t_draft: dict[int, float]) -> list[dict]:
+    model, k, records = rank.model, args.drafts, []
+    g = torch.Generator().manual_seed(0)
+    V = model.cfg.vocab_size
+    print(f"{'B':>4} {'plain TPOT':>10} | per AL target: r, AL got, TPOT verify-only, "
+          "+ draft (ms), speedup, share of tokens equal to plain", flush=True)
+    for B in (int(b) for b in args.batches.split(",")):
+        prompts = [torch.randint(3, V - 1, (1024,), generator=g).tolist() for _ in range(B)]
+        plain, t_plain, _ = _engine_run(model, B, k, prompts, None, None, args.device)
+        truth = {f"s{i}": prompts[i] + plain[f"s{i}"] for i in range(B)}
+        row = [f"{B:>4} {t_plain * 1e3:10.2f} |"]
+        p = {"batch": B, "prompt": 1024, "max_tokens": 64, "drafts": k, "ep": rank.ep}
+        records.append(record("spec.engine_tpot", t_plain * 1e3, "ms", dict(p, speculative=False)))
+        for al in (2.5, 3.5):
+            r = accept_rate_for(al, k)
+            got, t_spec, rep = _engine_run(model, B, k, prompts, truth, r, args.device)
+            # bf16 steps are not batch-shape invariant (nor is the plain engine: B = 1 and 2
+            # differ too), so greedy outputs can part after a near tie; the oracle's truth is
+            # the plain run, so drafts after such a point are rejected (AL below target)
+            same = sum(sum(x == y for x, y in zip(got[r_], plain[r_], strict=True))
+                       for r_ in plain) / sum(len(v) for v in plain.values())  # fmt: skip
+            al_got = rep["spec_accept_length"]
+            eff = t_spec + t_draft.get(B, float("nan")) / al_got
+            records.append(record("spec.engine_tpot", eff * 1e3, "ms",
+                                  dict(p, speculative=True, accept_rate=r, accept_length=al_got,
+                                       verify_only_ms=t_spec * 1e3, same_tokens=same),
+                                  peer={"plain_ms": t_plain * 1e3}))  # fmt: skip
+            row.append(f" AL {al}: r {r:.3f}, {al_got:.2f}, {t_spec * 1e3:.2f}, {eff * 1e3:.2f}"
+                       f", {t_plain / eff:.2f}x, same {same:.2f} |")  # fmt: skip
+        print("".join(row), flush=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="flash-rank", choices=("flash-rank", "tiny-rank"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--drafts", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--what", default="steps,engine")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    model = None
+    if args.model == "tiny-rank":  # a smoke run of the script on CPU
+        from app.model.config import ModelConfig
+        from app.model.tiny_config import tiny_config_v41
+        from app.model.tokenizer import build_tiny_tokenizer
+        from bench.flash_rank import build_rank
+
+        cfg = ModelConfig.from_dict(tiny_config_v41(build_tiny_tokenizer()))
+        model = build_rank(cfg, args.device, ep=1)
+    bw = copy_bandwidth() if args.device == "cuda" else 1e12
+    records = [record("ceiling.copy_bandwidth", bw / 1e12, "TB/s")]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    ep = 8 if model is None else 1
+    rank = Rank(max_seqs=64, kv_bytes=(24 << 30) if args.device == "cuda" else (1 << 28), ep=ep,
+                max_tokens=4096, model=model, device=args.device, ring_headroom=args.drafts,
+                draft_stages=3)  # fmt: skip
+    name = args.out or f"spec_decode_{args.model}"
+    t_draft: dict[int, float] = {}
+    what = args.what.split(",")
+    if "steps" in what:
+        recs, t_draft = steps(rank, args, bw)
+        records += recs
+        write(name, records)
+    if "engine" in what:
+        records += engine(rank, args, t_draft)
+    print("wrote", write(name, records))
+
+
+if __name__ == "__main__":
+    main()
