@@ -388,7 +388,7 @@ class EngineCore:
         """Device side of a step's verify: accepted lengths, the drafter's context of committed
         rows, the next drafts. Returns the tensors the host copies (m, and the drafts)."""
         dev, inp = res.tokens.device, flight.inputs
-        m = accepted_lengths(res.accepted, bases, counts)
+        m = accepted_lengths(res.accepted, bases, counts, dev)
         ends = np.asarray([it.start + it.num_tokens for it in items], dtype=np.int64)
         anchors = to_device(ends - counts, dev) + m  # last committed position
         bonus = res.tokens[to_device(bases, dev) + m]

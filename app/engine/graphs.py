@@ -4,7 +4,8 @@ A graph is keyed by (batch bucket, tokens per request, block-table width bucket)
 spec is padded to the bucket with trash-slot requests (``app.engine.batch.pad_spec``), its
 inputs are copied into the graph's static buffer (one copy, pending tokens filled on the
 device), and the captured model step replays. Tokens per request above 1 are speculative
-verify widths (1 + k tokens each, logits at every row).
+verify widths (1 + k tokens each, logits at every row). With ``features`` the graph also
+returns the draft features of every row (a speculating engine's proposer reads them).
 
 A key is captured on first use: two eager runs on a side stream (which also compile and
 autotune every kernel; the step's KV writes are idempotent), the capture into one memory pool
@@ -32,13 +33,16 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # static int64 step buffer
     logits: torch.Tensor  # static output
+    features: torch.Tensor | None  # static output: draft features of every row
 
 
 class CudaGraphRunner:
     """Captures and replays decode steps (see module doc)."""
 
-    def __init__(self, model: DeepseekModel, builder: BatchBuilder, max_batch: int) -> None:
-        self.model, self.builder = model, builder
+    def __init__(
+        self, model: DeepseekModel, builder: BatchBuilder, max_batch: int, features: bool = False
+    ) -> None:
+        self.model, self.builder, self.features = model, builder, features
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         self.max_width = builder.pools.num_blocks
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
@@ -57,8 +61,11 @@ class CudaGraphRunner:
             min(1 << max(0, width - 1).bit_length(), self.max_width),
         )
 
-    def run(self, spec: StepSpec, last_tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [B_pad * q, V] of the padded step (rows of real requests first)."""
+    def run(
+        self, spec: StepSpec, last_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B_pad * q, V] of the padded step (rows of real requests first), and with
+        ``features`` the draft features of its rows [B_pad * q, F] (else None)."""
         key = self.key(spec)
         pools = self.builder.pools
         tables = spec.tables
@@ -72,9 +79,16 @@ class CudaGraphRunner:
             return self._capture(key, spec, last_tokens)
         self.builder.build(spec, last_tokens, dst=g.inputs)
         g.graph.replay()
-        return g.logits
+        return g.logits, g.features
 
-    def _capture(self, key, spec: StepSpec, last_tokens: torch.Tensor) -> torch.Tensor:
+    def _forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.features:
+            return self.model(batch), None
+        feats: list[torch.Tensor] = []
+        logits = self.model(batch, feats)
+        return logits, feats[0]
+
+    def _capture(self, key, spec: StepSpec, last_tokens: torch.Tensor):
         size = _spec_size(spec)
         inputs = torch.zeros(size, dtype=torch.int64, device=last_tokens.device)
         batch = self.builder.build(spec, last_tokens, dst=inputs)
@@ -82,12 +96,12 @@ class CudaGraphRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                first = self.model(batch)
+                first = self._forward(batch)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model(batch)
-        self.graphs[key] = _Graph(graph, inputs, logits)
+            logits, feats = self._forward(batch)
+        self.graphs[key] = _Graph(graph, inputs, logits, feats)
         self.captures += 1
         return first
 

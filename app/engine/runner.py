@@ -96,7 +96,7 @@ class ModelRunner:
             if capturable(model):
                 from app.engine.graphs import CudaGraphRunner
 
-                self.graphs = CudaGraphRunner(model, self.builder, max_graph_batch)
+                self.graphs = CudaGraphRunner(model, self.builder, max_graph_batch, features)
             else:
                 logger.info("CUDA graphs off: dequantized routed experts run a per-expert loop "
                             "that synchronizes with the host (pack the experts: packed_experts)")
@@ -156,12 +156,18 @@ class ModelRunner:
             logit_rows=np.asarray(rows, dtype=np.int64),
             tables=cache.tables[slots, :width],
         )  # fmt: skip
+        # a graph: every request decodes (one token) or verifies (1 + k, every row sampled)
+        # with the same width, within the rings' verify headroom; no decoder-replay rows
+        q = int(lens[0]) if B else 0
         graph = (
             self.graphs is not None
-            and not self.features
-            and bool((lens == 1).all())
+            and B > 0
+            and bool((lens == q).all())
+            and q <= 1 + cache.layout.ring - self.model.cfg.sliding_window
             and len(sample_items) == B
+            and sum(counts) == B * q
             and not prompt
+            and not dec.any()
             and self.graphs.fits(B, width)
         )
         out = StepInputs(items, spec, sample_items, prompt_rows, graph, counts)
@@ -196,7 +202,12 @@ class ModelRunner:
         """:meth:`forward`, and the target features of ``inputs.feat_rows`` when the runner
         returns features (else None)."""
         if inputs.graph:
-            return self.graphs.run(inputs.spec, self.sampled)[: inputs.spec.logit_rows.size], None
+            logits, feats = self.graphs.run(inputs.spec, self.sampled)
+            logits = logits[: inputs.spec.logit_rows.size]
+            if not self.features:
+                return logits, None
+            rows = torch.from_numpy(inputs.feat_rows).to(self.device, non_blocking=True)
+            return logits, feats[rows]
         batch = self.builder.build(inputs.spec, self.sampled)
         if not self.features:
             return self.model(batch), None

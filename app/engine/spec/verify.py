@@ -25,13 +25,14 @@ from app.engine.sampler import to_device
 
 
 def accepted_lengths(
-    accepted: torch.Tensor | None, bases: np.ndarray, counts: np.ndarray
+    accepted: torch.Tensor | None, bases: np.ndarray, counts: np.ndarray, device: torch.device
 ) -> torch.Tensor:
-    """m per request (device [R]): the leading accepted drafts of rows ``bases[i]`` ..
-    ``bases[i] + counts[i] - 2`` of ``accepted`` (the last row of each carries no draft)."""
+    """m per request (``device`` [R]): the leading accepted drafts of rows ``bases[i]`` ..
+    ``bases[i] + counts[i] - 2`` of ``accepted`` (the last row of each carries no draft;
+    None: no row had one)."""
     R = counts.size
     kmax = int(counts.max()) - 1 if R else 0
-    dev = accepted.device if accepted is not None else torch.device("cpu")
+    dev = torch.device(device)
     if accepted is None or kmax <= 0:
         return torch.zeros(R, dtype=torch.int64, device=dev)
     j = np.arange(kmax)
