@@ -105,7 +105,9 @@ def fp8_linear_triton(
         return x.new_empty(*shape[:-1], N)
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
     n_tiles = -(-M // bm)
-    t = moe._gemm_tiles(bm, N, K, n_tiles, moe._num_sms(x.device), min(b1, 128), False, False)
+    # any K step that is a multiple of 32 works (each 32-column group takes its block's
+    # scale); a floor of the block width left K < b1 (V4's 128 blocks, K = 64) with no step
+    t = moe._gemm_tiles(bm, N, K, n_tiles, moe._num_sms(x.device), 32, False, False)
     if N % t.bn:
         raise ValueError(f"N = {N} is not a multiple of the tile {t.bn}")
     s, e8 = moe._scale_arg(scale.unsqueeze(0))

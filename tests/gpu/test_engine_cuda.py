@@ -165,4 +165,5 @@ def test_speculative_greedy_equals_cpu_reference(ckpts, arch, spec):
     for i, p in enumerate(ps):
         assert got[f"r{i}"] == _reference_greedy(cpu, p, 12), i
     assert eng.stats.spec_verifies > 0 and blocks
+    assert eng.stats.graph_steps > 0  # verify steps replay graphs that return the features
     assert all(bool(torch.isfinite(b).all()) for b in blocks)

@@ -78,7 +78,8 @@ def test_linear_f32_head():
 
 
 @pytest.mark.parametrize("shape,block", [((3, 64, 96), (32, 32)), ((40, 96, 256), (32, 32)),
-                                         ((20, 64, 256), (128, 128))])  # fmt: skip
+                                         ((20, 64, 256), (128, 128)), ((3, 64, 64), (128, 128)),
+                                         ((3, 128, 96), (128, 128))])  # fmt: skip
 def test_fp8_linear(shape, block):
     """The fp8 dense projection kernel (the MegaMoE GEMM with one group) = dequantize + GEMM."""
     from kernels.linear import fp8_linear_ref, fp8_linear_triton
