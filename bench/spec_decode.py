@@ -28,6 +28,7 @@ import argparse
 import gc
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +36,7 @@ from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.request import EngineRequest, SamplingParams
 from app.engine.runner import StepInputs
+from app.model.config import ModelConfig
 from app.model.dspark import DSparkDrafter
 from bench.common import record, write
 from bench.engine_steps import Rank, _time, copy_bandwidth
@@ -162,18 +164,20 @@ def steps(rank: Rank, args, bw: float) -> tuple[list[dict], dict[int, float]]:
 
 
 def _engine_run(model, B: int, k: int, prompts, truth, rate: float | None, device: str,
-                dtype: str = "bfloat16"):
-    """Decode ``prompts`` (64 tokens each, greedy); -> (outputs, s per output token after the
-    prefill, the engine's stats report)."""
+                dtype: str = "bfloat16", path: str | None = None):
+    """Decode ``prompts`` (64 tokens each, greedy) with ``model`` (or the checkpoint at
+    ``path``); -> (outputs, s per output token after the prefill, the stats report)."""
     opts = dict(device=device, dtype=dtype, max_num_seqs=B, max_num_batched_tokens=4096,
                 kv_cache_bytes=8 << 30, enable_prefix_caching=False)  # fmt: skip
     proposer = None
     if rate is not None:
         opts["speculative"] = {"method": "dspark", "num_draft_tokens": k}
-        proposer = OracleProposer(truth, model.cfg.vocab_size, accept_rate=rate, seed=B)
+        vocab = (ModelConfig.from_file(path) if model is None else model.cfg).vocab_size
+        proposer = OracleProposer(truth, vocab, accept_rate=rate, seed=B)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        eng = EngineCore(EngineConfig.from_options(tmp, **opts), model=model, proposer=proposer)
+        cfg = EngineConfig.from_options(path or tmp, **opts)
+        eng = EngineCore(cfg, model=model, proposer=proposer)
         outs = {f"s{i}": [] for i in range(B)}
         for i, p in enumerate(prompts):
             eng.add_request(EngineRequest(f"s{i}", tuple(p), params))
@@ -197,24 +201,42 @@ def _engine_run(model, B: int, k: int, prompts, truth, rate: float | None, devic
 
 
 def engine(rank: Rank, args, t_draft: dict[int, float]) -> list[dict]:
-    model, k, records = rank.model, args.drafts, []
+    """The EngineCore with the oracle proposer. ``--engine-model tiny`` (default): the tiny
+    V4.1 checkpoint in fp32, where greedy tokens do not depend on the step's shape, so the
+    oracle's truth (the plain run) stays the target's continuation; the draft time added is
+    the flash rank's. ``flash-rank``: the rank model in bf16, whose random weights give
+    near-uniform logits over 129k tokens: outputs part at near ties (seen: 6% equal)."""
+    k, records = args.drafts, []
     g = torch.Generator().manual_seed(0)
-    V = model.cfg.vocab_size
+    model, path, dtype, plen = rank.model, None, "bfloat16", 1024
+    tmp = None
+    if args.engine_model == "tiny":
+        from app.model.tiny import make_tiny_checkpoint
+
+        tmp = tempfile.TemporaryDirectory()
+        path = tmp.name
+        make_tiny_checkpoint(Path(path), arch="v41", seed=0)
+        model, dtype, plen = None, "float32", 64
+    V = (ModelConfig.from_file(path) if path else model.cfg).vocab_size
     print(f"{'B':>4} {'plain TPOT':>10} | per AL target: r, AL got, TPOT verify-only, "
           "+ draft (ms), speedup, share of tokens equal to plain", flush=True)
     for B in (int(b) for b in args.batches.split(",")):
-        prompts = [torch.randint(3, V - 1, (1024,), generator=g).tolist() for _ in range(B)]
-        plain, t_plain, _ = _engine_run(model, B, k, prompts, None, None, args.device)
+        prompts = [torch.randint(3, V - 1, (plen,), generator=g).tolist() for _ in range(B)]
+        plain, t_plain, _ = _engine_run(model, B, k, prompts, None, None, args.device, dtype,
+                                        path)  # fmt: skip
         truth = {f"s{i}": prompts[i] + plain[f"s{i}"] for i in range(B)}
         row = [f"{B:>4} {t_plain * 1e3:10.2f} |"]
-        p = {"batch": B, "prompt": 1024, "max_tokens": 64, "drafts": k, "ep": rank.ep}
+        p = {"batch": B, "prompt": plen, "max_tokens": 64, "drafts": k,
+             "model": args.engine_model, "draft_time_of": "flash-rank"}
         records.append(record("spec.engine_tpot", t_plain * 1e3, "ms", dict(p, speculative=False)))
         for al in (2.5, 3.5):
             r = accept_rate_for(al, k)
-            got, t_spec, rep = _engine_run(model, B, k, prompts, truth, r, args.device)
+            got, t_spec, rep = _engine_run(model, B, k, prompts, truth, r, args.device, dtype,
+                                           path)  # fmt: skip
             # bf16 steps are not batch-shape invariant (nor is the plain engine: B = 1 and 2
             # differ too), so greedy outputs can part after a near tie; the oracle's truth is
-            # the plain run, so drafts after such a point are rejected (AL below target)
+            # the plain run, so drafts after such a point are rejected (AL below target);
+            # fp32 (tiny) keeps them equal
             same = sum(sum(x == y for x, y in zip(got[r_], plain[r_], strict=True))
                        for r_ in plain) / sum(len(v) for v in plain.values())  # fmt: skip
             al_got = rep["spec_accept_length"]
@@ -229,6 +251,8 @@ def engine(rank: Rank, args, t_draft: dict[int, float]) -> list[dict]:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if tmp is not None:
+        tmp.cleanup()
     return records
 
 
@@ -241,11 +265,11 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--what", default="steps,engine")
+    ap.add_argument("--engine-model", default="tiny", choices=("tiny", "flash-rank"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = None
     if args.model == "tiny-rank":  # a smoke run of the script on CPU
-        from app.model.config import ModelConfig
         from app.model.tiny_config import tiny_config_v41
         from app.model.tokenizer import build_tiny_tokenizer
         from bench.flash_rank import build_rank

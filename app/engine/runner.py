@@ -157,7 +157,8 @@ class ModelRunner:
             tables=cache.tables[slots, :width],
         )  # fmt: skip
         # a graph: every request decodes (one token) or verifies (1 + k, every row sampled)
-        # with the same width, within the rings' verify headroom; no decoder-replay rows
+        # with the same width, within the rings' verify headroom; no row below its decoder
+        # floor (decode chunks sit above it)
         q = int(lens[0]) if B else 0
         graph = (
             self.graphs is not None
@@ -167,7 +168,7 @@ class ModelRunner:
             and len(sample_items) == B
             and sum(counts) == B * q
             and not prompt
-            and not dec.any()
+            and not bool((dec > starts).any())
             and self.graphs.fits(B, width)
         )
         out = StepInputs(items, spec, sample_items, prompt_rows, graph, counts)
