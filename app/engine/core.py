@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from app.cache.layout import CacheLayout
 from app.cache.manager import CacheManager
 from app.config import EngineConfig, EngineConfigError
 from app.engine.outputs import HostSamples, OutputProcessor
@@ -117,7 +118,9 @@ class EngineStats:
         return out
 
 
-def cache_extras(cfg: EngineConfig, model: DeepseekModel, own_drafter: bool = True):
+def cache_extras(
+    cfg: EngineConfig, model: DeepseekModel, own_drafter: bool = True
+) -> tuple[int, int]:
     """-> (ring headroom, draft rings) of the cache layout: a verify of k drafts writes k
     rows past the window; the checkpoint's drafter keeps a context ring per draft stage
     (DSpark 3, MTP 1; none for a test proposer, ``own_drafter=False``)."""
@@ -127,7 +130,7 @@ def cache_extras(cfg: EngineConfig, model: DeepseekModel, own_drafter: bool = Tr
     return spec.num_draft_tokens, (len(model.mtp) if own_drafter else 0)
 
 
-def pool_blocks(budget: int, slots: int, layout) -> int:
+def pool_blocks(budget: int, slots: int, layout: CacheLayout) -> int:
     """Usable KV blocks a budget of ``budget`` bytes buys after ``slots`` request slots (the
     trash slot and block are allocated beside the usable ones); raises when none."""
     num_blocks = (budget - (slots + 1) * layout.bytes_per_slot) // layout.bytes_per_block - 1
