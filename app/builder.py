@@ -1,7 +1,8 @@
 """``build_app(args)``: the Ray Serve application (``import_path: app.builder:build_app``).
 
-Ingress (HTTP + gRPC) --choose--> Router          (one replica: load, later prefix index)
-        \\-----stream (pinned)--> DPRank x dp_size (one engine each)
+Ingress (HTTP + gRPC) --choose(block hashes)--> Router   (one replica: loads + prefix index)
+        \\-----stream (pinned)--> DPRank x dp_size      (one engine each; or autoscaled)
+                                  \\--report(stats, KV events)--> Router
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.api.server import ApiConfig
+from app.cache.events import HASH_NAMESPACE
 from app.config import EngineConfig
 from app.deployments.ingress import Ingress
 from app.deployments.rank import DPRank
 from app.deployments.router import PinnedRequestRouter, Router
+from app.deployments.routing import RoutingConfig
 from app.engine.capacity import resolve_max_model_len
 from app.model.config import ModelConfig
 from app.serve_args import ServeArgs
@@ -31,6 +34,7 @@ class AppConfigs:
     bos_token_id: int
     max_pending_per_rank: int
     max_queued_tokens_per_rank: int
+    routing: RoutingConfig
 
 
 def app_configs(sa: ServeArgs) -> AppConfigs:
@@ -42,6 +46,7 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
     if engine_cfg.speculative is not None:  # e.g. mtp on a V4.1 checkpoint: fail here
         engine_cfg.speculative.check_model(mcfg)
     max_pending, max_tokens = sa.rank_limits(engine_cfg)
+    max_ranks = sa.autoscaling.max_ranks if sa.autoscaling else sa.dp_size
     api_cfg = ApiConfig(
         served_model_names=sa.names(),
         tokenizer_path=str(path / "tokenizer.json"),
@@ -60,30 +65,52 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
         max_headers=sa.api.max_headers,
         cors_allow_origins=list(sa.api.cors_allow_origins),
         # shed load before any work: what every rank's queue holds, plus what is being prepared
-        max_in_flight=-(-sa.dp_size * max_pending // sa.ingress_replicas) + 32,
+        max_in_flight=-(-max_ranks * max_pending // sa.ingress_replicas) + 32,
     )
-    return AppConfigs(engine_cfg, api_cfg, mcfg.bos_token_id, max_pending, max_tokens)
+    r = sa.routing
+    caching = engine_cfg.cache.enable_prefix_caching
+    routing = RoutingConfig(
+        policy=r.policy,
+        block_size=engine_cfg.cache.resolve_block_size(mcfg) if caching else 0,
+        namespace=HASH_NAMESPACE,
+        balance_abs=r.balance_abs,
+        balance_rel=r.balance_rel,
+        running_weight=r.running_weight,
+        compute_weight=r.compute_weight,
+        max_index_blocks=r.max_index_blocks,
+        pending_ttl_s=r.pending_ttl_s,
+    )
+    return AppConfigs(engine_cfg, api_cfg, mcfg.bos_token_id, max_pending, max_tokens, routing)
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Validate ``args`` (ServeArgs) and bind Router, DPRank and Ingress."""
     sa = ServeArgs.model_validate(args or {})
     cfgs = app_configs(sa)
-    router = Router.bind()
+    router = Router.bind(cfgs.routing)
+    if cfgs.routing.policy == "ray_prefix":  # Ray's own prefix router on the rank handle
+        from app.deployments.ray_prefix import PinnedOrRayPrefixRouter as rank_router
+    else:
+        rank_router = PinnedRequestRouter
+    scale = sa.autoscaling
     rank = serve.deployment(
         DPRank,
         name="DPRank",
-        num_replicas=sa.dp_size,
+        num_replicas="auto" if scale else sa.dp_size,
+        autoscaling_config=scale.serve_config() if scale else None,
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": sa.rank_num_cpus, "num_gpus": sa.rank_num_gpus},
-        request_router_config=RequestRouterConfig(request_router_class=PinnedRequestRouter),
+        request_router_config=RequestRouterConfig(request_router_class=rank_router),
         health_check_period_s=10,
+        # a rank that scales down finishes its streams first
+        graceful_shutdown_timeout_s=sa.api.request_timeout_s or 600.0,
     ).bind(
         cfgs.engine,
         router,
         cfgs.max_pending_per_rank,
         cfgs.max_queued_tokens_per_rank,
         sa.rank_step_timeout_s,
+        sa.routing.stream_interval_s,
     )
     obs = sa.observability
     ingress = serve.deployment(
@@ -98,5 +125,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         router,
         cfgs.bos_token_id,
         (obs.tracing, obs.otlp_endpoint, obs.service_name),
+        block_size=cfgs.routing.block_size,
     )
     return ingress

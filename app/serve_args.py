@@ -46,6 +46,63 @@ class ObservabilityArgs(BaseModel):
     service_name: str = "fathom"
 
 
+class RoutingArgs(BaseModel):
+    """How the Router picks a DP rank (``app.deployments.routing``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["prefix", "least_loaded", "round_robin", "ray_prefix"] = "prefix"
+    balance_abs: int = Field(16, ge=0)  # requests over the least loaded rank ...
+    balance_rel: float = Field(1.5, ge=1.0)  # ... and this ratio: spread a hot prefix
+    running_weight: float = Field(16.0, ge=0)  # prefill tokens a running request counts as
+    compute_weight: float = Field(2.0, ge=0)  # a request's own prefill, against the queue
+    max_index_blocks: int = Field(4_000_000, gt=0)  # LRU bound of the prefix index
+    pending_ttl_s: float = Field(5.0, gt=0)  # a routed prompt counts as cached there this long
+    stream_interval_s: float = Field(0.02, ge=0)  # rank-side delta batching (0 = every step)
+
+
+class AutoscalingArgs(BaseModel):
+    """Serve autoscaling of the DP ranks (``app.deployments.autoscaling``); replaces
+    ``dp_size`` when given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_ranks: int = Field(1, ge=1)
+    max_ranks: int = Field(4, ge=1)
+    initial_ranks: int | None = Field(None, ge=1)
+    target_ongoing_requests: float = Field(16.0, gt=0)  # streams per rank
+    target_kv_usage: float = Field(0.8, gt=0, le=1)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(120.0, ge=0)
+    metrics_interval_s: float = Field(2.0, gt=0)
+    look_back_period_s: float = Field(10.0, gt=0)
+
+    @field_validator("max_ranks")
+    @classmethod
+    def _bounds(cls, v: int, info) -> int:
+        lo = info.data.get("min_ranks", 1)
+        if v < lo:
+            raise ValueError(f"max_ranks ({v}) must be >= min_ranks ({lo})")
+        return v
+
+    def serve_config(self) -> dict[str, Any]:
+        """The DPRank deployment's ``autoscaling_config``."""
+        return {
+            "min_replicas": self.min_ranks,
+            "max_replicas": self.max_ranks,
+            "initial_replicas": self.initial_ranks or self.min_ranks,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "metrics_interval_s": self.metrics_interval_s,
+            "look_back_period_s": self.look_back_period_s,
+            "policy": {
+                "policy_function": "app.deployments.autoscaling:RankPolicy",
+                "policy_kwargs": {"target_kv_usage": self.target_kv_usage},
+            },
+        }
+
+
 class ServeArgs(BaseModel):
     """The application's arguments (``serve run serve_config.yaml`` passes ``args:``)."""
 
@@ -63,6 +120,8 @@ class ServeArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig.from_options keywords
     api: ApiArgs = Field(default_factory=ApiArgs)
     observability: ObservabilityArgs = Field(default_factory=ObservabilityArgs)
+    routing: RoutingArgs = Field(default_factory=RoutingArgs)
+    autoscaling: AutoscalingArgs | None = None  # None: dp_size fixed ranks
 
     @field_validator("engine")
     @classmethod

@@ -91,8 +91,10 @@ class LocalEngineClient:
         engine: AsyncEngine,
         max_pending: int | None = None,
         max_queued_tokens: int | None = None,
+        stream_interval_s: float = 0.0,
     ) -> None:
         self.engine = engine
+        self.stream_interval_s = stream_interval_s  # delta batching (AsyncEngine.generate)
         short = engine.core.cfg.scheduler.max_num_batched_tokens
         self.admission = Admission(max_pending, max_queued_tokens, short_prompt_tokens=short)
         self._draining = False
@@ -114,7 +116,7 @@ class LocalEngineClient:
         ticket = self.admission.admit(len(req.prompt_token_ids))
         try:
             yield RequestOutput(req.request_id, num_prompt_tokens=len(req.prompt_token_ids))
-            async for out in self.engine.generate(req):
+            async for out in self.engine.generate(req, self.stream_interval_s):
                 if out.token_ids or out.finished:
                     ticket.prefilled()
                 yield out

@@ -171,7 +171,10 @@ class CompletionsFrontend:
             )
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
-        req = make_request(new_request_id(), ids, params, self.limits, arrival_time=time.time())
+        session = body.user if body.user is not None and len(body.user) <= 256 else ""
+        req = make_request(
+            new_request_id(), ids, params, self.limits, arrival_time=time.time(), session=session
+        )
         return req, f"cmpl-{uuid.uuid4().hex}"
 
     def _logprobs(self, out: RequestOutput, offset: int) -> dict[str, Any]:

@@ -89,6 +89,16 @@ _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
 _AT_LEAST_ONE = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n")
 
 
+def session_key(raw: Mapping[str, Any]) -> str:
+    """The router's session-affinity key: OpenAI ``user``, Anthropic ``metadata.user_id``
+    (a string of up to 256 characters; anything else is no key)."""
+    key = raw.get("user")
+    meta = raw.get("metadata")
+    if key is None and isinstance(meta, Mapping):
+        key = meta.get("user_id")
+    return key if isinstance(key, str) and len(key) <= 256 else ""
+
+
 def check_fields(proto_name: str, raw: Mapping[str, Any]) -> None:
     """400 naming the field for a wrong JSON type or a count below 1."""
     for name, (types, what) in _FIELDS[proto_name].items():
@@ -234,8 +244,9 @@ class RecipeFrontend:
         rid = f"{proto.id_prefix}{uuid.uuid4().hex}"  # the response's id (public)
         params = self._sampling(proto, conv, raw, max_tokens, list(parsing.stop_sequences))
         engine_request = make_request(
-            new_request_id(), ids, params, self.limits, arrival_time=time.time()
-        )
+            new_request_id(), ids, params, self.limits, arrival_time=time.time(),
+            session=session_key(raw),
+        )  # fmt: skip
         gen = proto.request_cls.chunk_generator(conv, rid, model)
         if echo is not None:
             gen = gen.with_echo(echo)

@@ -1,5 +1,8 @@
-"""The engine as the ingress sees it under Ray Serve: ask the Router for a rank, then stream
-from that rank directly (pinned), cancelling that stream when the client goes away.
+"""The engine as the ingress sees it under Ray Serve: ask the Router for a rank (with the
+prompt's block hashes, so it can match them against every rank's prefix cache), then stream
+from that rank directly (pinned), cancelling that stream when the client goes away. When the
+Router cannot be reached the call goes to the DPRank handle without a target (its request
+router picks by queue length) and ``fathom_routing_fallbacks_total`` counts it.
 
 One request makes one call to the DPRank deployment at a time (a retry follows only a failed
 call to a rank that is gone). Serve's request router matches
@@ -23,12 +26,16 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from ray.serve.handle import DeploymentHandle
 
 from app.api.client import EngineOverloadedError, EngineUnavailableError, Refusal
+from app.cache.radix import chain_hashes
+from app.deployments.routing import RouteQuery
 from app.engine.request import EngineRequest, RequestError, RequestOutput
 from app.observability import RequestMetrics, carrier, tracer
 
 logger = logging.getLogger(__name__)
 _PASS_THROUGH = (RequestError, EngineOverloadedError, EngineUnavailableError)
 CONTROL_TIMEOUT_S = 5.0  # Router calls of /health and /metrics
+CHOOSE_TIMEOUT_S = 2.0  # a routing decision; beyond it the DPRank handle picks by load
+HASH_INLINE_TOKENS = 8192  # longer prompts are hashed in a worker thread
 MAX_ATTEMPTS = 3  # ranks tried for a request that failed before its first token
 
 
@@ -52,10 +59,14 @@ def _unwrap(e: BaseException) -> BaseException:
 class ServeEngineClient:
     """:class:`app.api.client.EngineClient` over the Router and DPRank deployment handles."""
 
-    def __init__(self, rank: DeploymentHandle, router: DeploymentHandle) -> None:
+    def __init__(
+        self, rank: DeploymentHandle, router: DeploymentHandle, block_size: int = 0
+    ) -> None:
         self.rank = rank
         self.router = router
+        self.block_size = block_size  # the engine's KV block (0: no prefix index)
         self._streams: dict[str, Any] = {}  # request id -> the rank's response stream
+        self._fallbacks = None  # ray.util.metrics counter, made on first use
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream ``req`` from the rank the Router picks. A rank that fails before the
@@ -97,24 +108,66 @@ class ServeEngineClient:
                     ) from None
                 logger.warning("rank %s failed before the first token (%s); retrying", target,
                                _why(e))  # fmt: skip
-                tried.append(target)
+                if target is not None:
+                    tried.append(target)
         raise EngineUnavailableError(f"{len(tried)} engine ranks failed this request; retry later")
 
-    async def _choose(self, req: EngineRequest, exclude: list[str]) -> str:
-        with tracer.start_as_current_span("router.choose"):
-            target = await self.router.choose.remote(len(req.prompt_token_ids), exclude)
-        if target is None:
+    async def _hashes(self, req: EngineRequest) -> tuple[bytes, ...]:
+        """Chain hashes of the prompt's full blocks but the last token (what the engine can
+        match: at least one prompt token is always computed)."""
+        ids, bs = req.prompt_token_ids[:-1], self.block_size
+        if not bs or len(ids) < bs:
+            return ()
+        if len(ids) <= HASH_INLINE_TOKENS:
+            return tuple(chain_hashes(ids, bs, req.extra_key))
+        return tuple(await asyncio.to_thread(chain_hashes, ids, bs, req.extra_key))
+
+    async def _choose(self, req: EngineRequest, exclude: list[str]) -> str | None:
+        """The rank's replica id (None: the DPRank handle chooses, e.g. the Router is
+        unreachable or its policy delegates)."""
+        q = RouteQuery(
+            len(req.prompt_token_ids), await self._hashes(req), self.block_size, req.session,
+            tuple(exclude),
+        )  # fmt: skip
+        with tracer.start_as_current_span("router.choose") as span:
+            try:
+                d = await asyncio.wait_for(self.router.choose.remote(q), CHOOSE_TIMEOUT_S)
+            except Exception as e:  # the index is unreachable: route by load alone
+                logger.warning("router unreachable (%s): the DPRank handle routes by load",
+                               _why(e))  # fmt: skip
+                span.set_attribute("routing.reason", "router_unreachable")
+                self._count_fallback("router_unreachable")
+                return None
+            if d is not None:
+                span.set_attributes(d.attributes())
+        if d is None:
             why = "no other engine rank is ready" if exclude else "no engine rank is ready yet"
             raise EngineUnavailableError(why)
-        return target
+        return d.target
 
-    async def _drop(self, target: str) -> None:
+    def _count_fallback(self, why: str) -> None:
+        try:
+            if self._fallbacks is None:
+                from ray.util.metrics import Counter
+
+                self._fallbacks = Counter(
+                    "fathom_routing_fallbacks_total",
+                    "Requests routed by load alone because the Router was unreachable",
+                    tag_keys=("why",),
+                )
+            self._fallbacks.inc(tags={"why": why})
+        except Exception:  # metrics never fail a request
+            logger.debug("fallback counter failed", exc_info=True)
+
+    async def _drop(self, target: str | None) -> None:
+        if target is None:
+            return
         try:
             await asyncio.wait_for(self.router.drop.remote(target), CONTROL_TIMEOUT_S)
         except Exception as e:  # the Router also drops ranks that stop reporting
             logger.debug("dropping rank %s failed: %r", target, e)
 
-    async def _stream(self, req: EngineRequest, target: str) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, req: EngineRequest, target: str | None) -> AsyncIterator[RequestOutput]:
         """One call to one rank (pinned), cancelled if it does not finish."""
         if req.request_id in self._streams:  # internal ids are unique: never another's stream
             raise RequestError("request_id", f"{req.request_id!r} is already in flight")

@@ -32,12 +32,13 @@ class Ingress:
         router: DeploymentHandle,
         bos_token_id: int,
         tracing: tuple[str, str | None, str],
+        block_size: int = 0,
     ) -> None:
         setup_logging()
         setup_tracing(*tracing)
         self.api_cfg = api_cfg
         self.metrics = RequestMetrics()
-        self.engines = ServeEngineClient(rank, router)
+        self.engines = ServeEngineClient(rank, router, block_size)
         self.client = MeteredClient(self.engines, self.metrics, api_cfg.served_model_names[0])
         app_name = serve.get_replica_context().app_name
         self.in_flight = Admission(api_cfg.max_in_flight, None)  # HTTP and gRPC together

@@ -5,24 +5,28 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app.api.client import LocalEngineClient, Refusal
+from app.api.client import Refusal
 from app.config import EngineConfig
-from app.deployments.router import REPORT_S
-from app.engine.engine import AsyncEngine
+from app.deployments.engine_host import LocalRankEngine, RankEngine
+from app.deployments.router import EVENTS_S, REPORT_S
 from app.engine.request import EngineRequest, RequestOutput
 from app.logs import setup_logging
 from app.observability import span_from
 
 logger = logging.getLogger(__name__)
+CONTROL_TIMEOUT_S = 5.0  # a report to the Router
+SNAPSHOT_TIMEOUT_S = 30.0
 
 
 class DPRank:
-    """Holds an :class:`AsyncEngine` (built from ``engine_cfg``) on this replica's devices."""
+    """Holds a :class:`RankEngine` (``engine_cls``, built from ``engine_cfg``) on this
+    replica's devices; reports its load and KV events to the Router."""
 
     def __init__(
         self,
@@ -31,32 +35,50 @@ class DPRank:
         max_pending: int | None = None,
         max_queued_tokens: int | None = None,
         step_timeout_s: float | None = None,
+        stream_interval_s: float = 0.0,
+        engine_cls: type[RankEngine] = LocalRankEngine,
     ) -> None:
         setup_logging()
         self.step_timeout_s = step_timeout_s
-        self.engine = AsyncEngine(engine_cfg)
-        self.client = LocalEngineClient(self.engine, max_pending, max_queued_tokens)
+        self.engine: RankEngine = engine_cls(  # type: ignore[call-arg]
+            engine_cfg, max_pending, max_queued_tokens, stream_interval_s, step_timeout_s
+        )
         self.router = router
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
         self._reporter.start()
         logger.info(
-            "DP rank %s ready (max_model_len %d)", self.replica_id, self.engine.core.max_model_len
-        )
+            "DP rank %s ready (max_model_len %d, KV blocks of %d)",
+            self.replica_id, self.engine.info.max_model_len, self.engine.info.block_size,
+        )  # fmt: skip
 
     def _report_loop(self) -> None:
-        meta = {"max_model_len": self.engine.core.max_model_len}
-        while not self._stop.wait(REPORT_S):
+        """Stats every ``REPORT_S``; KV events within ``EVENTS_S`` of their step. Blocking
+        calls are fine here (a thread, not the replica's event loop)."""
+        meta, info = self.engine.info.meta(), self.engine.info
+        sent: int | None = None  # last KV event the router has (None: it needs a snapshot)
+        last = 0.0
+        while not self._stop.wait(EVENTS_S):
             try:
-                adm = self.client.admission
-                stats = {
-                    **self.engine.stats(),
-                    "num_unfinished": self.engine.num_unfinished,
-                    "queued_prefill_tokens": adm.queued_tokens,
-                    "healthy": int(self.engine.problem(self.step_timeout_s) is None),
-                }
-                self.router.report.remote(self.replica_id, stats, meta)
+                batch = None
+                if info.prefix_caching and sent is not None:
+                    batch = self.engine.kv_events_since(sent)
+                due = time.monotonic() - last >= REPORT_S
+                if not due and not (batch is not None and batch.events):
+                    continue
+                last = time.monotonic()
+                reply = self.router.report.remote(
+                    self.replica_id, self.engine.load(), meta, batch
+                ).result(timeout_s=CONTROL_TIMEOUT_S)
+                if reply.get("resync"):
+                    snap = self.engine.kv_snapshot()
+                    self.router.snapshot.remote(self.replica_id, snap).result(
+                        timeout_s=SNAPSHOT_TIMEOUT_S
+                    )
+                    sent = snap.seq
+                elif batch is not None:
+                    sent = batch.last_seq
             except Exception:  # the router may be restarting; report again next period
                 logger.debug("rank report failed", exc_info=True)
 
@@ -75,7 +97,7 @@ class DPRank:
             # engine phases as span events: queued (admitted) -> prefill -> decode -> done
             first, started = True, False
             try:
-                async for out in self.client.generate(req):
+                async for out in self.engine.generate(req):
                     started = True
                     if not out.token_ids and not out.finished:
                         span.add_event("queued")
@@ -95,7 +117,21 @@ class DPRank:
 
     async def stats(self, target: str | None = None) -> dict:
         del target
-        return {**self.engine.stats(), "replica_id": self.replica_id}
+        return {**self.engine.load(), "replica_id": self.replica_id}
+
+    async def clear_prefix_cache(self, target: str | None = None) -> str:
+        """Drop this rank's unused cached blocks (call pinned; benchmarks start cold)."""
+        del target
+        self.engine.clear_prefix_cache()
+        return self.replica_id
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics (``app.deployments.autoscaling.RankPolicy``)."""
+        load = self.engine.load()
+        return {
+            "kv_usage": float(load.get("kv_usage", 0.0)),
+            "queued_prefill_tokens": float(load.get("queued_prefill_tokens", 0.0)),
+        }
 
     def check_health(self) -> None:
         """Serve restarts the rank when this raises: after a failed step (the engine stopped
@@ -106,4 +142,10 @@ class DPRank:
             raise RuntimeError(problem)
 
     def __del__(self) -> None:
+        """Serve calls this when the replica stops (scale-down, redeploy), after its streams
+        finished: leave the router's choice and index now rather than after ``STALE_S``."""
         self._stop.set()
+        try:
+            self.router.drop.remote(self.replica_id)
+        except Exception:
+            logger.debug("leaving the router failed", exc_info=True)

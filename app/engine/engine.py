@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
+from app.cache.events import KVEventLog, KVSnapshot
 from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.request import ENGINE_FAILED, EngineRequest, FinishReason, RequestOutput
@@ -46,13 +47,21 @@ class AsyncEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self._step_started: float | None = None  # monotonic start of the running step
+        # the prefix cache's KV events, numbered, for the router (drained after every step)
+        self.kv_events = KVEventLog()
         self._thread = threading.Thread(target=self._loop, name="fathom-engine", daemon=True)
         self._thread.start()
 
     # ---- public API --------------------------------------------------------------------
-    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, req: EngineRequest, stream_interval_s: float = 0.0
+    ) -> AsyncIterator[RequestOutput]:
         """Add ``req`` and yield its output deltas until it finishes. Raises
-        :class:`app.engine.request.RequestError` before the first delta if it is invalid."""
+        :class:`app.engine.request.RequestError` before the first delta if it is invalid.
+
+        ``stream_interval_s`` > 0 batches deltas: the first delta with tokens goes out at
+        once, later ones wait up to that long for the steps that follow and go out merged
+        (fewer, larger messages to a remote consumer; the last delta is never held back)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = req.request_id
@@ -63,8 +72,12 @@ class AsyncEngine:
         finished = False
         try:
             await asyncio.wrap_future(self._submit(lambda: self._add(req, sink)))
+            first = True
             while not finished:
                 out = await queue.get()
+                if stream_interval_s > 0 and not first:
+                    out = await _gather(queue, out, loop.time() + stream_interval_s)
+                first = first and not out.token_ids
                 finished = out.finished
                 yield out
         finally:
@@ -79,6 +92,36 @@ class AsyncEngine:
         """Current counters (running, waiting, KV usage, prefix-hit tokens, step time, and
         with speculation the acceptance: ``EngineStats.report``), flat numbers."""
         return self.core.stats.report()
+
+    @property
+    def block_size(self) -> int:
+        """Positions per KV block (the unit the prefix cache and its events hash)."""
+        return self.core.cache.block_size
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.core.cache.index is not None
+
+    def kv_snapshot(self, timeout_s: float = 10.0) -> KVSnapshot:
+        """Every cached block hash, consistent with ``kv_events.seq`` (taken between steps;
+        blocks the calling thread up to ``timeout_s``: not for the event loop)."""
+
+        def take() -> KVSnapshot:
+            self._drain_kv_events()
+            index = self.core.cache.index
+            return self.kv_events.snapshot(sorted(index.cached_hashes()) if index else ())
+
+        return self._submit(take).result(timeout_s)
+
+    def clear_prefix_cache(self, timeout_s: float = 10.0) -> None:
+        """Drop every cached block not in use (benchmarks start each run cold; blocking)."""
+
+        def clear() -> None:
+            if self.core.cache.index is not None:
+                self.core.cache.index.clear()
+            self._drain_kv_events()
+
+        self._submit(clear).result(timeout_s)
 
     @property
     def num_unfinished(self) -> int:
@@ -167,10 +210,16 @@ class AsyncEngine:
             self._sinks.pop(out.request_id, None)
             self.core.abort(out.request_id)
 
+    def _drain_kv_events(self) -> None:
+        index = self.core.cache.index
+        if index is not None:
+            self.kv_events.append(index.drain_events())
+
     def _loop(self) -> None:
         while not self._stopped:
             while self._cmds:
                 self._cmds.popleft()()
+            self._drain_kv_events()
             if not self.core.has_unfinished:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -185,6 +234,7 @@ class AsyncEngine:
                 continue
             finally:
                 self._step_started = None
+                self._drain_kv_events()
             for out in outs:
                 sink = self._sinks.get(out.request_id)
                 if sink is None:
@@ -202,3 +252,23 @@ class AsyncEngine:
                 sink, RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=msg)
             )
         self.core.drain_after_error()
+
+
+async def _gather(
+    queue: asyncio.Queue[RequestOutput], out: RequestOutput, deadline: float
+) -> RequestOutput:
+    """``out`` merged with the deltas that arrive before ``deadline`` (or until the last)."""
+    loop = asyncio.get_running_loop()
+    while not out.finished:
+        if queue.empty():
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                nxt = await asyncio.wait_for(queue.get(), left)
+            except TimeoutError:
+                break
+        else:
+            nxt = queue.get_nowait()
+        out = out.merged(nxt)
+    return out

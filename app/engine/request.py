@@ -120,6 +120,7 @@ class EngineRequest:
     arrival_time: float = 0.0
     trace_context: dict[str, str] | None = None
     client_request_id: str = ""
+    session: str = ""  # session-affinity key for the router (the OpenAI ``user``), "" = none
 
     def __post_init__(self) -> None:
         check_request_fields(self)
@@ -159,4 +160,26 @@ class RequestOutput:
         """Ended by a failed engine step (not by anything about this request): retriable."""
         return self.finish_reason is FinishReason.ERROR and (self.error or "").startswith(
             ENGINE_FAILED
+        )
+
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by ``later`` of the same request, as one delta (streams batch
+        the deltas that pile up while the previous one is in flight)."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot merge deltas of {self.request_id!r} and {later.request_id!r}")
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = [*(logprobs or []), *later.logprobs]
+        return RequestOutput(
+            self.request_id,
+            token_ids=[*self.token_ids, *later.token_ids],
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
+            num_cached_tokens=later.num_cached_tokens or self.num_cached_tokens,
+            text=self.text + later.text,
+            error=later.error,
         )

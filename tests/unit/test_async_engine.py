@@ -59,16 +59,21 @@ def test_closing_a_stream_aborts_and_frees(engine):
 
 
 def test_invalid_request_raises_before_streaming(engine):
-    async def main() -> list[int]:
+    def ok(rid: str) -> EngineRequest:
+        return EngineRequest(
+            rid, (0, 5), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        )
+
+    async def main() -> tuple[list[int], list[int]]:
+        before = [t async for o in engine.generate(ok("ok0")) for t in o.token_ids]
         req = EngineRequest("bad", (0, 10**6), SamplingParams())
         with pytest.raises(RequestError, match="prompt_token_ids"):
             async for _ in engine.generate(req):
                 pass
         assert engine.num_unfinished == 0 and "bad" not in engine.core._seqs
-        ok = EngineRequest(
-            "ok", (0, 5), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        )
-        return [t async for o in engine.generate(ok) for t in o.token_ids]
+        return before, [t async for o in engine.generate(ok("ok1")) for t in o.token_ids]
 
-    assert len(asyncio.run(main())) == 3  # the engine still serves
+    before, after = asyncio.run(main())
+    # the engine still serves, and the same greedy tokens as before the bad request
+    assert len(after) == 3 and after == before
     assert engine.healthy

@@ -14,6 +14,7 @@ from ray.exceptions import ActorDiedError  # noqa: E402
 
 from app.api.client import EngineUnavailableError, Refusal  # noqa: E402
 from app.deployments.client import ServeEngineClient  # noqa: E402
+from app.deployments.routing import Decision, RouteQuery  # noqa: E402
 from app.engine.request import (  # noqa: E402
     ENGINE_FAILED,
     EngineRequest,
@@ -83,9 +84,10 @@ class Router:
         self.order, self.dropped, self.excludes = order, [], []
         self.choose, self.drop = Call(self._choose), Call(self._drop)
 
-    async def _choose(self, n: int, exclude: list[str]) -> str | None:
-        self.excludes.append(list(exclude))
-        return next((r for r in self.order if r not in exclude and r not in self.dropped), None)
+    async def _choose(self, q: RouteQuery) -> Decision | None:
+        self.excludes.append(list(q.exclude))
+        rid = next((r for r in self.order if r not in q.exclude and r not in self.dropped), None)
+        return None if rid is None else Decision(rid, "load")
 
     async def _drop(self, rid: str) -> None:
         self.dropped.append(rid)

@@ -1,5 +1,6 @@
-"""Choosing a DP rank: the Router's load score and the pinned request router (no Ray cluster;
-the integration tests drive both through Serve)."""
+"""Choosing a DP rank: the Router's policy over loads and the prefix index fed by KV events
+(resyncs, gaps, restarts, dead ranks), and the pinned request router (no Ray cluster; the
+integration tests drive both through Serve)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ pytest.importorskip("ray")
 from ray.serve._private.common import RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
+from app.cache.events import HASH_NAMESPACE, KVEventBatch, KVEventLog  # noqa: E402
+from app.cache.radix import BlockRemoved, BlockStored, chain_hashes  # noqa: E402
+from app.deployments.prefix_index import GlobalPrefixIndex  # noqa: E402
 from app.deployments.router import STALE_S, PinnedRequestRouter, Router  # noqa: E402
+from app.deployments.routing import RouteQuery, RoutingConfig  # noqa: E402
+
+P = 4  # block size of these tests
+META = {"block_size": P, "namespace": HASH_NAMESPACE, "prefix_caching": True, "window": 8,
+        "replay": "encoder"}  # fmt: skip
+IDLE = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0}
 
 
 def _replica(rid: str) -> SimpleNamespace:
@@ -47,19 +57,258 @@ def test_unpinned_or_gone_target_may_go_anywhere():
     assert chosen == [[a, b]] and pr.routing_context.should_backoff
 
 
+def _router(**kw) -> Router:
+    cfg = RoutingConfig(block_size=P, namespace=HASH_NAMESPACE, **kw)
+    router = Router.func_or_class(cfg)
+    router.metrics = SimpleNamespace(  # ray.util.metrics need a Ray worker: count locally
+        decisions=SimpleNamespace(inc=lambda tags: None),
+        resyncs=SimpleNamespace(inc=lambda: None),
+        index_blocks=SimpleNamespace(set=lambda v: None),
+        ranks=SimpleNamespace(set=lambda v: None),
+    )
+    return router
+
+
+class FakeRank:
+    """A rank's KV event log and the reporter's protocol (what DPRank._report_loop does)."""
+
+    def __init__(self, router: Router, rid: str, meta: dict = META) -> None:
+        self.router, self.rid, self.meta = router, rid, meta
+        self.log, self.cached, self.sent = KVEventLog(max_events=8), set(), None
+
+    def store(self, ids: list[int]) -> None:
+        hs = chain_hashes(ids, P)
+        new = tuple(h for h in hs if h not in self.cached)
+        self.cached.update(new)
+        self.log.append([BlockStored(new, None, (), (), b"")])
+
+    def remove(self, ids: list[int]) -> None:
+        hs = tuple(chain_hashes(ids, P))
+        self.cached.difference_update(hs)
+        self.log.append([BlockRemoved(hs)])
+
+    async def report(self, stats: dict = IDLE) -> bool:
+        """One report; True when it had to resync."""
+        batch = self.log.since(self.sent) if self.sent is not None else None
+        reply = await self.router.report(self.rid, dict(stats), self.meta, batch)
+        if reply["resync"]:
+            snap = self.log.snapshot(sorted(self.cached))
+            await self.router.snapshot(self.rid, snap)
+            self.sent = snap.seq
+            return True
+        if batch is not None:
+            self.sent = batch.last_seq
+        return False
+
+
+def q(ids: list[int], **kw) -> RouteQuery:
+    return RouteQuery(len(ids), tuple(chain_hashes(ids[:-1], P)), P, **kw)
+
+
+SYS = list(range(100, 132))  # a 32-token shared prefix: 8 blocks
+LONG = list(range(1000, 1128))  # 32 blocks
+
+
 def test_router_picks_least_loaded_live_rank():
     async def run() -> None:
-        router = Router.func_or_class()
-        assert await router.choose(10) is None  # no rank reported yet
+        router = _router()
+        assert await router.choose(RouteQuery(10)) is None  # no rank reported yet
         await router.report("busy", {"num_running": 5, "num_waiting": 2, "kv_usage": 0.5}, {})
         await router.report("idle", {"num_running": 1, "num_waiting": 0, "kv_usage": 0.1}, {})
-        # requests sent since the last report count as queued work: the idle rank takes
-        # requests until its score passes the busy one's (1.4 + n vs 9.0)
-        picks = [await router.choose(10) for _ in range(9)]
-        assert picks == ["idle"] * 8 + ["busy"]
+        # cost = 16 x outstanding + queued prefill tokens + this prompt: busy 7*16+10 = 122,
+        # idle 26 + 26 per request sent since its report; so idle takes four, busy the fifth
+        picks = [(await router.choose(RouteQuery(10))).target for _ in range(6)]
+        assert picks == ["idle"] * 4 + ["busy", "idle"]
         # a rank that stopped reporting is not chosen and not listed
         router.ranks["idle"].seen = time.monotonic() - STALE_S - 1
-        assert await router.choose(10) == "busy"
+        assert (await router.choose(RouteQuery(10))).target == "busy"
         assert set(await router.ranks_stats()) == {"busy"}
 
     asyncio.run(run())
+
+
+def test_shared_prefix_goes_to_the_rank_holding_it():
+    async def run() -> None:
+        router = _router()
+        a, b = FakeRank(router, "a"), FakeRank(router, "b")
+        assert await a.report() and await b.report()  # unknown ranks: resync (empty snapshot)
+        b.store(SYS)
+        assert not await b.report()  # events since the snapshot apply without a resync
+        d = await router.choose(q(SYS + [7, 8, 9]))
+        assert (d.target, d.reason, d.cached_tokens, d.confirmed_tokens) == ("b", "prefix", 32, 32)
+        # a hit at H still replays the last window: 35 - 32 + min(32, 8) = 11 tokens
+        assert d.compute_tokens == 11
+        # an unrelated prompt is routed by load: a (b has one request sent since its report)
+        d = await router.choose(q(list(range(500, 540))))
+        assert (d.target, d.reason, d.cached_tokens) == ("a", "load", 0)
+        # a removed block cuts b's match there
+        b.remove(SYS[:20])  # blocks 0..4 gone (the engine evicts leaves first; here all)
+        await b.report()
+        d = await router.choose(q(SYS + [1]))
+        assert d.cached_tokens == 0
+
+    asyncio.run(run())
+
+
+def test_a_new_prefix_follows_its_first_request_before_the_events_land():
+    async def run() -> None:
+        router = _router()
+        for r in ("a", "b", "c"):
+            await FakeRank(router, r).report()
+        first = await router.choose(q(LONG + [1]))
+        # nothing is cached yet: pending entries make the next requests of the group follow
+        # the first (load alone would spread them over the three ranks). On the first's rank
+        # the n-th costs 16 n + 129 + 9 (n - 1) (sent work) + 2 x (1 + 8); elsewhere 2 x 129
+        rest = [await router.choose(q(LONG + [i])) for i in range(2, 7)]
+        assert [d.target == first.target for d in rest] == [True] * 4 + [False]  # 263 > 258
+        assert all(d.cached_tokens == 128 and d.confirmed_tokens == 0 for d in rest[:4])
+
+    asyncio.run(run())
+
+
+def test_a_hot_prefix_spreads_past_the_balance_bound():
+    async def run() -> None:
+        router = _router(balance_abs=4, balance_rel=1.5)
+        a, b = FakeRank(router, "a"), FakeRank(router, "b")
+        await a.report(), await b.report()
+        a.store(LONG)
+        await a.report({"num_running": 4, "num_waiting": 0, "kv_usage": 0.2})
+        await b.report({"num_running": 1, "num_waiting": 0, "kv_usage": 0.0})
+        d = await router.choose(q(LONG + [6]))  # 4 <= 1 + 4: within the bound, the cache wins
+        assert (d.target, d.reason) == ("a", "prefix")
+        await a.report({"num_running": 6, "num_waiting": 0, "kv_usage": 0.2})
+        await b.report({"num_running": 1, "num_waiting": 0, "kv_usage": 0.0})
+        # a holds the prefix and costs less (16 x 6 + 2 x 9 = 114 vs 16 + 2 x 129 = 274) but
+        # has 6 requests against b's 1 (> 1 + 4 and > 1.5 x 1): b takes it
+        d = await router.choose(q(LONG + [5]))
+        assert (d.target, d.reason, d.best_hit_tokens) == ("b", "balance", 128)
+
+    asyncio.run(run())
+
+
+def test_gap_new_epoch_and_router_restart_resync_from_snapshots():
+    async def run() -> None:
+        router = _router()
+        a = FakeRank(router, "a")
+        await a.report()
+        a.store(SYS)
+        for i in range(10):  # more events than the rank's log keeps (8): the router lags
+            a.store([900 + i] * 8)
+        assert await a.report()  # the log lost the next event: snapshot
+        assert router.policy.index.blocks_of("a") == len(a.cached)
+        assert not await a.report()
+        # the rank restarts (a new engine: a new epoch, an empty cache)
+        a.log, a.cached = KVEventLog(max_events=8), set()
+        a.store(SYS[:8])
+        assert await a.report()
+        assert router.policy.index.blocks_of("a") == 2
+        # the router restarts: it knows nothing and asks for a snapshot on the first report
+        router2 = _router()
+        a.router = router2
+        assert await a.report()
+        d = await router2.choose(q(SYS + [1]))
+        assert (d.target, d.cached_tokens, d.confirmed_tokens) == ("a", 8, 8)
+        # a batch that does not follow the last applied sequence number is refused
+        stale = KVEventBatch(a.log.epoch, 1, ())
+        assert (await router2.report("a", IDLE, META, stale))["resync"]
+
+    asyncio.run(run())
+
+
+def test_mismatched_block_size_or_namespace_is_routed_by_load_only():
+    async def run() -> None:
+        router = _router()
+        good = FakeRank(router, "good")
+        bad = FakeRank(router, "bad", {**META, "block_size": 8})
+        other = FakeRank(router, "other", {**META, "namespace": "someone-else/v0"})
+        assert await good.report()
+        assert not await bad.report() and not await other.report()  # never indexed
+        bad.store(SYS)
+        await bad.report()
+        assert router.policy.index.blocks_of("bad") == 0
+        stats = await router.index_stats()
+        assert {k: v["indexed"] for k, v in stats["ranks"].items()} == {
+            "good": True, "bad": False, "other": False,
+        }  # fmt: skip
+        # a query hashed with another block size matches nothing
+        d = await router.choose(RouteQuery(33, tuple(chain_hashes(SYS, 8)), 8))
+        assert d.cached_tokens == 0 and d.reason == "load"
+
+    asyncio.run(run())
+
+
+def test_dropped_rank_leaves_choice_and_index():
+    async def run() -> None:
+        router = _router()
+        a, b = FakeRank(router, "a"), FakeRank(router, "b")
+        await a.report(), await b.report()
+        a.store(SYS)
+        await a.report()
+        assert router.policy.index.blocks_of("a") == 8
+        await router.drop("a")
+        assert router.policy.index.blocks_of("a") == 0 and len(router.policy.index) == 0
+        picks = {(await router.choose(q(SYS + [i]))).target for i in range(5)}
+        assert picks == {"b"}
+        # excluded ranks (failed for this request) are skipped; none left -> None
+        assert await router.choose(q(SYS + [1], exclude=("b",))) is None
+
+    asyncio.run(run())
+
+
+def test_session_key_pins_a_session_within_the_bound():
+    async def run() -> None:
+        router = _router(balance_abs=2)
+        for r in ("a", "b", "c"):
+            await FakeRank(router, r).report()
+        first = await router.choose(RouteQuery(10, session="alice"))
+        again = [await router.choose(RouteQuery(10, session="alice")) for _ in range(2)]
+        assert [d.target for d in again] == [first.target] * 2
+        assert {d.reason for d in again} == {"session"}
+        # past the balance bound (3 sent vs 0 elsewhere) the session moves
+        moved = await router.choose(RouteQuery(10, session="alice"))
+        assert moved.target != first.target and moved.reason == "load"
+
+    asyncio.run(run())
+
+
+def test_round_robin_and_delegated_policies():
+    async def run() -> None:
+        router = _router()
+        for r in ("a", "b"):
+            await FakeRank(router, r).report()
+        await router.set_policy("round_robin")
+        assert [(await router.choose(RouteQuery(5))).target for _ in range(4)] == [
+            "a", "b", "a", "b",
+        ]  # fmt: skip
+        await router.set_policy("ray_prefix")
+        d = await router.choose(RouteQuery(5))
+        assert d.target is None and d.reason == "delegated"
+        with pytest.raises(ValueError, match="routing policy"):
+            await router.set_policy("random")
+
+    asyncio.run(run())
+
+
+def test_index_lru_bound_and_bit_reuse():
+    idx = GlobalPrefixIndex(max_entries=16)
+    hs = chain_hashes(list(range(80)), P)  # 20 blocks
+    idx.apply("a", [(0, tuple(hs))])
+    assert len(idx) == 16 and idx.evicted == 4
+    # the chain's first blocks were evicted: a match starts at block 0, so it finds nothing
+    assert idx.match(hs, ["a"])["a"] == (0, 0)
+    assert idx.match(hs[4:], ["a"])["a"] == (16, 16)
+    slot_a = idx.slot("a")
+    idx.drop_rank("a")
+    assert len(idx) == 0 and idx.slot("b") == slot_a  # the bit is reused, with no leftovers
+    assert idx.match(hs[4:], ["b"])["b"] == (0, 0)
+
+
+def test_event_log_since_and_overflow():
+    log = KVEventLog(max_events=3)
+    assert log.since(0) == KVEventBatch(log.epoch, 1, ())
+    log.append([BlockStored((b"x",), None, (), (), b""), BlockRemoved((b"x",))])
+    assert log.since(0).events == ((0, (b"x",)), (1, (b"x",)))
+    assert log.since(1).first_seq == 2 and log.since(2).events == ()
+    log.append([BlockRemoved((b"y",))] * 3)  # seq 5; the log keeps 3..5
+    assert log.since(1) is None and log.since(2).first_seq == 3
+    assert log.since(9) is None  # ahead of the log: another epoch's number

@@ -1,0 +1,193 @@
+"""Routing decisions: which DP rank serves a request (pure logic; the Router deployment holds
+the state and :class:`RoutingPolicy` decides).
+
+``prefix`` (the default) minimizes the predicted time to first token, in prefill-token units::
+
+    cost(r) = queued(r) + compute_weight * compute(r)
+    queued(r)  = prompt tokens waiting for prefill on r (its last report)
+               + tokens the router sent r since that report
+               + running_weight * requests running or waiting on r
+    compute(r) = L - H(r) + replay(H(r))      L prompt tokens, H(r) cached on r (whole blocks)
+    replay(H)  = min(H, W)   bounded replay recomputes the last window W before a hit
+                 H           bounded_replay "off": a hit saves memory, not compute
+
+``compute_weight`` > 1 charges a request for the delay its own prefill adds to every request
+queued after it on that rank (so a prefix is not recomputed on a second rank to save a
+request a short wait: duplicated prefills cost the whole fleet). The lowest cost wins, ties to the least loaded rank (then the rank id). A balance
+bound keeps a hot prefix from piling onto one rank: when the winner has more than
+``balance_abs`` requests over the least loaded rank *and* more than ``balance_rel`` times its
+count, the least loaded rank takes the request (and so becomes a second holder of the prefix).
+An optional session key (the OpenAI ``user``) pins a session to the rank that served it last
+while that rank stays within the balance bound.
+
+``least_loaded`` and ``round_robin`` ignore the caches (baselines); ``ray_prefix`` leaves the
+choice to Ray Serve's ``PrefixCacheAffinityRouter`` on the DPRank handle (the Router answers
+with no target).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from app.cache.radix import BlockHash
+from app.deployments.prefix_index import GlobalPrefixIndex
+
+Policy = Literal["prefix", "least_loaded", "round_robin", "ray_prefix"]
+POLICIES: tuple[str, ...] = ("prefix", "least_loaded", "round_robin", "ray_prefix")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """The Router's options (``ServeArgs.routing``; ``block_size`` / ``namespace`` are the
+    engine's, resolved by the builder, and every rank must announce the same)."""
+
+    policy: Policy = "prefix"
+    block_size: int = 0  # 0: no prefix index (caching off): route by load
+    namespace: str = ""
+    balance_abs: int = 16
+    balance_rel: float = 1.5
+    running_weight: float = 16.0
+    compute_weight: float = 2.0
+    max_index_blocks: int = 4_000_000
+    pending_ttl_s: float = 5.0
+    max_sessions: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {POLICIES}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class RouteQuery:
+    """What the ingress knows of a request when it asks for a rank."""
+
+    num_prompt_tokens: int
+    block_hashes: tuple[BlockHash, ...] = ()  # chain hashes of prompt[:-1] (engine blocks)
+    block_size: int = 0  # what the ingress hashed with (must be the router's)
+    session: str = ""  # session-affinity key ("" = none)
+    exclude: tuple[str, ...] = ()  # ranks that already failed this request
+
+
+@dataclass
+class RankView:
+    """A live rank as the policy sees it (from its last report, plus what was sent since)."""
+
+    rank: str
+    queued_tokens: float = 0.0
+    outstanding: int = 0  # running + waiting (+ sent since its report)
+    kv_usage: float = 0.0
+    window: int = 0
+    replay: str = "encoder+decoder"
+    indexed: bool = True  # its events are in the index (same block size and namespace)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen rank (None: let the DPRank handle's own request router choose) and why."""
+
+    target: str | None
+    reason: str  # prefix | load | balance | session | round_robin | least_loaded | delegated
+    cached_tokens: int = 0  # predicted prefix hit on the target
+    confirmed_tokens: int = 0  # of which confirmed by the target's KV events
+    predicted_tokens: float = 0.0  # cost(target)
+    compute_tokens: float = 0.0  # of which this request's own prefill on the target
+    best_hit_tokens: int = 0  # the largest hit on any live rank
+    candidates: int = 0
+
+    def attributes(self) -> dict[str, object]:
+        """Span attributes (``routing.*``)."""
+        return {
+            "routing.target": self.target or "",
+            "routing.reason": self.reason,
+            "routing.cached_tokens": self.cached_tokens,
+            "routing.confirmed_tokens": self.confirmed_tokens,
+            "routing.predicted_tokens": round(self.predicted_tokens, 1),
+            "routing.best_hit_tokens": self.best_hit_tokens,
+            "routing.candidates": self.candidates,
+        }
+
+
+@dataclass
+class RoutingPolicy:
+    """Decides over ``ranks`` with the prefix ``index`` (see the module docstring)."""
+
+    cfg: RoutingConfig
+    index: GlobalPrefixIndex = field(init=False)
+    _rr: itertools.count = field(default_factory=itertools.count, init=False)
+    _sessions: OrderedDict[str, str] = field(default_factory=OrderedDict, init=False)
+
+    def __post_init__(self) -> None:
+        self.index = GlobalPrefixIndex(self.cfg.max_index_blocks, self.cfg.pending_ttl_s)
+
+    def decide(
+        self, q: RouteQuery, ranks: Mapping[str, RankView], policy: str | None = None
+    ) -> Decision | None:
+        """The rank for ``q`` among ``ranks`` (minus ``q.exclude``); None if there is none."""
+        policy, L = policy or self.cfg.policy, q.num_prompt_tokens
+        live = sorted(r for r in ranks if r not in q.exclude)
+        if not live:
+            return None
+        if policy == "ray_prefix":
+            return Decision(None, "delegated", candidates=len(live))
+        if policy == "round_robin":
+            rank = live[next(self._rr) % len(live)]
+            return Decision(rank, "round_robin", compute_tokens=L, candidates=len(live))
+        if policy == "least_loaded":
+            best = min(live, key=lambda r: (ranks[r].outstanding, ranks[r].kv_usage, r))
+            return Decision(best, "least_loaded", compute_tokens=L, candidates=len(live))
+        return self._prefix(q, [ranks[r] for r in live])
+
+    def _prefix(self, q: RouteQuery, views: Sequence[RankView]) -> Decision:
+        cfg, L = self.cfg, q.num_prompt_tokens
+        usable = q.block_hashes if q.block_size == cfg.block_size and cfg.block_size else ()
+        indexed = [v.rank for v in views if v.indexed]
+        hits = self.index.match(usable, indexed) if usable and indexed else {}
+        P = cfg.block_size
+        lo = min(v.outstanding for v in views)
+
+        def cost(v: RankView) -> tuple[float, int, int, float]:
+            blocks, confirmed = hits.get(v.rank, (0, 0))
+            H = min(blocks * P, max(L - 1, 0))
+            compute = L - H + (H if v.replay == "off" else min(H, v.window))
+            queued = v.queued_tokens + cfg.running_weight * v.outstanding
+            return queued + cfg.compute_weight * compute, H, min(confirmed * P, H), compute
+
+        costs = {v.rank: cost(v) for v in views}
+        by_rank = {v.rank: v for v in views}
+        best_hit = max((c[1] for c in costs.values()), default=0)
+
+        def over_bound(v: RankView) -> bool:
+            return v.outstanding > lo + cfg.balance_abs and v.outstanding > cfg.balance_rel * lo
+
+        def decision(rank: str, reason: str) -> Decision:
+            c, H, conf, compute = costs[rank]
+            return Decision(rank, reason, H, conf, c, compute, best_hit, len(views))
+
+        if q.session:
+            held = self._sessions.get(q.session)
+            if held in by_rank and not over_bound(by_rank[held]):
+                self._sessions.move_to_end(q.session)
+                out = decision(held, "session")
+                self._routed(q, out)
+                return out
+        rank = min(costs, key=lambda r: (costs[r][0], by_rank[r].outstanding, r))
+        reason = "prefix" if costs[rank][1] > 0 else "load"
+        if over_bound(by_rank[rank]):
+            rank = min(costs, key=lambda r: (by_rank[r].outstanding, costs[r][0], r))
+            reason = "balance"
+        out = decision(rank, reason)
+        if q.session:
+            self._sessions[q.session] = rank
+            self._sessions.move_to_end(q.session)
+            while len(self._sessions) > cfg.max_sessions:
+                self._sessions.popitem(last=False)
+        self._routed(q, out)
+        return out
+
+    def _routed(self, q: RouteQuery, d: Decision) -> None:
+        if d.target is not None and q.block_hashes and q.block_size == self.cfg.block_size:
+            self.index.note_routed(d.target, q.block_hashes)
