@@ -13,7 +13,8 @@ the state and :class:`RoutingPolicy` decides).
 
 ``compute_weight`` > 1 charges a request for the delay its own prefill adds to every request
 queued after it on that rank (so a prefix is not recomputed on a second rank to save a
-request a short wait: duplicated prefills cost the whole fleet). The lowest cost wins, ties to the least loaded rank (then the rank id). A balance
+request a short wait: duplicated prefills cost the whole fleet). The lowest cost wins, ties
+to the least loaded rank (then the rank id). A balance
 bound keeps a hot prefix from piling onto one rank: when the winner has more than
 ``balance_abs`` requests over the least loaded rank *and* more than ``balance_rel`` times its
 count, the least loaded rank takes the request (and so becomes a second holder of the prefix).

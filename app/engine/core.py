@@ -258,6 +258,7 @@ class EngineCore:
         seq = Sequence(req=req, tokens=list(req.prompt_token_ids), matcher=matcher)
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(req.prompt_token_ids)
 
     @property
     def grammar(self):
@@ -345,6 +346,7 @@ class EngineCore:
         self.stats.t_wait += t1 - t0
         self._release(flight)
         outs = self._update(flight, host)
+        self.stats.generated_tokens += sum(len(o.token_ids) for o in outs)
         self.stats.t_update += time.perf_counter() - t1
         return outs
 

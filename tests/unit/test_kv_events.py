@@ -57,7 +57,11 @@ def test_clear_is_an_event_and_empties_the_snapshot(engine):
 
 def test_stream_interval_merges_deltas_without_losing_tokens(engine):
     prompt = (0, 5, 9, 11)
+    before = engine.stats()
     each = _run(engine, "c", prompt, 12)
+    after = engine.stats()  # the router's per-rank token counters
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 4
+    assert after["generated_tokens"] - before["generated_tokens"] == 12
     merged = _run(engine, "d", prompt, 12, interval=0.5)
     tokens = [t for o in each for t in o.token_ids]
     assert tokens == [t for o in merged for t in o.token_ids] and len(tokens) == 12
