@@ -84,11 +84,11 @@ class ServeEngineClient:
                 "attempt": attempt,
             }
             with tracer.start_as_current_span("ingress.dispatch", attributes=attrs):
-                target = await self._choose(req, tried)
+                target, cost = await self._choose(req, tried)
                 traced = _with_trace(req)
             sent = False  # a token or the final delta reached the caller
             try:
-                async with aclosing(self._stream(traced, target)) as outs:
+                async with aclosing(self._stream(traced, target, cost)) as outs:
                     async for out in outs:
                         if out.engine_failed:  # the rank's step failed: not this request
                             raise _RankFailed(out.error or "")
@@ -122,9 +122,11 @@ class ServeEngineClient:
             return tuple(chain_hashes(ids, bs, req.extra_key))
         return tuple(await asyncio.to_thread(chain_hashes, ids, bs, req.extra_key))
 
-    async def _choose(self, req: EngineRequest, exclude: list[str]) -> str | None:
+    async def _choose(
+        self, req: EngineRequest, exclude: list[str]
+    ) -> tuple[str | None, float | None]:
         """The rank's replica id (None: the DPRank handle chooses, e.g. the Router is
-        unreachable or its policy delegates)."""
+        unreachable or its policy delegates) and the prefill tokens predicted there."""
         q = RouteQuery(
             len(req.prompt_token_ids), await self._hashes(req), self.block_size, req.session,
             tuple(exclude),
@@ -137,13 +139,13 @@ class ServeEngineClient:
                                _why(e))  # fmt: skip
                 span.set_attribute("routing.reason", "router_unreachable")
                 self._count_fallback("router_unreachable")
-                return None
+                return None, None
             if d is not None:
                 span.set_attributes(d.attributes())
         if d is None:
             why = "no other engine rank is ready" if exclude else "no engine rank is ready yet"
             raise EngineUnavailableError(why)
-        return d.target
+        return d.target, (d.compute_tokens if d.target is not None else None)
 
     def _count_fallback(self, why: str) -> None:
         try:
@@ -167,11 +169,13 @@ class ServeEngineClient:
         except Exception as e:  # the Router also drops ranks that stop reporting
             logger.debug("dropping rank %s failed: %r", target, e)
 
-    async def _stream(self, req: EngineRequest, target: str | None) -> AsyncIterator[RequestOutput]:
+    async def _stream(
+        self, req: EngineRequest, target: str | None, cost: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """One call to one rank (pinned), cancelled if it does not finish."""
         if req.request_id in self._streams:  # internal ids are unique: never another's stream
             raise RequestError("request_id", f"{req.request_id!r} is already in flight")
-        stream = self.rank.options(stream=True).generate.remote(req, target=target)
+        stream = self.rank.options(stream=True).generate.remote(req, target=target, cost=cost)
         self._streams[req.request_id] = stream
         finished = False
         try:

@@ -37,7 +37,7 @@ def bits(mask: int) -> Iterable[int]:
 class GlobalPrefixIndex:
     """Ranks -> cached prefix blocks, as one LRU map of block hash -> rank bit mask."""
 
-    def __init__(self, max_entries: int = 4_000_000, pending_ttl_s: float = 5.0) -> None:
+    def __init__(self, max_entries: int = 4_000_000, pending_ttl_s: float = 30.0) -> None:
         self.max_entries = max_entries
         self.pending_ttl_s = pending_ttl_s
         self._entries: OrderedDict[BlockHash, int] = OrderedDict()

@@ -44,6 +44,7 @@ class DPRank:
             engine_cfg, max_pending, max_queued_tokens, stream_interval_s, step_timeout_s
         )
         self.router = router
+        self._queued_cost = 0.0  # predicted prefill tokens of requests before their 1st token
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
@@ -69,7 +70,7 @@ class DPRank:
                     continue
                 last = time.monotonic()
                 reply = self.router.report.remote(
-                    self.replica_id, self.engine.load(), meta, batch
+                    self.replica_id, self._load(), meta, batch
                 ).result(timeout_s=CONTROL_TIMEOUT_S)
                 if reply.get("resync"):
                     snap = self.engine.kv_snapshot()
@@ -83,10 +84,11 @@ class DPRank:
                 logger.debug("rank report failed", exc_info=True)
 
     async def generate(
-        self, req: EngineRequest, target: str | None = None
+        self, req: EngineRequest, target: str | None = None, cost: float | None = None
     ) -> AsyncIterator[RequestOutput | Refusal]:
         """Stream ``req``'s deltas (an empty ack first, then tokens; the last is finished), or
-        one :class:`Refusal` (invalid, overloaded, unavailable) instead of the ack."""
+        one :class:`Refusal` (invalid, overloaded, unavailable) instead of the ack. ``cost``:
+        the prefill tokens the Router predicted for it here (its cache hit taken off)."""
         del target  # consumed by PinnedRequestRouter
         with span_from(
             req.trace_context,
@@ -97,7 +99,7 @@ class DPRank:
             # engine phases as span events: queued (admitted) -> prefill -> decode -> done
             first, started = True, False
             try:
-                async for out in self.engine.generate(req):
+                async for out in self._costed(req, cost):
                     started = True
                     if not out.token_ids and not out.finished:
                         span.add_event("queued")
@@ -115,9 +117,34 @@ class DPRank:
             span.add_event("decode_done")
             span.set_attribute("finish_reason", str(out.finish_reason))
 
+    async def _costed(self, req: EngineRequest, cost: float | None) -> AsyncIterator:
+        """The engine's stream, counting the request's predicted prefill in the queued work
+        this rank reports until its first token (or its end)."""
+        cost = float(len(req.prompt_token_ids) if cost is None else cost)
+        self._queued_cost += cost
+        try:
+            async for out in self.engine.generate(req):
+                if cost and (out.token_ids or out.finished):
+                    self._queued_cost -= cost
+                    cost = 0.0
+                yield out
+        finally:
+            self._queued_cost -= cost
+
+    def _load(self) -> dict[str, float]:
+        """The engine's load with the queued prefill work in the router's terms: prompt
+        tokens not yet prefilled minus the prefix hits the router predicted (the engine's
+        admission counts whole prompts: a rank holding a hot prefix would look busy)."""
+        load = self.engine.load()
+        return {
+            **load,
+            "queued_prompt_tokens": load.get("queued_prefill_tokens", 0.0),
+            "queued_prefill_tokens": max(0.0, self._queued_cost),
+        }
+
     async def stats(self, target: str | None = None) -> dict:
         del target
-        return {**self.engine.load(), "replica_id": self.replica_id}
+        return {**self._load(), "replica_id": self.replica_id}
 
     async def clear_prefix_cache(self, target: str | None = None) -> str:
         """Drop this rank's unused cached blocks (call pinned; benchmarks start cold)."""

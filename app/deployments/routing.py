@@ -54,7 +54,7 @@ class RoutingConfig:
     running_weight: float = 16.0
     compute_weight: float = 2.0
     max_index_blocks: int = 4_000_000
-    pending_ttl_s: float = 5.0
+    pending_ttl_s: float = 30.0
     max_sessions: int = 100_000
 
     def __post_init__(self) -> None:

@@ -72,7 +72,7 @@ class Ranks:
     def options(self, stream: bool) -> Ranks:
         return self
 
-    def _generate(self, req: EngineRequest, target: str) -> Stream:
+    def _generate(self, req: EngineRequest, target: str, cost: float | None = None) -> Stream:
         self.calls.append(target)
         s = Stream(self.plans[target])
         self.streams.append(s)
