@@ -312,3 +312,37 @@ def test_event_log_since_and_overflow():
     log.append([BlockRemoved((b"y",))] * 3)  # seq 5; the log keeps 3..5
     assert log.since(1) is None and log.since(2).first_seq == 3
     assert log.since(9) is None  # ahead of the log: another epoch's number
+
+
+def test_autoscaling_policy_scales_on_queue_depth_and_kv_usage():
+    from app.deployments.autoscaling import RankPolicy
+
+    def ctx(n: int, ongoing: float, kv: list[float]) -> SimpleNamespace:
+        return SimpleNamespace(
+            current_num_replicas=n, target_num_replicas=n, total_num_requests=ongoing,
+            aggregated_metrics={"kv_usage": dict(enumerate(kv))} if kv else {},
+            config=SimpleNamespace(get_target_ongoing_requests=lambda: 16),
+        )  # fmt: skip
+
+    pol = RankPolicy(target_kv_usage=0.8)
+    assert pol(ctx(2, 64, [0.1, 0.1]))[0] == 4  # 64 streams / 16 per rank
+    assert pol(ctx(2, 8, [0.9, 0.7]))[0] == 2 * 0.8 / 0.8  # KV full: 2 ranks' worth at 0.8
+    assert pol(ctx(2, 8, [1.0, 1.0]))[0] == 2.5  # few streams but full pools: scale up
+    assert pol(ctx(4, 4, []))[0] == 0.25  # idle, no KV metrics yet: down (Serve bounds it)
+
+
+def test_serve_args_routing_and_autoscaling_are_validated():
+    from pydantic import ValidationError
+
+    from app.serve_args import ServeArgs
+
+    sa = ServeArgs.model_validate({"autoscaling": {"min_ranks": 1, "max_ranks": 3}})
+    cfg = sa.autoscaling.serve_config()
+    assert (cfg["min_replicas"], cfg["max_replicas"], cfg["initial_replicas"]) == (1, 3, 1)
+    assert cfg["policy"]["policy_function"] == "app.deployments.autoscaling:RankPolicy"
+    with pytest.raises(ValidationError, match="max_ranks"):
+        ServeArgs.model_validate({"autoscaling": {"min_ranks": 3, "max_ranks": 2}})
+    with pytest.raises(ValidationError, match="policy"):
+        ServeArgs.model_validate({"routing": {"policy": "random"}})
+    with pytest.raises(ValidationError, match="balance_rel"):
+        ServeArgs.model_validate({"routing": {"balance_rel": 0.5}})
