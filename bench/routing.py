@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import time
@@ -39,11 +40,41 @@ POLICIES = ("prefix", "round_robin", "least_loaded", "ray_prefix")
 
 
 # ---- workloads ------------------------------------------------------------------------------
-def shared_prefix(groups: int, per_group: int, rate: float, seed: int = 0) -> list[dict]:
+# Prompts are text (sglang-router's cache-aware policy takes text, not token ids): random
+# words of a small syllable alphabet, tokenized by the server; ``tokens()`` tokenizes the same
+# way (BOS + the text, no special tokens) for the ideal-hit count.
+SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "po", "de", "zu", "ha", "qi", "ber")
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(
+        "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(n)
+    )
+
+
+def tokenizer():
+    from tokenizers import Tokenizer
+
+    from app.engine.model_path import resolve_model
+
+    tok = Tokenizer.from_file(str(resolve_model("tiny-v41", "~/.cache/fathom") / "tokenizer.json"))
+    bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
+    return lambda text: [bos, *tok.encode(text, add_special_tokens=False).ids]
+
+
+def _text_of(rng: random.Random, n_tokens: int, tokens) -> str:
+    text = _words(rng, n_tokens // 5)
+    while len(tokens(text)) < n_tokens:
+        text += " " + _words(rng, 4)
+    return text
+
+
+def shared_prefix(groups: int, per_group: int, rate: float, tokens, seed: int = 0) -> list[dict]:
+    """G groups x M prompts: a ~1024-token group prefix + a ~16-token question."""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 500) for _ in range(16 * P)] for _ in range(groups)]
+    prefixes = [_text_of(rng, 16 * P, tokens) for _ in range(groups)]
     reqs = [
-        {"prompt": prefixes[g] + [rng.randrange(3, 500) for _ in range(16)], "session": ""}
+        {"prompt": prefixes[g] + " " + _words(rng, 8) + "?", "session": ""}
         for g in range(groups)
         for _ in range(per_group)
     ]
@@ -55,24 +86,25 @@ def shared_prefix(groups: int, per_group: int, rate: float, seed: int = 0) -> li
     return reqs
 
 
-def multi_turn(sessions: int, turns: int, rate: float, seed: int = 1) -> list[list[dict]]:
-    """Per session: its turns (each sent after the previous finished); ``at`` of turn 0."""
+def multi_turn(sessions: int, turns: int, rate: float, tokens, seed: int = 1) -> list[list[dict]]:
+    """Per session: its turns (each sent after the previous finished); ``at`` of turn 0. A turn
+    is the previous prompt + ~48 tokens (an assistant answer and the next user line)."""
     rng = random.Random(seed)
     out, t = [], 0.0
     for s in range(sessions):
         t += rng.expovariate(rate / turns)
-        prompt = [rng.randrange(3, 500) for _ in range(8 * P)]
+        prompt = _text_of(rng, 8 * P, tokens)
         chain = []
         for k in range(turns):
             if k:
-                prompt = prompt + [rng.randrange(3, 500) for _ in range(48)]
-            chain.append({"prompt": list(prompt), "session": f"s{s}", "at": t})
+                prompt = prompt + "\n" + _words(rng, 12)
+            chain.append({"prompt": prompt, "session": f"s{s}", "at": t})
         out.append(chain)
     return out
 
 
 def ideal_hits(prompts: list[list[int]]) -> list[int]:
-    """Hit tokens of one infinite cache, in arrival order."""
+    """Hit tokens of one infinite cache, in arrival order (token ids of each prompt)."""
     from app.cache.radix import chain_hashes
 
     seen: set[bytes] = set()
@@ -178,14 +210,8 @@ async def reset(ranks: list[str]) -> None:
     await asyncio.sleep(1.0)  # the ranks' CLEARED events reach the router
 
 
-async def run_policy(url: str, policy: str, workload: str, reqs: Any, max_tokens: int) -> dict:
-    from ray import serve
-
-    router = serve.get_deployment_handle("Router", app_name="fathom")
-    await router.set_policy.remote(policy)
-    stats0 = await router.ranks_stats.remote()
-    await reset(sorted(stats0))
-    stats0 = await router.ranks_stats.remote()
+async def drive(url: str, workload: str, reqs: Any, max_tokens: int) -> tuple[list[dict], float]:
+    """Send ``reqs`` open-loop (multi_turn: each session's turns one after another)."""
     results: list[dict] = []
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=600, limits=limits) as c:
@@ -205,11 +231,10 @@ async def run_policy(url: str, policy: str, workload: str, reqs: Any, max_tokens
             await asyncio.gather(*(session(ch) for ch in reqs))
         else:
             await asyncio.gather(*(at(r) for r in reqs))
-        wall = time.perf_counter() - t0
-    await asyncio.sleep(1.0)
-    stats1 = await router.ranks_stats.remote()
-    per_rank = {k: stats1[k].get("prompt_tokens", 0) - stats0.get(k, {}).get("prompt_tokens", 0)
-                for k in stats1}  # fmt: skip
+        return results, time.perf_counter() - t0
+
+
+def summarize(results: list[dict], wall: float, per_rank: dict[str, float]) -> dict:
     ok = [r for r in results if r["status"] == 200 and r["ttft"] is not None]
     ttft = [r["ttft"] for r in ok]
     loads = list(per_rank.values())
@@ -225,6 +250,89 @@ async def run_policy(url: str, policy: str, workload: str, reqs: Any, max_tokens
         "load_spread": (max(loads) / statistics.mean(loads)) if loads and sum(loads) else None,
         "per_rank_prompt_tokens": per_rank,
     }
+
+
+async def run_policy(url: str, policy: str, workload: str, reqs: Any, max_tokens: int) -> dict:
+    from ray import serve
+
+    router = serve.get_deployment_handle("Router", app_name="fathom")
+    await router.set_policy.remote(policy)
+    stats0 = await router.ranks_stats.remote()
+    await reset(sorted(stats0))
+    stats0 = await router.ranks_stats.remote()
+    results, wall = await drive(url, workload, reqs, max_tokens)
+    await asyncio.sleep(1.0)
+    stats1 = await router.ranks_stats.remote()
+    per_rank = {k: stats1[k].get("prompt_tokens", 0) - stats0.get(k, {}).get("prompt_tokens", 0)
+                for k in stats1}  # fmt: skip
+    return summarize(results, wall, per_rank)
+
+
+# ---- sglang-router in front of standalone Fathom ranks -----------------------------------
+def _wait_http(url: str, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise TimeoutError(f"{url} did not come up")
+        time.sleep(0.5)
+
+
+def _prompt_tokens(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("fathom_prompt_tokens "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def run_sglang(binary: str, ranks: int, kv_bytes: int, workload: str, reqs: Any,
+               max_tokens: int) -> dict:  # fmt: skip
+    """sglang-router's ``cache_aware`` policy (its defaults) over ``ranks`` standalone rank
+    servers (bench/rank_server.py: the same engine and API, without Ray); cold caches."""
+    import subprocess
+    import sys
+
+    ports = [_port() for _ in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.rank_server",
+                "--port",
+                str(p),
+                "--kv-bytes",
+                str(kv_bytes),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for p in ports
+    ]
+    rport = _port()
+    try:
+        for p in ports:
+            _wait_http(f"http://127.0.0.1:{p}/health", 300)
+        procs.append(subprocess.Popen(
+            [binary, "launch", "--host", "127.0.0.1", "--port", str(rport), "--policy",
+             "cache_aware", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports]],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))  # fmt: skip
+        _wait_http(f"http://127.0.0.1:{rport}/health", 60)
+        before = {str(p): _prompt_tokens(p) for p in ports}
+        results, wall = asyncio.run(drive(f"http://127.0.0.1:{rport}", workload, reqs, max_tokens))
+        per_rank = {str(p): _prompt_tokens(p) - before[str(p)] for p in ports}
+        return summarize(results, wall, per_rank)
+    finally:
+        for pr in procs:
+            pr.terminate()
+        for pr in procs:
+            pr.wait(timeout=30)
 
 
 # ---- decision latency -----------------------------------------------------------------------
@@ -289,69 +397,79 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--rate", type=float, default=6.0, help="arrivals per second")
+    ap.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--workloads", default="shared_prefix,multi_turn")
+    ap.add_argument("--sglang-router", default=shutil.which("sglang-router") or "",
+                    help="the sglang-router binary (pip install sglang-router==0.3.2)")  # fmt: skip
     args = ap.parse_args()
     groups, per_group, sessions, turns = (8, 6, 8, 4) if args.quick else (16, 12, 24, 6)
     # per rank: ~110 blocks of 64 tokens = about 4 of the 16 group prefixes (16 blocks each)
     kv_bytes = 110 * 36864 + 16 * 17408
     lat = decision_latency()
     print("decision latency", lat, flush=True)
+    tokens = tokenizer()
+    workloads: dict[str, tuple[Any, int]] = {}
+    for workload in args.workloads.split(","):
+        if workload == "shared_prefix":
+            reqs = shared_prefix(groups, per_group, args.rate, tokens)
+            flat = reqs
+        else:
+            reqs = multi_turn(sessions, turns, args.rate, tokens)
+            flat = [r for ch in reqs for r in ch]
+        for i, r in enumerate(flat):
+            r["i"] = i
+        order = sorted(flat, key=lambda r: (r["at"], r["i"]))
+        workloads[workload] = (reqs, sum(ideal_hits([tokens(r["prompt"]) for r in order])))
+    params0 = {"index_blocks": lat["entries"], "ranks": 16, "prompt_blocks": 32}
+    records: list[dict] = [
+        record("routing.decision.p50", lat["p50_us"], "us", params0),
+        record("routing.decision.p99", lat["p99_us"], "us", params0),
+    ]
+    table: dict[str, dict[str, dict]] = {}
+
+    def add(policy: str, workload: str, res: dict) -> None:
+        ideal = workloads[workload][1]
+        res["ideal_hit_tokens"] = ideal
+        res["hit_fraction_of_ideal"] = res["hit_tokens"] / ideal if ideal else None
+        table.setdefault(workload, {})[policy] = res
+        brief = {k: v for k, v in res.items() if k != "per_rank_prompt_tokens"}
+        print(workload, policy, json.dumps(brief), flush=True)
+        params = {"ranks": args.ranks, "rate_rps": args.rate, "requests": res["requests"]}
+        for key, unit in (("hit_fraction_of_ideal", "fraction"), ("ttft_p50", "s"),
+                          ("ttft_p90", "s"), ("throughput_rps", "req/s"),
+                          ("load_spread", "max/mean"), ("failed", "requests")):  # fmt: skip
+            records.append(record(f"routing.{policy}.{workload}.{key}", res[key], unit, params))
+
     url = start(args.ranks, kv_bytes)
-    warm = shared_prefix(4, 4, args.rate, seed=99)  # first steps of every rank: not measured
+    warm = shared_prefix(4, 4, args.rate, tokens, seed=99)  # every rank's first steps
     for i, r in enumerate(warm):
         r["i"] = i
     asyncio.run(run_policy(url, "round_robin", "shared_prefix", warm, max_tokens=4))
-    records: list[dict] = [
-        record(
-            "routing.decision.p50",
-            lat["p50_us"],
-            "us",
-            {"index_blocks": lat["entries"], "ranks": 16, "prompt_blocks": 32},
-        ),  # fmt: skip
-        record(
-            "routing.decision.p99",
-            lat["p99_us"],
-            "us",
-            {"index_blocks": lat["entries"], "ranks": 16, "prompt_blocks": 32},
-        ),  # fmt: skip
-    ]
     rpc = asyncio.run(rpc_latency())
     print("choose RPC", rpc, flush=True)
     records += [
         record("routing.choose_rpc.p50", rpc["p50_ms"], "ms", {"prompt_tokens": 2048}),
         record("routing.choose_rpc.p99", rpc["p99_ms"], "ms", {"prompt_tokens": 2048}),
     ]
-    table: dict[str, dict[str, dict]] = {}
-    for workload in args.workloads.split(","):
-        if workload == "shared_prefix":
-            reqs = shared_prefix(groups, per_group, args.rate)
-            flat = reqs
-        else:
-            reqs = multi_turn(sessions, turns, args.rate)
-            flat = [r for ch in reqs for r in ch]
-        for i, r in enumerate(flat):
-            r["i"] = i
-        order = sorted(flat, key=lambda r: (r["at"], r["i"]))
-        ideal = sum(ideal_hits([r["prompt"] for r in order]))
+    for workload, (reqs, _) in workloads.items():
         for policy in args.policies.split(","):
-            res = asyncio.run(run_policy(url, policy, workload, reqs, max_tokens=4))
-            res["ideal_hit_tokens"] = ideal
-            res["hit_fraction_of_ideal"] = res["hit_tokens"] / ideal if ideal else None
-            table.setdefault(workload, {})[policy] = res
-            brief = {k: v for k, v in res.items() if k != "per_rank_prompt_tokens"}
-            print(workload, policy, json.dumps(brief), flush=True)
-            params = {"ranks": args.ranks, "rate_rps": args.rate, "requests": res["requests"]}
-            for key, unit in (("hit_fraction_of_ideal", "fraction"), ("ttft_p50", "s"),
-                              ("ttft_p90", "s"), ("throughput_rps", "req/s"),
-                              ("load_spread", "max/mean"), ("failed", "requests")):  # fmt: skip
-                records.append(record(f"routing.{policy}.{workload}.{key}", res[key], unit, params))
-    out = write("routing" + ("_quick" if args.quick else ""), records)
-    (RESULTS / ("routing_table" + ("_quick" if args.quick else "") + ".json")).write_text(
-        json.dumps(table, indent=2) + "\n"
-    )
-    plot(table, RESULTS / ("routing" + ("_quick" if args.quick else "") + ".png"))
+            add(policy, workload, asyncio.run(run_policy(url, policy, workload, reqs, 4)))
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+    if args.sglang_router:
+        for workload, (reqs, _) in workloads.items():
+            res = run_sglang(args.sglang_router, args.ranks, kv_bytes, workload, reqs, 4)
+            add("sglang_cache_aware", workload, res)
+    else:
+        print("no sglang-router binary: its policy is not in this run")
+    suffix = "_quick" if args.quick else ""
+    out = write("routing" + suffix, records)
+    (RESULTS / f"routing_table{suffix}.json").write_text(json.dumps(table, indent=2) + "\n")
+    plot(table, RESULTS / f"routing{suffix}.png")
     print("wrote", out)
 
 
