@@ -35,7 +35,10 @@ def bits(mask: int) -> Iterable[int]:
 
 
 class GlobalPrefixIndex:
-    """Ranks -> cached prefix blocks, as one LRU map of block hash -> rank bit mask."""
+    """Ranks -> cached prefix blocks, as one LRU map of block hash -> rank bit mask, plus
+    pending claims (hash -> (mask, time)). ``held(rank)`` counts the hashes a rank holds or
+    claims, kept up to date at every change (the policy places a new prefix on the emptiest
+    rank)."""
 
     def __init__(self, max_entries: int = 4_000_000, pending_ttl_s: float = 30.0) -> None:
         self.max_entries = max_entries
@@ -44,6 +47,7 @@ class GlobalPrefixIndex:
         self._pending: OrderedDict[BlockHash, tuple[int, float]] = OrderedDict()
         self._slot: dict[str, int] = {}  # rank id -> bit
         self._free_slots: list[int] = []
+        self._held: dict[int, int] = {}  # bit -> hashes held or claimed there
         self.evicted = 0  # entries dropped by the LRU bound
 
     def __len__(self) -> int:
@@ -56,52 +60,82 @@ class GlobalPrefixIndex:
         if s is None:
             s = self._free_slots.pop() if self._free_slots else len(self._slot)
             self._slot[rank] = s
+            self._held[s] = 0
         return s
 
-    def mask_of(self, ranks: Iterable[str]) -> int:
-        m = 0
-        for r in ranks:
-            m |= 1 << self.slot(r)
-        return m
-
-    def rank_of_slot(self) -> dict[int, str]:
-        return {s: r for r, s in self._slot.items()}
+    def held(self, rank: str) -> int:
+        """Hashes ``rank`` holds or has just been sent (O(1))."""
+        s = self._slot.get(rank)
+        return self._held.get(s, 0) if s is not None else 0
 
     def clear_rank(self, rank: str) -> None:
         """Forget everything ``rank`` holds (its cache was cleared or is being reloaded)."""
         s = self._slot.get(rank)
-        if s is None:
-            return
-        self._clear_bit(~(1 << s))
+        if s is not None:
+            self._clear_bit(s)
 
     def drop_rank(self, rank: str) -> None:
         """Forget ``rank`` altogether (dead or drained); its bit is reused."""
         s = self._slot.pop(rank, None)
         if s is not None:
-            self._clear_bit(~(1 << s))
+            self._clear_bit(s)
             self._free_slots.append(s)
 
-    def _clear_bit(self, keep: int) -> None:
+    def _clear_bit(self, s: int) -> None:
+        bit = 1 << s
         entries = self._entries
-        changed = [(h, m & keep) for h, m in entries.items() if m & ~keep]
-        for h, m in changed:
+        for h in [h for h, m in entries.items() if m & bit]:
+            m = entries[h] & ~bit
             if m:
                 entries[h] = m
             else:
                 del entries[h]
-        for h, (m, t) in list(self._pending.items()):
-            if m & keep:
-                self._pending[h] = (m & keep, t)
+        for h in [h for h, (m, _) in self._pending.items() if m & bit]:
+            m, t = self._pending[h]
+            if m & ~bit:
+                self._pending[h] = (m & ~bit, t)
             else:
                 del self._pending[h]
+        self._held[s] = 0
 
     def blocks_of(self, rank: str) -> int:
-        """How many entries hold ``rank`` (O(entries): for tests and reports)."""
+        """How many entries hold ``rank`` (confirmed only; O(entries): tests and reports)."""
         s = self._slot.get(rank)
         if s is None:
             return 0
         bit = 1 << s
         return sum(1 for m in self._entries.values() if m & bit)
+
+    # ---- bookkeeping ------------------------------------------------------------------
+    def _mask(self, h: BlockHash) -> int:
+        p = self._pending.get(h)
+        return self._entries.get(h, 0) | (p[0] if p is not None else 0)
+
+    def _count(self, old: int, new: int) -> None:
+        """A hash's ranks (confirmed | pending) went from ``old`` to ``new``."""
+        held = self._held
+        for s in bits(new & ~old):
+            held[s] = held.get(s, 0) + 1
+        for s in bits(old & ~new):
+            held[s] = held.get(s, 0) - 1
+
+    def _set(self, h: BlockHash, entry: int, pending: int, t: float = 0.0) -> None:
+        """Set hash ``h``'s confirmed and pending masks (0 removes), keeping the counts."""
+        old = self._mask(h)
+        if entry:
+            self._entries[h] = entry
+            self._entries.move_to_end(h)
+        else:
+            self._entries.pop(h, None)
+        if pending:
+            self._pending[h] = (pending, t)
+            self._pending.move_to_end(h)
+        else:
+            self._pending.pop(h, None)
+        self._count(old, entry | pending)
+
+    def _pending_mask(self, h: BlockHash) -> tuple[int, float]:
+        return self._pending.get(h, (0, 0.0))
 
     # ---- events -----------------------------------------------------------------------
     def apply(self, rank: str, events: Sequence[WireEvent]) -> None:
@@ -111,16 +145,9 @@ class GlobalPrefixIndex:
             if kind == STORED:
                 self._store(bit, hashes)
             elif kind == REMOVED:  # also ends a pending claim there: the rank said so
-                for table in (self._entries, self._pending):
-                    for h in hashes:
-                        v = table.get(h)
-                        if v is None:
-                            continue
-                        m = v if isinstance(v, int) else v[0]
-                        if not m & ~bit:
-                            del table[h]
-                        else:
-                            table[h] = m & ~bit if isinstance(v, int) else (m & ~bit, v[1])
+                for h in hashes:
+                    pm, t = self._pending_mask(h)
+                    self._set(h, self._entries.get(h, 0) & ~bit, pm & ~bit, t)
             elif kind == CLEARED:
                 self.clear_rank(rank)
             else:
@@ -132,35 +159,31 @@ class GlobalPrefixIndex:
         self._store(1 << self.slot(rank), snap.hashes)
 
     def _store(self, bit: int, hashes: Iterable[BlockHash]) -> None:
-        entries, pending = self._entries, self._pending
-        for h in hashes:
-            entries[h] = entries.get(h, 0) | bit
-            entries.move_to_end(h)
-            p = pending.get(h)
-            if p is not None:  # confirmed: no longer only pending there
-                if p[0] & ~bit:
-                    pending[h] = (p[0] & ~bit, p[1])
-                else:
-                    del pending[h]
-        while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+        for h in hashes:  # confirmed: no longer only pending there
+            pm, t = self._pending_mask(h)
+            self._set(h, self._entries.get(h, 0) | bit, pm & ~bit, t)
+        while len(self._entries) > self.max_entries:
+            h = next(iter(self._entries))
+            pm, t = self._pending_mask(h)
+            self._set(h, 0, pm, t)
             self.evicted += 1
 
     def note_routed(self, rank: str, hashes: Sequence[BlockHash], now: float | None = None) -> None:
         """``rank`` was just sent a prompt with ``hashes``: count them as held there until its
         events say so (or ``pending_ttl_s`` passes)."""
         now = time.monotonic() if now is None else now
-        bit, pending = 1 << self.slot(rank), self._pending
+        bit = 1 << self.slot(rank)
         for h in hashes:
-            p = pending.get(h)
-            pending[h] = ((p[0] if p else 0) | bit, now)
-            pending.move_to_end(h)
-        expire = now - self.pending_ttl_s
+            m = self._entries.get(h, 0)
+            if not m & bit:  # not confirmed there yet
+                pm, _ = self._pending_mask(h)
+                self._set(h, m, pm | bit, now)
+        expire, pending = now - self.pending_ttl_s, self._pending
         while pending:
-            h, (_, t) = next(iter(pending.items()))
+            h, (pm, t) = next(iter(pending.items()))
             if t > expire and len(pending) <= self.max_entries:
                 break
-            pending.popitem(last=False)
+            self._set(h, self._entries.get(h, 0), 0)
 
     # ---- lookup -----------------------------------------------------------------------
     def match(
@@ -200,3 +223,13 @@ class GlobalPrefixIndex:
         for s in bits(cur):
             out[live[s]] = (depth, confirmed[live[s]])
         return out
+
+    def check_counts(self) -> None:
+        """``held`` agrees with the tables (tests)."""
+        want: dict[int, int] = dict.fromkeys(self._held, 0)
+        for h in set(self._entries) | set(self._pending):
+            for s in bits(self._mask(h)):
+                want[s] = want.get(s, 0) + 1
+        assert {k: v for k, v in want.items() if v} == {
+            k: v for k, v in self._held.items() if v
+        }, (want, self._held)

@@ -14,7 +14,9 @@ the state and :class:`RoutingPolicy` decides).
 ``compute_weight`` > 1 charges a request for the delay its own prefill adds to every request
 queued after it on that rank (so a prefix is not recomputed on a second rank to save a
 request a short wait: duplicated prefills cost the whole fleet). The lowest cost wins, ties
-to the least loaded rank (then the rank id). A balance
+to the least loaded rank (then the rank id). A request no
+rank holds a prefix of goes, among the ranks about as cheap, to the one holding the fewest
+prefix blocks (the "smallest tenant": new groups spread evenly). A balance
 bound keeps a hot prefix from piling onto one rank: when the winner has more than
 ``balance_abs`` requests over the least loaded rank *and* more than ``balance_rel`` times its
 count, the least loaded rank takes the request (and so becomes a second holder of the prefix).
@@ -177,6 +179,15 @@ class RoutingPolicy:
                 return out
         rank = min(costs, key=lambda r: (costs[r][0], by_rank[r].outstanding, r))
         reason = "prefix" if costs[rank][1] > 0 else "load"
+        if reason == "load":
+            # a new prefix: of the ranks about as cheap now (within half its prefill), the one
+            # holding the fewest prefix blocks, so groups (and the hits that follow them) are
+            # placed evenly rather than on whichever rank was idle at this instant
+            near = costs[rank][0] + cfg.compute_weight * L / 2
+            rank = min(
+                (r for r in costs if costs[r][0] <= near),
+                key=lambda r: (self.index.held(r), costs[r][0], r),
+            )
         if over_bound(by_rank[rank]):
             rank = min(costs, key=lambda r: (by_rank[r].outstanding, costs[r][0], r))
             reason = "balance"

@@ -346,3 +346,43 @@ def test_serve_args_routing_and_autoscaling_are_validated():
         ServeArgs.model_validate({"routing": {"policy": "random"}})
     with pytest.raises(ValidationError, match="balance_rel"):
         ServeArgs.model_validate({"routing": {"balance_rel": 0.5}})
+
+
+def test_a_new_prefix_goes_to_the_rank_holding_the_fewest_blocks():
+    async def run() -> None:
+        router = _router()
+        a, b, c = (FakeRank(router, r) for r in ("a", "b", "c"))
+        for r in (a, b, c):
+            await r.report()
+        a.store(LONG)
+        a.store(SYS)
+        b.store(SYS)
+        for r in (a, b, c):
+            await r.report()
+        # all idle, no rank holds this prompt: c (0 blocks) rather than the first by name
+        d = await router.choose(q(list(range(2000, 2100))))
+        assert (d.target, d.reason) == ("c", "load")
+        router.policy.index.check_counts()
+        assert router.policy.index.held("c") == 24  # its pending claims: 99 tokens, 24 blocks
+
+    asyncio.run(run())
+
+
+def test_held_counts_follow_every_change():
+    idx = GlobalPrefixIndex(max_entries=10, pending_ttl_s=1.0)
+    hs = chain_hashes(list(range(48)), P)  # 12 blocks
+    idx.note_routed("a", hs[:6], now=0.0)
+    idx.apply("b", [(0, tuple(hs[:4]))])
+    idx.apply("a", [(0, tuple(hs[:3]))])  # confirms 3 of a's 6 claims
+    idx.check_counts()
+    assert (idx.held("a"), idx.held("b")) == (6, 4)
+    idx.apply("a", [(1, (hs[5],))])  # removed there: its claim ends too
+    assert idx.held("a") == 5
+    idx.apply("b", [(0, tuple(hs[4:]))])  # 12 entries > 10: LRU drops the oldest two
+    idx.check_counts()
+    idx.note_routed("c", hs[:1], now=5.0)  # a's old claims (t=0) expire
+    idx.check_counts()
+    assert idx.held("a") == len([h for h in hs[:3] if h in idx._entries])
+    idx.drop_rank("b")
+    idx.check_counts()
+    assert idx.held("b") == 0
