@@ -315,13 +315,15 @@ def run_sglang(binary: str, ranks: int, kv_bytes: int, workload: str, reqs: Any,
         for p in ports
     ]
     rport = _port()
+    log = open(RESULTS / "logs" / "sglang_router.log", "ab")  # noqa: SIM115 (the child's log)
     try:
         for p in ports:
             _wait_http(f"http://127.0.0.1:{p}/health", 300)
         procs.append(subprocess.Popen(
             [binary, "launch", "--host", "127.0.0.1", "--port", str(rport), "--policy",
-             "cache_aware", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports]],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+             "cache_aware", "--prometheus-port", str(_port()),
+             "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports]],
+            stdout=log, stderr=subprocess.STDOUT,
         ))  # fmt: skip
         _wait_http(f"http://127.0.0.1:{rport}/health", 60)
         before = {str(p): _prompt_tokens(p) for p in ports}
@@ -333,6 +335,7 @@ def run_sglang(binary: str, ranks: int, kv_bytes: int, workload: str, reqs: Any,
             pr.terminate()
         for pr in procs:
             pr.wait(timeout=30)
+        log.close()
 
 
 # ---- decision latency -----------------------------------------------------------------------
