@@ -19,6 +19,7 @@ from app.deployments.rank import DPRank
 from app.deployments.router import PinnedRequestRouter, Router
 from app.engine.capacity import resolve_max_model_len
 from app.model.config import ModelConfig
+from app.observability import TracingConfig
 from app.serve_args import ServeArgs
 
 
@@ -69,7 +70,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """Validate ``args`` (ServeArgs) and bind Router, DPRank and Ingress."""
     sa = ServeArgs.model_validate(args or {})
     cfgs = app_configs(sa)
-    router = Router.bind()
+    obs = sa.observability
+    tracing = TracingConfig(obs.tracing, obs.otlp_endpoint, obs.service_name, obs.sample_ratio,
+                            obs.export_delay_s)  # fmt: skip
+    metrics_s = obs.engine_metrics_interval_s if obs.engine_metrics else None
+    router = Router.bind(tracing)
     rank = serve.deployment(
         DPRank,
         name="DPRank",
@@ -84,8 +89,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         cfgs.max_pending_per_rank,
         cfgs.max_queued_tokens_per_rank,
         sa.rank_step_timeout_s,
+        tracing,
+        metrics_s,
     )
-    obs = sa.observability
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name="Ingress",
@@ -97,6 +103,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         rank,
         router,
         cfgs.bos_token_id,
-        (obs.tracing, obs.otlp_endpoint, obs.service_name),
+        tracing,
     )
     return ingress

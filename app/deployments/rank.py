@@ -14,9 +14,10 @@ from app.api.client import LocalEngineClient, Refusal
 from app.config import EngineConfig
 from app.deployments.router import REPORT_S
 from app.engine.engine import AsyncEngine
+from app.engine.metrics import install_engine_metrics
 from app.engine.request import EngineRequest, RequestOutput
 from app.logs import setup_logging
-from app.observability import span_from
+from app.observability import TracingConfig, rank_span, setup_tracing, shutdown_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,19 @@ class DPRank:
         max_pending: int | None = None,
         max_queued_tokens: int | None = None,
         step_timeout_s: float | None = None,
+        tracing: TracingConfig | None = None,
+        metrics_interval_s: float | None = 1.0,
     ) -> None:
         setup_logging()
+        setup_tracing(tracing, "DPRank")
         self.step_timeout_s = step_timeout_s
         self.engine = AsyncEngine(engine_cfg)
         self.client = LocalEngineClient(self.engine, max_pending, max_queued_tokens)
         self.router = router
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.metrics = metrics_interval_s and install_engine_metrics(
+            self.engine.core, metrics_interval_s
+        )  # app.engine.metrics: Ray's metrics export, one series per rank
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
         self._reporter.start()
@@ -66,22 +73,12 @@ class DPRank:
         """Stream ``req``'s deltas (an empty ack first, then tokens; the last is finished), or
         one :class:`Refusal` (invalid, overloaded, unavailable) instead of the ack."""
         del target  # consumed by PinnedRequestRouter
-        with span_from(
-            req.trace_context,
-            "rank.generate",
-            rank=self.replica_id,
-            prompt_tokens=len(req.prompt_token_ids),
-        ) as span:
-            # engine phases as span events: queued (admitted) -> prefill -> decode -> done
-            first, started = True, False
+        # the engine adds the phase events (app.engine.lifecycle) to the span
+        with rank_span(req, self.engine.core, rank=self.replica_id) as span:
+            started = False
             try:
                 async for out in self.client.generate(req):
                     started = True
-                    if not out.token_ids and not out.finished:
-                        span.add_event("queued")
-                    elif first and out.token_ids:
-                        span.add_event("prefill_done", {"cached_tokens": out.num_cached_tokens})
-                        first = False
                     yield out
             except Exception as e:
                 refusal = None if started else Refusal.of(e)
@@ -90,7 +87,6 @@ class DPRank:
                 span.set_attribute("refused", refusal.kind)
                 yield refusal
                 return
-            span.add_event("decode_done")
             span.set_attribute("finish_reason", str(out.finish_reason))
 
     async def stats(self, target: str | None = None) -> dict:
@@ -107,3 +103,4 @@ class DPRank:
 
     def __del__(self) -> None:
         self._stop.set()
+        shutdown_tracing()  # export the spans still queued

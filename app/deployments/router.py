@@ -18,6 +18,7 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from app.logs import setup_logging
+from app.observability import TracingConfig, setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,9 @@ class RankLoad:
 class Router:
     """Global view of the DP ranks: load (and, later, their prefix-cache contents)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracing: TracingConfig | None = None) -> None:
         setup_logging()
+        setup_tracing(tracing, "Router")
         self.ranks: dict[str, RankLoad] = {}
 
     async def report(self, replica_id: str, stats: dict[str, float], meta: dict) -> None:
