@@ -22,6 +22,7 @@ from app.deployments.router import PinnedRequestRouter, Router
 from app.deployments.routing import RoutingConfig
 from app.engine.capacity import resolve_max_model_len
 from app.model.config import ModelConfig
+from app.observability import TracingConfig
 from app.serve_args import ServeArgs
 
 
@@ -87,7 +88,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """Validate ``args`` (ServeArgs) and bind Router, DPRank and Ingress."""
     sa = ServeArgs.model_validate(args or {})
     cfgs = app_configs(sa)
-    router = Router.bind(cfgs.routing)
+    obs = sa.observability
+    tracing = TracingConfig(obs.tracing, obs.otlp_endpoint, obs.service_name, obs.sample_ratio,
+                            obs.export_delay_s)  # fmt: skip
+    metrics_s = obs.engine_metrics_interval_s if obs.engine_metrics else None
+    router = Router.bind(cfgs.routing, tracing)
     if cfgs.routing.policy == "ray_prefix":  # Ray's own prefix router on the rank handle
         from app.deployments.ray_prefix import PinnedOrRayPrefixRouter as rank_router
     else:
@@ -110,9 +115,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         cfgs.max_pending_per_rank,
         cfgs.max_queued_tokens_per_rank,
         sa.rank_step_timeout_s,
-        sa.routing.stream_interval_s,
+        stream_interval_s=sa.routing.stream_interval_s,
+        tracing=tracing,
+        metrics_interval_s=metrics_s,
     )
-    obs = sa.observability
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name="Ingress",
@@ -124,7 +130,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         rank,
         router,
         cfgs.bos_token_id,
-        (obs.tracing, obs.otlp_endpoint, obs.service_name),
+        tracing,
         block_size=cfgs.routing.block_size,
     )
     return ingress

@@ -44,6 +44,10 @@ class ObservabilityArgs(BaseModel):
     tracing: Literal["none", "console", "otlp"] = "none"
     otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
     service_name: str = "fathom"
+    sample_ratio: float = Field(1.0, ge=0, le=1)  # of new traces; children follow the parent
+    export_delay_s: float = Field(1.0, gt=0)  # batch export period of finished spans
+    engine_metrics: bool = True  # the ranks' engine metrics through Ray's metrics export
+    engine_metrics_interval_s: float = Field(1.0, gt=0)  # their export period
 
 
 class RoutingArgs(BaseModel):

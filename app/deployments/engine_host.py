@@ -13,6 +13,7 @@ from typing import Protocol
 from app.api.client import LocalEngineClient
 from app.cache.events import HASH_NAMESPACE, KVEventBatch, KVSnapshot
 from app.config import EngineConfig
+from app.engine.core import EngineCore
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, RequestOutput
 
@@ -40,9 +41,12 @@ class RankInfo:
 
 
 class RankEngine(Protocol):
-    """The engine of one DP rank as the deployment uses it."""
+    """The engine of one DP rank as the deployment uses it. ``core`` is the engine core, for
+    the observability hooks only (``EngineCore.traces`` and ``on_step``: app.engine.lifecycle,
+    app.engine.metrics)."""
 
     info: RankInfo
+    core: EngineCore
 
     def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         """An empty ack, then the deltas (raises the admission / validation errors)."""
@@ -82,7 +86,7 @@ class LocalRankEngine:
             self.engine, max_pending, max_queued_tokens, stream_interval_s
         )
         self.step_timeout_s = step_timeout_s
-        core = self.engine.core
+        self.core = core = self.engine.core
         self.info = RankInfo(
             max_model_len=core.max_model_len,
             block_size=self.engine.block_size,

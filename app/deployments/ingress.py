@@ -17,7 +17,13 @@ from app.api.server import ApiConfig, build_api
 from app.deployments.client import MeteredClient, ServeEngineClient
 from app.grpc.fathom_pb2 import GenerateResponse
 from app.logs import setup_logging
-from app.observability import RequestMetrics, setup_tracing
+from app.observability import (
+    RequestMetrics,
+    TracingConfig,
+    setup_tracing,
+    shutdown_tracing,
+    traced_client,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +37,16 @@ class Ingress:
         rank: DeploymentHandle,
         router: DeploymentHandle,
         bos_token_id: int,
-        tracing: tuple[str, str | None, str],
+        tracing: TracingConfig | None = None,
         block_size: int = 0,
     ) -> None:
         setup_logging()
-        setup_tracing(*tracing)
+        setup_tracing(tracing, "Ingress")
         self.api_cfg = api_cfg
         self.metrics = RequestMetrics()
         self.engines = ServeEngineClient(rank, router, block_size)
         self.client = MeteredClient(self.engines, self.metrics, api_cfg.served_model_names[0])
+        self.client = traced_client(self.client)  # ingress.request spans (tracing on)
         app_name = serve.get_replica_context().app_name
         self.in_flight = Admission(api_cfg.max_in_flight, None)  # HTTP and gRPC together
         self.grpc = GenerateService(
@@ -65,3 +72,6 @@ class Ingress:
         request comes as raw bytes (``app.grpc.raw``), Serve passes ``grpc_context``."""
         async for out in self.grpc.generate(request, grpc_context):
             yield out
+
+    def __del__(self) -> None:
+        shutdown_tracing()  # export the spans still queued

@@ -230,6 +230,7 @@ class GlobalPrefixIndex:
         for h in set(self._entries) | set(self._pending):
             for s in bits(self._mask(h)):
                 want[s] = want.get(s, 0) + 1
-        assert {k: v for k, v in want.items() if v} == {
-            k: v for k, v in self._held.items() if v
-        }, (want, self._held)
+        assert {k: v for k, v in want.items() if v} == {k: v for k, v in self._held.items() if v}, (
+            want,
+            self._held,
+        )

@@ -15,9 +15,10 @@ from app.api.client import Refusal
 from app.config import EngineConfig
 from app.deployments.engine_host import LocalRankEngine, RankEngine
 from app.deployments.router import EVENTS_S, REPORT_S
+from app.engine.metrics import install_engine_metrics
 from app.engine.request import EngineRequest, RequestOutput
 from app.logs import setup_logging
-from app.observability import span_from
+from app.observability import TracingConfig, rank_span, setup_tracing, shutdown_tracing
 
 logger = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 5.0  # a report to the Router
@@ -36,9 +37,12 @@ class DPRank:
         max_queued_tokens: int | None = None,
         step_timeout_s: float | None = None,
         stream_interval_s: float = 0.0,
+        tracing: TracingConfig | None = None,
+        metrics_interval_s: float | None = 1.0,
         engine_cls: type[RankEngine] = LocalRankEngine,
     ) -> None:
         setup_logging()
+        setup_tracing(tracing, "DPRank")
         self.step_timeout_s = step_timeout_s
         self.engine: RankEngine = engine_cls(  # type: ignore[call-arg]
             engine_cfg, max_pending, max_queued_tokens, stream_interval_s, step_timeout_s
@@ -46,6 +50,9 @@ class DPRank:
         self.router = router
         self._queued_cost = 0.0  # predicted prefill tokens of requests before their 1st token
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.metrics = metrics_interval_s and install_engine_metrics(
+            self.engine.core, metrics_interval_s
+        )  # app.engine.metrics: Ray's metrics export, one series per rank
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
         self._reporter.start()
@@ -90,22 +97,12 @@ class DPRank:
         one :class:`Refusal` (invalid, overloaded, unavailable) instead of the ack. ``cost``:
         the prefill tokens the Router predicted for it here (its cache hit taken off)."""
         del target  # consumed by PinnedRequestRouter
-        with span_from(
-            req.trace_context,
-            "rank.generate",
-            rank=self.replica_id,
-            prompt_tokens=len(req.prompt_token_ids),
-        ) as span:
-            # engine phases as span events: queued (admitted) -> prefill -> decode -> done
-            first, started = True, False
+        # the engine adds the phase events (app.engine.lifecycle) to the span
+        with rank_span(req, self.engine.core, rank=self.replica_id) as span:
+            started = False
             try:
                 async for out in self._costed(req, cost):
                     started = True
-                    if not out.token_ids and not out.finished:
-                        span.add_event("queued")
-                    elif first and out.token_ids:
-                        span.add_event("prefill_done", {"cached_tokens": out.num_cached_tokens})
-                        first = False
                     yield out
             except Exception as e:
                 refusal = None if started else Refusal.of(e)
@@ -114,7 +111,6 @@ class DPRank:
                 span.set_attribute("refused", refusal.kind)
                 yield refusal
                 return
-            span.add_event("decode_done")
             span.set_attribute("finish_reason", str(out.finish_reason))
 
     async def _costed(self, req: EngineRequest, cost: float | None) -> AsyncIterator:
@@ -176,3 +172,4 @@ class DPRank:
             self.router.drop.remote(self.replica_id)
         except Exception:
             logger.debug("leaving the router failed", exc_info=True)
+        shutdown_tracing()  # export the spans still queued

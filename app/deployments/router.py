@@ -25,6 +25,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from app.cache.events import KVEventBatch, KVSnapshot
 from app.deployments.routing import Decision, RankView, RouteQuery, RoutingConfig, RoutingPolicy
 from app.logs import setup_logging
+from app.observability import TracingConfig, setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,11 @@ class _Metrics:
 class Router:
     """Global view of the DP ranks: their load and their prefix-cache contents."""
 
-    def __init__(self, cfg: RoutingConfig | None = None) -> None:
+    def __init__(
+        self, cfg: RoutingConfig | None = None, tracing: TracingConfig | None = None
+    ) -> None:
         setup_logging()
+        setup_tracing(tracing, "Router")
         self.cfg = cfg or RoutingConfig()
         self.policy = RoutingPolicy(self.cfg)
         self.policy_name = self.cfg.policy

@@ -31,11 +31,12 @@ from tokenizers import Tokenizer
 from app.cache.layout import CacheLayout
 from app.cache.manager import CacheManager
 from app.config import EngineConfig, EngineConfigError
+from app.engine.lifecycle import RequestTrace
 from app.engine.outputs import HostSamples, OutputProcessor
 from app.engine.request import EngineRequest, FinishReason, RequestError, RequestOutput
 from app.engine.runner import ModelRunner, StepInputs
 from app.engine.sampler import RowState, SampleOutput, sample, to_device
-from app.engine.scheduler import Scheduled, Scheduler, Sequence
+from app.engine.scheduler import Scheduled, Scheduler, SchedulerOutput, Sequence
 from app.engine.spec.proposer import Proposer, check_speculation, make_proposer
 from app.engine.spec.verify import accepted_lengths, accepted_prefix
 from app.engine.validation import RequestLimits, check_request
@@ -216,6 +217,12 @@ class EngineCore:
         self._flight: _Flight | None = None
         self._prev_rows: dict[str, int] = {}  # request -> row of the last sample output
         self.stats = EngineStats(spec_accepted_at=[0] * self.num_drafts)
+        # observability (app.engine.lifecycle, app.engine.metrics): phase events of traced
+        # requests (registered here by request id before add_request, from any thread), and a
+        # hook called after every step with (its schedule, its perf_counter start, seconds)
+        self.traces: dict[str, RequestTrace] = {}
+        self._num_traced = 0  # live requests with a trace: 0 = no tracing work in a step
+        self.on_step: Callable[[SchedulerOutput, float, float], None] | None = None
         # Everything built so far (the model, the pools, the tokenizer) lives as long as the
         # engine: moved out of the collector's generations, so a collection scans only what the
         # steps allocate. (A host stall is device idle time under overlap; a full collection
@@ -256,6 +263,11 @@ class EngineCore:
             except GrammarError as e:
                 raise RequestError("constraint", str(e)) from e
         seq = Sequence(req=req, tokens=list(req.prompt_token_ids), matcher=matcher)
+        seq.arrived = time.perf_counter()
+        if self.traces and (trace := self.traces.pop(req.request_id, None)) is not None:
+            seq.trace = trace
+            self._num_traced += 1
+            trace.event("queued", prompt_tokens=seq.num_prompt)
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(req.prompt_token_ids)
@@ -309,6 +321,8 @@ class EngineCore:
         st = self.stats
         sched = self.scheduler.schedule()
         st.num_preemptions += len(sched.preempted)
+        if self._num_traced:
+            self._trace_schedule(sched, t0)
         t1 = time.perf_counter()
         inputs = None
         if sched.items:
@@ -335,8 +349,28 @@ class EngineCore:
             if not self.overlap:
                 self._flight = None
                 outs += self._complete(launched)
-        self._stats(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self._stats(dt)
+        if self.on_step is not None:
+            self.on_step(sched, t0, dt)
         return outs
+
+    @staticmethod
+    def _trace_schedule(sched: SchedulerOutput, t0: float) -> None:
+        """Phase events of traced requests in this schedule (app.engine.lifecycle)."""
+        for seq in sched.admitted:
+            if seq.trace is not None:
+                seq.trace.event("scheduled", cached_tokens=seq.num_cached,
+                                queue_wait_s=round(t0 - seq.arrived, 6))  # fmt: skip
+        for it in sched.items:
+            seq = it.seq
+            if seq.trace is not None and it.start < seq.num_prompt:
+                seq.trace.event("prefill_chunk", start=it.start,
+                                tokens=min(it.num_tokens, seq.num_prompt - it.start),
+                                cached_tokens=seq.num_cached)  # fmt: skip
+        for seq in sched.preempted:
+            if seq.trace is not None:
+                seq.trace.event("preempted", preemptions=seq.num_preemptions)
 
     def _complete(self, flight: _Flight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them."""
@@ -588,6 +622,9 @@ class EngineCore:
                 self._take_drafts(seq, host.drafts[flight.draft_rows[rid]], flight, rid)
             outs.append(self.outputs.output(seq, new, lps if new and want is not None else None,
                                             finished, plp))  # fmt: skip
+            if new and seq.trace is not None and not seq.trace.first_token:
+                seq.trace.first_token = True
+                seq.trace.event("first_token", output_tokens=len(seq.tokens) - seq.num_prompt)
             if finished:
                 self._finish(seq)
         return outs
@@ -616,6 +653,11 @@ class EngineCore:
     def _finish(self, seq: Sequence) -> None:
         """Forget a finished request; free its KV now, or once the step in flight is done."""
         self._seqs.pop(seq.request_id, None)
+        if seq.trace is not None:
+            self._num_traced -= 1
+            reason = seq.finish_reason.value if seq.finish_reason is not None else "unknown"
+            seq.trace.finish(reason, len(seq.tokens) - seq.num_prompt, seq.num_cached)
+            seq.trace = None
         flight = self._flight
         if flight is not None and any(it.seq is seq for it in flight.items):
             flight.finished_while_in_flight.append(seq)

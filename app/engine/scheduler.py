@@ -23,6 +23,7 @@ from app.cache.block_pool import NoFreeBlocks
 from app.cache.manager import CacheManager
 from app.config import SchedulerConfig
 from app.engine.fairness import LongPrefillShare
+from app.engine.lifecycle import RequestTrace
 from app.engine.request import EngineRequest, FinishReason
 
 
@@ -56,6 +57,8 @@ class Sequence:
     num_preemptions: int = 0
     drafts: list[int] = field(default_factory=list)  # proposed tokens after ``tokens``
     draft_logits: object | None = None  # their proposal logits [k, V] (device tensor)
+    arrived: float = 0.0  # perf_counter() at add_request (queue wait)
+    trace: RequestTrace | None = None  # phase events of a traced request (app.engine.lifecycle)
 
     @property
     def request_id(self) -> str:
@@ -98,6 +101,7 @@ class Scheduled:
 class SchedulerOutput:
     items: list[Scheduled]
     preempted: list[Sequence]
+    admitted: list[Sequence] = field(default_factory=list)  # moved from waiting to running
 
     @property
     def num_tokens(self) -> int:
@@ -229,6 +233,7 @@ class Scheduler:
             self.waiting.pop(i)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            out.admitted.append(seq)
             self._take(seq, n, out)
             budget -= n
         out.items = self._dropped_last(out.items)
