@@ -376,13 +376,15 @@ def _lr(frac: float, peak: float, warmup: float = 0.03) -> float:
 class Budget:
     """Progress of a run sized by steps (``steps``) or by wall time (``seconds``)."""
 
-    def __init__(self, steps: int | None, seconds: float) -> None:
+    def __init__(self, steps: int | None, seconds: float, cap: int | None = None) -> None:
         self.steps, self.seconds, self.t0, self.done = steps, seconds, time.time(), 0
+        self.cap = cap  # a wall-time run ends after at most this many steps
 
     def frac(self) -> float:
         if self.steps is not None:
             return self.done / max(self.steps, 1)
-        return (time.time() - self.t0) / self.seconds
+        t = (time.time() - self.t0) / self.seconds
+        return max(t, self.done / self.cap) if self.cap else t
 
     def more(self) -> bool:
         return self.frac() < 1.0
@@ -490,7 +492,8 @@ def _train_target(model, stream, size, args, record, log):
         [m for n, m in model.named_modules() if isinstance(m, Gate) and not n.startswith("mtp.")],
         1e-3,
     )
-    budget = Budget(args.steps, args.minutes * 60 * 0.8)
+    cap = int(args.max_epochs * stream.tokens_per_epoch / size.seq_len)
+    budget = Budget(args.steps, args.minutes * 60 * 0.8, cap)
     losses, t0 = [], time.time()
     while budget.more():
         lr = _lr(budget.frac(), size.lr)
@@ -651,6 +654,10 @@ def train(args) -> dict:
         logf.write(msg + "\n")
         logf.flush()
 
+    def save(record: dict) -> None:
+        (out / "train_record.json").write_text(json.dumps(record, indent=1) + "\n")
+        write_loss_png(record, out / "loss.png")
+
     size = SIZES[args.config]
     if args.seq_len:
         size = replace(size, seq_len=args.seq_len)
@@ -712,13 +719,14 @@ def train(args) -> dict:
             f"held-out ({n} tokens of documents not trained on): perplexity {math.exp(nll):.2f}"
             f", unigram baseline {math.exp(uni):.2f}"
         )
+        save(record)
         _train_dspark(model, stream, size, args, record, log)
         model.eval()
         path = export(model, raw, tok, out / NAME)
+        save(record)  # a run stopped during the checks keeps its model and record
         check_export(model, path, tok, records, enc, size, args, record, log)
     record["total_seconds"] = round(time.time() - t_start, 1)
-    (out / "train_record.json").write_text(json.dumps(record, indent=1) + "\n")
-    write_loss_png(record, out / "loss.png")
+    save(record)
     log(f"done in {record['total_seconds']}s: {out / 'train_record.json'}, {out / 'loss.png'}")
     return record
 
@@ -886,6 +894,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--minutes", type=float, default=7.0, help="wall-time budget of training")
     ap.add_argument("--steps", type=int, default=None, help="target steps (overrides minutes)")
     ap.add_argument("--dspark-steps", type=int, default=None)
+    ap.add_argument("--max-epochs", type=float, default=20.0, help="cap of a wall-time run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (override)")
     ap.add_argument("--data-limit", type=int, default=None, help="use about N records (tests)")

@@ -52,3 +52,14 @@ def test_train_small_loss_falls_and_export_loads(tmp_path):
     logits = reference_logits(model, torch.tensor([0, 3, 5, 7]))
     assert torch.isfinite(logits).all()
     assert rec["export"]["greedy_answers_identical"].endswith("/1")
+
+
+def test_trained_demo_model_name_resolves_to_models_dir(tmp_path, monkeypatch):
+    from app.engine import model_path
+
+    monkeypatch.setattr(model_path, "MODELS_DIR", tmp_path)
+    with pytest.raises(ValueError, match="tools/train_tiny.py"):
+        model_path.resolve_model("tiny-v41-chat")
+    (tmp_path / "tiny-v41-chat").mkdir()
+    (tmp_path / "tiny-v41-chat" / "config.json").write_text("{}")
+    assert model_path.resolve_model("tiny-v41-chat") == tmp_path / "tiny-v41-chat"
