@@ -27,7 +27,7 @@ serve: $(RUN_STAMP)
 	RAY_AUTH_MODE=disabled $(BIN)/python -m app.run serve_config.yaml
 
 test: $(DEV_STAMP)
-	$(BIN)/ruff check app kernels tests bench
+	$(BIN)/ruff check app kernels tests bench tools
 	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest tests
 
 # On a CUDA machine with torch + triton already there (the lent H200 has no network, so no
@@ -44,7 +44,7 @@ gpu-bench:
 	PYTHONPATH=. $(PY) -m bench.kernels_attention --quick
 
 lint: $(DEV_STAMP)
-	$(BIN)/ruff check app kernels tests bench
+	$(BIN)/ruff check app kernels tests bench tools
 
 clean:
 	rm -rf $(VENV)

@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -101,15 +102,35 @@ def make_tiny_checkpoint(
         raw = tiny_config_v41(tok, block or 32, expert_dtype)
     else:
         raw = tiny_config_v4(block or 128, expert_dtype)
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     cfg = ModelConfig.from_dict(raw)
-
     g = torch.Generator().manual_seed(seed)
-    entries: list[tuple[str, torch.Tensor]] = []
-    for name, t in build_empty_model(cfg).state_dict().items():
-        entries += _store(name, _init(name, tuple(t.shape), cfg, g), cfg)
+    values = (
+        (name, _init(name, tuple(t.shape), cfg, g))
+        for name, t in build_empty_model(cfg).state_dict().items()
+    )
+    return write_checkpoint(out, raw, values)
 
-    bounds = [0, *_cuts(entries, N_SHARDS), len(entries)]
+
+def write_checkpoint(
+    out_dir: str | Path,
+    raw_config: dict,
+    values: Iterable[tuple[str, torch.Tensor]],
+    n_shards: int = N_SHARDS,
+) -> Path:
+    """Write ``config.json``, the shards and the index of a model into ``out_dir``: ``values``
+    are (checkpoint name, fp32 value) pairs in state-dict order, each stored as an official
+    checkpoint stores it (``checkpoint_quant_kind``: fp8 blocks + e8m0 scales, packed fp4
+    experts, rowwise fp8 Engram tables, bf16/fp32). The tokenizer files are the caller's.
+    Used by :func:`make_tiny_checkpoint` and by ``tools/train_tiny.py`` (trained weights)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
+    cfg = ModelConfig.from_dict(raw_config)
+    entries: list[tuple[str, torch.Tensor]] = []
+    for name, value in values:
+        entries += _store(name, value, cfg)
+
+    bounds = [0, *_cuts(entries, n_shards), len(entries)]
     n = len(bounds) - 1
     weight_map: dict[str, str] = {}
     for k in range(n):

@@ -1,0 +1,1 @@
+"""Offline tools of the project (not imported by the serving path)."""
