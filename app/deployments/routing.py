@@ -15,8 +15,10 @@ the state and :class:`RoutingPolicy` decides).
 queued after it on that rank (so a prefix is not recomputed on a second rank to save a
 request a short wait: duplicated prefills cost the whole fleet). The lowest cost wins, ties
 to the least loaded rank (then the rank id). A request no
-rank holds a prefix of goes, among the ranks about as cheap, to the one holding the fewest
-prefix blocks (the "smallest tenant": new groups spread evenly). A balance
+rank holds a prefix of goes, among the ranks within the balance bound, to the one holding the
+fewest prefix blocks (the "smallest tenant", as Ray's and SGLang's routers place new
+prefixes): a prefix's first request fixes where its later hits go, so placing it by the
+queue of the moment leaves lasting imbalance. A balance
 bound keeps a hot prefix from piling onto one rank: when the winner has more than
 ``balance_abs`` requests over the least loaded rank *and* more than ``balance_rel`` times its
 count, the least loaded rank takes the request (and so becomes a second holder of the prefix).
@@ -180,12 +182,12 @@ class RoutingPolicy:
         rank = min(costs, key=lambda r: (costs[r][0], by_rank[r].outstanding, r))
         reason = "prefix" if costs[rank][1] > 0 else "load"
         if reason == "load":
-            # a new prefix: of the ranks about as cheap now (within half its prefill), the one
-            # holding the fewest prefix blocks, so groups (and the hits that follow them) are
-            # placed evenly rather than on whichever rank was idle at this instant
-            near = costs[rank][0] + cfg.compute_weight * L / 2
+            # a new prefix: of the ranks within the balance bound, the one holding the fewest
+            # prefix blocks, so groups (and the hits that follow them, for as long as they
+            # last) are placed evenly, not on whichever rank's queue was short at this instant
+            # (W7: placing new prefixes by queue left one rank with 25% more of the traffic)
             rank = min(
-                (r for r in costs if costs[r][0] <= near),
+                (r for r in costs if not over_bound(by_rank[r])),
                 key=lambda r: (self.index.held(r), costs[r][0], r),
             )
         if over_bound(by_rank[rank]):
