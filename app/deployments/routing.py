@@ -11,9 +11,12 @@ the state and :class:`RoutingPolicy` decides).
     replay(H)  = min(H, W)   bounded replay recomputes the last window W before a hit
                  H           bounded_replay "off": a hit saves memory, not compute
 
-``compute_weight`` > 1 charges a request for the delay its own prefill adds to every request
-queued after it on that rank (so a prefix is not recomputed on a second rank to save a
-request a short wait: duplicated prefills cost the whole fleet). The lowest cost wins, ties
+``compute_weight`` (4) > 1 charges a request for the delay its own prefill adds to every
+request queued after it on that rank, and allows for the engine sharing each step's token
+budget between a long prefill and the short ones behind it (fairness.py), so a queue delays a
+short hit less than its token count: a prefix is not recomputed on a second rank to save one
+request a short wait (W7 at weight 2: hits spilled to non-holders behind two queued misses,
+and each spill was a duplicated 1K-token prefill). The lowest cost wins, ties
 to the least loaded rank (then the rank id). A request no
 rank holds a prefix of goes, among the ranks within the balance bound, to the one holding the
 fewest prefix blocks (the "smallest tenant", as Ray's and SGLang's routers place new
@@ -56,7 +59,7 @@ class RoutingConfig:
     balance_abs: int = 16
     balance_rel: float = 1.5
     running_weight: float = 16.0
-    compute_weight: float = 2.0
+    compute_weight: float = 4.0
     max_index_blocks: int = 4_000_000
     pending_ttl_s: float = 30.0
     max_sessions: int = 100_000

@@ -115,8 +115,8 @@ def test_router_picks_least_loaded_live_rank():
         assert await router.choose(RouteQuery(10)) is None  # no rank reported yet
         await router.report("busy", {"num_running": 5, "num_waiting": 2, "kv_usage": 0.5}, {})
         await router.report("idle", {"num_running": 1, "num_waiting": 0, "kv_usage": 0.1}, {})
-        # cost = 16 x outstanding + queued prefill tokens + this prompt: busy 7*16+10 = 122,
-        # idle 26 + 26 per request sent since its report; so idle takes four, busy the fifth
+        # cost = 16 x outstanding + queued prefill tokens + 4 x this prompt: busy 7*16+40 =
+        # 152, idle 56 + 26 per request sent since its report: idle takes four, busy the fifth
         picks = [(await router.choose(RouteQuery(10))).target for _ in range(6)]
         assert picks == ["idle"] * 4 + ["busy", "idle"]
         # a rank that stopped reporting is not chosen and not listed
@@ -158,10 +158,11 @@ def test_a_new_prefix_follows_its_first_request_before_the_events_land():
         first = await router.choose(q(LONG + [1]))
         # nothing is cached yet: pending entries make the next requests of the group follow
         # the first (load alone would spread them over the three ranks). On the first's rank
-        # the n-th costs 16 n + 129 + 9 (n - 1) (sent work) + 2 x (1 + 8); elsewhere 2 x 129
-        rest = [await router.choose(q(LONG + [i])) for i in range(2, 7)]
-        assert [d.target == first.target for d in rest] == [True] * 4 + [False]  # 263 > 258
-        assert all(d.cached_tokens == 128 and d.confirmed_tokens == 0 for d in rest[:4])
+        # the j-th costs 16 j + 129 + 9 (j - 1) (sent work) + 4 x (1 + 8) = 25 j + 156;
+        # elsewhere 4 x 129 = 516: the first 14 follow, the 15th (531) goes elsewhere
+        rest = [await router.choose(q(LONG + [i])) for i in range(2, 17)]
+        assert [d.target == first.target for d in rest] == [True] * 14 + [False]
+        assert all(d.cached_tokens == 128 and d.confirmed_tokens == 0 for d in rest[:14])
 
     asyncio.run(run())
 
@@ -178,7 +179,7 @@ def test_a_hot_prefix_spreads_past_the_balance_bound():
         assert (d.target, d.reason) == ("a", "prefix")
         await a.report({"num_running": 6, "num_waiting": 0, "kv_usage": 0.2})
         await b.report({"num_running": 1, "num_waiting": 0, "kv_usage": 0.0})
-        # a holds the prefix and costs less (16 x 6 + 2 x 9 = 114 vs 16 + 2 x 129 = 274) but
+        # a holds the prefix and costs less (16 x 6 + 4 x 9 = 132 vs 16 + 4 x 129 = 532) but
         # has 6 requests against b's 1 (> 1 + 4 and > 1.5 x 1): b takes it
         d = await router.choose(q(LONG + [5]))
         assert (d.target, d.reason, d.best_hit_tokens) == ("b", "balance", 128)
