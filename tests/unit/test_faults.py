@@ -29,23 +29,29 @@ from tests.unit.test_api import api_config, engine  # noqa: F401 (fixture)
 
 pytest.importorskip("ray")
 from app.deployments.router import STALE_S, Router  # noqa: E402
+from app.deployments.routing import RouteQuery  # noqa: E402
 
 
 def test_router_drops_failed_silent_and_unhealthy_ranks():
     async def run() -> None:
         router = Router.func_or_class()
+
+        async def choose(exclude: tuple[str, ...] = ()) -> str | None:
+            d = await router.choose(RouteQuery(5, exclude=exclude))
+            return None if d is None else d.target
+
         for r in ("a", "b", "c"):
             await router.report(r, {"num_running": 0}, {})
         await router.drop("a")  # the ingress saw a call to it fail
         assert set(await router.ranks_stats()) == {"b", "c"}
-        assert await router.choose(5, ["b"]) == "c"  # a retry excludes the rank that failed
-        assert await router.choose(5, ["b", "c"]) is None
+        assert await choose(("b",)) == "c"  # a retry excludes the rank that failed
+        assert await choose(("b", "c")) is None
         await router.report("b", {"num_running": 0, "healthy": 0}, {})  # its engine stopped
-        assert {await router.choose(5) for _ in range(4)} == {"c"}
+        assert {await choose() for _ in range(4)} == {"c"}
         router.ranks["c"].seen = time.monotonic() - STALE_S - 1  # stopped reporting
-        assert await router.choose(5) is None and "c" not in router.ranks
+        assert await choose() is None and "c" not in router.ranks
         await router.report("a", {"num_running": 0}, {})  # alive after all: back at once
-        assert await router.choose(5) == "a"
+        assert await choose() == "a"
 
     asyncio.run(run())
 
