@@ -51,11 +51,12 @@ if __package__ in (None, ""):  # `python tools/train_tiny.py`: the repository ro
 
 from app.model.config import ModelConfig  # noqa: E402
 from app.model.dspark import DSparkDrafter  # noqa: E402
-from app.model.engram_hash import compressed_token_map, engram_hash_spec  # noqa: E402
+from app.model.engram_hash import compressed_token_map  # noqa: E402
 from app.model.kv_store import KVRows  # noqa: E402
 from app.model.model import DeepseekModel  # noqa: E402
 from app.model.moe import Gate  # noqa: E402
 from app.model.reference import reference_logits  # noqa: E402
+from app.model.tiny_config import v41_schedule_config  # noqa: E402
 from app.model.tokenizer import SPECIAL_TOKENS  # noqa: E402
 from kernels.dispatch import reference_kernels  # noqa: E402
 from tools import demo_data  # noqa: E402
@@ -116,93 +117,31 @@ def demo_config(size: Size, n_compressed: int, noise_id: int) -> dict:
     """Official-layout config.json of the demo model: the tiny V4.1 layer schedule
     (``app.model.tiny_config``: SWA, SWA+Engram, Full r2, Reuse r2+Engram, Full r1 candidate
     source, Reuse, Reindex, Reuse; 3 DSpark stages tapping layers 5-7) at ``size``."""
-    engram_layers = (1, 3)
-    spec = engram_hash_spec(engram_layers, 4, size.engram_heads, size.engram_vocab, n_compressed)
-    text = {
-        "model_type": "deepseek_v41_text",
-        "vocab_size": size.vocab,
-        "hidden_size": size.hidden,
-        "num_attention_heads": size.heads,
-        "num_key_value_heads": 1,
-        "head_dim": size.head_dim,
-        "qk_rope_head_dim": size.rope_dim,
-        "q_lora_rank": size.q_lora,
-        "o_groups": 2,
-        "o_lora_rank": size.o_lora,
-        "sliding_window": size.window,
-        "index_head_dim": 32,
-        "index_n_heads": 4,
-        "index_topk": size.index_topk,
-        "n_routed_experts": size.experts,
-        "num_experts_per_tok": size.top_k,
-        "n_shared_experts": 1,
-        "moe_intermediate_size": size.inter,
-        "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 1.5,
-        "swiglu_limit": 10.0,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "compress_rope_theta": 160000.0,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 16,
-            "original_max_position_embeddings": 65536,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
-        "max_position_embeddings": 1048576,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 2,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "num_hidden_layers": 8,
-        "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0],
-        "kv_source_layer_ids": [2, 4],
-        "index_source_layer_ids": [2, 4, 6],
-        "candidate_source_layer_id": 4,
-        "candidate_topk_blocks": size.cand_blocks,
-        "candidate_block_size": size.cand_block,
-        "rms_norm_eps": 1e-20,
-        "engram_layer_ids": list(engram_layers),
-        "engram_num_embeddings": list(spec.table_rows()),
-        "engram_max_ngram_size": 4,
-        "engram_vocab_size": size.engram_vocab,
-        "engram_n_heads": size.engram_heads,
-        "engram_head_dim": size.engram_dim,
-        "engram_pad_token_id": 2,
-        "engram_compressed_vocab_size": n_compressed,
-        "num_nextn_predict_layers": 3,
-        "dspark_block_size": 5,
-        "dspark_noise_token_id": noise_id,
-        "dspark_target_layer_ids": [5, 6, 7],
-        "dspark_markov_rank": size.markov_rank,
-        "dspark_n_routed_experts": size.dspark_experts,
-        "dspark_num_experts_per_tok": 2,
-    }
-    return {
-        "architectures": ["DeepseekV41ForCausalLM"],
-        "model_type": "deepseek_v41",
-        "text_config": text,
-        "vision_config": {"num_hidden_layers": 0},
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 2,
-        "image_token_id": SPECIAL_TOKENS.index("<｜image｜>"),
-        "tie_word_embeddings": False,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [32, 32],
-            "expert_dtype": "fp4",
-        },
-    }
+    raw = v41_schedule_config(
+        n_compressed,
+        engram_vocab=size.engram_vocab,
+        engram_heads=size.engram_heads,
+        vocab_size=size.vocab,
+        hidden_size=size.hidden,
+        num_attention_heads=size.heads,
+        head_dim=size.head_dim,
+        qk_rope_head_dim=size.rope_dim,
+        q_lora_rank=size.q_lora,
+        o_lora_rank=size.o_lora,
+        sliding_window=size.window,
+        index_topk=size.index_topk,
+        n_routed_experts=size.experts,
+        num_experts_per_tok=size.top_k,
+        moe_intermediate_size=size.inter,
+        candidate_topk_blocks=size.cand_blocks,
+        candidate_block_size=size.cand_block,
+        engram_head_dim=size.engram_dim,
+        dspark_noise_token_id=noise_id,
+        dspark_markov_rank=size.markov_rank,
+        dspark_n_routed_experts=size.dspark_experts,
+    )
+    raw["image_token_id"] = SPECIAL_TOKENS.index("<｜image｜>")
+    return raw
 
 
 # ---- tokenizer and data -------------------------------------------------------------------

@@ -150,7 +150,7 @@ class DPRank:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (``app.deployments.autoscaling.RankPolicy``)."""
-        load = self.engine.load()
+        load = self._load()
         return {
             "kv_usage": float(load.get("kv_usage", 0.0)),
             "queued_prefill_tokens": float(load.get("queued_prefill_tokens", 0.0)),

@@ -71,9 +71,22 @@ def tiny_config_v41(
 ) -> dict[str, Any]:
     """Official-layout config.json (``text_config`` nested) of the tiny V4.1 model;
     ``block`` is the fp8 weight block, ``expert_dtype`` how routed experts are stored."""
-    _, n_compressed = compressed_token_map(tokenizer)
+    return v41_schedule_config(compressed_token_map(tokenizer)[1], block, expert_dtype)
+
+
+def v41_schedule_config(
+    n_compressed: int,
+    block: int = 32,
+    expert_dtype: str = "fp4",
+    engram_vocab: int = 97,
+    engram_heads: int = 2,
+    **sizes: Any,
+) -> dict[str, Any]:
+    """The tiny V4.1 layer schedule's config.json, with ``sizes`` overriding ``text_config``
+    fields (widths, windows, vocabulary: the trained demo model, ``tools/train_tiny.py``);
+    ``engram_vocab`` / ``engram_heads`` also size the Engram tables."""
     engram_layers = (1, 3)
-    spec = engram_hash_spec(engram_layers, 4, 2, 97, n_compressed)
+    spec = engram_hash_spec(engram_layers, 4, engram_heads, engram_vocab, n_compressed)
     text = {
         **_common(),
         "model_type": "deepseek_v41_text",
@@ -90,8 +103,8 @@ def tiny_config_v41(
         "engram_layer_ids": list(engram_layers),
         "engram_num_embeddings": list(spec.table_rows()),
         "engram_max_ngram_size": 4,
-        "engram_vocab_size": 97,
-        "engram_n_heads": 2,
+        "engram_vocab_size": engram_vocab,
+        "engram_n_heads": engram_heads,
         "engram_head_dim": 32,
         "engram_pad_token_id": 2,
         "engram_compressed_vocab_size": n_compressed,
@@ -103,6 +116,7 @@ def tiny_config_v41(
         "dspark_n_routed_experts": 4,
         "dspark_num_experts_per_tok": 2,
         "pad_token_id": 2,
+        **sizes,
     }
     return {
         "architectures": ["DeepseekV41ForCausalLM"],

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import socket
 import threading
 import time
 from collections import defaultdict
@@ -24,17 +23,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
 from ray import serve  # noqa: E402
 
 from app.builder import build_app  # noqa: E402
+from tests.integration.serve_util import free_port, wait_healthy  # noqa: E402
 
 MODEL = "tiny-v41"
 KEY = "obs-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"model": MODEL, "thinking": {"type": "disabled"}, "ignore_eos": True}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _value(v) -> object:
@@ -102,7 +96,7 @@ class Receiver:
 def app(tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rcv = Receiver()
-    http_port, metrics_port = _port(), _port()
+    http_port, metrics_port = free_port(), free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
@@ -127,14 +121,7 @@ def app(tmp_path_factory):
     }
     serve.run(build_app(args), name="fathom", route_prefix="/")
     base = f"http://127.0.0.1:{http_port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    wait_healthy(base)
     yield base, rcv, f"http://127.0.0.1:{metrics_port}/metrics"
     if os.environ.get("FATHOM_SPANS_DUMP"):  # the spans received, for a look (docs)
         with open(os.environ["FATHOM_SPANS_DUMP"], "w") as f:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import time
 
 import httpx
@@ -18,22 +17,17 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from app.builder import build_app  # noqa: E402
+from tests.integration.serve_util import free_port  # noqa: E402
 
 P = 64  # the tiny model's KV block (CacheConfig.resolve_block_size)
 rng = random.Random(7)
 PREFIX = [rng.randrange(3, 500) for _ in range(16 * P)]  # 1024 tokens: 16 blocks
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    port = _port()
+    port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import time
 
 import grpc
@@ -21,6 +20,7 @@ from ray.serve.config import gRPCOptions  # noqa: E402
 from app.builder import build_app  # noqa: E402
 from app.grpc import fathom_pb2 as pb  # noqa: E402
 from app.grpc import fathom_pb2_grpc as pbg  # noqa: E402
+from tests.integration.serve_util import free_port, wait_healthy  # noqa: E402
 from tests.unit.test_api_errors import CASES  # noqa: E402
 
 MODEL = "tiny-v41"
@@ -33,16 +33,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_META = (("application", "fathom"), ("authorization", f"Bearer {KEY}"))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_urls(tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    http_port, grpc_port = _port(), _port()
+    http_port, grpc_port = free_port(), free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(
         http_options={"host": "127.0.0.1", "port": http_port},
@@ -70,14 +64,7 @@ def app_urls(tmp_path_factory):
     }
     serve.run(build_app(args), name="fathom", route_prefix="/")
     base = f"http://127.0.0.1:{http_port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    wait_healthy(base)
     yield base, f"127.0.0.1:{grpc_port}"
     serve.shutdown()
     ray.shutdown()
