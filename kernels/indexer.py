@@ -11,7 +11,10 @@ Triton designs:
 - ``topk_triton``, rows up to 16384: radix select in registers. A program maps scores to
   order-preserving int32 keys, finds the k-th key with four 8-bit histogram passes, keeps every
   key above it plus the lowest-index ties, and compacts them in index order (a cumsum).
-- Longer rows (256K candidates at 1M context): (1) every 2048-chunk adds a 256-bin histogram
+- Longer rows (256K candidates at 1M context) when rows x tiles of 2048-4096 scores fit one
+  program per SM: ``kernels.topk_grid``, an exact radix select in one launch (programs meet
+  at grid barriers between its phases).
+- Otherwise, and under the interpreter: (1) every 2048-chunk adds a 256-bin histogram
   of its keys' top byte to the row's (integer atomics), then (2) of the second byte of the keys
   in the top-byte bin holding the k-th largest; (3) each chunk appends its scores whose 16-bit
   prefix is >= the prefix holding the k-th largest to the row's list (k + that prefix's ties);
@@ -34,6 +37,7 @@ import triton.language as tl
 
 from kernels.dispatch import op
 from kernels.kv_quant import e2m1_to_f32
+from kernels.topk_grid import grid_topk, grid_topk_plan
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -547,7 +551,8 @@ def _topk_coarse(scores: torch.Tensor, kk: int, out: torch.Tensor) -> torch.Tens
 def topk_triton(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``topk_ref``: ``scores`` [T, C] fp32 (+inf counts as a valid score) ->
     int64 [T, min(k, C)] ascending ids, -1 for picks scoring -inf (into ``out`` if given).
-    Rows up to 16384 wide: one program each; longer rows: the coarse-histogram path.
+    Rows up to 16384 wide: one program each; longer rows: one grid-synchronized launch
+    (kernels.topk_grid) when one program per SM covers them, else the coarse-histogram path.
     Needs min(k, C) <= 4096 when C > 16384."""
     if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"scores must be fp32 [T, C] with a contiguous last dim: {scores.shape}")
@@ -562,6 +567,11 @@ def topk_triton(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
     if C > _ONE_CHUNK and 4 * triton.next_power_of_2(kk) > _ONE_CHUNK:
         raise ValueError(f"top-{kk} of {C} candidates is beyond the chunked select")
     if C > _ONE_CHUNK:
+        plan = None if _INTERPRET else grid_topk_plan(T, C, _sm_count(scores.device.index or 0))
+        if plan is not None:  # one launch (kernels.topk_grid)
+            return grid_topk(scores, kk, out, block=plan[0], num_warps=plan[1])
+        if not _INTERPRET and kk >= 2048:  # the grid select's phases as launches (H200: faster)
+            return grid_topk(scores, kk, out, fused=False)
         return _topk_coarse(scores, kk, out)
     return _topk_chunked(scores, kk, out)
 

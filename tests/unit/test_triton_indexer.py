@@ -12,6 +12,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kernels import indexer as ix  # noqa: E402
+from kernels.topk_grid import grid_topk  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not ix._INTERPRET and not torch.cuda.is_available(),
@@ -120,3 +121,33 @@ def test_topk_coarse_ties_at_threshold():
     assert torch.equal(got, ix.topk_ref(s, 15))
     # 2.0 at 3001..3009 (3000 was overwritten by 1.5), then the 6 lowest of 17 tied 1.5s
     assert got[0].tolist() == [0, 1000, 2000, 3000, *range(3001, 3010), 4000, 5000]
+
+
+@pytest.mark.parametrize(("programs", "block"), [(None, 2048), (3, 256)])
+def test_grid_topk_phases(programs, block):
+    """The grid-synchronized select (kernels.topk_grid), its six phases launched one by one:
+    spans of several tiles, a row of 3 values (ties across spans), one mostly -inf (fewer
+    usable scores than k), +inf and -0. Ascending ids, lowest ids among ties, -1 tails."""
+    g = torch.Generator().manual_seed(11)
+    T, C = 4, 3000
+    s = torch.randn(T, C, generator=g)
+    s[1] = torch.randint(0, 3, (C,), generator=g).float()
+    s[2, : C - 100] = float("-inf")
+    s[3, 5::9] = float("inf")
+    s[3, 1::7] = -0.0
+    for k in (1, 300, C):
+        out = torch.full((T, k), -7, dtype=torch.int64)
+        grid_topk(s, k, out, fused=False, programs=programs, block=block)  # 2 / 3 programs
+        assert torch.equal(out, ix.topk_ref(s, k)), k
+
+
+def test_grid_topk_fused_one_program_per_row():
+    """The fused launch (barriers included) with one program per row, as the interpreter can
+    run it; an exact tie at the threshold shared by 1000 scores."""
+    s = torch.full((2, 3000), -1.0)
+    s[0, ::3] = 0.5
+    s[1, 7] = 2.0
+    out = torch.full((2, 100), -7, dtype=torch.int64)
+    grid_topk(s, 100, out, fused=True, programs=1, block=1024)
+    assert torch.equal(out, ix.topk_ref(s, 100))
+    assert out[0].tolist() == list(range(0, 300, 3)) and out[1, :2].tolist() == [0, 1]
