@@ -299,8 +299,10 @@ class ParallelConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise EngineConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
         if self.engram_placement not in ENGRAM_PLACEMENT_MODES:
-            raise EngineConfigError(f"engram_placement must be one of "
-                                    f"{ENGRAM_PLACEMENT_MODES}, got {self.engram_placement!r}")
+            raise EngineConfigError(
+                f"engram_placement must be one of "
+                f"{ENGRAM_PLACEMENT_MODES}, got {self.engram_placement!r}"
+            )
         if self.redundant_experts % self.ep_size or (self.redundant_experts and self.ep_size == 1):
             raise EngineConfigError(f"redundant_experts ({self.redundant_experts}) must be a "
                                     f"multiple of ep_size ({self.ep_size}) > 1")  # fmt: skip

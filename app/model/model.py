@@ -299,7 +299,7 @@ class DeepseekModel(nn.Module):
         a = batch.prefix_lens[batch.token_seq].unsqueeze(1)
         flat = (torch.arange(T, device=dev).unsqueeze(1) - k).clamp_min(0)
         tok = ids[flat]
-        back = ((a - 1 - q).clamp(0, max(n_back - 1, 0)))  # history index: newest first
+        back = (a - 1 - q).clamp(0, max(n_back - 1, 0))  # history index: newest first
         if batch.history is not None and n_back:
             old = batch.history[batch.token_seq.unsqueeze(1).expand_as(back), back]
         else:

@@ -254,7 +254,8 @@ class MoE(nn.Module):
     def set_ep(self, placement: ExpertPlacement, group: EPGroup) -> None:
         """Run the routed experts over ``group`` (this layer holds ``placement.local(rank)``)."""
         if self.local_experts != placement.local(group.rank) or self.slot_offset != (
-                placement.offset(group.rank)):
+            placement.offset(group.rank)
+        ):
             raise ValueError(f"this layer holds experts {self.local_experts}, the placement "
                              f"gives rank {group.rank} {placement.local(group.rank)}")  # fmt: skip
         self.ep, self._placement = group, placement
