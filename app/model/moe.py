@@ -253,10 +253,10 @@ class MoE(nn.Module):
 
     def set_ep(self, placement: ExpertPlacement, group: EPGroup) -> None:
         """Run the routed experts over ``group`` (this layer holds ``placement.local(rank)``)."""
-        if self.local_experts != placement.local(group.rank) or self.slot_offset != (
-            placement.offset(group.rank)
-        ):
-            raise ValueError(f"this layer holds experts {self.local_experts}, the placement "
+        held = self.local_experts or tuple(range(self.gate.weight.shape[0]))  # None: all
+        where = (placement.local(group.rank), placement.offset(group.rank))
+        if (held, self.slot_offset) != where:
+            raise ValueError(f"this layer holds experts {held}, the placement "
                              f"gives rank {group.rank} {placement.local(group.rank)}")  # fmt: skip
         self.ep, self._placement = group, placement
         self._routes = placement.routes(group.rank, self.gate.weight.device)
