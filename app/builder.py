@@ -7,18 +7,24 @@ Ingress (HTTP + gRPC) --choose(block hashes)--> Router   (one replica: loads + p
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import (
+    GangPlacementStrategy,
+    GangRuntimeFailurePolicy,
+    GangSchedulingConfig,
+    RequestRouterConfig,
+)
 
 from app.api.server import ApiConfig
 from app.cache.events import HASH_NAMESPACE
-from app.config import EngineConfig
+from app.config import EngineConfig, ParallelConfig
 from app.deployments.ingress import Ingress
 from app.deployments.rank import DPRank
-from app.deployments.router import PinnedRequestRouter, Router
+from app.deployments.router import EngramPlan, PinnedRequestRouter, Router
 from app.deployments.routing import RoutingConfig
 from app.engine.capacity import resolve_max_model_len
 from app.model.config import ModelConfig
@@ -36,6 +42,8 @@ class AppConfigs:
     max_pending_per_rank: int
     max_queued_tokens_per_rank: int
     routing: RoutingConfig
+    parallel: ParallelConfig
+    engram: EngramPlan
 
 
 def app_configs(sa: ServeArgs) -> AppConfigs:
@@ -81,7 +89,12 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
         max_index_blocks=r.max_index_blocks,
         pending_ttl_s=r.pending_ttl_s,
     )
-    return AppConfigs(engine_cfg, api_cfg, mcfg.bos_token_id, max_pending, max_tokens, routing)
+    parallel = sa.parallel_config()
+    parallel.check(mcfg, sa.dp_size)  # gangs fit the ranks, experts split over a gang
+    key = "fathom-engram-" + hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()
+    engram = EngramPlan(parallel.engram_placement, key)  # one host copy per node and model
+    return AppConfigs(engine_cfg, api_cfg, mcfg.bos_token_id, max_pending, max_tokens, routing,
+                      parallel, engram)  # fmt: skip
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -92,12 +105,19 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     tracing = TracingConfig(obs.tracing, obs.otlp_endpoint, obs.service_name, obs.sample_ratio,
                             obs.export_delay_s)  # fmt: skip
     metrics_s = obs.engine_metrics_interval_s if obs.engine_metrics else None
-    router = Router.bind(cfgs.routing, tracing)
+    router = Router.bind(cfgs.routing, tracing, cfgs.engram)
     if cfgs.routing.policy == "ray_prefix":  # Ray's own prefix router on the rank handle
         from app.deployments.ray_prefix import PinnedOrRayPrefixRouter as rank_router
     else:
         rank_router = PinnedRequestRouter
     scale = sa.autoscaling
+    gangs = {}
+    if sa.ep_size > 1:  # one placement group per gang, PACK; a lost rank restarts its gang
+        gangs["gang_scheduling_config"] = GangSchedulingConfig(
+            gang_size=sa.ep_size,
+            gang_placement_strategy=GangPlacementStrategy.PACK,
+            runtime_failure_policy=GangRuntimeFailurePolicy.RESTART_GANG,
+        )
     rank = serve.deployment(
         DPRank,
         name="DPRank",
@@ -109,6 +129,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         health_check_period_s=10,
         # a rank that scales down finishes its streams first
         graceful_shutdown_timeout_s=sa.api.request_timeout_s or 600.0,
+        **gangs,
     ).bind(
         cfgs.engine,
         router,
@@ -118,6 +139,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         stream_interval_s=sa.routing.stream_interval_s,
         tracing=tracing,
         metrics_interval_s=metrics_s,
+        parallel=cfgs.parallel,
     )
     ingress = serve.deployment(
         serve.ingress()(Ingress),

@@ -277,3 +277,49 @@ def _describe(options: tuple) -> str:
         else:
             words.append("null" if t is type(None) else getattr(t, "__name__", str(t)))
     return " or ".join(words)
+
+
+EngramPlacementMode = Literal["replicated", "host", "sharded"]
+ENGRAM_PLACEMENT_MODES: tuple[str, ...] = ("replicated", "host", "sharded")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism of the DP ranks: gangs of ``ep_size`` ranks (DP attention, EP
+    MoE) holding ``n_routed_experts + redundant_experts`` expert slots, and where the Engram
+    tables live (``app.model.engram_place``). ``ep_size`` 1 = independent ranks."""
+
+    ep_size: int = 1
+    redundant_experts: int = 0
+    engram_placement: EngramPlacementMode = "replicated"
+
+    def __post_init__(self) -> None:
+        for name, lo in (("ep_size", 1), ("redundant_experts", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise EngineConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if self.engram_placement not in ENGRAM_PLACEMENT_MODES:
+            raise EngineConfigError(
+                f"engram_placement must be one of "
+                f"{ENGRAM_PLACEMENT_MODES}, got {self.engram_placement!r}"
+            )
+        if self.redundant_experts % self.ep_size or (self.redundant_experts and self.ep_size == 1):
+            raise EngineConfigError(f"redundant_experts ({self.redundant_experts}) must be a "
+                                    f"multiple of ep_size ({self.ep_size}) > 1")  # fmt: skip
+        if self.engram_placement == "sharded" and self.ep_size == 1:
+            raise EngineConfigError("engram_placement 'sharded' splits rows over a gang: "
+                                    "it needs ep_size > 1")  # fmt: skip
+
+    def check(self, model: ModelConfig, dp_size: int) -> None:
+        """Raise :class:`EngineConfigError` when the gangs do not fit ``dp_size`` ranks or
+        the model's experts do not split over a gang."""
+        if dp_size % self.ep_size:
+            raise EngineConfigError(f"dp_size ({dp_size}) must be a multiple of ep_size "
+                                    f"({self.ep_size})")  # fmt: skip
+        e = model.n_routed_experts
+        if e % self.ep_size:
+            raise EngineConfigError(f"the model's {e} routed experts do not split over "
+                                    f"ep_size {self.ep_size} ranks")  # fmt: skip
+        if self.redundant_experts > e:
+            raise EngineConfigError(f"redundant_experts ({self.redundant_experts}) exceeds "
+                                    f"the {e} routed experts")  # fmt: skip

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.config import EngineConfig
+from app.config import EngineConfig, ParallelConfig
 
 TINY_MODELS = ("tiny-v41", "tiny-v4")  # app.engine.model_path (imported lazily: torch)
 
@@ -116,6 +116,10 @@ class ServeArgs(BaseModel):
     served_model_names: list[str] = Field(default_factory=list)  # default: the model's name
     cache_dir: str = "~/.cache/fathom"  # where built-in tiny checkpoints are made
     dp_size: int = Field(2, gt=0)
+    # expert parallelism (app.config.ParallelConfig): gangs of ep_size DP ranks
+    ep_size: int = Field(1, gt=0)
+    redundant_experts: int = Field(0, ge=0)
+    engram_placement: Literal["replicated", "host", "sharded"] = "replicated"
     rank_num_cpus: float = Field(0.5, gt=0)
     rank_num_gpus: float = Field(0, ge=0)
     rank_step_timeout_s: float = Field(300.0, gt=0)  # a step running longer: restart the rank
@@ -132,6 +136,19 @@ class ServeArgs(BaseModel):
     def _engine(cls, v: dict[str, Any]) -> dict[str, Any]:
         EngineConfig.from_options("<model>", **v)  # EngineConfigError names the option
         return v
+
+    @model_validator(mode="after")
+    def _gangs(self) -> ServeArgs:
+        self.parallel_config()  # EngineConfigError names the option
+        if self.ep_size > 1 and self.autoscaling is not None:
+            raise ValueError("autoscaling of expert-parallel gangs is not supported: set dp_size")
+        if self.dp_size % self.ep_size:
+            raise ValueError(f"dp_size ({self.dp_size}) must be a multiple of ep_size "
+                             f"({self.ep_size})")  # fmt: skip
+        return self
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.ep_size, self.redundant_experts, self.engram_placement)
 
     @field_validator("served_model_names")
     @classmethod

@@ -15,6 +15,7 @@ from app.cache.events import HASH_NAMESPACE, KVEventBatch, KVSnapshot
 from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.engine import AsyncEngine
+from app.engine.parallel import RankParallel
 from app.engine.request import EngineRequest, RequestOutput
 
 
@@ -80,8 +81,10 @@ class LocalRankEngine:
         max_queued_tokens: int | None = None,
         stream_interval_s: float = 0.0,
         step_timeout_s: float | None = None,
+        parallel: RankParallel | None = None,
     ) -> None:
-        self.engine = AsyncEngine(cfg)
+        self.engine = AsyncEngine(cfg, parallel=parallel)
+        self.parallel = parallel
         self.client = LocalEngineClient(
             self.engine, max_pending, max_queued_tokens, stream_interval_s
         )
@@ -103,7 +106,13 @@ class LocalRankEngine:
         await self.client.abort(request_id)
 
     def load(self) -> dict[str, float]:
+        gang: dict[str, float] = {}
+        if self.parallel is not None:  # its gang rank and what its Engram tables cost
+            gang["ep_rank"] = self.parallel.group.rank
+            if self.parallel.engram_bytes is not None:
+                gang.update(self.parallel.engram_bytes.report())
         return {
+            **gang,
             **self.engine.stats(),
             "num_unfinished": self.engine.num_unfinished,
             "queued_prefill_tokens": self.client.admission.queued_tokens,

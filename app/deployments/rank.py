@@ -12,12 +12,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.api.client import Refusal
-from app.config import EngineConfig
+from app.config import EngineConfig, ParallelConfig
 from app.deployments.engine_host import LocalRankEngine, RankEngine
+from app.deployments.gang import join_gang
 from app.deployments.router import EVENTS_S, REPORT_S
 from app.engine.metrics import install_engine_metrics
 from app.engine.request import EngineRequest, RequestOutput
 from app.logs import setup_logging
+from app.model.config import ModelConfig
 from app.observability import TracingConfig, rank_span, setup_tracing, shutdown_tracing
 
 logger = logging.getLogger(__name__)
@@ -40,12 +42,22 @@ class DPRank:
         tracing: TracingConfig | None = None,
         metrics_interval_s: float | None = 1.0,
         engine_cls: type[RankEngine] = LocalRankEngine,
+        parallel: ParallelConfig | None = None,
     ) -> None:
         setup_logging()
         setup_tracing(tracing, "DPRank")
         self.step_timeout_s = step_timeout_s
+        gang = {}
+        if parallel is not None and parallel.ep_size > 1:  # app.deployments.gang
+            experts = ModelConfig.from_file(engine_cfg.model).n_routed_experts
+            gang = {"parallel": join_gang(parallel, experts, router, engine_cfg.device)}
         self.engine: RankEngine = engine_cls(  # type: ignore[call-arg]
-            engine_cfg, max_pending, max_queued_tokens, stream_interval_s, step_timeout_s
+            engine_cfg,
+            max_pending,
+            max_queued_tokens,
+            stream_interval_s,
+            step_timeout_s,
+            **gang,
         )
         self.router = router
         self._queued_cost = 0.0  # predicted prefill tokens of requests before their 1st token

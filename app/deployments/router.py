@@ -65,6 +65,15 @@ class PinnedRequestRouter(RequestRouter):
         return [pinned or candidate_replicas]
 
 
+@dataclass(frozen=True)
+class EngramPlan:
+    """The Engram placement the Router publishes: ``mode`` (replicated / host / sharded)
+    and ``key``, the node-wide name of the host copies (one per model)."""
+
+    mode: str = "replicated"
+    key: str = "fathom-engram"
+
+
 @dataclass
 class RankState:
     """What the Router knows of one rank."""
@@ -123,7 +132,10 @@ class Router:
     """Global view of the DP ranks: their load and their prefix-cache contents."""
 
     def __init__(
-        self, cfg: RoutingConfig | None = None, tracing: TracingConfig | None = None
+        self,
+        cfg: RoutingConfig | None = None,
+        tracing: TracingConfig | None = None,
+        engram: EngramPlan | None = None,
     ) -> None:
         setup_logging()
         setup_tracing(tracing, "Router")
@@ -132,6 +144,20 @@ class Router:
         self.policy_name = self.cfg.policy
         self.ranks: dict[str, RankState] = {}
         self.metrics = _Metrics()
+        self.engram = engram or EngramPlan()
+        self.rendezvous_by_gang: dict[str, tuple[str, int]] = {}  # gang id -> rank 0's store
+
+    # ---- gangs (expert parallelism) -------------------------------------------------------
+    async def engram_placement(self) -> EngramPlan:
+        """Where the ranks keep the Engram tables (decided here, from the config)."""
+        return self.engram
+
+    async def publish_rendezvous(self, gang_id: str, host: str, port: int) -> None:
+        """Rank 0 of a gang announces its ``torch.distributed`` store (a fresh gang: new id)."""
+        self.rendezvous_by_gang[gang_id] = (host, port)
+
+    async def rendezvous(self, gang_id: str) -> tuple[str, int] | None:
+        return self.rendezvous_by_gang.get(gang_id)
 
     # ---- rank reports ---------------------------------------------------------------------
     async def report(

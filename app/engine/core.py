@@ -33,6 +33,7 @@ from app.cache.manager import CacheManager
 from app.config import EngineConfig, EngineConfigError
 from app.engine.lifecycle import RequestTrace
 from app.engine.outputs import HostSamples, OutputProcessor
+from app.engine.parallel import RankParallel
 from app.engine.request import EngineRequest, FinishReason, RequestError, RequestOutput
 from app.engine.runner import ModelRunner, StepInputs
 from app.engine.sampler import RowState, SampleOutput, sample, to_device
@@ -157,10 +158,11 @@ class EngineCore:
 
     def __init__(
         self, cfg: EngineConfig, model: DeepseekModel | None = None,
-        proposer: Proposer | None = None,
+        proposer: Proposer | None = None, parallel: RankParallel | None = None,
     ) -> None:  # fmt: skip
         """``proposer``: drafts in place of the one ``cfg.speculative`` names (tests and
-        benchmarks: the target's own continuation, random tokens)."""
+        benchmarks: the target's own continuation, random tokens). ``parallel``: this
+        rank's expert-parallel gang (``app.engine.parallel``; the model loads its share)."""
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         dtype = _DTYPES[cfg.dtype]
@@ -173,7 +175,11 @@ class EngineCore:
                 kv_quant=cfg.cache.kv_quant,
                 packed_experts=cfg.packed_experts_flag(),
                 packed_dense=cfg.packed_dense_flag(),
+                shard=parallel.shard if parallel is not None else None,
             )
+            if parallel is not None:
+                parallel.attach(model)
+        self.parallel = parallel
         self.model = model
         mcfg = model.cfg
         tok_file = path / "tokenizer.json"
@@ -206,7 +212,8 @@ class EngineCore:
         self.overlap = cfg.overlap_schedule and self.proposer is None
         max_tok = cfg.scheduler.max_num_batched_tokens
         self.runner = ModelRunner(
-            model, self.cache, max_tok, self.device, cuda_graphs=cfg.cuda_graphs,
+            model, self.cache, max_tok, self.device,
+            cuda_graphs=cfg.cuda_graphs and not model.gang_exchanges,  # counts sync the host
             max_graph_batch=slots,
             features=self.proposer is not None and self.proposer.needs_features,
         )  # fmt: skip
@@ -327,6 +334,8 @@ class EngineCore:
         inputs = None
         if sched.items:
             inputs = self.runner.prepare(sched.items, self.decoder_replay, self._prev_rows)
+        if self.parallel is not None:  # every rank of a gang steps (idle: no tokens)
+            self.parallel.step(self.model, inputs is not None, self.device)
         t2 = time.perf_counter()
         st.t_schedule += t1 - t0
         st.t_prepare += t2 - t1

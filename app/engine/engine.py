@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from app.cache.events import KVEventLog, KVSnapshot
 from app.config import EngineConfig
 from app.engine.core import EngineCore
+from app.engine.parallel import RankParallel
 from app.engine.request import ENGINE_FAILED, EngineRequest, FinishReason, RequestOutput
 from app.engine.validation import RequestLimits
 from app.model.model import DeepseekModel
@@ -39,8 +40,13 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     """One DP rank's engine with a background step loop."""
 
-    def __init__(self, cfg: EngineConfig, model: DeepseekModel | None = None) -> None:
-        self.core = EngineCore(cfg, model)
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model: DeepseekModel | None = None,
+        parallel: RankParallel | None = None,
+    ) -> None:
+        self.core = EngineCore(cfg, model, parallel=parallel)
         self._cmds: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
@@ -220,10 +226,17 @@ class AsyncEngine:
             while self._cmds:
                 self._cmds.popleft()()
             self._drain_kv_events()
+            gang = self.core.parallel
             if not self.core.has_unfinished:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
+                if gang is None or not self.core.model.gang_exchanges:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                if wait := gang.idle_wait_s():  # a gang steps on: a peer may have work
+                    self._wake.wait(timeout=wait)
+                    self._wake.clear()
+                    if self._cmds:
+                        continue
             self._step_started = time.monotonic()
             try:
                 outs = self.core.step()

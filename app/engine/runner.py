@@ -39,9 +39,7 @@ def capturable(model: DeepseekModel) -> bool:
     """Whether a decode step of ``model`` can be captured in a CUDA graph: every MoE layer
     runs the packed-expert kernels (the dequantized reference loops over the experts a batch
     touches, a data-dependent host loop)."""
-    return all(
-        isinstance(m.experts, PackedExperts) for m in model.modules() if isinstance(m, MoE)
-    )
+    return all(isinstance(m.experts, PackedExperts) for m in model.modules() if isinstance(m, MoE))
 
 
 @dataclass
@@ -98,8 +96,10 @@ class ModelRunner:
 
                 self.graphs = CudaGraphRunner(model, self.builder, max_graph_batch, features)
             else:
-                logger.info("CUDA graphs off: dequantized routed experts run a per-expert loop "
-                            "that synchronizes with the host (pack the experts: packed_experts)")
+                logger.info(
+                    "CUDA graphs off: dequantized routed experts run a per-expert loop "
+                    "that synchronizes with the host (pack the experts: packed_experts)"
+                )
 
     def prepare(
         self, items: list[Scheduled], decoder_replay: bool, prev_rows: dict[str, int]
@@ -197,9 +197,7 @@ class ModelRunner:
         return self.forward_with_features(inputs)[0]
 
     @torch.inference_mode()
-    def forward_with_features(
-        self, inputs: StepInputs
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with_features(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, and the target features of ``inputs.feat_rows`` when the runner
         returns features (else None)."""
         if inputs.graph:

@@ -7,6 +7,7 @@ from torch import nn
 
 from app.model.config import ModelConfig
 from app.model.engram_hash import EngramHashSpec
+from app.model.ep import EPGroup, sharded_rows
 from app.model.layers import Linear
 from kernels.engram import engram_gate, engram_gather, engram_rows
 
@@ -16,6 +17,10 @@ class Engram(nn.Module):
 
     dot = sum(X_j * q_w_j * k_w_j * key_j) * rsqrt(ms(X_j)+eps) * rsqrt(ms(key_j)+eps) / sqrt(d)
     X_j += sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))) * val     (gate 0 on masked tokens)
+
+    ``embed.weight`` is the whole table (replicated, or a host table shared by the ranks of a
+    node), or with :meth:`shard` rows ``[start, start + per_rank)`` of it: a lookup then
+    fetches rows from their owners over the gang (``app.model.engram_place``).
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int, spec: EngramHashSpec):
@@ -38,6 +43,26 @@ class Engram(nn.Module):
         ):
             t = torch.tensor(vals, dtype=torch.int64, device="cpu")
             self.register_buffer(name, t, persistent=False)
+        self.sharding: tuple[int, int, EPGroup] | None = None  # (start, per_rank, group)
+
+    def shard(self, start: int, per_rank: int, group: EPGroup) -> None:
+        """This rank holds table rows ``[start, start + per_rank)`` (``embed.weight``)."""
+        self.sharding = (start, per_rank, group)
+
+    def idle(self, x: torch.Tensor) -> None:
+        """A sharded table's exchange with no rows of this rank (answers the others)."""
+        if self.sharding is not None:
+            start, per, group = self.sharding
+            none = torch.zeros(0, dtype=torch.int64, device=x.device)
+            sharded_rows(self.embed.weight, start, none, per, group)
+
+    def _gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.sharding is None:
+            return engram_gather(self.embed.weight, rows, None, dtype)
+        start, per, group = self.sharding
+        found = sharded_rows(self.embed.weight, start, rows, per, group)
+        local = torch.arange(found.shape[0], device=rows.device).view(rows.shape)
+        return engram_gather(found, local, None, dtype)
 
     def forward(self, X: torch.Tensor, ngram: torch.Tensor, pad_id: int) -> torch.Tensor:
         """``X`` [T, n, d]; ``ngram`` [T, max_ngram] compressed ids (-1 = blocked)."""
@@ -49,7 +74,7 @@ class Engram(nn.Module):
             self.hash_spec.n_heads,
             pad_id,
         )
-        e = engram_gather(self.embed.weight, rows, None, X.dtype)
+        e = self._gather(rows, X.dtype)
         key, val = self.wkv(e).split((self.n * self.d, self.d), dim=-1)
         key = key.view(-1, self.n, self.d)
         return engram_gate(X, key, val, self.q_weight, self.k_weight, self.eps, ngram[:, 0] < 0)

@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from app.model.config import ModelConfig
 from app.model.engram_hash import compressed_token_map
+from app.model.ep import ExpertShard
 from app.model.layers import Fp8Linear
 from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts, PackedFormat, packing_problem
@@ -72,6 +73,10 @@ _E8M0_SCALE_DTYPES = {"F8_E8M0", "U8"}
 _EXPERT_WEIGHT = re.compile(
     r"^(?P<layer>(?:.+\.)?ffn\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$"
 )
+
+
+# Any routed expert tensor (weight or scale): what an expert-parallel rank may skip.
+_EXPERT_TENSOR = re.compile(r"^(?:.+\.)?ffn\.experts\.\d+\.w[123]\.(?:weight|scale)$")
 
 
 class CheckpointError(ValueError):
@@ -274,9 +279,15 @@ def _plan_one(
 
 
 def _plan(
-    ckpt: _Checkpoint, expected: Mapping[str, TensorSpec], cfg: ModelConfig, dtype: torch.dtype
+    ckpt: _Checkpoint,
+    expected: Mapping[str, TensorSpec],
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    partial_experts: bool = False,
 ) -> list[_Load]:
-    """Check every expected tensor and every checkpoint name; report all problems at once."""
+    """Check every expected tensor and every checkpoint name; report all problems at once.
+    ``partial_experts`` (expert parallelism): the routed experts the model does not hold are
+    skipped, not unexpected."""
     block = cfg.quantization.weight_block_size if cfg.quantization else None
     problems: list[str] = []
     loads: list[_Load] = []
@@ -299,6 +310,8 @@ def _plan(
         logger.info("skipping %d vision/aligner tensors (text-only serving)", len(skipped))
     known = set(expected) | {scale_name(n) for n in expected if n.endswith(".weight")}
     known |= set(skipped)
+    if partial_experts:
+        known |= {n for n in ckpt.weight_map if _EXPERT_TENSOR.match(n)}
     problems += [f"'{n}' in {ckpt.where(n)}: unexpected tensor (the model has no such name)"
                  for n in ckpt.weight_map if n not in known]  # fmt: skip
     if problems:
@@ -317,13 +330,13 @@ class ExpertPacking:
 
     ``layer``: the module path of the experts (``layers.3.ffn.experts``); ``block``: the fp8
     weight block, or (1, 32) for fp4; ``experts``: the global expert ids held, stacked in this
-    order (all of them today; expert parallelism will hold a contiguous range).
+    order (all of them, or an expert-parallel rank's slots: ``app.model.ep``).
     """
 
     layer: str
     fmt: PackedFormat
     block: tuple[int, int]
-    experts: range
+    experts: tuple[int, ...]
     scale_dtype: torch.dtype
 
     def names(self, e: int) -> tuple[str, str, str]:
@@ -355,7 +368,7 @@ def _pack_layer(
 ) -> ExpertPacking:
     """How ``layer``'s experts are stacked for the MegaMoE kernels; :class:`_Unpackable` if
     they cannot be (unquantized, mixed formats or blocks, shapes the kernels cannot take)."""
-    loads = [ld for e in sorted(experts) for ld in experts[e].values()]
+    loads = [ld for e in experts for ld in experts[e].values()]
     plain = next((ld for ld in loads if ld.how == "plain"), None)
     if plain is not None:
         st = ckpt.header(plain.name)[0]
@@ -378,12 +391,9 @@ def _pack_layer(
     problem = packing_problem(fmt, d, inter, block)
     if problem is not None:
         raise _Unpackable(problem)
-    ids = sorted(experts)
-    if ids != list(range(ids[0], ids[0] + len(ids))):
-        raise _Unpackable(f"expert ids {ids} are not contiguous")
     sdts = {ckpt.header(scale_name(ld.name))[0] for ld in loads}
     sdt = e8m0_dtype() if sdts <= _E8M0_SCALE_DTYPES else torch.float32  # fp32 if any is
-    return ExpertPacking(layer, fmt, block, range(ids[0], ids[-1] + 1), sdt)
+    return ExpertPacking(layer, fmt, block, tuple(experts), sdt)  # the model's slot order
 
 
 def _plan_packing(
@@ -437,7 +447,7 @@ def _read_packed(
 ) -> dict[str, torch.Tensor]:
     """``{layer}.w13 / .s13 / .w2 / .s2``: the experts' raw bytes and scales stacked on
     ``device``, copied one expert at a time (no full-size temporary, nothing dequantized)."""
-    w1, _, w2 = p.names(p.experts.start)
+    w1, _, w2 = p.names(p.experts[0])
     wdt = torch.int8 if p.fmt == "fp4" else torch.float8_e4m3fn
     (_, w1s), (_, s1s) = ckpt.header(w1), ckpt.header(scale_name(w1))
     (_, w2s), (_, s2s) = ckpt.header(w2), ckpt.header(scale_name(w2))
@@ -497,6 +507,7 @@ def load_state(
     dtype: torch.dtype = torch.float32,
     packed_experts: bool | None = None,
     packed_dense: bool = False,
+    partial_experts: bool = False,
 ) -> LoadedState:
     """Validate the checkpoint at ``path`` against ``expected`` and read it.
 
@@ -511,7 +522,7 @@ def load_state(
     root, dev = Path(path), torch.device(device)
     with contextlib.ExitStack() as stack:
         ckpt = _Checkpoint(root, stack)
-        loads = _plan(ckpt, expected, cfg, dtype)
+        loads = _plan(ckpt, expected, cfg, dtype, partial_experts)
         packed = _plan_packing(ckpt, loads, packed_experts, dev)
         in_packed = {n for p in packed.values() for e in p.experts for n in p.names(e)}
         dense = _plan_dense(ckpt, loads) if packed_dense else {}
@@ -579,12 +590,14 @@ def checkpoint_names(path: str | Path) -> set[str]:
         return set(_Checkpoint(Path(path), stack).weight_map)
 
 
-def build_empty_model(cfg: ModelConfig, kv_quant: bool = False) -> DeepseekModel:
+def build_empty_model(
+    cfg: ModelConfig, kv_quant: bool = False, shard: ExpertShard | None = None
+) -> DeepseekModel:
     """``DeepseekModel(cfg)`` with parameters and persistent buffers on the meta device
     (no memory, no init); the model creates its derived tensors (RoPE frequencies, the
-    Engram token map) on the CPU explicitly."""
+    Engram token map) on the CPU explicitly. ``shard``: only this rank's routed experts."""
     with torch.device("meta"):
-        return DeepseekModel(cfg, kv_quant=kv_quant)
+        return DeepseekModel(cfg, kv_quant=kv_quant, shard=shard)
 
 
 def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
@@ -592,9 +605,11 @@ def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
     return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in model.state_dict().items()}
 
 
-def _empty_model(path: str | Path, cfg: ModelConfig, kv_quant: bool) -> DeepseekModel:
+def _empty_model(
+    path: str | Path, cfg: ModelConfig, kv_quant: bool, shard: ExpertShard | None = None
+) -> DeepseekModel:
     """:func:`build_empty_model`, without ``mtp`` when the checkpoint has no ``mtp.*``."""
-    model = build_empty_model(cfg, kv_quant)
+    model = build_empty_model(cfg, kv_quant, shard)
     if len(model.mtp) and not any(n.startswith("mtp.") for n in checkpoint_names(path)):
         # e.g. checkpoints exported by Hugging Face transformers, which drops mtp.*
         logger.warning("%s has no mtp.* weights: speculative decoding will be unavailable", path)
@@ -610,7 +625,7 @@ def _install_packed(model: DeepseekModel, state: LoadedState) -> None:
         t = {k: state.tensors[f"{layer}.{k}"] for k in ("w13", "s13", "w2", "s2")}
         try:
             moe.experts = PackedExperts(**t, fmt=p.fmt, block=p.block, limit=moe.limit,
-                                        local_expert_offset=p.experts.start)  # fmt: skip
+                                        local_expert_offset=moe.slot_offset)  # fmt: skip
         except ValueError as e:
             raise CheckpointError(f"{layer}: cannot keep the experts packed: {e}") from e
 
@@ -631,6 +646,7 @@ def load_model(
     kv_quant: bool = False,
     packed_experts: bool | None = None,
     packed_dense: bool = False,
+    shard: ExpertShard | None = None,
 ) -> DeepseekModel:
     """Build :class:`DeepseekModel` from ``path/config.json`` and load its weights.
 
@@ -642,11 +658,16 @@ def load_model(
     layer (else :class:`CheckpointError`), None (auto) packs on CUDA when every layer can be
     packed and dequantizes otherwise, False always dequantizes. ``packed_dense``: keep the
     dense fp8 projections as stored (:class:`~app.model.layers.Fp8Linear`; see
-    ``_DENSE_PACKABLE``).
+    ``_DENSE_PACKABLE``). ``shard``: expert parallelism: the decoder layers read only this
+    rank's routed experts (``app.model.ep``; a redundant slot reads its expert again).
     """
     cfg = ModelConfig.from_file(path)
-    model = _empty_model(path, cfg, kv_quant)
-    state = load_state(path, tensor_specs(model), cfg, device, dtype, packed_experts, packed_dense)
+    if shard is not None and shard.placement.n_experts != cfg.n_routed_experts:
+        raise CheckpointError(f"{path}: {cfg.n_routed_experts} routed experts, the placement "
+                              f"has {shard.placement.n_experts}")  # fmt: skip
+    model = _empty_model(path, cfg, kv_quant, shard)
+    state = load_state(path, tensor_specs(model), cfg, device, dtype, packed_experts,
+                       packed_dense, partial_experts=shard is not None)  # fmt: skip
     _install_packed(model, state)
     _install_dense(model, state)
     model.load_state_dict(state.tensors, assign=True, strict=True)

@@ -20,6 +20,7 @@ from app.model.attn_meta import StepMeta
 from app.model.config import LayerMode, LayerSpec, ModelConfig
 from app.model.engram import Engram
 from app.model.engram_hash import EngramHashSpec, engram_hash_spec
+from app.model.ep import EPGroup, ExpertShard
 from app.model.forward_batch import ForwardBatch
 from app.model.layers import Linear, RMSNorm
 from app.model.moe import MoE
@@ -50,6 +51,7 @@ class Block(nn.Module):
         k: int | None = None,
         engram: tuple[int, EngramHashSpec] | None = None,
         kv_quant: bool = False,
+        shard: ExpertShard | None = None,
     ):
         super().__init__()
         self.cfg, self.spec = cfg, spec
@@ -66,11 +68,18 @@ class Block(nn.Module):
             cfg.swiglu_limit,
             hash_vocab=cfg.vocab_size if spec.hash_moe else 0,
             has_bias_vl=cfg.is_v41,
+            shard=shard,
         )
         _hc_params(self, "hc_attn", n, d)
         _hc_params(self, "hc_ffn", n, d)
         if engram is not None:
             self.engram = Engram(cfg, engram[0], engram[1])
+
+    def idle(self, x: torch.Tensor) -> None:
+        """This layer's gang exchanges with no tokens (sharded Engram rows, then the MoE)."""
+        if hasattr(self, "engram"):
+            self.engram.idle(x)
+        self.ffn.idle(x)
 
     def _mix_args(self, which: str, norm: RMSNorm) -> tuple:
         c = self.cfg
@@ -181,6 +190,9 @@ class DeepseekModel(nn.Module):
     V4.1 Engram needs the compressed token map of the checkpoint's tokenizer:
     pass ``engram_token_map`` (see :func:`app.model.engram_hash.compressed_token_map`).
     ``kv_quant`` rounds V4.1 KV like the released cache formats (see ``kernels.kv_quant``).
+    ``shard``: expert parallelism: the decoder layers hold only this rank's experts (the
+    MTP / DSpark blocks keep all of theirs: drafting stays local); :meth:`set_ep` joins the
+    gang, and every step of a rank with no tokens is :meth:`idle_step`.
     """
 
     def __init__(
@@ -188,6 +200,7 @@ class DeepseekModel(nn.Module):
         cfg: ModelConfig,
         engram_token_map: Sequence[int] | None = None,
         kv_quant: bool = False,
+        shard: ExpertShard | None = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -208,7 +221,7 @@ class DeepseekModel(nn.Module):
             eng = None
             if spec.engram and self.hash_spec is not None:
                 eng = (cfg.engram_layer_ids.index(spec.layer_id), self.hash_spec)
-            layers.append(Block(cfg, spec, engram=eng, kv_quant=kv_quant))
+            layers.append(Block(cfg, spec, engram=eng, kv_quant=kv_quant, shard=shard))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.head = Linear(d, cfg.vocab_size)
@@ -220,6 +233,7 @@ class DeepseekModel(nn.Module):
         self.register_buffer(
             "engram_map", torch.zeros(0, dtype=torch.int64, device="cpu"), persistent=False
         )
+        self.ep: EPGroup | None = None
         if engram_token_map is not None:
             self.set_engram_token_map(engram_token_map)
 
@@ -231,6 +245,28 @@ class DeepseekModel(nn.Module):
         tmap += [pad] * (self.cfg.vocab_size - len(tmap))
         self.engram_map = torch.tensor(tmap, dtype=torch.int64, device=self.engram_map.device)
         self._engram_pad = int(pad)
+
+    def set_ep(self, group: EPGroup, shard: ExpertShard) -> None:
+        """Run every decoder layer's routed experts over ``group`` (this rank: ``shard``)."""
+        for layer in self.layers:
+            layer.ffn.set_ep(shard.placement, group)
+        self.ep = group
+
+    @property
+    def gang_exchanges(self) -> bool:
+        """Whether a step exchanges with the gang (EP experts or sharded Engram rows): then
+        every rank runs every step, :meth:`idle_step` when it has no tokens."""
+        return self.ep is not None and self.ep.size > 1
+
+    @torch.no_grad()
+    def idle_step(self) -> None:
+        """The gang exchanges of one step with no tokens of this rank, in layer order."""
+        self._idle_layers(0)
+
+    def _idle_layers(self, first: int) -> None:
+        x = self.embed.weight[:0]
+        for layer in self.layers[first:]:
+            layer.idle(x)
 
     @property
     def engram_pad(self) -> int:
@@ -263,7 +299,7 @@ class DeepseekModel(nn.Module):
         a = batch.prefix_lens[batch.token_seq].unsqueeze(1)
         flat = (torch.arange(T, device=dev).unsqueeze(1) - k).clamp_min(0)
         tok = ids[flat]
-        back = ((a - 1 - q).clamp(0, max(n_back - 1, 0)))  # history index: newest first
+        back = (a - 1 - q).clamp(0, max(n_back - 1, 0))  # history index: newest first
         if batch.history is not None and n_back:
             old = batch.history[batch.token_seq.unsqueeze(1).expand_as(back), back]
         else:
@@ -310,6 +346,8 @@ class DeepseekModel(nn.Module):
             if i == self.decoder_start and batch.decoder is not None:
                 keep = batch.decoder.keep
                 if keep.numel() == 0:  # no row of this step reaches the decoder layers
+                    if self.gang_exchanges:
+                        self._idle_layers(i)
                     if features is not None:
                         features.append(X.new_zeros(0, cfg.hidden_size * len(taps)))
                     return X.new_zeros(0, cfg.hidden_size)

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from app.model.ep import EPGroup, ExpertPlacement, ExpertShard, ep_moe
 from app.model.layers import Linear
 from kernels.gate import moe_gate_fused
 from kernels.moe import (
@@ -215,6 +216,11 @@ class MoE(nn.Module):
 
     ``experts`` is built as a ModuleList of :class:`Expert`; the loader may swap it for a
     :class:`PackedExperts` (fp8 / fp4 checkpoints), which ``forward`` then runs.
+
+    Expert parallelism (``shard``: the expert ids this rank holds, in slot order):
+    ``experts`` is a ModuleDict keyed by global expert id (the checkpoint's names), or the
+    packed experts of those slots; after :meth:`set_ep` the routed part runs
+    :func:`app.model.ep.ep_moe` over the gang.
     """
 
     def __init__(
@@ -228,19 +234,63 @@ class MoE(nn.Module):
         *,
         hash_vocab: int = 0,
         has_bias_vl: bool = False,
+        shard: ExpertShard | None = None,
     ):
         super().__init__()
         self.limit = limit
         self.gate = Gate(
             d, n_experts, k, route_scale, hash_vocab=hash_vocab, has_bias_vl=has_bias_vl
         )
-        self.experts: nn.ModuleList | PackedExperts = nn.ModuleList(
-            Expert(d, inter, limit) for _ in range(n_experts)
-        )
+        self.local_experts = shard.local if shard is not None else None
+        self.slot_offset = shard.offset if shard is not None else 0  # packed experts' offset
+        self.experts: nn.ModuleList | nn.ModuleDict | PackedExperts
+        if shard is None:
+            self.experts = nn.ModuleList(Expert(d, inter, limit) for _ in range(n_experts))
+        else:
+            self.experts = nn.ModuleDict({str(e): Expert(d, inter, limit) for e in shard.local})
         self.shared_experts = Expert(d, inter, limit)
+        self.ep: EPGroup | None = None
+
+    def set_ep(self, placement: ExpertPlacement, group: EPGroup) -> None:
+        """Run the routed experts over ``group`` (this layer holds ``placement.local(rank)``)."""
+        held = self.local_experts or tuple(range(self.gate.weight.shape[0]))  # None: all
+        where = (placement.local(group.rank), placement.offset(group.rank))
+        if (held, self.slot_offset) != where:
+            raise ValueError(f"this layer holds experts {held}, the placement "
+                             f"gives rank {group.rank} {placement.local(group.rank)}")  # fmt: skip
+        self.ep, self._placement = group, placement
+        self._routes = placement.routes(group.rank, self.gate.weight.device)
+
+    def _local(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Each row through its slot's expert (weight 1) -> [R, d] in ``rows.dtype``."""
+        if rows.shape[0] == 0:
+            return rows.new_zeros(rows.shape)
+        one = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        if isinstance(self.experts, PackedExperts):
+            return self.experts(rows, slots.unsqueeze(1), one, len(self._placement.slots))
+        local = list(self.experts.values())
+        return moe_experts(
+            rows, (slots - self.slot_offset).unsqueeze(1), one,
+            [e.w1.weight for e in local], [e.w2.weight for e in local],
+            [e.w3.weight for e in local], self.limit,
+        )  # fmt: skip
+
+    def _ep_routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        assert self.ep is not None
+        per = self._placement.slots_per_rank
+        return ep_moe(x, ids, w, self._routes, per, self.ep, self._local)
+
+    def idle(self, x: torch.Tensor) -> None:
+        """This layer's exchange with no tokens of its own (an idle rank of a gang serves
+        the others' tokens); ``x`` gives dtype and device."""
+        k = self.gate.k
+        empty = torch.zeros(0, k, dtype=torch.int64, device=x.device)
+        self._ep_routed(x.new_zeros(0, x.shape[-1]), empty, empty.float())
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x, token_ids)
+        if self.ep is not None:
+            return self._ep_routed(x, ids, w) + self.shared_experts(x)
         if isinstance(self.experts, PackedExperts):
             n_experts = self.gate.weight.shape[0]
             return self.experts(x, ids, w, n_experts) + self.shared_experts(x)

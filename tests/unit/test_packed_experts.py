@@ -254,8 +254,8 @@ def test_auto_packs_on_cuda_only(tiny_ckpt) -> None:
     layers = [f"layers.{i}" for i in range(8)] + [f"mtp.{k}" for k in range(3)]
     assert set(plan) == {f"{n}.ffn.experts" for n in layers}
     assert all(p.fmt == "fp4" and p.block == (1, 32) for p in plan.values())
-    assert plan["layers.0.ffn.experts"].experts == range(8)
-    assert plan["mtp.0.ffn.experts"].experts == range(4)  # DSpark stages have 4 experts
+    assert plan["layers.0.ffn.experts"].experts == tuple(range(8))
+    assert plan["mtp.0.ffn.experts"].experts == tuple(range(4))  # DSpark stages have 4 experts
     assert expert_packing(path, device="cpu") == {}
     assert expert_packing(path, device="cuda", packed_experts=False) == {}
     fp8 = expert_packing(tiny_ckpt("v4", **FP8), device="cuda")

@@ -1,0 +1,126 @@
+"""Expert parallelism without Ray: placements, and two real gloo processes running the engine
+(EP2) against the one-process engine (EP1) on the tiny V4.1 and V4 checkpoints: identical
+greedy tokens with unequal loads (one rank idle, or a shorter prompt), redundant experts,
+packed and dequantized experts, and the three Engram placements."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from app.config import EngineConfig, EngineConfigError, ParallelConfig
+from app.engine.core import EngineCore
+from app.engine.parallel import RankParallel
+from app.engine.request import EngineRequest, SamplingParams
+from app.model.config import ModelConfig
+from app.model.ep import EPGroup, ExpertPlacement, PlacementError, pair_slots
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+LONG = tuple(range(3, 35))  # 32 tokens: two chunks; the first skips the decoder layers
+SHORT = (5, 9, 200, 17, 33)
+
+# (arch, engram placement, redundant experts, packed experts, rank 1's prompts)
+CASES = [
+    ("v41", "replicated", 0, "off", ()),
+    ("v41", "host", 2, "on", (SHORT,)),
+    ("v41", "sharded", 0, "off", ()),
+    ("v4", "replicated", 2, "off", (SHORT,)),
+]
+
+
+def test_default_placement_and_routes() -> None:
+    p = ExpertPlacement.default(8, 2, redundant=2)
+    assert p.local(0) == (0, 1, 2, 3, 4) and p.local(1) == (4, 5, 6, 7, 0)
+    assert p.offset(1) == 5 and p.slots_per_rank == 5
+    ids = torch.tensor([[0, 4], [4, 6], [0, 7]])
+    # rank 0 holds 0 and 4 itself; 6 and 7 only live on rank 1 (slots 6, 8)
+    assert pair_slots(ids, p.routes(0, "cpu")).tolist() == [[0, 4], [4, 7], [0, 8]]
+    # rank 1: its own replica of 0 (slot 9) and of 4 (slot 5)
+    assert pair_slots(ids, p.routes(1, "cpu")).tolist() == [[9, 5], [5, 7], [9, 8]]
+    with pytest.raises(PlacementError, match="multiples of ep_size"):
+        ExpertPlacement.default(8, 3)
+    with pytest.raises(PlacementError, match="twice"):
+        ExpertPlacement(4, 2, (0, 0, 1, 2, 3, 1))  # rank 0 would hold expert 0 twice
+    with pytest.raises(PlacementError, match="every expert"):
+        ExpertPlacement(4, 2, (0, 1, 2, 2))
+
+
+def test_parallel_config_validation(tiny_ckpt) -> None:
+    mcfg = ModelConfig.from_file(tiny_ckpt("v41"))  # 8 routed experts
+    ParallelConfig(ep_size=2, redundant_experts=2, engram_placement="sharded").check(mcfg, 4)
+    with pytest.raises(EngineConfigError, match="multiple of ep_size"):
+        ParallelConfig(ep_size=2).check(mcfg, 3)
+    with pytest.raises(EngineConfigError, match="do not split"):
+        ParallelConfig(ep_size=3).check(mcfg, 3)
+    with pytest.raises(EngineConfigError, match="redundant_experts"):
+        ParallelConfig(ep_size=2, redundant_experts=1)
+    with pytest.raises(EngineConfigError, match="needs ep_size > 1"):
+        ParallelConfig(engram_placement="sharded")
+
+
+def _opts(packed: str) -> dict:
+    return {"kv_cache_bytes": 1 << 22, "max_num_batched_tokens": 16, "packed_experts": packed}
+
+
+def _greedy(core: EngineCore, prompts: tuple, gang: bool) -> dict[str, list[int]]:
+    """Greedy tokens of ``prompts``; in a gang every rank steps until all are done."""
+    outs: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        core.add_request(EngineRequest(f"r{i}", tuple(ids), GREEDY))
+        outs[f"r{i}"] = []
+    while True:
+        for o in core.step():
+            outs[o.request_id] += o.token_ids
+        left = torch.tensor([int(core.has_unfinished)])
+        if gang:
+            dist.all_reduce(left, op=dist.ReduceOp.MAX)
+        if not left.item():
+            return outs
+
+
+def _worker(rank: int, paths: dict[str, str], store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # two processes on two cores: spinning OpenMP threads stall gloo
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    group = EPGroup(rank, 2)
+    result: dict = {"ep2": [], "ep1": [], "bytes": []}
+    ep1: dict[tuple, dict] = {}
+    for arch, engram, redundant, packed, other in CASES:
+        prompts = (LONG, SHORT) if rank == 0 else other
+        placement = ExpertPlacement.default(8, 2, redundant)
+        shm = Path(out_dir) / "shm"
+        par = RankParallel(group, placement, engram, f"t-{arch}-{redundant}", str(shm))
+        cfg = EngineConfig.from_options(paths[arch], **_opts(packed))
+        core = EngineCore(cfg, parallel=par)
+        result["ep2"].append(_greedy(core, prompts, gang=True))
+        result["bytes"].append(par.engram_bytes)
+        if (arch, packed) not in ep1:  # the one-process engine (its Engram: replicated)
+            ep1[arch, packed] = _greedy(EngineCore(cfg), prompts, gang=False)
+        result["ep1"].append(ep1[arch, packed])
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_ep2_equals_ep1(tiny_ckpt, tmp_path) -> None:
+    paths = {"v41": tiny_ckpt("v41"), "v4": tiny_ckpt("v4")}
+    mp.start_processes(_worker, args=(paths, str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=2, start_method="spawn")  # fmt: skip
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+    for c, (arch, engram, _, _, other) in enumerate(CASES):
+        for r, res in enumerate(ranks):
+            ep2, ep1 = res["ep2"][c], res["ep1"][c]
+            assert ep2 == ep1, (arch, engram, r)
+            assert all(len(t) == GREEDY.max_tokens for t in ep1.values())
+        assert len(ranks[1]["ep2"][c]) == len(other)  # rank 1: idle, or a lighter load
+        assert ranks[0]["ep2"][c]["r0"] != ranks[0]["ep2"][c]["r1"]  # different prompts
+    full = ranks[0]["bytes"][0].private  # replicated: every table on every rank
+    assert full > 0 and ranks[1]["bytes"][0].private == full
+    host = ranks[0]["bytes"][1]
+    assert host.private == 0 and host.shared == full  # one mapped copy per node
+    sharded = [res["bytes"][2].private for res in ranks]
+    assert sum(sharded) == full and max(sharded) < full
+    assert ranks[0]["bytes"][3].private == 0  # V4 has no Engram
