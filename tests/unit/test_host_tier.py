@@ -14,8 +14,10 @@ from app.cache.manager import CacheManager
 from app.cache.radix import BlockRemoved, EventMirror, chain_hashes
 from app.config import CacheConfig, EngineConfig
 from app.engine.core import EngineCore
+from app.engine.metrics import EngineMetrics
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
+from tests.unit.test_engine_observability import _Fake, _one
 
 
 def _manager(model, num_blocks: int, host_blocks: int) -> CacheManager:
@@ -188,6 +190,8 @@ def test_host_hit_gives_the_device_hits_output_and_counts_as_cached(tiny_ckpt):
     assert dev_cached == 2 * P
     # 3 device blocks: the other prompt pushes the prompt's 2 cached blocks to the host tier
     small = _engine(path, model, num_blocks=3, host_blocks=4)
+    fake = _Fake()  # the engine metrics, exported to a recording stand-in of Ray's
+    em = EngineMetrics(small, {"deployment": "DPRank", "rank": "0", "replica": "x"}, metrics=fake)
     _generate(small, "p", prompt)
     _generate(small, "o", other)
     assert set(chain_hashes(prompt, P)[:2]) <= small.cache.index.host_hashes()
@@ -195,3 +199,12 @@ def test_host_hit_gives_the_device_hits_output_and_counts_as_cached(tiny_ckpt):
     host_out, host_cached = _generate(small, "f", follow)
     assert host_cached == dev_cached and host_out == dev_out
     assert small.stats.host_hit_tokens == 2 * P and small.stats.host_load_bytes > 0
+    em.flush()
+    m = fake.made
+    assert _one(m["fathom_engine_host_hit_tokens"]) == [2 * P]
+    bpb = small.cache.layout.bytes_per_block
+    assert _one(m["fathom_engine_host_load_bytes"]) == [2 * bpb]
+    assert sum(_one(m["fathom_engine_host_offload_bytes"])) >= 2 * bpb
+    (load_s,) = _one(m["fathom_engine_host_load_seconds"])  # one load-back
+    assert 0 < load_s < 5
+    assert _one(m["fathom_engine_host_blocks_used"]) == [small.cache.host.num_used]
