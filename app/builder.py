@@ -86,6 +86,7 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
         balance_rel=r.balance_rel,
         running_weight=r.running_weight,
         compute_weight=r.compute_weight,
+        host_hit_cost=r.host_hit_cost,
         max_index_blocks=r.max_index_blocks,
         pending_ttl_s=r.pending_ttl_s,
     )

@@ -36,6 +36,9 @@ class CacheConfig:
     ``bounded_replay``: after a prefix hit ending at H, prefill restarts at H - window
     ("encoder"); V4.1 decoder layers also run only on the last window rows of a prompt
     ("encoder+decoder"); "off" = exact (a hit then saves memory, not compute).
+    ``host_bytes``: host-memory KV tier (``app.cache.host_tier``): blocks evicted from the
+    device pool are kept in this many bytes of (pinned, on CUDA) host memory and loaded back
+    on a hit; 0 = off (needs prefix caching).
     """
 
     block_size: int = 0
@@ -44,6 +47,7 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_quant: bool = False
+    host_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 0:
@@ -58,6 +62,8 @@ class CacheConfig:
             raise EngineConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.host_bytes < 0:
+            raise EngineConfigError(f"host_bytes must be >= 0 (0 = off), got {self.host_bytes}")
 
     def resolve_block_size(self, model: ModelConfig) -> int:
         """The block size for ``model``: explicit (validated) or auto."""

@@ -60,6 +60,7 @@ class RoutingArgs(BaseModel):
     balance_rel: float = Field(1.5, ge=1.0)  # ... and this ratio: spread a hot prefix
     running_weight: float = Field(16.0, ge=0)  # prefill tokens a running request counts as
     compute_weight: float = Field(4.0, ge=0)  # a request's own prefill, against the queue
+    host_hit_cost: float = Field(0.1, ge=0)  # prefill tokens a host-tier hit token counts as
     max_index_blocks: int = Field(4_000_000, gt=0)  # LRU bound of the prefix index
     pending_ttl_s: float = Field(30.0, gt=0)  # a routed prompt counts as cached there this long
     stream_interval_s: float = Field(0.02, ge=0)  # rank-side delta batching (0 = every step)

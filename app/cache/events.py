@@ -11,6 +11,8 @@ new epoch). A reader keeps the last sequence number it applied and asks for what
 
 On the wire an event is ``(kind, hashes)``: the router needs only the chained block hashes
 (tokens and block ids stay on the rank), so a batch of stored blocks costs 16 bytes a block.
+The kind carries the tier: ``STORED`` / ``LOADED`` (now in device memory), ``OFFLOADED`` (moved
+to the host tier, still cached on the rank), ``REMOVED`` (gone from both tiers).
 """
 
 from __future__ import annotations
@@ -21,13 +23,20 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from app.cache.radix import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from app.cache.radix import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
 # what the hashes are: the engine's chained block hash (app.cache.radix.block_hash). A router
 # and a rank that disagree on it (or on the block size) must not compare hashes.
 HASH_NAMESPACE = "fathom-block/blake2b-128/v1"
 
-STORED, REMOVED, CLEARED = 0, 1, 2
+STORED, REMOVED, CLEARED, OFFLOADED, LOADED = 0, 1, 2, 3, 4
 WireEvent = tuple[int, tuple[BlockHash, ...]]
 
 
@@ -36,6 +45,8 @@ def to_wire(event: KVEvent) -> WireEvent:
         return (STORED, event.block_hashes)
     if isinstance(event, BlockRemoved):
         return (REMOVED, event.block_hashes)
+    if isinstance(event, BlockMoved):
+        return (OFFLOADED if event.tier == "host" else LOADED, event.block_hashes)
     if isinstance(event, AllBlocksCleared):
         return (CLEARED, ())
     raise TypeError(f"not a KV event: {event!r}")
@@ -56,11 +67,13 @@ class KVEventBatch:
 
 @dataclass(frozen=True)
 class KVSnapshot:
-    """Every block hash a rank's prefix cache holds after event ``seq`` of ``epoch``."""
+    """Every block hash a rank's prefix cache holds after event ``seq`` of ``epoch``
+    (``host_hashes``: those of them in its host tier)."""
 
     epoch: str
     seq: int
     hashes: tuple[BlockHash, ...]
+    host_hashes: tuple[BlockHash, ...] = ()
 
 
 class KVEventLog:
@@ -95,8 +108,11 @@ class KVEventLog:
             events = tuple(self._events)[len(self._events) - n :] if n else ()
             return KVEventBatch(self.epoch, seq + 1, events)
 
-    def snapshot(self, hashes: Sequence[BlockHash]) -> KVSnapshot:
+    def snapshot(
+        self, hashes: Sequence[BlockHash], host: Sequence[BlockHash] = ()
+    ) -> KVSnapshot:
         """A snapshot at the current sequence number; ``hashes`` must be the cache's content
-        after every appended event (the engine takes it between steps, after a drain)."""
+        after every appended event (the engine takes it between steps, after a drain), and
+        ``host`` the part of it in the host tier."""
         with self._lock:
-            return KVSnapshot(self.epoch, self._seq, tuple(hashes))
+            return KVSnapshot(self.epoch, self._seq, tuple(hashes), tuple(host))

@@ -6,7 +6,13 @@ The engine's scheduler decides *what* runs; this manager owns *where* it lives:
     ensure(req, n_tokens)     grow the block table to cover positions < n_tokens
     commit(req, tokens, n)    register blocks whose positions are all computed
     free(req)                 drop references (cached blocks stay evictable), free the slot
+    ready(req)                every block of the request is in device memory (host-tier
+                              loads done; ``poll`` first, once per schedule)
     tables                    block table of every slot (numpy; the batch builder reads rows)
+
+With ``CacheConfig.host_bytes`` the prefix index demotes evicted blocks to a host tier
+(``app.cache.host_tier``); a hit continuing into it is loaded back at admission and counts as
+cached like a device hit (replay is planned from the whole hit).
 
 Bounded replay after a hit ending at H (MODEL_SPEC §3), window W:
 
@@ -24,6 +30,7 @@ import numpy as np
 import torch
 
 from app.cache.block_pool import BlockPool
+from app.cache.host_tier import HostTier
 from app.cache.kv_cache import PagedKVCache
 from app.cache.layout import CacheLayout
 from app.cache.radix import PrefixIndex
@@ -70,8 +77,16 @@ class CacheManager:
         self.block_size = cfg.resolve_block_size(model.cfg)
         self.layout = self.layout_for(model, cfg, dtype, ring_headroom, draft_stages)
         self.pool = BlockPool(num_blocks, self.block_size)
-        self.index = PrefixIndex(self.pool, self.block_size) if cfg.enable_prefix_caching else None
         self.kv = PagedKVCache(self.layout, num_blocks, max_slots, device)
+        self.host: HostTier | None = None
+        n_host = HostTier.blocks_for(cfg.host_bytes, self.layout.bytes_per_block)
+        if cfg.enable_prefix_caching and n_host > 0:
+            self.host = HostTier(self.kv.pools, n_host, device)
+        self.index = (
+            PrefixIndex(self.pool, self.block_size, self.host)
+            if cfg.enable_prefix_caching
+            else None
+        )
         # Block table of every slot (the trash slot's row too), padded with the trash block.
         width = max_blocks_per_seq or num_blocks
         self.tables = np.full((max_slots + 1, width), num_blocks, dtype=np.int64)
@@ -118,9 +133,11 @@ class CacheManager:
             m = self.index.match(token_ids[:-1], extra_key, record=False)
             self.pool.incref(m.block_ids)
             seq.blocks = list(m.block_ids)
+            if m.host:  # the hit continues in the host tier: load what fits back
+                seq.blocks += self.index.load_back(m.host)
             self._table(seq, 0)
-            seq.num_cached = m.num_tokens
-            seq.committed = len(m.block_ids)
+            seq.num_cached = len(seq.blocks) * self.block_size
+            seq.committed = len(seq.blocks)
             seq.query_tokens = len(token_ids) - 1
         H, W = seq.num_cached, self.model_cfg.sliding_window
         start = 0 if self.cfg.bounded_replay == "off" else max(0, H - W)
@@ -166,6 +183,15 @@ class CacheManager:
         self.pool.decref(seq.blocks)
         self.tables[seq.slot] = self.kv.num_blocks
         self.kv.free_slot(seq.slot)
+
+    def poll(self) -> None:
+        """Finish host-tier loads whose copies are done (once per schedule)."""
+        if self.host is not None:
+            self.host.poll()
+
+    def ready(self, req_id: str) -> bool:
+        """Whether every block of the request is in device memory (no load in flight)."""
+        return self.host is None or self.host.ready(self._seqs[req_id].blocks)
 
     def _table(self, seq: _Seq, start: int) -> None:
         self.tables[seq.slot, start : len(seq.blocks)] = seq.blocks[start:]

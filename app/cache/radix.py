@@ -24,19 +24,41 @@ as a miss, never as another sequence's KV.
 Reference counts live in :class:`BlockPool`; the index keeps "cached" blocks out of the free
 list until it evicts them. Callers hold what they use: ``m = index.match(ids)`` then
 ``pool.incref(m.block_ids)`` before the next ``allocate`` (which may evict).
+
+With a host tier (:class:`~app.cache.host_tier.HostTier`) every node lives in one tier, and
+along any path from the root the tiers read ``device* host*``::
+
+      root ── A(dev, r=1) ── B(dev, r=0) ── C(host) ── D(host)
+                         └── E(host)
+
+Device eviction takes unreferenced device nodes without device children (B, then A once it is
+unreferenced) and *demotes* them: the block is copied to a host block and the node stays in
+the index (``BlockMoved(..., "host")``); only when the host tier is full do host leaves go, LRU
+(``BlockRemoved``). A match returns the device prefix and the host nodes after it
+(``Match.host``); :meth:`PrefixIndex.load_back` gives them device blocks the caller holds,
+starts their copies and moves them back (``BlockMoved(..., "device")``). A block computed
+again by a request while its prefix sits on the host is promoted in place at ``insert``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
+import logging
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
-from app.cache.block_pool import BlockPool, check
+from app.cache.block_pool import BlockPool, NoFreeBlocks, check
+from app.cache.lru import LRUSet
+
+if TYPE_CHECKING:
+    from app.cache.host_tier import HostTier
+
+logger = logging.getLogger(__name__)
 
 BlockHash = bytes
+Tier = Literal["device", "host"]
 
 
 def block_hash(parent: BlockHash | None, tokens: Sequence[int], extra_key: bytes) -> BlockHash:
@@ -83,11 +105,19 @@ class BlockRemoved:
 
 
 @dataclass(frozen=True)
+class BlockMoved:
+    """Cached blocks now live in ``tier`` (demoted to the host tier, or loaded back)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    tier: Tier
+
+
+@dataclass(frozen=True)
 class AllBlocksCleared:
     pass
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+KVEvent = BlockStored | BlockRemoved | BlockMoved | AllBlocksCleared
 
 
 class EventMirror:
@@ -95,6 +125,7 @@ class EventMirror:
 
     def __init__(self) -> None:
         self.hashes: set[BlockHash] = set()
+        self.host: set[BlockHash] = set()  # of those, in the host tier
 
     def apply(self, events: Sequence[KVEvent]) -> None:
         for e in events:
@@ -102,8 +133,14 @@ class EventMirror:
                 self.hashes.update(e.block_hashes)
             elif isinstance(e, BlockRemoved):
                 self.hashes.difference_update(e.block_hashes)
+                self.host.difference_update(e.block_hashes)
+            elif isinstance(e, BlockMoved):
+                (self.host.update if e.tier == "host" else self.host.difference_update)(
+                    e.block_hashes
+                )
             else:
                 self.hashes.clear()
+                self.host.clear()
 
     def match_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of ``hashes`` (from :func:`chain_hashes`) this mirror holds."""
@@ -116,8 +153,12 @@ class EventMirror:
 # ---- index ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Match:
+    """The cached device prefix (``block_ids``, ``num_tokens``) and the host-tier nodes that
+    continue it (opaque; pass them to :meth:`PrefixIndex.load_back`)."""
+
     block_ids: list[int]
     num_tokens: int
+    host: tuple[_Node, ...] = ()
 
 
 @dataclass
@@ -137,26 +178,35 @@ class _Node:
     hash: BlockHash
     parent: _Node | None
     tokens: tuple[int, ...]
-    block_id: int
+    block_id: int  # device block, -1 while in the host tier
     extra_key: bytes
     last_access: int = 0
     children: dict[BlockHash, _Node] = field(default_factory=dict)
+    host: int = -1  # host block while in the host tier
+    locked: bool = False  # being loaded back: not evictable
+
+    @property
+    def on_device(self) -> bool:
+        return self.block_id >= 0
 
 
 class PrefixIndex:
-    """Prefix cache of full blocks of ``pool``; attaches itself as the pool's listener."""
+    """Prefix cache of full blocks of ``pool``; attaches itself as the pool's listener.
+    ``host``: a host tier that evicted blocks are demoted to (None: eviction drops them)."""
 
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, host: HostTier | None = None):
         if block_size != pool.block_size:
             raise ValueError(f"block_size {block_size} != pool.block_size {pool.block_size}")
         self.pool = pool
         self.block_size = block_size
+        self.host = host
         self.stats = PrefixStats()
         self._root = _Node(b"", None, (), -1, b"")
         self._by_hash: dict[BlockHash, _Node] = {}
-        self._by_block: dict[int, _Node] = {}
-        self._evictable: dict[int, int] = {}  # block id -> last_access of its heap entry
-        self._heap: list[tuple[int, int]] = []  # (last_access, block_id), may hold stale entries
+        self._by_block: dict[int, _Node] = {}  # device tier
+        self._by_host: dict[int, _Node] = {}  # host tier
+        self._evictable = LRUSet()  # device block ids: unreferenced, no device children
+        self._host_evictable = LRUSet()  # host block ids: host leaves, not locked
         self._clock = 0
         self._events: list[KVEvent] = []
         pool.attach(self)
@@ -165,7 +215,16 @@ class PrefixIndex:
         return len(self._by_hash)
 
     def cached_hashes(self) -> set[BlockHash]:
+        """Every cached hash, both tiers."""
         return set(self._by_hash)
+
+    def host_hashes(self) -> set[BlockHash]:
+        """The cached hashes in the host tier."""
+        return {n.hash for n in self._by_host.values()}
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self._by_host)
 
     def drain_events(self) -> list[KVEvent]:
         """Events since the last drain, oldest first."""
@@ -184,8 +243,9 @@ class PrefixIndex:
     def match(
         self, token_ids: Sequence[int], extra_key: str | bytes = "", record: bool = True
     ) -> Match:
-        """Longest cached prefix in whole blocks; touches it for LRU. Does not take references.
-        ``record=False`` leaves the hit statistics alone (see :meth:`record`)."""
+        """Longest cached prefix in whole blocks (device blocks, then host-tier nodes);
+        touches it for LRU. Does not take references. ``record=False`` leaves the hit
+        statistics alone (see :meth:`record`)."""
         key, node, found = as_key(extra_key), self._root, []
         for tokens in self._blocks(token_ids):
             nxt = self._by_hash.get(block_hash(node.hash or None, tokens, key))
@@ -196,10 +256,11 @@ class PrefixIndex:
         self._clock += 1
         for n in found:
             self._touch(n)
-        num_tokens = len(found) * self.block_size
+        dev = [n for n in found if n.on_device]  # a prefix of found (device* host*)
+        num_tokens = len(dev) * self.block_size
         if record:
             self.record(len(token_ids), num_tokens)
-        return Match([n.block_id for n in found], num_tokens)
+        return Match([n.block_id for n in dev], num_tokens, tuple(found[len(dev) :]))
 
     def record(self, query_tokens: int, hit_tokens: int) -> None:
         """Count one query in the hit statistics."""
@@ -218,7 +279,8 @@ class PrefixIndex:
         is already cached under another id, the cached one is kept and the caller's id is
         returned as redundant (still owned by the caller; freed by its ``decref``); the caller's
         blocks after such a block stay uncached, since their parent in the index would be a
-        block the caller does not hold. Insertion stops at a hash collision: the rest of the
+        block the caller does not hold. A block cached in the host tier takes the caller's
+        block instead (promoted: no copy). Insertion stops at a hash collision: the rest of the
         sequence simply stays uncached.
         """
         key, node = as_key(extra_key), self._root
@@ -226,6 +288,7 @@ class PrefixIndex:
         self._clock += 1
         redundant: list[int] = []
         new: list[_Node] = []
+        promoted: list[BlockHash] = []
         foreign = False  # walking blocks another request cached: the caller does not hold them
         try:
             for tokens, bid in zip(blocks, block_ids, strict=False):
@@ -234,7 +297,13 @@ class PrefixIndex:
                 if old is not None:
                     if not self._verified(old, node, tokens, key):
                         break  # collision: leave the rest uncached
-                    if old.block_id != bid:
+                    if not old.on_device:
+                        if foreign or old.locked:
+                            break
+                        self._check_new(bid)
+                        self._promote(old, bid)
+                        promoted.append(h)
+                    elif old.block_id != bid:
                         redundant.append(bid)
                         foreign = True
                     node = old
@@ -244,9 +313,8 @@ class PrefixIndex:
                     # Never hang a new block under a parent the caller does not reference: an
                     # unreferenced cached block must stay reclaimable by leaf eviction.
                     break
-                if self.pool.refcount(bid) <= 0 or bid in self._by_block:
-                    raise ValueError(f"block {bid} must be held by the caller and not yet cached")
-                self._drop_evictable(node)  # gains a child: no longer a leaf
+                self._check_new(bid)
+                self._evictable.discard(node.block_id)  # gains a device child
                 child = _Node(h, node, tokens, bid, key, self._clock)
                 node.children[h] = child
                 self._by_hash[h] = child
@@ -255,8 +323,14 @@ class PrefixIndex:
                 new.append(child)
                 node = child
         finally:
+            if promoted:
+                self._events.append(BlockMoved(tuple(promoted), "device"))
             self._emit_stored(new, key)
         return redundant
+
+    def _check_new(self, bid: int) -> None:
+        if self.pool.refcount(bid) <= 0 or bid in self._by_block:
+            raise ValueError(f"block {bid} must be held by the caller and not yet cached")
 
     def _emit_stored(self, new: list[_Node], key: bytes) -> None:
         if new:
@@ -273,40 +347,158 @@ class PrefixIndex:
 
     # ---- eviction ---------------------------------------------------------------------------
     def evict(self, n_blocks: int) -> int:
-        """Free up to ``n_blocks`` least-recently-used unreferenced leaves; return the count."""
+        """Free up to ``n_blocks`` least-recently-used unreferenced device blocks (without
+        device children); with a host tier they are demoted (copied there) rather than
+        dropped while it has room. Returns how many device blocks were freed."""
         removed: list[BlockHash] = []
-        while len(removed) < n_blocks and self._evictable:
-            last, bid = heapq.heappop(self._heap)
-            if self._evictable.get(bid) != last:
-                continue  # stale entry
-            del self._evictable[bid]
+        demoted: list[tuple[_Node, int]] = []  # (node, the device block it leaves)
+        keep: set[int] = set()  # id() of the demoted nodes
+        freed = 0
+        while freed < n_blocks:
+            bid = self._evictable.pop()
+            if bid is None:
+                break
             node = self._by_block.pop(bid)
-            del self._by_hash[node.hash]
-            parent = node.parent
-            assert parent is not None
-            del parent.children[node.hash]
+            h = self._host_block(keep) if self.host is not None else None
+            if h is None:  # (its subtree may hold nodes demoted in this pass: dropped too)
+                self._drop(node, removed)
+            else:
+                node.block_id, node.host = -1, h
+                self._by_host[h] = node
+                demoted.append((node, bid))
+                keep.add(id(node))
             self.pool.release_cached(bid)
-            removed.append(node.hash)
-            self._maybe_evictable(parent)
+            freed += 1
+            self._maybe_evictable(node.parent)
+        demoted = [(n, b) for n, b in demoted if n.host >= 0]
+        if demoted:
+            assert self.host is not None
+            self.host.offload([b for _, b in demoted], [n.host for n, _ in demoted])
+            for n, _ in demoted:
+                self._maybe_evictable(n)
+            self._events.append(BlockMoved(tuple(n.hash for n, _ in demoted), "host"))
         if removed:
             self._events.append(BlockRemoved(tuple(removed)))
-        return len(removed)
+        return freed
+
+    def _host_block(self, keep: set[int]) -> int | None:
+        """A free host block, evicting LRU host leaves for it (never the nodes whose id() is
+        in ``keep``: demoted in this pass, their copies not issued yet)."""
+        assert self.host is not None
+        h = self.host.alloc()
+        if h is not None:
+            return h
+        removed: list[BlockHash] = []
+        while h is None and (leaf := self._host_evictable.pop()) is not None:
+            node = self._by_host[leaf]
+            self._drop(node, removed)
+            if id(node.parent) not in keep:
+                self._maybe_evictable(node.parent)  # may be a host leaf now
+            h = self.host.alloc()
+        if removed:
+            self._events.append(BlockRemoved(tuple(removed)))
+        return h
+
+    def _drop(self, node: _Node, removed: list[BlockHash]) -> None:
+        """Forget ``node`` and its (host-tier) subtree; a device node's block is released by
+        the caller."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            assert not n.locked, "a node being loaded back is never dropped"
+            stack.extend(n.children.values())
+            if not n.on_device:
+                self._forget_host(n)
+            elif n is not node:
+                raise AssertionError(f"device block {n.block_id} under an evicted block")
+            del self._by_hash[n.hash]
+            removed.append(n.hash)
+        assert node.parent is not None
+        del node.parent.children[node.hash]
+        if node.on_device and self.host is not None:
+            self.host.before_reuse([node.block_id])
+
+    def _forget_host(self, n: _Node, dropped: bool = True) -> None:
+        assert self.host is not None
+        del self._by_host[n.host]
+        self._host_evictable.discard(n.host)
+        self.host.free([n.host])
+        self.host.stats.dropped_blocks += dropped
+        n.host = -1
+
+    def _promote(self, node: _Node, bid: int) -> None:
+        """A host-tier node takes device block ``bid`` (held by the caller, same content)."""
+        self._forget_host(node, dropped=False)
+        node.block_id = bid
+        self._by_block[bid] = node
+        self.pool.hold_cached(bid)
+        if node.parent is not None:
+            self._evictable.discard(node.parent.block_id)  # gains a device child
+
+    # ---- loading back ---------------------------------------------------------------------
+    def load_back(self, nodes: Sequence[_Node]) -> list[int]:
+        """Device blocks for the host-tier nodes of a match (as many as the pool can give,
+        in chain order): allocated (refcount 1, owned by the caller), their copies started
+        (pending in the host tier until done), the nodes moved to the device tier. Returns
+        the blocks; [] when none could be loaded (the caller recomputes those tokens)."""
+        host = self.host
+        if host is None or not nodes:
+            return []
+        nodes = list(nodes[: self.pool.num_available])
+        if not nodes:  # no device room at all: recompute
+            host.stats.fallbacks += 1
+            return []
+        for n in nodes:  # allocation may demote other blocks: these must stay put
+            n.locked = True
+            self._host_evictable.discard(n.host)
+        bids: list[int] = []
+        try:
+            bids = self.pool.allocate(len(nodes))
+            host.load([n.host for n in nodes], bids)
+        except (NoFreeBlocks, RuntimeError) as e:  # recompute instead
+            logger.warning("host-tier load-back of %d blocks failed (%s): recomputing",
+                           len(nodes), e)  # fmt: skip
+            host.stats.fallbacks += 1
+            if bids:
+                self.pool.decref(bids)
+            for n in nodes:
+                n.locked = False
+                self._maybe_evictable(n)
+            return []
+        for n, bid in zip(nodes, bids, strict=True):
+            n.locked = False
+            del self._by_host[n.host]  # its row is freed by the host tier once copied
+            n.host, n.block_id = -1, bid
+            self._by_block[bid] = n
+            self.pool.hold_cached(bid)
+            if n.parent is not None:
+                self._evictable.discard(n.parent.block_id)
+        host.stats.hits += 1
+        host.stats.hit_tokens += len(bids) * self.block_size
+        self._events.append(BlockMoved(tuple(n.hash for n in nodes), "device"))
+        return bids
 
     def clear(self) -> None:
         """Forget every cached block (held blocks stay with their holders, uncached)."""
+        if self.host is not None:
+            self.host.before_reuse(list(self._by_block))
+            for n in list(self._by_host.values()):
+                if not n.locked:
+                    self._forget_host(n)
         for bid in self._by_block:
             self.pool.release_cached(bid)
         self._by_hash.clear()
         self._by_block.clear()
+        self._by_host.clear()
         self._root.children.clear()
         self._evictable.clear()
-        self._heap.clear()
+        self._host_evictable.clear()
         self._events.append(AllBlocksCleared())
 
     # ---- pool callbacks -------------------------------------------------------------------
     def on_referenced(self, block_ids: list[int]) -> None:
         for bid in block_ids:
-            self._drop_evictable(self._by_block[bid])
+            self._evictable.discard(bid)
 
     def on_unreferenced(self, block_ids: list[int]) -> None:
         self._clock += 1
@@ -318,30 +510,30 @@ class PrefixIndex:
     # ---- LRU bookkeeping ----------------------------------------------------------------
     def _touch(self, node: _Node) -> None:
         node.last_access = self._clock
-        if node.block_id in self._evictable:
-            self._push(node)
+        if node.on_device:
+            if node.block_id in self._evictable:
+                self._evictable.push(node.block_id, node.last_access)
+        elif node.host in self._host_evictable:
+            self._host_evictable.push(node.host, node.last_access)
 
-    def _maybe_evictable(self, node: _Node) -> None:
-        if node is self._root or node.children or self.pool.refcount(node.block_id):
+    def _maybe_evictable(self, node: _Node | None) -> None:
+        if node is None or node is self._root:
             return
-        self._push(node)
-
-    def _drop_evictable(self, node: _Node) -> None:
-        self._evictable.pop(node.block_id, None)
-
-    def _push(self, node: _Node) -> None:
-        self._evictable[node.block_id] = node.last_access
-        heapq.heappush(self._heap, (node.last_access, node.block_id))
-        if len(self._heap) > 2 * len(self._evictable) + 64:  # drop stale entries
-            self._heap = [(t, b) for b, t in self._evictable.items()]
-            heapq.heapify(self._heap)
+        if not node.on_device:
+            if not node.children and not node.locked:
+                self._host_evictable.push(node.host, node.last_access)
+        elif not self.pool.refcount(node.block_id) and not any(
+            c.on_device for c in node.children.values()
+        ):
+            self._evictable.push(node.block_id, node.last_access)
 
     # ---- invariants -----------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Tree links, hashes, pool bookkeeping and the LRU set all agree."""
+        """Tree links, hashes, tiers, pool bookkeeping and both LRU sets all agree."""
         self.pool.check_integrity()
         seen, stack = 0, [self._root]
-        expect_evictable: dict[int, int] = {}
+        expect: dict[int, int] = {}
+        expect_host: dict[int, int] = {}
         while stack:
             parent = stack.pop()
             for h, node in parent.children.items():
@@ -349,21 +541,39 @@ class PrefixIndex:
                 bid = node.block_id
                 check(node.parent is parent, f"block {bid}: parent link broken")
                 check(node.hash == h and self._by_hash.get(h) is node, f"block {bid}: hash map")
-                check(self._by_block.get(bid) is node, f"block {bid}: block map")
                 check(len(node.tokens) == self.block_size, f"block {bid}: not a full block")
                 same_key = parent is self._root or parent.extra_key == node.extra_key
                 check(same_key, f"block {bid}: extra key differs from its parent's")
                 recomputed = block_hash(parent.hash or None, node.tokens, node.extra_key)
                 check(recomputed == h, f"block {bid}: hash does not recompute")
-                check(self.pool.is_cached(bid), f"block {bid} cached here but not in the pool")
                 check(node.last_access <= self._clock, f"block {bid}: last_access in the future")
-                if not node.children and self.pool.refcount(bid) == 0:
-                    expect_evictable[bid] = node.last_access
+                check(not node.locked, f"block {bid}: locked outside load_back")
+                if node.on_device:
+                    check(node.host < 0, f"block {bid}: in both tiers")
+                    check(parent is self._root or parent.on_device,
+                          f"device block {bid} under a host-tier block")  # fmt: skip
+                    check(self._by_block.get(bid) is node, f"block {bid}: block map")
+                    check(self.pool.is_cached(bid), f"block {bid} cached here but not in the pool")
+                    dev_children = any(c.on_device for c in node.children.values())
+                    if not dev_children and self.pool.refcount(bid) == 0:
+                        expect[bid] = node.last_access
+                else:
+                    check(node.host >= 0 and self._by_host.get(node.host) is node,
+                          f"host block {node.host}: host map")  # fmt: skip
+                    if not node.children:
+                        expect_host[node.host] = node.last_access
                 stack.append(node)
-        check(seen == len(self._by_hash) == len(self._by_block), "unreachable cached nodes")
+        n_nodes = len(self._by_block) + len(self._by_host)
+        check(seen == len(self._by_hash) == n_nodes, "unreachable cached nodes")
         check(self.pool.cached_ids() == set(self._by_block), "pool cached set != index blocks")
         n_idle = sum(self.pool.refcount(b) == 0 for b in self._by_block)
         check(n_idle == self.pool.num_cached_unreferenced, "unreferenced cached count differs")
-        check(self._evictable == expect_evictable, "LRU set != unreferenced leaves")
-        heap = set(self._heap)
-        check(all((t, b) in heap for b, t in self._evictable.items()), "LRU heap misses a leaf")
+        check(self._evictable.items() == expect, "LRU set != unreferenced device leaves")
+        check(self._host_evictable.items() == expect_host, "host LRU set != host leaves")
+        check(self._evictable.heap_holds_all() and self._host_evictable.heap_holds_all(),
+              "LRU heap misses a leaf")  # fmt: skip
+        if self.host is not None:
+            used = set(self._by_host) | self.host.in_flight_rows()
+            check(len(used) == self.host.num_used, "host blocks leaked or double-booked")
+        else:
+            check(not self._by_host, "host-tier nodes without a host tier")

@@ -10,6 +10,8 @@ engine evicts leaves first). Each entry is a bit mask of ranks (rank ``r`` = bit
 
 Fed by the ranks' KV events (:mod:`app.cache.events`): ``stored`` sets a rank's bit,
 ``removed`` clears it, ``cleared`` / a snapshot reload / a dead rank clear it everywhere.
+``offloaded`` / ``loaded`` keep the bit and set / clear it in a second map of host-tier
+blocks (``host_blocks``: a hit there is a copy, not a prefill, but not free either).
 Requests the Router has just sent to a rank count as *pending* there (a short TTL) until the
 rank's events confirm them, so a burst of a new prefix follows its first request instead of
 scattering before the first prefill lands. Memory is bounded: beyond ``max_entries`` the least
@@ -22,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from app.cache.events import CLEARED, REMOVED, STORED, KVSnapshot, WireEvent
+from app.cache.events import CLEARED, LOADED, OFFLOADED, REMOVED, STORED, KVSnapshot, WireEvent
 from app.cache.radix import BlockHash
 
 
@@ -45,6 +47,7 @@ class GlobalPrefixIndex:
         self.pending_ttl_s = pending_ttl_s
         self._entries: OrderedDict[BlockHash, int] = OrderedDict()
         self._pending: OrderedDict[BlockHash, tuple[int, float]] = OrderedDict()
+        self._host: dict[BlockHash, int] = {}  # hash -> ranks holding it in their host tier
         self._slot: dict[str, int] = {}  # rank id -> bit
         self._free_slots: list[int] = []
         self._held: dict[int, int] = {}  # bit -> hashes held or claimed there
@@ -83,6 +86,8 @@ class GlobalPrefixIndex:
 
     def _clear_bit(self, s: int) -> None:
         bit = 1 << s
+        for h in [h for h, m in self._host.items() if m & bit]:
+            self._set_host(h, bit, False)
         entries = self._entries
         for h in [h for h, m in entries.items() if m & bit]:
             m = entries[h] & ~bit
@@ -134,6 +139,13 @@ class GlobalPrefixIndex:
             self._pending.pop(h, None)
         self._count(old, entry | pending)
 
+    def _set_host(self, h: BlockHash, bit: int, on: bool) -> None:
+        m = (self._host.get(h, 0) | bit) if on else (self._host.get(h, 0) & ~bit)
+        if m:
+            self._host[h] = m
+        else:
+            self._host.pop(h, None)
+
     def _pending_mask(self, h: BlockHash) -> tuple[int, float]:
         return self._pending.get(h, (0, 0.0))
 
@@ -142,12 +154,17 @@ class GlobalPrefixIndex:
         """A rank's KV events, oldest first."""
         bit = 1 << self.slot(rank)
         for kind, hashes in events:
-            if kind == STORED:
+            if kind in (STORED, LOADED, OFFLOADED):
+                if self._host or kind == OFFLOADED:
+                    for h in hashes:
+                        self._set_host(h, bit, kind == OFFLOADED)
                 self._store(bit, hashes)
             elif kind == REMOVED:  # also ends a pending claim there: the rank said so
                 for h in hashes:
                     pm, t = self._pending_mask(h)
                     self._set(h, self._entries.get(h, 0) & ~bit, pm & ~bit, t)
+                    if self._host:
+                        self._set_host(h, bit, False)
             elif kind == CLEARED:
                 self.clear_rank(rank)
             else:
@@ -156,7 +173,10 @@ class GlobalPrefixIndex:
     def load_snapshot(self, rank: str, snap: KVSnapshot) -> None:
         """Replace what ``rank`` holds by ``snap``'s hashes."""
         self.clear_rank(rank)
-        self._store(1 << self.slot(rank), snap.hashes)
+        bit = 1 << self.slot(rank)
+        self._store(bit, snap.hashes)
+        for h in snap.host_hashes:
+            self._set_host(h, bit, True)
 
     def _store(self, bit: int, hashes: Iterable[BlockHash]) -> None:
         for h in hashes:  # confirmed: no longer only pending there
@@ -223,6 +243,14 @@ class GlobalPrefixIndex:
         for s in bits(cur):
             out[live[s]] = (depth, confirmed[live[s]])
         return out
+
+    def host_blocks(self, hashes: Sequence[BlockHash], rank: str, n: int) -> int:
+        """How many of the first ``n`` of ``hashes`` ``rank`` holds in its host tier."""
+        if not self._host or not n:
+            return 0
+        bit = 1 << self.slot(rank)
+        host = self._host
+        return sum(1 for h in hashes[:n] if host.get(h, 0) & bit)
 
     def check_counts(self) -> None:
         """``held`` agrees with the tables (tests)."""

@@ -8,6 +8,7 @@ the state and :class:`RoutingPolicy` decides).
                + tokens the router sent r since that report
                + running_weight * requests running or waiting on r
     compute(r) = L - H(r) + replay(H(r))      L prompt tokens, H(r) cached on r (whole blocks)
+               + host_hit_cost * H_host(r)     of which H_host(r) in r's host tier (a copy back)
     replay(H)  = min(H, W)   bounded replay recomputes the last window W before a hit
                  H           bounded_replay "off": a hit saves memory, not compute
 
@@ -60,6 +61,7 @@ class RoutingConfig:
     balance_rel: float = 1.5
     running_weight: float = 16.0
     compute_weight: float = 4.0
+    host_hit_cost: float = 0.1  # prefill tokens one host-tier hit token counts as
     max_index_blocks: int = 4_000_000
     pending_ttl_s: float = 30.0
     max_sessions: int = 100_000
@@ -161,6 +163,8 @@ class RoutingPolicy:
             blocks, confirmed = hits.get(v.rank, (0, 0))
             H = min(blocks * P, max(L - 1, 0))
             compute = L - H + (H if v.replay == "off" else min(H, v.window))
+            if blocks:  # host-tier blocks are loaded back: cheaper than a prefill, not free
+                compute += cfg.host_hit_cost * P * self.index.host_blocks(usable, v.rank, blocks)
             queued = v.queued_tokens + cfg.running_weight * v.outstanding
             return queued + cfg.compute_weight * compute, H, min(confirmed * P, H), compute
 

@@ -99,6 +99,14 @@ class EngineStats:
     spec_accepted: int = 0
     spec_accepted_at: list[int] = field(default_factory=list)
     spec_verify_tokens: int = 0  # tokens of verify chunks (1 + drafts each)
+    # host KV tier (app.cache.host_tier; zero when off): admissions that loaded blocks back,
+    # their tokens, bytes copied each way, summed load latency (issue -> ready), blocks held
+    host_hits: int = 0
+    host_hit_tokens: int = 0
+    host_load_bytes: int = 0
+    host_load_s: float = 0.0
+    host_offload_bytes: int = 0
+    host_blocks: int = 0
 
     def report(self) -> dict[str, float | int]:
         """Flat numbers for metrics: the counters, the draft acceptance per position
@@ -704,8 +712,13 @@ class EngineCore:
         s.steps += 1
         s.last_step_s = dt
         s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
+        s.num_waiting = self.scheduler.num_waiting
         s.num_free_blocks = self.cache.num_free_blocks
         s.kv_usage = self.cache.pool.usage
         if self.cache.index is not None:
             s.prefix_hit_tokens = self.cache.index.stats.hit_tokens
+        if (host := self.cache.host) is not None:
+            h = host.stats
+            s.host_hits, s.host_hit_tokens = h.hits, h.hit_tokens
+            s.host_load_bytes, s.host_load_s = h.load_bytes, h.load_s
+            s.host_offload_bytes, s.host_blocks = h.offload_bytes, host.num_used

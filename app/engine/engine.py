@@ -115,7 +115,11 @@ class AsyncEngine:
         def take() -> KVSnapshot:
             self._drain_kv_events()
             index = self.core.cache.index
-            return self.kv_events.snapshot(sorted(index.cached_hashes()) if index else ())
+            if index is None:
+                return self.kv_events.snapshot(())
+            return self.kv_events.snapshot(
+                sorted(index.cached_hashes()), sorted(index.host_hashes())
+            )
 
         return self._submit(take).result(timeout_s)
 

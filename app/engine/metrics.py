@@ -15,6 +15,10 @@ drains it from its own thread every ``interval_s`` into Ray's histograms, counte
     fathom_engine_preemptions           counter    requests preempted (KV pool short)
     fathom_engine_prefix_query_tokens   counter    prompt tokens looked up in the prefix cache
     fathom_engine_prefix_hit_tokens     counter    of those, found in the cache
+    fathom_engine_host_hit_tokens       counter    of those, loaded back from the host KV tier
+    fathom_engine_host_load_bytes       counter    bytes copied host -> device (load-backs)
+    fathom_engine_host_offload_bytes    counter    bytes copied device -> host (demotions)
+    fathom_engine_host_load_seconds     histogram  one load-back, issue -> blocks ready
     fathom_engine_requests_running      gauge      requests in the running batch
     fathom_engine_requests_waiting      gauge      requests waiting for admission
     fathom_engine_kv_blocks_used        gauge      KV blocks referenced by requests
@@ -22,6 +26,7 @@ drains it from its own thread every ``interval_s`` into Ray's histograms, counte
     fathom_engine_kv_blocks_cached      gauge      cached blocks nobody references (evictable)
     fathom_engine_kv_usage              gauge      used / all blocks
     fathom_engine_prefix_hit_rate       gauge      hit / query tokens since the rank started
+    fathom_engine_host_blocks_used      gauge      host-tier blocks holding KV
     fathom_engine_up                    gauge      1 while the rank's exporter runs
 
 Tags: ``deployment`` (the Serve deployment), ``rank`` (the replica's rank in the deployment,
@@ -42,6 +47,7 @@ logger = logging.getLogger(__name__)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TAG_KEYS = ("deployment", "rank", "replica")
 
@@ -102,6 +108,8 @@ class EngineMetrics:
         self.h_tokens = hist("fathom_engine_step_tokens", "tokens in one step", TOKEN_BUCKETS)
         self.h_wait = hist("fathom_engine_queue_wait_seconds",
                            "arrival to first admission", WAIT_BUCKETS)  # fmt: skip
+        self.h_load = hist("fathom_engine_host_load_seconds",
+                           "host-tier load-back, issue to blocks ready", LOAD_BUCKETS)  # fmt: skip
         self.counters = {
             name: m.Counter(f"fathom_engine_{name}", desc, tag_keys=k)
             for name, desc in (
@@ -110,6 +118,9 @@ class EngineMetrics:
                 ("preemptions", "requests preempted when the KV pool ran short"),
                 ("prefix_query_tokens", "prompt tokens looked up in the prefix cache"),
                 ("prefix_hit_tokens", "prompt tokens found in the prefix cache"),
+                ("host_hit_tokens", "prompt tokens loaded back from the host KV tier"),
+                ("host_load_bytes", "bytes copied from the host KV tier to the device"),
+                ("host_offload_bytes", "bytes copied from the device to the host KV tier"),
             )
         }
         self.gauges = {
@@ -122,6 +133,7 @@ class EngineMetrics:
                 ("kv_blocks_cached", "cached KV blocks nobody references (evictable)"),
                 ("kv_usage", "fraction of KV blocks in use"),
                 ("prefix_hit_rate", "prefix-cache token hit rate since the rank started"),
+                ("host_blocks_used", "host KV tier blocks holding KV"),
                 ("up", "1 while the rank exports metrics"),
             )
         }
@@ -156,6 +168,9 @@ class EngineMetrics:
             "preemptions": core.stats.num_preemptions,
             "prefix_query_tokens": q,
             "prefix_hit_tokens": h,
+            "host_hit_tokens": core.stats.host_hit_tokens,
+            "host_load_bytes": core.stats.host_load_bytes,
+            "host_offload_bytes": core.stats.host_offload_bytes,
         }
 
     def levels(self) -> dict[str, float]:
@@ -173,6 +188,7 @@ class EngineMetrics:
             "kv_blocks_cached": cached,
             "kv_usage": pool.usage,
             "prefix_hit_rate": index.stats.token_hit_rate if index is not None else 0.0,
+            "host_blocks_used": core.stats.host_blocks,
             "up": 1,
         }
 
@@ -185,6 +201,9 @@ class EngineMetrics:
             self.h_tokens.observe(n_tok, tags=tags)
         for w in waits:
             self.h_wait.observe(w, tags=tags)
+        host = getattr(self.core.cache, "host", None)
+        while host is not None and host.stats.latencies:  # appended by the engine thread
+            self.h_load.observe(host.stats.latencies.popleft(), tags=tags)
         for name, v in self.totals().items():
             d = v - self._last[name]
             if d > 0:  # Ray counters reject 0

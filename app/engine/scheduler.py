@@ -11,6 +11,10 @@ a waiting long prompt whose share is spent lets the short ones behind it in. Whe
 runs out, the lowest-priority, latest running request is preempted (recompute: its cache is
 freed, it returns to the waiting queue with its output so far, and resumes later with the same
 output; a prefix hit usually brings most of its blocks back).
+
+A request whose prefix hit is being loaded back from the host KV tier (``app.cache.host_tier``)
+waits in ``loading`` (holding its slot and blocks, spending no budget) until its own blocks
+are in device memory, then runs like any admitted request; nobody else waits for it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from app.engine.request import EngineRequest, FinishReason
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted; its cached blocks are still being copied to the device
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -114,6 +119,7 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, cache: CacheManager):
         self.cfg, self.cache = cfg, cache
         self.waiting: list[Sequence] = []
+        self.loading: list[Sequence] = []  # admitted, waiting for host-tier load-backs
         self.running: list[Sequence] = []
         self.fair = LongPrefillShare(
             cfg.max_num_batched_tokens, cfg.long_prefill_share, cfg.long_prefill_threshold
@@ -134,12 +140,30 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.loading:
+            self.loading.remove(seq)
         self.cache.free(seq.request_id)
         seq.status = SeqStatus.FINISHED
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running (queued, or waiting for their blocks to load)."""
+        return len(self.waiting) + len(self.loading)
+
+    def _loaded(self, out: SchedulerOutput) -> None:
+        """Requests whose host-tier blocks arrived join the running batch."""
+        self.cache.poll()
+        if not self.loading:
+            return
+        for seq in [s for s in self.loading if self.cache.ready(s.request_id)]:
+            self.loading.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.admitted.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         assert seq.num_in_flight == 0, "a request in a launched step cannot be preempted"
@@ -191,6 +215,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [])
         budget = self.cfg.max_num_batched_tokens
+        self._loaded(out)
         self.running.sort(key=Sequence.sort_key)
         self.fair.start(self.running + self.waiting)
         for seq in list(self.running):
@@ -212,7 +237,11 @@ class Scheduler:
             self._take(seq, n, out)
             budget -= n
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while (
+            i < len(self.waiting)
+            and budget > 0
+            and len(self.running) + len(self.loading) < self.cfg.max_num_seqs
+        ):
             seq = self.waiting[i]
             if self.cache.kv.num_free_slots == 0:
                 break
@@ -224,6 +253,11 @@ class Scheduler:
                 seq.request_id, seq.tokens, seq.req.extra_key, use_prefix_cache=use_prefix
             )
             seq.num_computed, seq.num_cached = plan.start, min(plan.num_cached, seq.num_prompt)
+            if not self.cache.ready(seq.request_id):  # its cached blocks are on the way
+                self.waiting.pop(i)
+                seq.status = SeqStatus.LOADING
+                self.loading.append(seq)
+                continue
             n = self.fair.cap(seq, min(seq.num_known - seq.num_computed, budget))
             try:  # n >= 1: a long prompt got here with some of the share left
                 self.cache.ensure(seq.request_id, seq.num_computed + n)

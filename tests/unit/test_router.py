@@ -15,7 +15,7 @@ from ray.serve._private.common import RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from app.cache.events import HASH_NAMESPACE, KVEventBatch, KVEventLog  # noqa: E402
-from app.cache.radix import BlockRemoved, BlockStored, chain_hashes  # noqa: E402
+from app.cache.radix import BlockMoved, BlockRemoved, BlockStored, chain_hashes  # noqa: E402
 from app.deployments.prefix_index import GlobalPrefixIndex  # noqa: E402
 from app.deployments.router import STALE_S, PinnedRequestRouter, Router  # noqa: E402
 from app.deployments.routing import RouteQuery, RoutingConfig  # noqa: E402
@@ -75,6 +75,7 @@ class FakeRank:
     def __init__(self, router: Router, rid: str, meta: dict = META) -> None:
         self.router, self.rid, self.meta = router, rid, meta
         self.log, self.cached, self.sent = KVEventLog(max_events=8), set(), None
+        self.host: set = set()  # of the cached hashes, those in the host tier
 
     def store(self, ids: list[int]) -> None:
         hs = chain_hashes(ids, P)
@@ -85,14 +86,20 @@ class FakeRank:
     def remove(self, ids: list[int]) -> None:
         hs = tuple(chain_hashes(ids, P))
         self.cached.difference_update(hs)
+        self.host.difference_update(hs)
         self.log.append([BlockRemoved(hs)])
+
+    def move(self, ids: list[int], tier: str) -> None:
+        hs = tuple(chain_hashes(ids, P))
+        (self.host.update if tier == "host" else self.host.difference_update)(hs)
+        self.log.append([BlockMoved(hs, tier)])
 
     async def report(self, stats: dict = IDLE) -> bool:
         """One report; True when it had to resync."""
         batch = self.log.since(self.sent) if self.sent is not None else None
         reply = await self.router.report(self.rid, dict(stats), self.meta, batch)
         if reply["resync"]:
-            snap = self.log.snapshot(sorted(self.cached))
+            snap = self.log.snapshot(sorted(self.cached), sorted(self.host))
             await self.router.snapshot(self.rid, snap)
             self.sent = snap.seq
             return True
@@ -387,3 +394,40 @@ def test_held_counts_follow_every_change():
     idx.drop_rank("b")
     idx.check_counts()
     assert idx.held("b") == 0
+
+
+def test_host_tier_hits_weigh_below_device_hits():
+    async def run() -> None:
+        router = _router(compute_weight=1.0)
+        a, b = FakeRank(router, "a"), FakeRank(router, "b")
+        assert await a.report() and await b.report()
+        a.store(SYS)
+        b.store(SYS)
+        a.move(SYS, "host")  # a demoted the prefix to its host tier
+        await a.report()
+        await b.report()
+        idx = router.policy.index
+        hs = chain_hashes(SYS, P)
+        assert idx.host_blocks(hs, "a", 8) == 8 and idx.host_blocks(hs, "b", 8) == 0
+        d = await router.choose(q(SYS + [7, 8, 9]))
+        # both hold 32 tokens; a must load them back: 11 + 0.1 x 32 prefill tokens
+        assert (d.target, d.cached_tokens, d.compute_tokens) == ("b", 32, 11)
+        assert router.policy._prefix(q(SYS + [7, 8, 9]), [router.ranks["a"].view("a")]) \
+            .compute_tokens == pytest.approx(11 + 0.1 * 32)  # fmt: skip
+        # a restarted router learns the tiers from the snapshot
+        fresh = _router()
+        a.router = fresh
+        a.sent = None
+        assert await a.report()
+        assert fresh.policy.index.host_blocks(hs, "a", 8) == 8
+        a.router = router
+        a.move(SYS, "device")  # loaded back: no longer host
+        await a.report()
+        assert idx.host_blocks(hs, "a", 8) == 0
+        a.move(SYS[:16], "host")
+        a.remove(SYS)  # gone from both tiers
+        await a.report()
+        assert idx.host_blocks(hs, "a", 8) == 0 and idx.blocks_of("a") == 0
+        idx.check_counts()
+
+    asyncio.run(run())
