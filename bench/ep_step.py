@@ -106,8 +106,12 @@ def _moe(shape: dict, fmt: str, dev: torch.device, dtype: torch.dtype) -> MoE:
 
 
 def moe_cases(shape: dict, dev: torch.device, dtype: torch.dtype, out: Callable) -> None:
-    """(a): fused MoE vs the EP path (ep_size 1) on the same layer and inputs."""
+    """(a): fused MoE vs the EP path (ep_size 1) on the same layer and inputs: both eager
+    (``do_bench``), and as CUDA-graph replays where they can be captured (the EP path cannot:
+    its exchange sizes are read on the host)."""
     time_us = _timer(dev)
+    if dev.type == "cuda":
+        from triton.testing import do_bench as triton_bench
     fmts = ["fp4", "fp8"] if dev.type == "cuda" else ["fp4"]
     for fmt in fmts:
         fused = _moe(shape, fmt, dev, dtype)
@@ -125,8 +129,15 @@ def moe_cases(shape: dict, dev: torch.device, dtype: torch.dtype, out: Callable)
                     err = float((a - b).abs().max() / a.abs().max().clamp_min(1e-6))
                     pairs = list(zip(xs, ids, strict=True))
                     for name, mod in (("fused", fused), ("ep1", ep)):
-                        us = time_us(_rotating(lambda xi, m=mod: m(*xi), pairs))
-                        out(record(f"moe.{name}", us, "us", {**params, "rel_err_vs_fused": err}))
+                        fn = _rotating(lambda xi, m=mod: m(*xi), pairs)
+                        p = {**params, "rel_err_vs_fused": err}
+                        if dev.type == "cuda":  # the EP path syncs the host (exchange sizes):
+                            eager = float(triton_bench(fn, rep=60, return_mode="median")) * 1e3
+                            out(record(f"moe.{name}.eager", eager, "us", p))  # both eager
+                        try:
+                            out(record(f"moe.{name}", time_us(fn), "us", p))
+                        except RuntimeError as e:  # not capturable: say so, keep the eager one
+                            out({"name": f"moe.{name}", "params": p, "error": repr(e)[:200]})
             except Exception as e:  # record and go on: one shape must not lose the rest
                 out({"name": "moe", "params": params, "error": repr(e),
                      "trace": traceback.format_exc(limit=3)})  # fmt: skip
