@@ -36,7 +36,11 @@ def test_pinned_rows_async_load_and_ready(ckpts):
     want = [v[[1, 2]].clone() for v in host.views]
     rows = [host.alloc(), host.alloc()]
     host.offload([1, 2], rows)
-    _busy_copy_stream(host)
+    warm = [host.alloc()]  # one load first: kernel loading (lazy, synchronizing) stays out
+    host.offload([0], warm)
+    host.load(warm, [7])
+    host.synchronize()
+    _busy_copy_stream(host, 2_000_000_000)  # ~1 s
     host.load(rows, [5, 6])
     host.poll()
     assert not host.ready([5]) and host.ready([1, 3])  # only the loaded blocks wait
