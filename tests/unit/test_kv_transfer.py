@@ -7,10 +7,13 @@ resumes as a local prefill; an imported request aborted mid-decode frees its KV.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
+import torch
 
 from app.cache.transfer import KVTransferError
+from app.deployments.pd import _HostTensor
 from app.engine.core import EngineCore
 from app.engine.handoff import DecodeState, Handoff
 from app.engine.request import (
@@ -76,7 +79,11 @@ def test_prefill_here_decode_there_equals_one_engine(tiny_ckpt, overlap, kv_quan
     assert {n.split(".")[0] for n in s0.kv.tensors} == {"entries", "keys", "window", "tail:kv"}
     assert ("entries.2.scale" in s0.kv.tensors) == kv_quant  # packed rows travel as stored
     assert_released(pre)
-    handoffs = {k: Handoff(tuple(o.token_ids), o.handoff) for k, o in outs.items()}
+    # as the object-store transport carries them: uint8 numpy buffers, pickled
+    wire = {k: pickle.loads(pickle.dumps(s.map_tensors(_HostTensor.of))) for k, s in
+            states.items()}  # fmt: skip
+    back = {k: s.map_tensors(lambda h: h.tensor(torch.device("cpu"))) for k, s in wire.items()}
+    handoffs = {k: Handoff(tuple(o.token_ids), back[k]) for k, o in outs.items()}
     got, why = decode(make_engine(path, **opts), reqs, handoffs)
     assert why == [None, None, None]  # installed, not recomputed
     assert got == want
@@ -138,3 +145,27 @@ def test_missing_state_resumes_locally_and_abort_frees_an_import(tiny_ckpt):
     while dec.has_unfinished:
         dec.step()
     assert_released(dec)
+
+
+def test_pd_args_are_validated():
+    from pydantic import ValidationError
+
+    from app.serve_args import ServeArgs
+
+    sa = ServeArgs.model_validate(
+        {
+            "engine": {"max_num_seqs": 8},
+            "pd": {"decode": {"ranks": 2, "engine": {"max_num_seqs": 32}}},
+        }
+    )
+    assert sa.pd.role_options(sa.engine, "decode") == {"max_num_seqs": 32}
+    assert sa.pd.role_options(sa.engine, "prefill") == {"max_num_seqs": 8}
+    for bad, words in [
+        ({"pd": {"decode": {"engine": {"block_size": 128}}}}, "'block_size' differs"),
+        ({"pd": {"prefill": {"engine": {"speculative": DSPARK}}}}, "'speculative' differs"),
+        ({"pd": {"prefill": {"engine": {"max_num_seqs": 0}}}}, "pd.prefill.engine"),
+        ({"pd": {"transport": "tcp"}}, "transport"),
+        ({"pd": {}, "autoscaling": {}}, "pd and autoscaling"),
+    ]:
+        with pytest.raises(ValidationError, match=words):
+            ServeArgs.model_validate(bad)
