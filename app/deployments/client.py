@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from app.api.client import EngineOverloadedError, EngineUnavailableError, Refusal
+from app.api.client import EngineClient, EngineOverloadedError, EngineUnavailableError, Refusal
 from app.cache.radix import chain_hashes
 from app.deployments.routing import RouteQuery
 from app.engine.request import EngineRequest, RequestError, RequestOutput
@@ -237,7 +237,7 @@ class MeteredClient:
     """Wraps an engine client: records TTFT, TPOT, latency and token counts of every request
     (HTTP and gRPC alike) in :class:`app.observability.RequestMetrics`."""
 
-    def __init__(self, inner: ServeEngineClient, metrics: RequestMetrics, model: str) -> None:
+    def __init__(self, inner: EngineClient, metrics: RequestMetrics, model: str) -> None:
         self.inner, self.metrics, self.model = inner, metrics, model
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
