@@ -203,6 +203,7 @@ class PDRank(DPRank):
         self.pd = pd
         self.fault: Fault = pd.fault
         self.transport = make_transport(pd.transport, str(self.engine.core.device))
+        self.header = self.engine.core.kv_header  # computed once here: reads the checkpoint
         self.counts: Counter[str] = Counter()
         self.pd_metrics = _PDMetrics()
 
@@ -273,7 +274,7 @@ class PDRank(DPRank):
             logger.warning("KV state lost (%r)", e)
             return None, "lost"
         try:
-            state.kv.header.check(self.engine.core.kv_header)
+            state.kv.header.check(self.header)
         except KVTransferError as e:
             logger.error("%s: the decode rank prefills the request", e)
             return None, "mismatch"
