@@ -136,6 +136,9 @@ def test_missing_state_resumes_locally_and_abort_frees_an_import(tiny_ckpt):
     lost = {k: Handoff(tuple(o.token_ids)) for k, o in outs.items()}  # the transfer failed
     got, why = decode(dec, reqs, lost)
     assert why == ["no_state", "no_state"] and got == want
+    full = {k: Handoff(tuple(o.token_ids), o.handoff) for k, o in outs.items()}
+    got, why = decode(make_engine(path, max_num_seqs=1), reqs, full)  # one slot for two
+    assert why == [None, "no_room"] and got == want
     again = dataclasses.replace(reqs[0], request_id="again")
     state = dataclasses.replace(outs["r0"].handoff, request_id="again")
     assert dec.add_handoff(again, Handoff(tuple(outs["r0"].token_ids), state)) is None
