@@ -3,12 +3,15 @@
 Ingress (HTTP + gRPC) --choose(block hashes)--> Router   (one replica: loads + prefix index)
         \\-----stream (pinned)--> DPRank x dp_size      (one engine each; or autoscaled)
                                   \\--report(stats, KV events)--> Router
+
+With ``pd``: PrefillRank x n behind the Router, DecodeRank x m behind a DecodeRouter
+(app.deployments.pd).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray import serve
@@ -23,6 +26,7 @@ from app.api.server import ApiConfig
 from app.cache.events import HASH_NAMESPACE
 from app.config import EngineConfig, ParallelConfig
 from app.deployments.ingress import Ingress
+from app.deployments.pd import PDOptions, PDRank
 from app.deployments.rank import DPRank
 from app.deployments.router import EngramPlan, PinnedRequestRouter, Router
 from app.deployments.routing import RoutingConfig
@@ -30,6 +34,8 @@ from app.engine.capacity import resolve_max_model_len
 from app.model.config import ModelConfig
 from app.observability import TracingConfig
 from app.serve_args import ServeArgs
+
+ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,15 @@ class AppConfigs:
     routing: RoutingConfig
     parallel: ParallelConfig
     engram: EngramPlan
+    prefill: EngineConfig | None = None  # PD: the prefill ranks' config (engine: decode's)
+
+
+def pd_engine_configs(sa: ServeArgs, path, mcfg: ModelConfig) -> tuple[EngineConfig, ...]:
+    """(prefill, decode) engine configs of a PD app, sharing one max_model_len (the
+    smaller of the two resolved limits)."""
+    cfgs = [resolve_max_model_len(sa.pd_engine_config(path, r), mcfg) for r in ROLES]
+    m = min(c.scheduler.max_model_len for c in cfgs)
+    return tuple(replace(c, scheduler=replace(c.scheduler, max_model_len=m)) for c in cfgs)
 
 
 def app_configs(sa: ServeArgs) -> AppConfigs:
@@ -51,11 +66,17 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
     (auto = the model's limit capped by the KV pool), and the API config sharing it."""
     path = sa.model_path()
     mcfg = ModelConfig.from_file(path)
-    engine_cfg = resolve_max_model_len(sa.engine_config(path), mcfg)
+    prefill_cfg = None
+    if sa.pd is not None:
+        prefill_cfg, engine_cfg = pd_engine_configs(sa, path, mcfg)
+    else:
+        engine_cfg = resolve_max_model_len(sa.engine_config(path), mcfg)
     if engine_cfg.speculative is not None:  # e.g. mtp on a V4.1 checkpoint: fail here
         engine_cfg.speculative.check_model(mcfg)
     max_pending, max_tokens = sa.rank_limits(engine_cfg)
     max_ranks = sa.autoscaling.max_ranks if sa.autoscaling else sa.dp_size
+    if sa.pd is not None:
+        max_ranks = sa.pd.prefill.ranks + sa.pd.decode.ranks
     api_cfg = ApiConfig(
         served_model_names=sa.names(),
         tokenizer_path=str(path / "tokenizer.json"),
@@ -95,11 +116,12 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
     key = "fathom-engram-" + hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()
     engram = EngramPlan(parallel.engram_placement, key)  # one host copy per node and model
     return AppConfigs(engine_cfg, api_cfg, mcfg.bos_token_id, max_pending, max_tokens, routing,
-                      parallel, engram)  # fmt: skip
+                      parallel, engram, prefill_cfg)  # fmt: skip
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Validate ``args`` (ServeArgs) and bind Router, DPRank and Ingress."""
+    """Validate ``args`` (ServeArgs) and bind Router, DPRank and Ingress (with ``pd``:
+    Router + PrefillRank, DecodeRouter + DecodeRank, Ingress)."""
     sa = ServeArgs.model_validate(args or {})
     cfgs = app_configs(sa)
     obs = sa.observability
@@ -107,30 +129,16 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                             obs.export_delay_s)  # fmt: skip
     metrics_s = obs.engine_metrics_interval_s if obs.engine_metrics else None
     router = Router.bind(cfgs.routing, tracing, cfgs.engram)
+    if sa.pd is not None:
+        return _pd_app(sa, cfgs, router, tracing, metrics_s)
     if cfgs.routing.policy == "ray_prefix":  # Ray's own prefix router on the rank handle
         from app.deployments.ray_prefix import PinnedOrRayPrefixRouter as rank_router
     else:
         rank_router = PinnedRequestRouter
     scale = sa.autoscaling
-    gangs = {}
-    if sa.ep_size > 1:  # one placement group per gang, PACK; a lost rank restarts its gang
-        gangs["gang_scheduling_config"] = GangSchedulingConfig(
-            gang_size=sa.ep_size,
-            gang_placement_strategy=GangPlacementStrategy.PACK,
-            runtime_failure_policy=GangRuntimeFailurePolicy.RESTART_GANG,
-        )
-    rank = serve.deployment(
-        DPRank,
-        name="DPRank",
-        num_replicas="auto" if scale else sa.dp_size,
-        autoscaling_config=scale.serve_config() if scale else None,
-        max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": sa.rank_num_cpus, "num_gpus": sa.rank_num_gpus},
-        request_router_config=RequestRouterConfig(request_router_class=rank_router),
-        health_check_period_s=10,
-        # a rank that scales down finishes its streams first
-        graceful_shutdown_timeout_s=sa.api.request_timeout_s or 600.0,
-        **gangs,
+    rank = _rank_deployment(
+        DPRank, "DPRank", sa, "auto" if scale else sa.dp_size, sa.rank_num_cpus,
+        sa.rank_num_gpus, rank_router, scale.serve_config() if scale else None, sa.ep_size,
     ).bind(
         cfgs.engine,
         router,
@@ -141,8 +149,36 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         tracing=tracing,
         metrics_interval_s=metrics_s,
         parallel=cfgs.parallel,
+    )  # fmt: skip
+    return _ingress(sa, cfgs, tracing, rank, router)
+
+
+def _rank_deployment(cls, name: str, sa: ServeArgs, replicas, cpus: float, gpus: float,
+                     rank_router=PinnedRequestRouter, autoscaling=None, gang: int = 1):  # fmt: skip
+    gangs = {}
+    if gang > 1:  # one placement group per gang, PACK; a lost rank restarts its gang
+        gangs["gang_scheduling_config"] = GangSchedulingConfig(
+            gang_size=gang,
+            gang_placement_strategy=GangPlacementStrategy.PACK,
+            runtime_failure_policy=GangRuntimeFailurePolicy.RESTART_GANG,
+        )
+    return serve.deployment(
+        cls,
+        name=name,
+        num_replicas=replicas,
+        autoscaling_config=autoscaling,
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
+        request_router_config=RequestRouterConfig(request_router_class=rank_router),
+        health_check_period_s=10,
+        # a rank that scales down finishes its streams first
+        graceful_shutdown_timeout_s=sa.api.request_timeout_s or 600.0,
+        **gangs,
     )
-    ingress = serve.deployment(
+
+
+def _ingress(sa: ServeArgs, cfgs: AppConfigs, tracing, rank, router, **pd) -> serve.Application:
+    return serve.deployment(
         serve.ingress()(Ingress),
         name="Ingress",
         num_replicas=sa.ingress_replicas,
@@ -155,5 +191,30 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         cfgs.bos_token_id,
         tracing,
         block_size=cfgs.routing.block_size,
+        **pd,
     )
-    return ingress
+
+
+def _pd_app(sa: ServeArgs, cfgs: AppConfigs, router, tracing, metrics_s) -> serve.Application:
+    """Prefill ranks behind the (prefix-aware) Router, decode ranks behind a DecodeRouter
+    (least loaded, no prefix index), one Ingress over both (``app.deployments.pd``)."""
+    pd = sa.pd
+    assert pd is not None and cfgs.prefill is not None
+    decode_routing = replace(cfgs.routing, policy="least_loaded", block_size=0)
+    decode_router = Router.options(name="DecodeRouter").bind(decode_routing, tracing)
+    ranks = {}
+    for role, cfg, rt in (("prefill", cfgs.prefill, router), ("decode", cfgs.engine,
+                                                               decode_router)):  # fmt: skip
+        side = getattr(pd, role)
+        max_pending, max_tokens = sa.rank_limits(cfg)
+        opts = PDOptions(role, pd.transport, pd.transfer_timeout_s, pd.fault)
+        cpus = side.num_cpus if side.num_cpus is not None else sa.rank_num_cpus
+        gpus = side.num_gpus if side.num_gpus is not None else sa.rank_num_gpus
+        name = "PrefillRank" if role == "prefill" else "DecodeRank"
+        ranks[role] = _rank_deployment(PDRank, name, sa, side.ranks, cpus, gpus).bind(
+            cfg, rt, max_pending, max_tokens, sa.rank_step_timeout_s,
+            stream_interval_s=sa.routing.stream_interval_s, tracing=tracing,
+            metrics_interval_s=metrics_s, pd=opts,
+        )  # fmt: skip
+    return _ingress(sa, cfgs, tracing, ranks["prefill"], router, decode=ranks["decode"],
+                    decode_router=decode_router)  # fmt: skip

@@ -108,6 +108,37 @@ class AutoscalingArgs(BaseModel):
         }
 
 
+class PDRoleArgs(BaseModel):
+    """One side of prefill/decode disaggregation: its ranks and engine option overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ranks: int = Field(1, gt=0)
+    num_cpus: float | None = Field(None, gt=0)  # None: rank_num_cpus
+    num_gpus: float | None = Field(None, ge=0)  # None: rank_num_gpus
+    engine: dict[str, Any] = Field(default_factory=dict)  # over ServeArgs.engine
+
+
+# engine options that decide the KV layout: a prefill and a decode rank must agree on them
+PD_LAYOUT_OPTIONS = ("dtype", "block_size", "kv_quant", "speculative")
+
+
+class PDArgs(BaseModel):
+    """Prefill/decode disaggregation (``app.deployments.pd``); replaces ``dp_size``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: PDRoleArgs = Field(default_factory=PDRoleArgs)
+    decode: PDRoleArgs = Field(default_factory=PDRoleArgs)
+    transport: Literal["auto", "object_store", "nixl", "cuda_ipc"] = "auto"
+    transfer_timeout_s: float = Field(10.0, gt=0)  # beyond: the decode rank prefills it
+    fault: Literal["none", "export", "header"] = "none"  # test-only fault injection
+
+    def role_options(self, engine: dict[str, Any], role: str) -> dict[str, Any]:
+        """The engine options of ``role``: ServeArgs.engine with the role's overrides."""
+        return {**engine, **getattr(self, role).engine}
+
+
 class ServeArgs(BaseModel):
     """The application's arguments (``serve run serve_config.yaml`` passes ``args:``)."""
 
@@ -131,6 +162,7 @@ class ServeArgs(BaseModel):
     observability: ObservabilityArgs = Field(default_factory=ObservabilityArgs)
     routing: RoutingArgs = Field(default_factory=RoutingArgs)
     autoscaling: AutoscalingArgs | None = None  # None: dp_size fixed ranks
+    pd: PDArgs | None = None  # prefill/decode disaggregation (None: DP ranks do both)
 
     @field_validator("engine")
     @classmethod
@@ -143,6 +175,8 @@ class ServeArgs(BaseModel):
         self.parallel_config()  # EngineConfigError names the option
         if self.ep_size > 1 and self.autoscaling is not None:
             raise ValueError("autoscaling of expert-parallel gangs is not supported: set dp_size")
+        if self.ep_size > 1 and self.pd is not None:
+            raise ValueError("pd ranks as expert-parallel gangs are not supported (yet)")
         if self.dp_size % self.ep_size:
             raise ValueError(f"dp_size ({self.dp_size}) must be a multiple of ep_size "
                              f"({self.ep_size})")  # fmt: skip
@@ -150,6 +184,36 @@ class ServeArgs(BaseModel):
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.ep_size, self.redundant_experts, self.engram_placement)
+
+    def _pd(self) -> ServeArgs:
+        if self.pd is None:
+            return self
+        if self.autoscaling is not None:
+            raise ValueError("pd and autoscaling cannot be combined (yet): set pd.*.ranks")
+        if self.routing.policy == "ray_prefix":
+            raise ValueError("pd needs the Router's policies (not ray_prefix)")
+        cfgs = {}
+        for role in ("prefill", "decode"):
+            opts = self.pd.role_options(self.engine, role)
+            try:
+                cfgs[role] = EngineConfig.from_options("<model>", **opts)
+            except ValueError as e:
+                raise ValueError(f"pd.{role}.engine: {e}") from None
+        p, d = cfgs["prefill"], cfgs["decode"]
+        mine = {"dtype": (p.dtype, d.dtype), "block_size": (p.cache.block_size,
+                d.cache.block_size), "kv_quant": (p.cache.kv_quant, d.cache.kv_quant),
+                "speculative": (p.speculative, d.speculative)}  # fmt: skip
+        for name in PD_LAYOUT_OPTIONS:
+            a, b = mine[name]
+            if a != b:
+                raise ValueError(f"pd: engine option {name!r} differs between prefill ({a!r}) "
+                                 f"and decode ({b!r}); the KV layout must be the same")  # fmt: skip
+        return self
+
+    def pd_engine_config(self, path: Path, role: str) -> EngineConfig:
+        """The engine config of a PD role (ServeArgs.engine + the role's overrides)."""
+        assert self.pd is not None
+        return EngineConfig.from_options(str(path), **self.pd.role_options(self.engine, role))
 
     @field_validator("served_model_names")
     @classmethod

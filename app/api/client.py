@@ -19,6 +19,7 @@ from app.engine.validation import check_request
 
 if TYPE_CHECKING:
     from app.engine.engine import AsyncEngine
+    from app.engine.handoff import Handoff
 
 
 OVERLOAD_RETRY_S = 1  # Retry-After of a 429 (queues turn over within seconds)
@@ -107,7 +108,10 @@ class LocalEngineClient:
     def max_pending(self, v: int | None) -> None:
         self.admission.max_requests = v
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, req: EngineRequest, export: bool = False, handoff: Handoff | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """``export`` / ``handoff``: prefill/decode disaggregation (``AsyncEngine.generate``)."""
         if self._draining:
             raise EngineUnavailableError("the engine is draining and takes no new requests")
         if not self.engine.healthy:
@@ -116,7 +120,8 @@ class LocalEngineClient:
         ticket = self.admission.admit(len(req.prompt_token_ids))
         try:
             yield RequestOutput(req.request_id, num_prompt_tokens=len(req.prompt_token_ids))
-            async for out in self.engine.generate(req, self.stream_interval_s):
+            stream = self.engine.generate(req, self.stream_interval_s, export, handoff)
+            async for out in stream:
                 if out.token_ids or out.finished:
                     ticket.prefilled()
                 yield out

@@ -3,6 +3,7 @@
 The engine's scheduler decides *what* runs; this manager owns *where* it lives:
 
     admit(req, tokens)        prefix match (whole blocks) + slot -> ReplayPlan
+    adopt(req, n_blocks)      slot + fresh blocks for rows imported from another engine
     ensure(req, n_tokens)     grow the block table to cover positions < n_tokens
     commit(req, tokens, n)    register blocks whose positions are all computed
     free(req)                 drop references (cached blocks stay evictable), free the slot
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from app.cache.block_pool import BlockPool
+from app.cache.block_pool import BlockPool, NoFreeBlocks
 from app.cache.host_tier import HostTier
 from app.cache.kv_cache import PagedKVCache
 from app.cache.layout import CacheLayout
@@ -144,6 +145,28 @@ class CacheManager:
         seq.window_floor = start
         self._seqs[req_id] = seq
         return ReplayPlan(num_cached=H, start=start, window_floor=start)
+
+    def adopt(
+        self, req_id: str, num_blocks: int, extra_key: str = "", window_floor: int = 0,
+        num_cached: int = 0,
+    ) -> tuple[int, list[int]]:  # fmt: skip
+        """Take a slot and ``num_blocks`` fresh blocks for a request whose rows come from
+        elsewhere (a KV import, ``app.cache.transfer``) -> (slot, block ids). All or nothing:
+        raises RuntimeError (no slot) or :class:`NoFreeBlocks`."""
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is already admitted")
+        if num_blocks > self.tables.shape[1]:
+            raise ValueError(f"request {req_id!r}: {num_blocks} blocks exceed the block table")
+        slot = self.kv.alloc_slot()
+        try:
+            blocks = self.pool.allocate(num_blocks)
+        except NoFreeBlocks:
+            self.kv.free_slot(slot)
+            raise
+        seq = _Seq(slot, blocks, extra_key, window_floor, num_cached)
+        self._seqs[req_id] = seq
+        self._table(seq, 0)
+        return slot, blocks
 
     def ensure(self, req_id: str, num_tokens: int) -> None:
         """Allocate blocks so positions ``< num_tokens`` have one (all or nothing; raises

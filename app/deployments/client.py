@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from app.api.client import EngineOverloadedError, EngineUnavailableError, Refusal
+from app.api.client import EngineClient, EngineOverloadedError, EngineUnavailableError, Refusal
 from app.cache.radix import chain_hashes
 from app.deployments.routing import RouteQuery
 from app.engine.request import EngineRequest, RequestError, RequestOutput
@@ -68,11 +68,14 @@ class ServeEngineClient:
         self._streams: dict[str, Any] = {}  # request id -> the rank's response stream
         self._fallbacks = None  # ray.util.metrics counter, made on first use
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Stream ``req`` from the rank the Router picks. A rank that fails before the
-        request's first token (its process died, or its engine stopped) is dropped from the
-        Router and the request is retried on another (up to ``MAX_ATTEMPTS`` ranks); after
-        the first token a failure ends the stream with :class:`EngineUnavailableError`
+    async def generate(
+        self, req: EngineRequest, method: str = "generate", **call: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream ``req`` from the rank the Router picks (``method`` of the rank deployment,
+        with keywords ``call``: the PD ranks' ``prefill`` / ``decode``). A rank that fails
+        before the request's first token (its process died, or its engine stopped) is dropped
+        from the Router and the request is retried on another (up to ``MAX_ATTEMPTS`` ranks);
+        after the first token a failure ends the stream with :class:`EngineUnavailableError`
         (retriable: the API answers 503 / an error event saying so)."""
         tried: list[str] = []
         acked = False
@@ -88,7 +91,7 @@ class ServeEngineClient:
                 traced = _with_trace(req)
             sent = False  # a token or the final delta reached the caller
             try:
-                async with aclosing(self._stream(traced, target, cost)) as outs:
+                async with aclosing(self._stream(traced, target, cost, method, call)) as outs:
                     async for out in outs:
                         if out.engine_failed:  # the rank's step failed: not this request
                             raise _RankFailed(out.error or "")
@@ -170,12 +173,14 @@ class ServeEngineClient:
             logger.debug("dropping rank %s failed: %r", target, e)
 
     async def _stream(
-        self, req: EngineRequest, target: str | None, cost: float | None = None
-    ) -> AsyncIterator[RequestOutput]:
+        self, req: EngineRequest, target: str | None, cost: float | None = None,
+        method: str = "generate", call: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """One call to one rank (pinned), cancelled if it does not finish."""
         if req.request_id in self._streams:  # internal ids are unique: never another's stream
             raise RequestError("request_id", f"{req.request_id!r} is already in flight")
-        stream = self.rank.options(stream=True).generate.remote(req, target=target, cost=cost)
+        fn = getattr(self.rank.options(stream=True), method)
+        stream = fn.remote(req, target=target, cost=cost, **(call or {}))
         self._streams[req.request_id] = stream
         finished = False
         try:
@@ -232,7 +237,7 @@ class MeteredClient:
     """Wraps an engine client: records TTFT, TPOT, latency and token counts of every request
     (HTTP and gRPC alike) in :class:`app.observability.RequestMetrics`."""
 
-    def __init__(self, inner: ServeEngineClient, metrics: RequestMetrics, model: str) -> None:
+    def __init__(self, inner: EngineClient, metrics: RequestMetrics, model: str) -> None:
         self.inner, self.metrics, self.model = inner, metrics, model
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:

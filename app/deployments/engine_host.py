@@ -15,6 +15,7 @@ from app.cache.events import HASH_NAMESPACE, KVEventBatch, KVSnapshot
 from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.engine import AsyncEngine
+from app.engine.handoff import Handoff
 from app.engine.parallel import RankParallel
 from app.engine.request import EngineRequest, RequestOutput
 
@@ -49,8 +50,11 @@ class RankEngine(Protocol):
     info: RankInfo
     core: EngineCore
 
-    def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """An empty ack, then the deltas (raises the admission / validation errors)."""
+    def generate(
+        self, req: EngineRequest, export: bool = False, handoff: Handoff | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """An empty ack, then the deltas (raises the admission / validation errors).
+        ``export`` / ``handoff``: prefill / decode side of a PD handoff (app.engine.handoff)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -99,8 +103,10 @@ class LocalRankEngine:
             replay=cfg.cache.bounded_replay,
         )
 
-    def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
-        return self.client.generate(req)
+    def generate(
+        self, req: EngineRequest, export: bool = False, handoff: Handoff | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        return self.client.generate(req, export, handoff)
 
     async def abort(self, request_id: str) -> None:
         await self.client.abort(request_id)

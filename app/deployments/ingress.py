@@ -15,6 +15,7 @@ from app.api.admission import Admission
 from app.api.grpc_service import GenerateService
 from app.api.server import ApiConfig, build_api
 from app.deployments.client import MeteredClient, ServeEngineClient
+from app.deployments.pd import PDEngineClient
 from app.grpc.fathom_pb2 import GenerateResponse
 from app.logs import setup_logging
 from app.observability import (
@@ -39,12 +40,19 @@ class Ingress:
         bos_token_id: int,
         tracing: TracingConfig | None = None,
         block_size: int = 0,
+        decode: DeploymentHandle | None = None,
+        decode_router: DeploymentHandle | None = None,
     ) -> None:
+        """``rank`` / ``router``: the DP ranks and their Router; with prefill/decode
+        disaggregation the prefill ranks, and ``decode`` / ``decode_router`` the decode side
+        (app.deployments.pd)."""
         setup_logging()
         setup_tracing(tracing, "Ingress")
         self.api_cfg = api_cfg
         self.metrics = RequestMetrics()
         self.engines = ServeEngineClient(rank, router, block_size)
+        if decode is not None and decode_router is not None:
+            self.engines = PDEngineClient(self.engines, ServeEngineClient(decode, decode_router))
         self.client = MeteredClient(self.engines, self.metrics, api_cfg.served_model_names[0])
         self.client = traced_client(self.client)  # ingress.request spans (tracing on)
         app_name = serve.get_replica_context().app_name

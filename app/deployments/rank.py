@@ -109,11 +109,18 @@ class DPRank:
         one :class:`Refusal` (invalid, overloaded, unavailable) instead of the ack. ``cost``:
         the prefill tokens the Router predicted for it here (its cache hit taken off)."""
         del target  # consumed by PinnedRequestRouter
+        async for out in self._respond(req, cost, self.engine.generate(req)):
+            yield out
+
+    async def _respond(
+        self, req: EngineRequest, cost: float | None, stream: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[RequestOutput | Refusal]:
+        """``stream`` (the engine's deltas of ``req``) as :meth:`generate` answers."""
         # the engine adds the phase events (app.engine.lifecycle) to the span
         with rank_span(req, self.engine.core, rank=self.replica_id) as span:
             started = False
             try:
-                async for out in self._costed(req, cost):
+                async for out in self._costed(stream, cost, len(req.prompt_token_ids)):
                     started = True
                     yield out
             except Exception as e:
@@ -125,13 +132,15 @@ class DPRank:
                 return
             span.set_attribute("finish_reason", str(out.finish_reason))
 
-    async def _costed(self, req: EngineRequest, cost: float | None) -> AsyncIterator:
+    async def _costed(
+        self, stream: AsyncIterator[RequestOutput], cost: float | None, prompt_len: int
+    ) -> AsyncIterator[RequestOutput]:
         """The engine's stream, counting the request's predicted prefill in the queued work
         this rank reports until its first token (or its end)."""
-        cost = float(len(req.prompt_token_ids) if cost is None else cost)
+        cost = float(prompt_len if cost is None else cost)
         self._queued_cost += cost
         try:
-            async for out in self.engine.generate(req):
+            async for out in stream:
                 if cost and (out.token_ids or out.finished):
                     self._queued_cost -= cost
                     cost = 0.0

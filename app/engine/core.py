@@ -30,7 +30,9 @@ from tokenizers import Tokenizer
 
 from app.cache.layout import CacheLayout
 from app.cache.manager import CacheManager
+from app.cache.transfer import LayoutHeader, model_fingerprint
 from app.config import EngineConfig, EngineConfigError
+from app.engine.handoff import Handoff, export_state, import_state
 from app.engine.lifecycle import RequestTrace
 from app.engine.outputs import HostSamples, OutputProcessor
 from app.engine.parallel import RankParallel
@@ -107,6 +109,12 @@ class EngineStats:
     host_load_s: float = 0.0
     host_offload_bytes: int = 0
     host_blocks: int = 0
+    # KV handoffs (app.engine.handoff): states exported and their bytes; handoffs installed,
+    # and handoffs resumed as a local prefill (no state, or no room for it)
+    kv_exports: int = 0
+    kv_export_bytes: int = 0
+    kv_imports: int = 0
+    kv_import_local: int = 0
 
     def report(self) -> dict[str, float | int]:
         """Flat numbers for metrics: the counters, the draft acceptance per position
@@ -228,6 +236,8 @@ class EngineCore:
         self.decoder_replay = cfg.cache.bounded_replay == "encoder+decoder"
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}
+        self._exporting: set[str] = set()  # requests handed off after their first token
+        self._kv_header: LayoutHeader | None = None
         self._grammar = None
         self._flight: _Flight | None = None
         self._prev_rows: dict[str, int] = {}  # request -> row of the last sample output
@@ -263,8 +273,27 @@ class EngineCore:
         return DEFAULT_CPU_KV_BYTES
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, req: EngineRequest) -> None:
-        """Validate and queue a request; raises :class:`RequestError` naming the problem."""
+    def add_request(self, req: EngineRequest, export: bool = False) -> None:
+        """Validate and queue a request; raises :class:`RequestError` naming the problem.
+        ``export``: after its first token (unless that ends it) the request ends with finish
+        reason HANDOFF and its decode state in the output (``app.engine.handoff``)."""
+        seq = self.new_sequence(req)
+        if export:
+            self._exporting.add(req.request_id)
+        self.queue_sequence(seq)
+
+    def add_handoff(self, req: EngineRequest, handoff: Handoff) -> str | None:
+        """Continue a request another engine prefilled (``app.engine.handoff``): None when
+        its decode state was installed, else why it resumes as a local prefill."""
+        why = import_state(self, req, handoff)
+        if why is None:
+            self.stats.kv_imports += 1
+        else:
+            self.stats.kv_import_local += 1
+        return why
+
+    def new_sequence(self, req: EngineRequest) -> Sequence:
+        """A validated request's engine state (not queued yet)."""
         if req.request_id in self._seqs:
             raise RequestError("request_id", f"{req.request_id!r} is already running")
         check_request(req, RequestLimits(self.model.cfg.vocab_size, self.max_model_len))
@@ -279,13 +308,37 @@ class EngineCore:
                 raise RequestError("constraint", str(e)) from e
         seq = Sequence(req=req, tokens=list(req.prompt_token_ids), matcher=matcher)
         seq.arrived = time.perf_counter()
+        return seq
+
+    def queue_sequence(self, seq: Sequence) -> None:
+        """Register ``seq`` and put it in the waiting queue."""
+        self._register(seq)
+        self.scheduler.add(seq)
+
+    def run_sequence(self, seq: Sequence) -> None:
+        """Register ``seq``, whose cache is already in place, straight into the running batch."""
+        self._register(seq)
+        self.scheduler.running.append(seq)
+
+    def _register(self, seq: Sequence) -> None:
+        req = seq.req
         if self.traces and (trace := self.traces.pop(req.request_id, None)) is not None:
             seq.trace = trace
             self._num_traced += 1
             trace.event("queued", prompt_tokens=seq.num_prompt)
         self._seqs[req.request_id] = seq
-        self.scheduler.add(seq)
         self.stats.prompt_tokens += len(req.prompt_token_ids)
+
+    @property
+    def kv_header(self) -> LayoutHeader:
+        """The layout header of this engine's KV states (what an import must match)."""
+        if self._kv_header is None:
+            path = Path(self.cfg.model)
+            fp = model_fingerprint(path) if path.is_dir() else repr(self.model.cfg)
+            spec = self.cfg.speculative
+            draft = f"{spec.method}:{spec.num_draft_tokens}" if spec is not None else ""
+            self._kv_header = LayoutHeader.of(self.cache.layout, fp, draft)
+        return self._kv_header
 
     @property
     def grammar(self):
@@ -637,14 +690,30 @@ class EngineCore:
             finished = seq.finish_reason is not None
             if not finished and rid in flight.draft_rows:
                 self._take_drafts(seq, host.drafts[flight.draft_rows[rid]], flight, rid)
-            outs.append(self.outputs.output(seq, new, lps if new and want is not None else None,
-                                            finished, plp))  # fmt: skip
+            out = self.outputs.output(seq, new, lps if new and want is not None else None,
+                                      finished, plp)  # fmt: skip
+            if new and not finished and rid in self._exporting:
+                self._hand_off(seq, out)
+                finished = True
+            outs.append(out)
             if new and seq.trace is not None and not seq.trace.first_token:
                 seq.trace.first_token = True
                 seq.trace.event("first_token", output_tokens=len(seq.tokens) - seq.num_prompt)
             if finished:
                 self._finish(seq)
         return outs
+
+    def _hand_off(self, seq: Sequence, out: RequestOutput) -> None:
+        """End an exporting request after its first token with its decode state (None when
+        the export fails: the decode side then prefills it itself)."""
+        try:
+            out.handoff = state = export_state(self, seq)
+            self.stats.kv_exports += 1
+            self.stats.kv_export_bytes += state.nbytes
+        except Exception:
+            logger.exception("request %s: KV export failed", seq.request_id)
+        seq.finish_reason = FinishReason.HANDOFF
+        out.finished, out.finish_reason = True, FinishReason.HANDOFF
 
     def _take_drafts(self, seq: Sequence, ids: list[int], flight: _Flight, rid: str) -> None:
         """The next step verifies up to k drafts: as many as max_tokens and the context
@@ -670,6 +739,7 @@ class EngineCore:
     def _finish(self, seq: Sequence) -> None:
         """Forget a finished request; free its KV now, or once the step in flight is done."""
         self._seqs.pop(seq.request_id, None)
+        self._exporting.discard(seq.request_id)
         if seq.trace is not None:
             self._num_traced -= 1
             reason = seq.finish_reason.value if seq.finish_reason is not None else "unknown"

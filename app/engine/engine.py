@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from app.cache.events import KVEventLog, KVSnapshot
 from app.config import EngineConfig
 from app.engine.core import EngineCore
+from app.engine.handoff import Handoff
 from app.engine.parallel import RankParallel
 from app.engine.request import ENGINE_FAILED, EngineRequest, FinishReason, RequestOutput
 from app.engine.validation import RequestLimits
@@ -60,14 +61,19 @@ class AsyncEngine:
 
     # ---- public API --------------------------------------------------------------------
     async def generate(
-        self, req: EngineRequest, stream_interval_s: float = 0.0
-    ) -> AsyncIterator[RequestOutput]:
+        self, req: EngineRequest, stream_interval_s: float = 0.0, export: bool = False,
+        handoff: Handoff | None = None,
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Add ``req`` and yield its output deltas until it finishes. Raises
         :class:`app.engine.request.RequestError` before the first delta if it is invalid.
 
         ``stream_interval_s`` > 0 batches deltas: the first delta with tokens goes out at
         once, later ones wait up to that long for the steps that follow and go out merged
-        (fewer, larger messages to a remote consumer; the last delta is never held back)."""
+        (fewer, larger messages to a remote consumer; the last delta is never held back).
+
+        ``export``: end the request after its first token with its decode state (finish
+        reason HANDOFF); ``handoff``: continue a request another engine prefilled
+        (``app.engine.handoff``)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = req.request_id
@@ -77,7 +83,9 @@ class AsyncEngine:
 
         finished = False
         try:
-            await asyncio.wrap_future(self._submit(lambda: self._add(req, sink)))
+            add = self._add_handoff if handoff is not None else self._add
+            arg = handoff if handoff is not None else export
+            await asyncio.wrap_future(self._submit(lambda: add(req, sink, arg)))
             first = True
             while not finished:
                 out = await queue.get()
@@ -194,11 +202,20 @@ class AsyncEngine:
         self._wake.set()
         return fut
 
-    def _add(self, req: EngineRequest, sink: Callable[[RequestOutput], None]) -> None:
+    def _add(self, req: EngineRequest, sink: Callable[[RequestOutput], None],
+             export: bool = False) -> None:  # fmt: skip
         if self._error is not None:  # queued before the step failed
             raise RuntimeError(f"engine stopped after an error: {self._error!r}")
-        self.core.add_request(req)
+        self.core.add_request(req, export=export)
         self._sinks[req.request_id] = sink
+
+    def _add_handoff(self, req: EngineRequest, sink: Callable[[RequestOutput], None],
+                     handoff: Handoff) -> str | None:  # fmt: skip
+        if self._error is not None:
+            raise RuntimeError(f"engine stopped after an error: {self._error!r}")
+        why = self.core.add_handoff(req, handoff)
+        self._sinks[req.request_id] = sink
+        return why
 
     def _abort(self, request_id: str) -> None:
         out = self.core.abort(request_id)

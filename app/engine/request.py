@@ -99,6 +99,9 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller (e.g. client disconnect)
     ERROR = "error"  # failed; ``RequestOutput.error`` says why
+    # a prefill rank handed the request to a decode rank after its first token
+    # (``RequestOutput.handoff``); never a client-visible reason
+    HANDOFF = "handoff"
 
 
 def new_request_id() -> str:
@@ -154,6 +157,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     text: str = ""
     error: str | None = None
+    # finish reason HANDOFF: the request's decode state (app.engine.handoff.DecodeState in
+    # the engine, a transport parcel across Ray; None when the export failed)
+    handoff: object | None = None
 
     @property
     def engine_failed(self) -> bool:
@@ -182,4 +188,5 @@ class RequestOutput:
             num_cached_tokens=later.num_cached_tokens or self.num_cached_tokens,
             text=self.text + later.text,
             error=later.error,
+            handoff=later.handoff,
         )
