@@ -28,7 +28,7 @@ serve: $(RUN_STAMP)
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check app kernels tests bench tools
-	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest tests
+	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m tools.run_tests
 
 # On a CUDA machine with torch + triton already there (the lent H200 has no network, so no
 # venv): the GPU tests (~6.5 min on an H200, mostly autotuning and compiles), then the quick

@@ -185,6 +185,7 @@ class ServeArgs(BaseModel):
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.ep_size, self.redundant_experts, self.engram_placement)
 
+    @model_validator(mode="after")
     def _pd(self) -> ServeArgs:
         if self.pd is None:
             return self

@@ -61,6 +61,7 @@ class DPRank:
         )
         self.router = router
         self._queued_cost = 0.0  # predicted prefill tokens of requests before their 1st token
+        self._received = 0  # requests that reached this rank (monotonic)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = metrics_interval_s and install_engine_metrics(
             self.engine.core, metrics_interval_s
@@ -139,6 +140,7 @@ class DPRank:
         this rank reports until its first token (or its end)."""
         cost = float(prompt_len if cost is None else cost)
         self._queued_cost += cost
+        self._received += 1  # the Router matches these against what it sent here
         try:
             async for out in stream:
                 if cost and (out.token_ids or out.finished):
@@ -157,6 +159,7 @@ class DPRank:
             **load,
             "queued_prompt_tokens": load.get("queued_prefill_tokens", 0.0),
             "queued_prefill_tokens": max(0.0, self._queued_cost),
+            "received_requests": float(self._received),
         }
 
     async def stats(self, target: str | None = None) -> dict:

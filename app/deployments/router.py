@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from ray import serve
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 REPORT_S = 0.5  # stats period of a rank
 EVENTS_S = 0.05  # a rank with new KV events reports this soon
 STALE_S = 10.0
+IN_FLIGHT_S = 10.0  # a routed request not seen at its rank by then never got there
 
 
 def pinned_target(
@@ -81,18 +83,39 @@ class RankState:
     stats: dict[str, float]
     seen: float
     meta: dict[str, object] = field(default_factory=dict)
-    sent_requests: int = 0  # routed to it since its last report
-    sent_tokens: float = 0.0  # their predicted prefill tokens
+    # routed to it and not yet seen arriving there (the rank's ``received_requests``):
+    # (time, predicted prefill tokens), oldest first; entries expire after IN_FLIGHT_S
+    in_flight: deque[tuple[float, float]] = field(default_factory=deque)
+    received: float = -1.0  # the rank's received_requests at its last report (-1: none)
     epoch: str = ""  # KV event stream applied so far: epoch and last sequence number
     seq: int = -1
     indexed: bool = False  # same block size and hash namespace as the router
 
+    def sent(self, tokens: float) -> None:
+        self.in_flight.append((time.monotonic(), tokens))
+
+    def arrived(self, received: float) -> None:
+        """A report: the requests the rank received since the last one are no longer in
+        flight (oldest first); entries older than IN_FLIGHT_S never arrived (the client went
+        away, the call failed) and are dropped."""
+        if self.received >= 0:
+            for _ in range(max(0, int(received - self.received))):
+                if not self.in_flight:
+                    break
+                self.in_flight.popleft()
+        self.received = received
+        old = time.monotonic() - IN_FLIGHT_S
+        while self.in_flight and self.in_flight[0][0] < old:
+            self.in_flight.popleft()
+
     def view(self, rank: str) -> RankView:
         s = self.stats
+        flying = sum(t for _, t in self.in_flight)
         return RankView(
             rank,
-            queued_tokens=s.get("queued_prefill_tokens", 0.0) + self.sent_tokens,
-            outstanding=int(s.get("num_waiting", 0) + s.get("num_running", 0)) + self.sent_requests,
+            queued_tokens=s.get("queued_prefill_tokens", 0.0) + flying,
+            outstanding=int(s.get("num_waiting", 0) + s.get("num_running", 0))
+            + len(self.in_flight),
             kv_usage=s.get("kv_usage", 0.0),
             window=int(self.meta.get("window", 0)),  # type: ignore[call-overload]
             replay=str(self.meta.get("replay", "encoder+decoder")),
@@ -172,11 +195,12 @@ class Router:
         st = self.ranks.get(replica_id)
         if st is None:
             st = self.ranks[replica_id] = RankState(stats, time.monotonic(), meta)
+            st.arrived(stats.get("received_requests", 0.0))
             st.indexed = self._compatible(replica_id, meta)
             self.metrics.ranks.set(len(self.ranks))
         else:
             st.stats, st.seen, st.meta = stats, time.monotonic(), meta
-            st.sent_requests, st.sent_tokens = 0, 0.0
+            st.arrived(stats.get("received_requests", st.received + len(st.in_flight)))
         if not st.indexed:
             return {"resync": False}
         if events is None or events.epoch != st.epoch or events.first_seq != st.seq + 1:
@@ -242,9 +266,7 @@ class Router:
             return None
         self.metrics.decisions.inc(tags={"policy": self.policy_name, "reason": d.reason})
         if d.target is not None:
-            st = live[d.target]
-            st.sent_requests += 1
-            st.sent_tokens += d.compute_tokens
+            live[d.target].sent(d.compute_tokens)
         return d
 
     async def set_policy(self, name: str) -> None:

@@ -1,11 +1,47 @@
-"""What the Serve integration modules share: a free port, and waiting for an app's /health."""
+"""What the Serve integration modules share: the session's cluster (conftest.py), a free
+port, deploying an app, and waiting for an app's /health."""
 
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
+
+APP = "fathom"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Ports of the session's Serve instance (HTTP, gRPC) and of Ray's metrics export."""
+
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+@contextmanager
+def deploy(app: Any) -> Iterator[None]:
+    """Run ``app`` as the module's ``fathom`` app at ``/``; delete it afterwards."""
+    from ray import serve
+
+    serve.run(app, name=APP, route_prefix="/")
+    try:
+        yield
+    finally:
+        serve.delete(APP)
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ without a request hanging."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import httpx
@@ -20,7 +19,7 @@ from app.builder import build_app  # noqa: E402
 from app.engine.llm import LLM  # noqa: E402
 from app.engine.model_path import resolve_model  # noqa: E402
 from app.engine.request import SamplingParams  # noqa: E402
-from tests.integration.serve_util import free_port  # noqa: E402
+from tests.integration.serve_util import deploy  # noqa: E402
 
 ENGINE = {"kv_cache_bytes": 1 << 22, "max_model_len": 1024, "max_num_batched_tokens": 64}
 PROMPTS = [[5, 9, 200, 17, 33, 8], list(range(3, 40))]
@@ -28,12 +27,8 @@ N = 4
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def app(tmp_path_factory, cluster):
     cache = str(tmp_path_factory.mktemp("cache"))
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": "tiny-v41",
         "cache_dir": cache,
@@ -43,17 +38,15 @@ def app(tmp_path_factory):
         "rank_num_cpus": 0.5,
         "engine": ENGINE,
     }
-    serve.run(build_app(args), name="fathom", route_prefix="/")
-    _wait(lambda: len(_ranks()) == 2, 120, "the gang's two ranks reporting")
-    path = resolve_model("tiny-v41", cache)
-    llm = LLM(model=str(path), **ENGINE)  # EP1: one process
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    greedy = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy)
-    ref = [[tok.decode([t], skip_special_tokens=False) for t in o.token_ids] for o in outs]
-    yield f"http://127.0.0.1:{port}", ref
-    serve.shutdown()
-    ray.shutdown()
+    with deploy(build_app(args)):
+        _wait(lambda: len(_ranks()) == 2, 120, "the gang's two ranks reporting")
+        path = resolve_model("tiny-v41", cache)
+        llm = LLM(model=str(path), **ENGINE)  # EP1: one process
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        greedy = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy)
+        ref = [[tok.decode([t], skip_special_tokens=False) for t in o.token_ids] for o in outs]
+        yield cluster.base, ref
 
 
 def _ranks() -> dict[str, dict]:

@@ -20,10 +20,9 @@ ray = pytest.importorskip("ray")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest,
 )
-from ray import serve  # noqa: E402
 
 from app.builder import build_app  # noqa: E402
-from tests.integration.serve_util import free_port, wait_healthy  # noqa: E402
+from tests.integration.serve_util import deploy, wait_healthy  # noqa: E402
 
 MODEL = "tiny-v41"
 KEY = "obs-test-key"
@@ -93,14 +92,11 @@ class Receiver:
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def app(tmp_path_factory, cluster):
     rcv = Receiver()
-    http_port, metrics_port = free_port(), free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    metrics = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
+    # series of the earlier modules' ranks (counters stay in Ray's export after a rank ends)
+    stale = {k for m in _ENGINE_SERIES for k in _series(metrics, m)}
     args = {
         "model": MODEL,
         "cache_dir": str(tmp_path_factory.mktemp("cache")),
@@ -119,15 +115,12 @@ def app(tmp_path_factory):
             "engine_metrics_interval_s": 0.5,
         },  # fmt: skip
     }
-    serve.run(build_app(args), name="fathom", route_prefix="/")
-    base = f"http://127.0.0.1:{http_port}"
-    wait_healthy(base)
-    yield base, rcv, f"http://127.0.0.1:{metrics_port}/metrics"
-    if os.environ.get("FATHOM_SPANS_DUMP"):  # the spans received, for a look (docs)
-        with open(os.environ["FATHOM_SPANS_DUMP"], "w") as f:
-            json.dump(rcv.spans, f, indent=1, default=str)
-    serve.shutdown()
-    ray.shutdown()
+    with deploy(build_app(args)):
+        wait_healthy(cluster.base)
+        yield cluster.base, rcv, metrics, stale
+        if os.environ.get("FATHOM_SPANS_DUMP"):  # the spans received, for a look (docs)
+            with open(os.environ["FATHOM_SPANS_DUMP"], "w") as f:
+                json.dump(rcv.spans, f, indent=1, default=str)
     rcv.server.shutdown()
 
 
@@ -184,7 +177,7 @@ def _check_linked(spans: list[dict]) -> tuple[dict, dict]:
 
 
 def test_each_request_is_one_trace_from_ingress_to_engine_phases(app):
-    base, rcv, _ = app
+    base, rcv, *_ = app
     sizes = (5, 7, 9)  # max_tokens: tells the requests' traces apart (ignore_eos)
     with httpx.Client(timeout=120, headers=AUTH) as c:
         for n in sizes:
@@ -213,7 +206,7 @@ def test_each_request_is_one_trace_from_ingress_to_engine_phases(app):
 
 
 def test_streamed_trace_ends_with_its_stream(app):
-    base, rcv, _ = app
+    base, rcv, *_ = app
     body = {**BODY, "messages": [{"role": "user", "content": "stream"}], "max_tokens": 24,
             "stream": True}  # fmt: skip
     first = None
@@ -236,7 +229,7 @@ def test_streamed_trace_ends_with_its_stream(app):
 
 
 def test_aborted_request_trace_says_so(app):
-    base, rcv, _ = app
+    base, rcv, *_ = app
     body = {**BODY, "messages": [{"role": "user", "content": "abort me"}], "max_tokens": 3000,
             "stream": True}  # fmt: skip
     with (
@@ -264,6 +257,13 @@ def test_aborted_request_trace_says_so(app):
     assert names[-1] == "aborted" and "first_token" in names and "finished" not in names
 
 
+_ENGINE_SERIES = (
+    "ray_fathom_engine_up", "ray_fathom_engine_step_seconds_count",
+    "ray_fathom_engine_kv_blocks_free", "ray_fathom_engine_requests_waiting",
+    "ray_fathom_engine_prefix_hit_rate", "ray_fathom_engine_prefill_tokens_total",
+)  # fmt: skip
+
+
 def _series(url: str, metric: str) -> dict[tuple[str, str], float]:
     """(rank, replica) -> value of ``metric`` in Ray's Prometheus export."""
     out = {}
@@ -281,16 +281,20 @@ def test_engine_metrics_one_series_per_rank_and_a_dead_ranks_gauges_go(app):
     """Runs last (kills a rank). Ray keeps a gauge observation for about two export periods
     after its worker stops reporting; counters and histograms are cumulative and stay in
     the export (measured; docs/deployment.md)."""
-    base, _, url = app
-    up = _wait_for(lambda: (s := _series(url, "ray_fathom_engine_up")) and len(s) == 2 and s,
+    base, _, url, stale = app
+
+    def series(metric: str) -> dict[tuple[str, str], float]:  # this app's ranks only
+        return {k: v for k, v in _series(url, metric).items() if k not in stale}
+
+    up = _wait_for(lambda: (s := series("ray_fathom_engine_up")) and len(s) == 2 and s,
                    "both ranks' ray_fathom_engine_up")  # fmt: skip
     assert sorted(r for r, _ in up) == ["0", "1"] and set(up.values()) == {1.0}
-    steps = _series(url, "ray_fathom_engine_step_seconds_count")
+    steps = series("ray_fathom_engine_step_seconds_count")
     assert steps and set(steps) <= set(up) and sum(steps.values()) > 0
     for name in ("ray_fathom_engine_kv_blocks_free", "ray_fathom_engine_requests_waiting",
                  "ray_fathom_engine_prefix_hit_rate"):  # fmt: skip
-        assert set(_series(url, name)) == set(up), name
-    assert set(_series(url, "ray_fathom_engine_prefill_tokens_total")) == set(steps)
+        assert set(series(name)) == set(up), name
+    assert set(series("ray_fathom_engine_prefill_tokens_total")) == set(steps)
     # kill the rank with rank label "0"
     victim = next(k for k in up if k[0] == "0")
     actor = next(
@@ -299,16 +303,16 @@ def test_engine_metrics_one_series_per_rank_and_a_dead_ranks_gauges_go(app):
     )  # fmt: skip
     t0 = time.time()
     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
-    _wait_for(lambda: victim not in _series(url, "ray_fathom_engine_up"),
+    _wait_for(lambda: victim not in series("ray_fathom_engine_up"),
               "the killed rank's gauge to disappear", timeout=90)  # fmt: skip
     gone_s = time.time() - t0
-    assert victim not in _series(url, "ray_fathom_engine_kv_blocks_free")
+    assert victim not in series("ray_fathom_engine_kv_blocks_free")
     # Serve's replacement takes the same rank label with a new replica id
     back = _wait_for(
-        lambda: [k for k in _series(url, "ray_fathom_engine_up") if k[0] == "0"],
+        lambda: [k for k in series("ray_fathom_engine_up") if k[0] == "0"],
         "the replacement rank's series", timeout=120,
     )  # fmt: skip
     assert back[0][1] != victim[1]
     print(f"killed rank's gauges gone after {gone_s:.1f} s; counters still exported: "
-          f"{victim in _series(url, 'ray_fathom_engine_prefill_tokens_total')}")  # fmt: skip
+          f"{victim in series('ray_fathom_engine_prefill_tokens_total')}")  # fmt: skip
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200

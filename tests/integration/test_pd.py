@@ -7,7 +7,6 @@ leaves no KV referenced on either side."""
 
 from __future__ import annotations
 
-import os
 import random
 import time
 
@@ -17,7 +16,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
-from ray.serve.config import gRPCOptions  # noqa: E402
 
 from app.builder import build_app  # noqa: E402
 from app.engine.llm import LLM  # noqa: E402
@@ -25,7 +23,7 @@ from app.engine.request import SamplingParams  # noqa: E402
 from app.grpc import fathom_pb2 as pb  # noqa: E402
 from app.grpc import fathom_pb2_grpc as pbg  # noqa: E402
 from app.serve_args import ServeArgs  # noqa: E402
-from tests.integration.serve_util import free_port, wait_healthy  # noqa: E402
+from tests.integration.serve_util import deploy, wait_healthy  # noqa: E402
 
 ENGINE = {
     "kv_cache_bytes": 1 << 24,
@@ -40,17 +38,7 @@ PROMPTS = [[0] + [rng.randrange(3, 500) for _ in range(n)] for n in (150, 20, 70
 
 
 @pytest.fixture(scope="module")
-def pd_app(tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    http_port, grpc_port = free_port(), free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": http_port},
-        grpc_options=gRPCOptions(
-            port=grpc_port,
-            grpc_servicer_functions=["app.grpc.raw.add_GenerateServiceServicer_to_server"],
-        ),
-    )
+def pd_app(tmp_path_factory, cluster):
     args = {
         "model": "tiny-v41",
         "cache_dir": str(tmp_path_factory.mktemp("cache")),
@@ -59,13 +47,10 @@ def pd_app(tmp_path_factory):
         "api": {"request_timeout_s": 120},
         "pd": {"prefill": {"ranks": 1}, "decode": {"ranks": 1}, "transfer_timeout_s": 20},
     }
-    serve.run(build_app(args), name="fathom", route_prefix="/")
-    base = f"http://127.0.0.1:{http_port}"
-    wait_healthy(base)
-    path = ServeArgs.model_validate(args).model_path()
-    yield base, f"127.0.0.1:{grpc_port}", str(path)
-    serve.shutdown()
-    ray.shutdown()
+    with deploy(build_app(args)):
+        wait_healthy(cluster.base)
+        path = ServeArgs.model_validate(args).model_path()
+        yield cluster.base, cluster.grpc, str(path)
 
 
 @pytest.fixture(scope="module")

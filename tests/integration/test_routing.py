@@ -6,7 +6,6 @@ failed request, a killed rank leaves the index, a restarted Router resyncs from 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 
@@ -17,7 +16,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from app.builder import build_app  # noqa: E402
-from tests.integration.serve_util import free_port  # noqa: E402
+from tests.integration.serve_util import deploy  # noqa: E402
 
 P = 64  # the tiny model's KV block (CacheConfig.resolve_block_size)
 rng = random.Random(7)
@@ -25,11 +24,7 @@ PREFIX = [rng.randrange(3, 500) for _ in range(16 * P)]  # 1024 tokens: 16 block
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def base(tmp_path_factory, cluster):
     args = {
         "model": "tiny-v41",
         "cache_dir": str(tmp_path_factory.mktemp("cache")),
@@ -52,12 +47,9 @@ def base(tmp_path_factory):
             "look_back_period_s": 2,
         },  # fmt: skip
     }
-    serve.run(build_app(args), name="fathom", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    _wait(lambda: len(_index()["ranks"]) == 2, 120, "two ranks reporting")
-    yield url
-    serve.shutdown()
-    ray.shutdown()
+    with deploy(build_app(args)):
+        _wait(lambda: len(_index()["ranks"]) == 2, 120, "two ranks reporting")
+        yield cluster.base
 
 
 def _router():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 
@@ -14,13 +13,11 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-from ray.serve.config import gRPCOptions  # noqa: E402
 
 from app.builder import build_app  # noqa: E402
 from app.grpc import fathom_pb2 as pb  # noqa: E402
 from app.grpc import fathom_pb2_grpc as pbg  # noqa: E402
-from tests.integration.serve_util import free_port, wait_healthy  # noqa: E402
+from tests.integration.serve_util import deploy, wait_healthy  # noqa: E402
 from tests.unit.test_api_errors import CASES  # noqa: E402
 
 MODEL = "tiny-v41"
@@ -34,17 +31,7 @@ GRPC_META = (("application", "fathom"), ("authorization", f"Bearer {KEY}"))
 
 
 @pytest.fixture(scope="module")
-def app_urls(tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    http_port, grpc_port = free_port(), free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": http_port},
-        grpc_options=gRPCOptions(
-            port=grpc_port,
-            grpc_servicer_functions=["app.grpc.raw.add_GenerateServiceServicer_to_server"],
-        ),
-    )
+def app_urls(tmp_path_factory, cluster):
     args = {
         "model": MODEL,
         "cache_dir": str(tmp_path_factory.mktemp("cache")),
@@ -62,12 +49,9 @@ def app_urls(tmp_path_factory):
             "max_pending_per_rank": 40,
         },
     }
-    serve.run(build_app(args), name="fathom", route_prefix="/")
-    base = f"http://127.0.0.1:{http_port}"
-    wait_healthy(base)
-    yield base, f"127.0.0.1:{grpc_port}"
-    serve.shutdown()
-    ray.shutdown()
+    with deploy(build_app(args)):
+        wait_healthy(cluster.base)
+        yield cluster.base, cluster.grpc
 
 
 @pytest.fixture(scope="module")

@@ -431,3 +431,33 @@ def test_host_tier_hits_weigh_below_device_hits():
         idx.check_counts()
 
     asyncio.run(run())
+
+
+def test_requests_in_flight_count_until_their_rank_has_received_them(monkeypatch):
+    """A report that does not include requests still on their way to the rank (the rank's
+    received_requests has not moved) keeps them in the rank's load, so a burst between two
+    reports does not herd onto one rank; they leave the load once received, or after
+    IN_FLIGHT_S when they never arrive."""
+    import app.deployments.router as rt
+
+    async def run():
+        router = _router(policy="least_loaded")
+        a, b = FakeRank(router, "a"), FakeRank(router, "b")
+        for r in (a, b):
+            await r.report({**IDLE, "received_requests": 0.0})
+        q = RouteQuery(10)
+        picks = [(await router.choose(q)).target for _ in range(6)]
+        assert sorted(picks) == ["a"] * 3 + ["b"] * 3  # alternates as the load grows
+        await a.report({**IDLE, "received_requests": 0.0})  # stale: none arrived yet
+        assert len(router.ranks["a"].in_flight) == 3
+        # a still counts its three: the next two go one to each (not both to an "idle" a)
+        assert sorted([(await router.choose(q)).target for _ in range(2)]) == ["a", "b"]
+        assert len(router.ranks["a"].in_flight) == 4
+        await a.report({**IDLE, "received_requests": 2.0})  # two arrived
+        assert len(router.ranks["a"].in_flight) == 2
+        now = time.monotonic()
+        monkeypatch.setattr(rt.time, "monotonic", lambda: now + rt.IN_FLIGHT_S + 1)
+        await b.report({**IDLE, "received_requests": 0.0})  # b's four never arrived
+        assert not router.ranks["b"].in_flight
+
+    asyncio.run(run())
