@@ -301,13 +301,14 @@ class PDRank(DPRank):
 
     async def pd_stats(self, target: str | None = None) -> dict[str, int]:
         """Handoff counters of this rank (sent / received states and bytes, fallbacks by
-        reason), the engine's own (kv_exports, kv_imports, kv_import_local) and, read now,
+        reason), the engine's own (kv_exports, kv_imports, kv_import_local, host_hit_tokens)
+        and, read now,
         its unfinished requests and the KV blocks requests reference."""
         del target
         core = self.engine.core
         st, pool = core.stats, core.cache.pool
         return {**self.counts, "kv_exports": st.kv_exports, "kv_imports": st.kv_imports,
-                "kv_import_local": st.kv_import_local,
+                "kv_import_local": st.kv_import_local, "host_hit_tokens": st.host_hit_tokens,
                 "num_unfinished": int(self.engine.load().get("num_unfinished", 0)),
                 "kv_blocks_used": pool.num_blocks - pool.num_available}  # fmt: skip
 

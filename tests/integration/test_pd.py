@@ -32,6 +32,9 @@ ENGINE = {
     "max_num_batched_tokens": 64,  # a 150-token prompt prefills in 3 chunks
     "bounded_replay": "off",
 }
+# the prefill rank: a device pool of 48 blocks (64 tokens, 36 KiB each on tiny-v41, 8 slots
+# of 17 KiB) over a host tier of 200 (test_host_tier_hit_on_the_prefill_rank)
+PREFILL_ENGINE = {"kv_cache_bytes": 8 * 17408 + 49 * 36864, "host_bytes": 200 * 36864}
 META = (("application", "fathom"),)
 rng = random.Random(3)
 PROMPTS = [[0] + [rng.randrange(3, 500) for _ in range(n)] for n in (150, 20, 70, 9)]
@@ -45,7 +48,8 @@ def pd_app(tmp_path_factory, cluster):
         "rank_num_cpus": 0.25,
         "engine": ENGINE,
         "api": {"request_timeout_s": 120},
-        "pd": {"prefill": {"ranks": 1}, "decode": {"ranks": 1}, "transfer_timeout_s": 20},
+        "pd": {"prefill": {"ranks": 1, "engine": PREFILL_ENGINE}, "decode": {"ranks": 1},
+               "transfer_timeout_s": 20},  # fmt: skip
     }
     with deploy(build_app(args)):
         wait_healthy(cluster.base)
@@ -140,3 +144,21 @@ def test_disconnect_mid_decode_frees_kv_on_both_sides(pd_app):
         assert time.time() < deadline, "KV still referenced after the disconnect"
         time.sleep(0.5)
     assert stats("DecodeRank")["kv_imports"] >= 1
+
+
+def test_host_tier_hit_on_the_prefill_rank(pd_app, reference):
+    """28 other 151-token prompts (56 full blocks) push PROMPTS[0]'s blocks out of the
+    prefill rank's 48-block device pool into its host tier; asked again, the prompt is a
+    host-tier hit: the same tokens, its two full blocks counted as cached (gRPC
+    cached_tokens, the OpenAI usage's cached_tokens), host_hit_tokens up by them."""
+    target = pd_app[1]
+    generate(target, PROMPTS[0], 1)
+    before = stats("PrefillRank")
+    other = random.Random(9)
+    for _ in range(28):
+        generate(target, [0] + [other.randrange(3, 500) for _ in range(150)], 1)
+    got, outs = generate(target, PROMPTS[0], 4)
+    assert got == reference(PROMPTS[0], 4)
+    assert max(o.cached_tokens for o in outs) == 128
+    after = stats("PrefillRank")
+    assert after["host_hit_tokens"] - before["host_hit_tokens"] == 128
