@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -60,4 +60,18 @@ def wait_healthy(base: str, timeout_s: float = 120.0) -> None:
                 return
         except httpx.HTTPError:
             pass
+        time.sleep(0.5)
+
+
+def wait_until(cond: Callable[[], Any], timeout_s: float, what: str) -> None:
+    """Until ``cond()`` is true (exceptions count as not yet: a router or rank may be
+    restarting); fails the test naming ``what`` after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if cond():
+                return
+        except Exception:
+            pass
+        assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)

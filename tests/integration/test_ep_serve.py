@@ -6,7 +6,6 @@ without a request hanging."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ from app.builder import build_app  # noqa: E402
 from app.engine.llm import LLM  # noqa: E402
 from app.engine.model_path import resolve_model  # noqa: E402
 from app.engine.request import SamplingParams  # noqa: E402
-from tests.integration.serve_util import deploy  # noqa: E402
+from tests.integration.serve_util import deploy, wait_until  # noqa: E402
 
 ENGINE = {"kv_cache_bytes": 1 << 22, "max_model_len": 1024, "max_num_batched_tokens": 64}
 PROMPTS = [[5, 9, 200, 17, 33, 8], list(range(3, 40))]
@@ -39,7 +38,7 @@ def app(tmp_path_factory, cluster):
         "engine": ENGINE,
     }
     with deploy(build_app(args)):
-        _wait(lambda: len(_ranks()) == 2, 120, "the gang's two ranks reporting")
+        wait_until(lambda: len(_ranks()) == 2, 120, "the gang's two ranks reporting")
         path = resolve_model("tiny-v41", cache)
         llm = LLM(model=str(path), **ENGINE)  # EP1: one process
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -52,18 +51,6 @@ def app(tmp_path_factory, cluster):
 def _ranks() -> dict[str, dict]:
     router = serve.get_deployment_handle("Router", app_name="fathom")
     return router.ranks_stats.remote().result(timeout_s=30)
-
-
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            if cond():
-                return
-        except Exception:  # the router or a rank may be restarting
-            pass
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 async def _complete(
@@ -110,7 +97,7 @@ def test_killed_rank_restarts_its_gang_and_no_request_hangs(app):
     for r in asyncio.run(main()):  # done, or a clear retriable error
         assert r.status_code == 200 or (r.status_code == 503 and "retry" in r.text.lower()), r.text
     # the whole gang was replaced (both replica ids are new), and it serves the same tokens
-    _wait(lambda: len(s := set(_ranks())) == 2 and not s & before, 120, "a new gang")
+    wait_until(lambda: len(s := set(_ranks())) == 2 and not s & before, 120, "a new gang")
 
     async def again() -> list[list[str]]:
         async with httpx.AsyncClient(timeout=60) as c:

@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from app.builder import build_app  # noqa: E402
-from tests.integration.serve_util import deploy  # noqa: E402
+from tests.integration.serve_util import deploy, wait_until  # noqa: E402
 
 P = 64  # the tiny model's KV block (CacheConfig.resolve_block_size)
 rng = random.Random(7)
@@ -48,7 +48,7 @@ def base(tmp_path_factory, cluster):
         },  # fmt: skip
     }
     with deploy(build_app(args)):
-        _wait(lambda: len(_index()["ranks"]) == 2, 120, "two ranks reporting")
+        wait_until(lambda: len(_index()["ranks"]) == 2, 120, "two ranks reporting")
         yield cluster.base
 
 
@@ -66,18 +66,6 @@ def _ranks() -> dict[str, dict]:
 
 async def _aranks() -> dict[str, dict]:
     return await _router().ranks_stats.remote()
-
-
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            if cond():
-                return
-        except Exception:  # the router may be restarting
-            pass
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 async def _complete(c: httpx.AsyncClient, url: str, prompt: list[int], n: int = 2) -> dict:
@@ -110,7 +98,7 @@ def test_shared_prefix_lands_on_the_rank_holding_it(base):
     # every later request of the group was sent to the rank holding the prefix: a hit of all
     # 16 blocks (the router matches the engine's block hashes, not text)
     assert [_cached(r) for r in seq + together] == [16 * P] * 10
-    _wait(lambda: len(_holders()) == 1, 10, "the index to show the holder")
+    wait_until(lambda: len(_holders()) == 1, 10, "the index to show the holder")
     others = [v["blocks"] for k, v in _index()["ranks"].items() if k not in _holders()]
     assert others == [0]  # nothing else was cached anywhere: no request went elsewhere
 
@@ -172,7 +160,7 @@ def test_killed_rank_leaves_the_index_and_routing_goes_on(base):
             await _complete(c, base, PREFIX + [1])
 
     asyncio.run(warm())
-    _wait(lambda: len(_holders()) >= 1, 10, "a holder of the prefix")
+    wait_until(lambda: len(_holders()) >= 1, 10, "a holder of the prefix")
     (victim, *_) = sorted(_holders())
     actor = next(
         a for a in ray.util.list_named_actors(all_namespaces=True)
@@ -199,14 +187,14 @@ def test_killed_rank_leaves_the_index_and_routing_goes_on(base):
 
 
 def test_restarted_router_resyncs_from_the_ranks_snapshots(base):
-    _wait(lambda: len(_holders()) >= 1, 30, "a holder of the prefix")
+    wait_until(lambda: len(_holders()) >= 1, 30, "a holder of the prefix")
     holders = _holders()
     actor = next(
         a for a in ray.util.list_named_actors(all_namespaces=True) if "#Router#" in a["name"]
     )
     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
     # the new router starts empty; the ranks' first reports get "resync" and send snapshots
-    _wait(lambda: _holders() == holders, 120, "the restarted router to reload the index")
+    wait_until(lambda: _holders() == holders, 120, "the restarted router to reload the index")
 
     async def again() -> dict:
         async with httpx.AsyncClient(timeout=120) as c:
