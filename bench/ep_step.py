@@ -1,10 +1,10 @@
 """Expert parallelism on one GPU: (a) one MoE layer through the EP path with ep_size 1
-(gate -> pair slots -> sort -> local experts at k = 1 -> weighted combine: what every EP rank
-runs, minus the all-to-all) against today's fused MoE, at the scaled V4.1-Flash rank's shapes
-(5120 wide, 48 local experts 2304 wide, top-6, fp4 pairs and fp8); (b) the Engram lookup from
-a ``host`` placement table (a shared-memory file mapped and registered with CUDA, read over
-UVA: ``app.model.engram_place``) against a device table and a plain pinned tensor, at the
-scaled model's table rows and at a large table (``--host-gib``).
+(gate -> slots -> the fused k-way experts at the rank's slot offset: what every EP rank runs
+on its gathered rows, minus the exchanges) against today's fused MoE, at the scaled
+V4.1-Flash rank's shapes (5120 wide, 48 local experts 2304 wide, top-6, fp4 pairs and fp8);
+(b) the Engram lookup from a ``host`` placement table (a shared-memory file mapped and
+registered with CUDA, read over UVA: ``app.model.engram_place``) against a device table and a
+plain pinned tensor, at the scaled model's table rows and at a large table (``--host-gib``).
 
     PYTHONPATH=. python -m bench.ep_step --out DIR          # H200: CUDA-graph replay
     PYTHONPATH=. python -m bench.ep_step --cpu-smoke --out DIR   # tiny shapes, CPU: logic
@@ -106,9 +106,8 @@ def _moe(shape: dict, fmt: str, dev: torch.device, dtype: torch.dtype) -> MoE:
 
 
 def moe_cases(shape: dict, dev: torch.device, dtype: torch.dtype, out: Callable) -> None:
-    """(a): fused MoE vs the EP path (ep_size 1) on the same layer and inputs: both eager
-    (``do_bench``), and as CUDA-graph replays where they can be captured (the EP path cannot:
-    its exchange sizes are read on the host)."""
+    """(a): fused MoE vs the EP path (ep_size 1) on the same layer and inputs: as CUDA-graph
+    replays (both capture: the EP path reads nothing on the host) and eager (``do_bench``)."""
     time_us = _timer(dev)
     if dev.type == "cuda":
         from triton.testing import do_bench as triton_bench
@@ -131,12 +130,12 @@ def moe_cases(shape: dict, dev: torch.device, dtype: torch.dtype, out: Callable)
                     for name, mod in (("fused", fused), ("ep1", ep)):
                         fn = _rotating(lambda xi, m=mod: m(*xi), pairs)
                         p = {**params, "rel_err_vs_fused": err}
-                        if dev.type == "cuda":  # the EP path syncs the host (exchange sizes):
+                        if dev.type == "cuda":
                             eager = float(triton_bench(fn, rep=60, return_mode="median")) * 1e3
-                            out(record(f"moe.{name}.eager", eager, "us", p))  # both eager
+                            out(record(f"moe.{name}.eager", eager, "us", p))
                         try:
                             out(record(f"moe.{name}", time_us(fn), "us", p))
-                        except RuntimeError as e:  # not capturable: say so, keep the eager one
+                        except RuntimeError as e:  # a capture failure is a finding: record it
                             out({"name": f"moe.{name}", "params": p, "error": repr(e)[:200]})
             except Exception as e:  # record and go on: one shape must not lose the rest
                 out({"name": "moe", "params": params, "error": repr(e),
@@ -204,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--host-gib", type=float, default=8.0, help="large host table size")
     ap.add_argument("--shm-dir", default="/dev/shm", help="where the host table file goes")
+    ap.add_argument("--parts", default="moe,engram", help="which cases: moe, engram")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,9 +224,12 @@ def main(argv: list[str] | None = None) -> None:
         moe_cases(SMOKE, dev, torch.float32, emit)
         engram_cases([4099], dev, shm, emit, [1, 16])
     else:
-        moe_cases(FLASH, dev, torch.bfloat16, emit)
-        large = int(args.host_gib * (1 << 30)) // (ENGRAM_DIM + 8)
-        engram_cases([SCALED_ROWS, large], dev, shm, emit, [1, 8, 64, 512])
+        parts = args.parts.split(",")
+        if "moe" in parts:
+            moe_cases(FLASH, dev, torch.bfloat16, emit)
+        if "engram" in parts:
+            large = int(args.host_gib * (1 << 30)) // (ENGRAM_DIM + 8)
+            engram_cases([SCALED_ROWS, large], dev, shm, emit, [1, 8, 64, 512])
     print(f"wrote {dest}")
 
 

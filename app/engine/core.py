@@ -396,7 +396,8 @@ class EngineCore:
         if sched.items:
             inputs = self.runner.prepare(sched.items, self.decoder_replay, self._prev_rows)
         if self.parallel is not None:  # every rank of a gang steps (idle: no tokens)
-            self.parallel.step(self.model, inputs is not None, self.device)
+            n_tokens = sum(it.num_tokens for it in inputs.items) if inputs is not None else 0
+            self.parallel.step(self.model, n_tokens, self.device)
         t2 = time.perf_counter()
         st.t_schedule += t1 - t0
         st.t_prepare += t2 - t1

@@ -1,9 +1,11 @@
 """One rank's place in an expert-parallel gang, as the engine uses it (no Ray: the
 deployment joins the gang and hands this over; tests spawn the processes themselves).
 
-Every rank of a gang runs every step: before each forward the ranks agree whether any of
-them has tokens (one all-reduce); a rank without tokens then runs :meth:`idle_step`
-(the same exchanges with none of its own), so no collective waits for a rank that skipped.
+Every rank of a gang runs every step: before each forward the ranks agree on the gang's
+largest token count (one all-reduce, :meth:`EPGroup.agree`: it also picks the step's
+dense or sized expert exchange); a rank without tokens then runs :meth:`idle_step` (the
+same exchanges with none of its own) when another has some, so no collective waits for a
+rank that skipped.
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ class RankParallel:
             model, self.engram, self.group, self.engram_key, self.shm_dir
         )
 
-    def step(self, model: DeepseekModel, has_tokens: bool, device: Any) -> None:
-        """The gang's agreement before a forward; a rank without tokens runs the idle step
-        when another has some."""
+    def step(self, model: DeepseekModel, n_tokens: int, device: Any) -> None:
+        """The gang's agreement before a forward of ``n_tokens`` (0: none here); a rank
+        without tokens runs the idle step when another has some."""
         if not model.gang_exchanges:
             return
-        self.busy = self.group.any(has_tokens, device)
-        if self.busy and not has_tokens:
+        self.busy = self.group.agree(n_tokens, device) > 0
+        if self.busy and not n_tokens:
             model.idle_step()
 
     def idle_wait_s(self) -> float:

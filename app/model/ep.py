@@ -7,14 +7,20 @@ repeats an expert held elsewhere). Default placement, E = 8, size 2, redundant 2
     rank 0: slots 0-4 = experts [0 1 2 3 | 4]      (its 4 primaries, then a replica of
     rank 1: slots 5-9 = experts [4 5 6 7 | 0]       the next rank's first expert)
 
-One MoE layer of one step, on every rank of the gang (an idle rank with T = 0):
+One MoE layer of one step, on every rank of the gang (an idle rank with T = 0), token by
+token (a token travels once to a rank, with all k of its slots and weights):
 
-    gate -> (token, expert) pairs [T*k] -> slot (a local replica, else replica t % copies)
-    sort pairs by owner rank -> all-to-all rows (+ slot ids) -> local experts (weight 1)
-    -> all-to-all results back -> out[t] = sum_j w[t, j] * y[t, j]  (fp32, then x.dtype)
+    gate -> slots [T, k] (a local replica, else replica t % copies; identity placement: ids)
+    dense (decode-sized steps):  pad to the step's capacity C -> all-gather [size*C rows]
+        -> fused k-way experts over the slots held here -> reduce-scatter (fp32 sums)
+    sized (larger steps):        each token to the ranks holding one of its slots
+        (all-to-all, counts read on the host) -> fused k-way experts -> all-to-all back
+        -> out[t] = sum over ranks of its partial sums (fp32, then x.dtype)
 
-``torch.distributed`` only (gloo on CPU, NCCL on GPU); no Ray. ``EPGroup`` of size 1 runs the
-same path without a collective (what ``bench.ep_step`` times against the fused MoE).
+The dense exchange has fixed sizes and no host sync (CUDA graphs can hold it); the sized one
+moves only the rows needed. ``torch.distributed`` only (gloo on CPU, NCCL on GPU); no Ray.
+An ``EPGroup`` of size 1 runs the local experts on ``x`` itself: the fused MoE step, which
+``bench.ep_step`` times against the plain MoE layer.
 """
 
 from __future__ import annotations
@@ -94,7 +100,8 @@ class ExpertPlacement:
         mine = range(self.offset(rank), self.offset(rank) + self.slots_per_rank)
         local = torch.tensor([next((s for s in c if s in mine), -1) for c in copies])
         n = torch.tensor([len(c) for c in copies], dtype=torch.int64)
-        return RouteTables(table.to(device), n.to(device), local.to(device))
+        identity = self.slots == tuple(range(e))
+        return RouteTables(table.to(device), n.to(device), local.to(device), identity)
 
 
 @dataclass(frozen=True)
@@ -116,56 +123,106 @@ class ExpertShard:
 @dataclass(frozen=True)
 class RouteTables:
     """``replicas`` [E, width] slots of each expert (padded with its first), ``copies`` [E],
-    ``local`` [E] this rank's slot of each expert or -1."""
+    ``local`` [E] this rank's slot of each expert or -1; ``identity``: slot s holds expert
+    s (no redundant experts), so a pair's slot is its expert id."""
 
     replicas: torch.Tensor
     copies: torch.Tensor
     local: torch.Tensor
+    identity: bool = False
 
 
 def pair_slots(ids: torch.Tensor, routes: RouteTables) -> torch.Tensor:
     """Slot of each (token, expert) pair [T, k]: the local replica when there is one, else
-    replica ``t % copies`` (spreads a hot expert's tokens over its copies)."""
+    replica ``t % copies`` (spreads a hot expert's tokens over its copies). An identity
+    placement returns ``ids`` itself (no launch)."""
+    if routes.identity:
+        return ids
     t = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
     pick = routes.replicas[ids, t % routes.copies[ids]]
     return torch.where(routes.local[ids] >= 0, routes.local[ids], pick)
 
 
+DENSE_MAX_TOKENS = 256  # a step whose gang-wide max tokens per rank is at most this: dense
+
+# torch 2.13 renames the tensor collectives (the GPU machine's torch 2.11 has the old names)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class EPGroup:
     """A gang's collective group as the model uses it: ``rank``, ``size`` and the
-    ``torch.distributed`` group (None = the default group; unused when ``size`` is 1)."""
+    ``torch.distributed`` group (None = the default group; unused when ``size`` is 1).
 
-    def __init__(self, rank: int, size: int, group: dist.ProcessGroup | None = None) -> None:
+    ``capacity``: this step's dense capacity, set by :meth:`agree` (every rank calls it
+    once per step with its token count): the gang's largest token count when that is at
+    most ``dense_max_tokens``, else None. Every rank reads the same value, so every rank
+    picks the same exchange (dense or sized) for every layer of the step."""
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        group: dist.ProcessGroup | None = None,
+        dense_max_tokens: int = DENSE_MAX_TOKENS,
+    ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a gang of {size}")
         self.rank, self.size, self.group = rank, size, group
+        self.dense_max_tokens = dense_max_tokens
+        self.capacity: int | None = None
+
+    def agree(self, n_tokens: int, device: torch.device | str = "cpu") -> int:
+        """The gang's largest token count this step (one all-reduce, one host read: the
+        step's only host sync for the gang); sets :attr:`capacity`."""
+        most = n_tokens
+        if self.size > 1:
+            t = torch.tensor([n_tokens], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            most = int(t.item())
+        self.capacity = most if 0 < most <= self.dense_max_tokens else None
+        return most
 
     def exchange(
-        self, rows: torch.Tensor, counts: torch.Tensor
+        self, rows: torch.Tensor, counts: torch.Tensor, recv_counts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Send ``rows`` [N, ...] (sorted by destination; ``counts`` [size] int64 per rank)
         -> (rows received, sorted by source; counts received per source). Rows travel as
-        bytes (any dtype over gloo). One host sync for the counts."""
+        bytes (any dtype over gloo). Reads the counts on the host (one sync); pass
+        ``recv_counts`` when they are known (the way back) to skip their exchange."""
         if self.size == 1:
             return rows, counts
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)
-        send = rows.contiguous()
-        width = max(1, int(torch.Size(send.shape[1:]).numel())) * send.element_size()
-        raw = send.view(torch.uint8).reshape(send.shape[0], width)
+        if recv_counts is None:
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=self.group)
+        raw = _bytes(rows)
         sc, rc = counts.tolist(), recv_counts.tolist()
         out = raw.new_empty(sum(rc), raw.shape[1])
         dist.all_to_all_single(out, raw, rc, sc, group=self.group)
         shape = (sum(rc), *rows.shape[1:])
         return out.view(rows.dtype).reshape(shape), recv_counts
 
-    def any(self, flag: bool, device: torch.device | str = "cpu") -> bool:
-        """Whether ``flag`` is true on any rank (every rank calls this once per step)."""
-        if self.size == 1:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``rows`` [C, ...] (the same C everywhere) -> [size * C, ...] in rank
+        order. No host sync (a CUDA graph can hold it)."""
+        raw = _bytes(rows)
+        out = raw.new_empty(self.size * raw.shape[0], raw.shape[1])
+        _all_gather(out, raw, group=self.group)
+        return out.view(rows.dtype).reshape(self.size * rows.shape[0], *rows.shape[1:])
+
+    def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [size * C, ...] -> the sum over ranks of block ``rank`` [C, ...]. No host
+        sync."""
+        out = rows.new_empty(rows.shape[0] // self.size, *rows.shape[1:])
+        _reduce_scatter(out, rows.contiguous(), group=self.group)
+        return out
+
+
+def _bytes(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` [N, ...] as a [N, row bytes] uint8 view (contiguous)."""
+    send = rows.contiguous()
+    width = max(1, int(torch.Size(send.shape[1:]).numel())) * send.element_size()
+    return send.view(torch.uint8).reshape(send.shape[0], width)
 
 
 def _by_owner(owner: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,30 +231,76 @@ def _by_owner(owner: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tenso
     return order, torch.bincount(owner, minlength=size).to(torch.int64)
 
 
+LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _pack(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One byte row per token: its activations, its k slots (int32), its k weights (fp32)."""
+    meta = torch.cat((slots.to(torch.int32), weights.float().view(torch.int32)), dim=1)
+    return torch.cat((_bytes(x), _bytes(meta)), dim=1)
+
+
+def _unpack(
+    raw: torch.Tensor, d: int, k: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xb = d * torch.empty(0, dtype=dtype).element_size()
+    x = raw[:, :xb].contiguous().view(dtype)
+    meta = raw[:, xb:].contiguous().view(torch.int32)
+    return x, meta[:, :k].long(), meta[:, k:].view(torch.float32)
+
+
 def ep_moe(
     x: torch.Tensor,
-    ids: torch.Tensor,
+    slots: torch.Tensor,
     weights: torch.Tensor,
-    routes: RouteTables,
     slots_per_rank: int,
     group: EPGroup,
-    local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    local: LocalExperts,
 ) -> torch.Tensor:
-    """Routed experts of ``x`` [T, d] over the gang (T may be 0: an idle rank still serves
-    its experts to the others). ``local(rows [R, d], slots [R])`` applies each row's local
-    expert (weight 1) in ``x.dtype``. -> [T, d] in ``x.dtype``."""
-    T, k = ids.shape
-    slot = pair_slots(ids, routes).reshape(-1)
-    order, counts = _by_owner(slot // slots_per_rank, group.size)
-    tok = torch.arange(T, device=x.device).repeat_interleave(k)[order]
-    recv_x, recv_counts = group.exchange(x[tok], counts)
-    recv_slot, _ = group.exchange(slot[order], counts)
-    y = local(recv_x, recv_slot)
-    back, _ = group.exchange(y, recv_counts)
-    pairs = torch.empty_like(back)
-    pairs[order] = back
-    out = (pairs.view(T, k, x.shape[1]).float() * weights.float().unsqueeze(-1)).sum(1)
-    return out.to(x.dtype)
+    """Routed experts of ``x`` [T, d] over the gang; ``slots`` / ``weights`` [T, k] each
+    token's expert slots (:func:`pair_slots`) and gate weights. T may be 0: an idle rank
+    still serves the others' tokens. ``local(rows [R, d], slots [R, k], weights [R, k])``
+    is this rank's part of each row: ``sum_j w_j expert(row)`` over the slots it holds
+    (the others ignored; the fused k-way kernels with the rank's slot offset) in
+    ``x.dtype``. -> [T, d] in ``x.dtype``.
+
+    Each token travels once to each rank, never once per expert:
+
+    - ep_size 1: ``local`` on ``x`` itself (no exchange: the fused MoE step).
+    - dense (``group.capacity`` set: a decode-sized step): every rank pads its tokens to
+      the capacity C and all-gathers them ([size * C] rows everywhere); each rank runs
+      its experts over all of them, and a reduce-scatter sums each rank's rows back
+      (fp32). Fixed sizes, no host sync: a CUDA graph can capture the layer.
+    - sized (larger steps): each token goes to the ranks holding one of its slots; the
+      exchange counts are read on the host (one sync per layer); partial sums come back
+      in fp32 and add up per token.
+    """
+    if group.size == 1:
+        return local(x, slots, weights)
+    T, d = x.shape
+    k = slots.shape[1]
+    cap = group.capacity
+    if cap is not None:
+        if cap < T:
+            raise RuntimeError(f"{T} tokens in a dense step of capacity {cap} (agree() first)")
+        pad = torch.full((cap - T, k), -1, dtype=slots.dtype, device=x.device)
+        rows = torch.cat((x, x.new_zeros(cap - T, d)))
+        no_w = torch.zeros(cap - T, k, dtype=torch.float32, device=x.device)
+        mine = _pack(rows, torch.cat((slots, pad)), torch.cat((weights.float(), no_w)))
+        rx, rs, rw = _unpack(group.gather(mine), d, k, x.dtype)
+        part = local(rx, rs, rw).float()
+        return group.reduce_scatter(part)[:T].to(x.dtype)
+    owner = torch.where(slots >= 0, slots // slots_per_rank, group.size)
+    hit = torch.zeros(T, group.size + 1, dtype=torch.bool, device=x.device)
+    hit.scatter_(1, owner, True)
+    dest, tok = hit[:, : group.size].t().nonzero(as_tuple=True)  # by destination, then token
+    counts = torch.bincount(dest, minlength=group.size).to(torch.int64)
+    recv, recv_counts = group.exchange(_pack(x[tok], slots[tok], weights[tok]), counts)
+    rx, rs, rw = _unpack(recv, d, k, x.dtype)
+    part = local(rx, rs, rw).float()
+    back, _ = group.exchange(part, recv_counts, counts)
+    out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tok, back).to(x.dtype)
 
 
 def sharded_rows(

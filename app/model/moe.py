@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from app.model.ep import EPGroup, ExpertPlacement, ExpertShard, ep_moe
+from app.model.ep import EPGroup, ExpertPlacement, ExpertShard, ep_moe, pair_slots
 from app.model.layers import Linear
 from kernels.gate import moe_gate_fused
 from kernels.moe import (
@@ -261,24 +261,27 @@ class MoE(nn.Module):
         self.ep, self._placement = group, placement
         self._routes = placement.routes(group.rank, self.gate.weight.device)
 
-    def _local(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Each row through its slot's expert (weight 1) -> [R, d] in ``rows.dtype``."""
+    def _local(self, rows: torch.Tensor, slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``sum_j w_j expert(row)`` over the slots of ``slots`` [R, k] this rank holds (the
+        others contribute nothing) -> [R, d] in ``rows.dtype``."""
         if rows.shape[0] == 0:
             return rows.new_zeros(rows.shape)
-        one = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        if isinstance(self.experts, PackedExperts):
-            return self.experts(rows, slots.unsqueeze(1), one, len(self._placement.slots))
-        local = list(self.experts.values())
+        if isinstance(self.experts, PackedExperts):  # its offset is this rank's first slot
+            return self.experts(rows, slots, w, len(self._placement.slots))
+        local = list(self.experts.values())  # slot order; index len(local): not held here
+        off, n = self.slot_offset, len(local)
+        held = (slots >= off) & (slots < off + n)
         return moe_experts(
-            rows, (slots - self.slot_offset).unsqueeze(1), one,
-            [e.w1.weight for e in local], [e.w2.weight for e in local],
-            [e.w3.weight for e in local], self.limit,
+            rows, torch.where(held, slots - off, n), w,
+            [e.w1.weight for e in local] + [None], [e.w2.weight for e in local] + [None],
+            [e.w3.weight for e in local] + [None], self.limit,
         )  # fmt: skip
 
     def _ep_routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         assert self.ep is not None
+        slots = pair_slots(ids, self._routes)
         per = self._placement.slots_per_rank
-        return ep_moe(x, ids, w, self._routes, per, self.ep, self._local)
+        return ep_moe(x, slots, w, per, self.ep, self._local)
 
     def idle(self, x: torch.Tensor) -> None:
         """This layer's exchange with no tokens of its own (an idle rank of a gang serves

@@ -124,3 +124,82 @@ def test_ep2_equals_ep1(tiny_ckpt, tmp_path) -> None:
     sharded = [res["bytes"][2].private for res in ranks]
     assert sum(sharded) == full and max(sharded) < full
     assert ranks[0]["bytes"][3].private == 0  # V4 has no Engram
+
+
+def _layer(shard, packed: bool):
+    """A seeded MoE layer (8 experts, 64 wide, top-3): every expert (``shard`` None) or the
+    slots of ``shard``; ``packed``: fp8 32x32-block experts (the MegaMoE kernels' format)."""
+    from app.model.moe import MoE, PackedExperts
+
+    torch.manual_seed(0)
+    full = MoE(64, 64, 8, 3, 2.5, 10.0)
+    for p in full.parameters():
+        p.data.normal_(0, 0.3 if p.dim() > 1 else 0.1)
+    held = list(range(8)) if shard is None else list(shard.local)
+    moe = full if shard is None else MoE(64, 64, 8, 3, 2.5, 10.0, shard=shard)
+    if shard is not None:
+        moe.gate.load_state_dict(full.gate.state_dict())
+        moe.shared_experts.load_state_dict(full.shared_experts.state_dict())
+        for e in held:
+            moe.experts[str(e)].load_state_dict(full.experts[e].state_dict())
+    if packed:
+        g = torch.Generator().manual_seed(1)
+        w13 = (torch.randn(8, 128, 64, generator=g) * 64).to(torch.float8_e4m3fn)[held]
+        w2 = (torch.randn(8, 64, 64, generator=g) * 64).to(torch.float8_e4m3fn)[held]
+        s13 = torch.randint(116, 119, (8, 4, 2), generator=g).byte()[held]
+        s2 = torch.randint(116, 119, (8, 2, 2), generator=g).byte()[held]
+        e8 = torch.float8_e8m0fnu
+        off = 0 if shard is None else shard.offset
+        moe.experts = PackedExperts(w13, s13.view(e8), w2, s2.view(e8), "fp8", (32, 32), 10.0,
+                                    off)  # fmt: skip
+    return moe.eval()
+
+
+def _moe_worker(rank: int, store: str, out_dir: str) -> None:
+    from app.model.ep import ExpertShard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    group = EPGroup(rank, 2)
+    g = torch.Generator().manual_seed(10 + rank)
+    got: dict = {}
+    for packed, redundant, tokens, mode in [
+        (False, 0, (7, 3), "dense"), (False, 2, (7, 0), "sized"), (True, 2, (5, 9), "dense"),
+        (True, 0, (6, 2), "sized"), (False, 2, (0, 4), "dense"),
+    ]:  # fmt: skip
+        placement = ExpertPlacement.default(8, 2, redundant)
+        moe = _layer(ExpertShard(placement, rank), packed)
+        moe.set_ep(placement, group)
+        x = torch.randn(tokens[rank], 64, generator=g)
+        tok = torch.randint(0, 100, (tokens[rank],), generator=g)
+        most = group.agree(x.shape[0])
+        if mode == "sized":
+            group.capacity = None  # as a step above the dense limit runs
+        assert (group.capacity is not None) == (mode == "dense") and most == max(tokens)
+        with torch.no_grad():
+            got[packed, redundant, tokens, mode] = (x, tok, moe(x, tok))
+    Path(out_dir, f"moe{rank}.pkl").write_bytes(pickle.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_ep_moe_dense_and_sized_equal_one_rank(tmp_path) -> None:
+    """One MoE layer over two gloo ranks: the dense (all-gather + reduce-scatter) and the
+    sized (all-to-all) exchanges give each rank the one-process layer's output for its
+    tokens, with dequantized and packed fp8 experts, redundant slots, unequal and empty
+    loads; the size-1 EP path is the fused layer itself."""
+    mp.start_processes(_moe_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    cases = [pickle.loads((tmp_path / f"moe{r}.pkl").read_bytes()) for r in (0, 1)]
+    for r, got in enumerate(cases):
+        for (packed, _, tokens, mode), (x, tok, out) in got.items():
+            assert out.shape == (tokens[r], 64)
+            with torch.no_grad():
+                ref = _layer(None, packed)(x, tok)
+            assert tokens[r] == 0 or ref.abs().max() > 0.1
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=(r, packed, mode))
+    one = _layer(None, True)
+    one.set_ep(ExpertPlacement.default(8, 1), EPGroup(0, 1))
+    x = torch.randn(5, 64)
+    tok = torch.arange(5)
+    with torch.no_grad():
+        assert torch.equal(one(x, tok), _layer(None, True)(x, tok))
