@@ -87,7 +87,7 @@ def barrier_us(programs: int, n: int = 4) -> float:
     (the floor of the fused select's synchronization)."""
 
     def run():
-        bars = torch.zeros(8, device=DEV, dtype=torch.int32)
+        bars = torch.zeros(8, device=DEV, dtype=torch.int64)
         _barriers_kernel[(programs,)](bars, programs, N=n, num_warps=8)
 
     return graph_us(run)

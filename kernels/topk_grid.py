@@ -2,7 +2,8 @@
 
 Row ``r`` of ``scores`` [T, C] is split into ``G`` contiguous spans, one program each. The
 programs run up to five phases, with a grid barrier (an integer counter, atomics at GPU
-scope) between two phases, so the whole select is one launch and one memset:
+scope) between two phases, so the whole select is one launch (its workspace stays zero-ready
+between launches: no memset):
 
 - phases 0-3: a 256-bin histogram of one byte of the order keys (most significant first) of
   the span's finite-or-+inf scores whose higher bytes equal the prefix found so far, added to
@@ -11,9 +12,10 @@ scope) between two phases, so the whole select is one launch and one memset:
   ``need``, how many keys equal to ``tau`` belong to the top-k. Each level also stores, per
   program, its keys above the prefix and its own histogram cumulated from the top: with the
   level's byte known, any program reads off every program's count above tau and at tau (two
-  loads each), so no counting phase and barrier are needed. When the bin found holds exactly
-  the keys still needed (the usual case at level 2 for real-valued scores: a 24-bit prefix
-  rarely holds two), every key of it is a pick and the later levels are skipped;
+  loads each), so no counting phase and barrier are needed. When the bin found (from level 1
+  on) holds exactly the keys still needed (the usual case at level 2 for real-valued scores:
+  a 24-bit prefix rarely holds two), every key of it is a pick and the later levels are
+  skipped;
 - phase 4: each program sums the counts of the programs before it and writes its picks' ids at
   their final positions: ascending ids, because spans are in id order and a cumsum orders the
   picks within one. Ties at ``tau`` go to the lower ids (the first ``need`` in id order).
@@ -36,7 +38,7 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LEVELS = 4  # bytes of a 32-bit key
 _HIST = _LEVELS * 256
-_BARS = 8  # one arrival counter per barrier (4 used)
+_BARS = 8  # int64: one arrival counter per barrier (4), the epoch, 3 unused
 _PHASES = 5  # four histogram levels, then the write
 _BLOCK = 2048  # scores per tile (a span is a whole number of tiles)
 _MAX_G = 1024  # programs per row (the count arrays' block)
@@ -51,32 +53,58 @@ def _order_key(v):
 
 @triton.jit
 def _grid_sync(bar_ptr, n):
-    """Wait until ``n`` programs have arrived at this barrier (its own counter)."""
+    """Wait until this barrier's counter reaches ``n`` (every program of the launch has
+    arrived); -> whether this program arrived last (it does not wait: the others had)."""
     tl.debug_barrier()  # the program's earlier atomics and stores are issued
-    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    while seen < n:
+    old = tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    if old < n - 1:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        while seen < n:
+            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+    return old == n - 1
 
 
 @triton.jit
-def _next_byte(hist_ptr, level, tau_u, need, stop):
-    """Level ``level``'s byte of tau (the bin holding the need-th largest key of the prefix)
-    and the keys of that bin still needed. With fewer than ``need`` keys: bin 0. ``stop``
-    becomes ``level`` when that bin holds exactly the keys still needed (all of them are
-    picks: the select ends here); a select already stopped is returned unchanged."""
+def _next_byte(hist_ptr, level, tau_u, need, stop, short, own):
+    """Level ``level``'s byte of tau (the bin holding the need-th largest key of the prefix;
+    bin 0 when the prefix holds fewer keys than needed) and the keys of that bin still
+    needed; also how many of this program's keys ``own`` [256] (its level histogram) lie in
+    bins above tau's byte. From level 1 on, ``stop`` becomes ``level`` when that bin holds
+    exactly the keys still needed (all of them are picks: the select ends here), or when
+    the prefix holds fewer keys than needed (every usable key is a pick; ``short`` is set:
+    the output has a -1 tail). Level 0 never stops (its per-program counts are not stored);
+    when it is short, level 1 is too. A select already stopped is returned unchanged.
+
+    One int64 sum carries five counts, so the level costs one scan and one reduction:
+    bins up to tau's byte (= byte + 1), bins with exactly need at or above them (> 0: the
+    bin is exact), keys above the byte's bin (all programs; this program), and whether the
+    prefix is short."""
     bins = tl.arange(0, 256)
     hist = tl.load(hist_ptr + level * 256 + bins, volatile=True)
     at_least = tl.cumsum(hist, 0, reverse=True)  # keys in the prefix with digit >= bin
-    b = tl.max(tl.where(at_least >= need, bins, 0))
-    left = need - tl.sum(tl.where(bins > b, hist, 0))
+    ge = (at_least >= need) | (bins == 0)
+    packed = (
+        ge.to(tl.int64)
+        | ((at_least == need).to(tl.int64) << 9)
+        | (tl.where(ge, 0, hist).to(tl.int64) << 18)
+        | (tl.where(ge, 0, own).to(tl.int64) << 39)
+        | (((bins == 0) & (at_least < need)).to(tl.int64) << 60)
+    )
+    tot = tl.sum(packed, 0)
+    b = (tot & 0x1FF).to(tl.int32) - 1
+    exact = ((tot >> 9) & 0x1FF) > 0
+    above = ((tot >> 18) & 0x1FFFFF).to(tl.int32)
+    own_above = ((tot >> 39) & 0x1FFFFF).to(tl.int32)
+    few = (tot >> 60) > 0
     live = stop < 0
-    exact = live & (tl.sum(tl.where(bins == b, hist, 0)) == left)
+    ends = live & (exact | few) & (level > 0)
     return (
         tl.where(live, tau_u | (b << (24 - 8 * level)), tau_u),
-        tl.where(live, left, need),
-        tl.where(exact, level, stop),
+        tl.where(live, need - above, need),
+        tl.where(ends, level, stop),
+        short | (ends & few),
+        own_above,
     )
 
 
@@ -91,13 +119,18 @@ def _tile(s_ptr, lo, t0, C, BLOCK: tl.constexpr):
 
 @triton.jit
 def _grid_topk_kernel(
-    s_ptr, s_row, C, KK, ws_ptr, ws_row, cs_ptr, cs_row, out_ptr, s_out, G, SPAN,
-    P0: tl.constexpr, P1: tl.constexpr, BLOCK: tl.constexpr, GP2: tl.constexpr,
-    SINGLE: tl.constexpr, TAIL: tl.constexpr,
+    s_ptr, s_row, C, KK, ws_ptr, ws_row, bars_ptr, bars_row, cs_ptr, cs_row, out_ptr, s_out,
+    G, SPAN, P0: tl.constexpr, P1: tl.constexpr, BLOCK: tl.constexpr, GP2: tl.constexpr,
+    SINGLE: tl.constexpr, TAIL: tl.constexpr, ZB: tl.constexpr,
 ):  # fmt: skip
     """Phases [P0, P1) of row ``pid(1)``'s select, span ``pid(0)`` (module docstring).
 
-    ``ws`` row (zeroed): histograms [4, 256], barrier counters [8]. ``cs`` row, per level l
+    ``ws`` row: two halves of histograms [4, 256]; ``bars`` row (int64): barrier counters
+    [4], then the epoch e. A launch uses half e % 2 (zero at its start) and zeroes the other
+    half for the next launch; barrier i waits for its counter to reach (e + 1) * G (a
+    skipped barrier is arrived at anyway, at the end), and the last program at barrier 0
+    stores e + 1. So a workspace zeroed once serves any number of fused launches of the
+    same rows and G, with no memset in between. ``cs`` row, per level l
     and program: its usable keys above tau's top 8l bits [4, G], then its level-l histogram
     cumulated from the top [4, G, 256] (keys of the 8l-bit prefix with byte l >= bin). From
     the level where the select stopped, the write phase derives every program's counts above
@@ -106,17 +139,29 @@ def _grid_topk_kernel(
     row = tl.program_id(1).to(tl.int64)
     g = tl.program_id(0)
     s_ptr += row * s_row
-    hist_ptr = ws_ptr + row * ws_row
-    bar_ptr = hist_ptr + 1024
+    bar_ptr = bars_ptr + row * bars_row
+    epoch = tl.load(bar_ptr + 4, volatile=True)
+    half = (epoch & 1).to(tl.int32)
+    hist_ptr = ws_ptr + row * ws_row + half * 1024
+    z = g * ZB + tl.arange(0, ZB)  # this program's share of the other half
+    tl.store(ws_ptr + row * ws_row + (1 - half) * 1024 + z, tl.zeros([ZB], tl.int32),
+             mask=z < 1024)  # fmt: skip
+    arrived = (epoch + 1) * G  # every barrier counter's value once all have arrived
     above_ptr = cs_ptr + row * cs_row
     c_ptr = above_ptr + 4 * G
     lo = g * SPAN
     bins = tl.arange(0, 256)
     tau_u = g * 0  # a scalar tensor: the prefix of tau found so far (unsigned-order bits)
     need = KK + g * 0
-    stop = g * 0 - 1  # the level where the select ended (-1: not yet)
+    stop = g * 0 - 1  # the level where the select ended (-1: not yet; never 0)
+    short = g < 0  # fewer usable keys than KK (every one is a pick)
+    above = g * 0  # this program's usable keys above tau's prefix so far
     for lv in tl.static_range(min(P0, 4)):  # a phase launched alone: the levels before it
-        tau_u, need, stop = _next_byte(hist_ptr, lv, tau_u, need, stop)
+        own = tl.load(c_ptr + (lv * G + g) * 256 + bins)  # cumulated: own keys >= bin
+        own = own - tl.load(c_ptr + (lv * G + g) * 256 + bins + 1, mask=bins < 255, other=0)
+        tau_u, need, stop, short, own_above = _next_byte(hist_ptr, lv, tau_u, need, stop,
+                                                         short, own)  # fmt: skip
+        above += own_above
     if SINGLE:
         j1, ok1, u1 = _tile(s_ptr, lo, 0, C, BLOCK)
     for p in tl.static_range(P0, P1):
@@ -124,7 +169,6 @@ def _grid_topk_kernel(
             if stop < 0:
                 shift = 24 - 8 * p
                 h = tl.zeros([256], tl.int32)
-                above = g * 0
                 for t0 in range(0, SPAN, BLOCK):
                     if SINGLE:
                         ok, u = ok1, u1
@@ -135,14 +179,19 @@ def _grid_topk_kernel(
                         hi = (u ^ -2147483648) >> (shift + 8)  # signed order of the prefix
                         hi_tau = (tau_u ^ -2147483648) >> (shift + 8)
                         m = ok & (hi == hi_tau)
-                        above += tl.sum((ok & (hi > hi_tau)).to(tl.int32), 0)
                     h += tl.histogram(tl.where(m, (u >> shift) & 0xFF, 0), 256, mask=m)
                 tl.atomic_add(hist_ptr + p * 256 + bins, h, mask=h > 0)
-                tl.store(above_ptr + p * G + g, above)
-                tl.store(c_ptr + (p * G + g) * 256 + bins, tl.cumsum(h, 0, reverse=True))
+                if (p > 0) or (P1 == P0 + 1):  # level 0 of a fused launch never ends it
+                    tl.store(above_ptr + p * G + g, above)
+                    tl.store(c_ptr + (p * G + g) * 256 + bins, tl.cumsum(h, 0, reverse=True))
                 if p + 1 < P1:
-                    _grid_sync(bar_ptr + p, G)
-                    tau_u, need, stop = _next_byte(hist_ptr, p, tau_u, need, stop)
+                    last = _grid_sync(bar_ptr + p, arrived)
+                    if p == 0:  # noqa: SIM102 (p is static, last is not)
+                        if last:  # every program has read the epoch: the next launch's
+                            tl.store(bar_ptr + 4, epoch + 1)
+                    tau_u, need, stop, short, own_above = _next_byte(hist_ptr, p, tau_u, need,
+                                                                     stop, short, h)  # fmt: skip
+                    above += own_above
         else:
             L = tl.where(stop < 0, 3, stop)  # keys compare on their top 8(L + 1) bits
             shift = 24 - 8 * L
@@ -156,28 +205,72 @@ def _grid_topk_kernel(
             above_b = tl.load(cl + bL + 1, mask=pm & (bL < 255), other=0, volatile=True)
             all_gt = a + above_b  # each program's keys above tau
             all_eq = at_b - above_b  # and equal to it
-            gb = tl.sum(tl.where(progs < g, all_gt, 0), 0)  # picks above tau before the span
-            eb = tl.sum(tl.where(progs < g, all_eq, 0), 0)  # ties before the span
-            for t0 in range(0, SPAN, BLOCK):
-                if SINGLE:
-                    j, ok, u = j1, ok1, u1
-                else:
+            # picks above tau and ties before the span, in one int64 sum
+            before = tl.sum(tl.where(progs < g, all_gt.to(tl.int64) | (all_eq.to(tl.int64) << 32),
+                                     0), 0)  # fmt: skip
+            gb = (before & 0xFFFFFFFF).to(tl.int32)
+            eb = (before >> 32).to(tl.int32)
+            if SINGLE:
+                _write_tile(out_ptr + row * s_out, j1, ok1, u1, shift, tau, gb, eb, need)
+            else:
+                for t0 in range(0, SPAN, BLOCK):
                     j, ok, u = _tile(s_ptr, lo, t0, C, BLOCK)
-                key = (u ^ -2147483648) >> shift
-                gt = (ok & (key > tau)).to(tl.int32)
-                eq = (ok & (key == tau)).to(tl.int32)
-                c_eq = eb + tl.cumsum(eq, 0)  # ties up to and including j, in id order
-                take = (gt > 0) | ((eq > 0) & (c_eq <= need))
-                pos = gb + tl.cumsum(gt, 0) - gt + tl.minimum(c_eq - eq, need)
-                tl.store(out_ptr + row * s_out + pos, j.to(tl.int64), mask=take)
-                gb += tl.sum(gt, 0)
-                eb += tl.sum(eq, 0)
-            if g == G - 1:  # the slots past the last pick (fewer usable scores than KK): -1
-                total = tl.sum(all_gt, 0) + tl.minimum(tl.sum(all_eq, 0), need)
+                    gb, eb = _write_tile(out_ptr + row * s_out, j, ok, u, shift, tau, gb, eb,
+                                         need)  # fmt: skip
+            if (g == G - 1) & short:  # fewer usable scores than KK: -1 past the last pick
+                both = tl.sum(tl.where(pm, all_gt.to(tl.int64) | (all_eq.to(tl.int64) << 32),
+                                       0), 0)  # fmt: skip
+                total = (both & 0xFFFFFFFF).to(tl.int32) + tl.minimum((both >> 32).to(tl.int32),
+                                                                       need)  # fmt: skip
                 for i0 in range(0, KK, TAIL):
                     i = i0 + tl.arange(0, TAIL)
                     tl.store(out_ptr + row * s_out + i, tl.full([TAIL], -1, tl.int64),
                              mask=(i >= total) & (i < KK))  # fmt: skip
+    for p in tl.static_range(P0, min(P1 - 1, 4)):  # barriers an early stop skipped
+        if (stop >= 0) & (p > stop):
+            tl.atomic_add(bar_ptr + p, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _write_tile(out_row, j, ok, u, shift, tau, gb, eb, need):
+    """Store the tile's picks (keys above ``tau``, and ties while fewer than ``need`` came
+    before) at their ascending-id positions; -> (gb, eb) counted on past the tile. One scan:
+    the tile's counts above and at tau (each <= the tile) share an int32."""
+    key = (u ^ -2147483648) >> shift
+    gt = (ok & (key > tau)).to(tl.int32)
+    eq = (ok & (key == tau)).to(tl.int32)
+    both = tl.cumsum(gt | (eq << 16), 0)  # inclusive
+    c_gt = both & 0xFFFF
+    c_eq = eb + (both >> 16)  # ties up to and including j, in id order
+    take = (gt > 0) | ((eq > 0) & (c_eq <= need))
+    pos = gb + c_gt - gt + tl.minimum(c_eq - eq, need)
+    tl.store(out_row + pos, j.to(tl.int64), mask=take)
+    n = tl.sum(gt | (eq << 16), 0)
+    return gb + (n & 0xFFFF), eb + (n >> 16)
+
+
+_PERSISTENT: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(
+    device: torch.device, T: int, G: int, persist: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(histogram halves [T, 2 * 1024] int32, barriers + epoch [T, 8] int64). ``persist``:
+    the one workspace of (device, T, G), zeroed once and kept zero-ready by the fused
+    launches themselves (no memset per call; see the kernel). Else (the phase-by-phase
+    launches, partial runs, a first call inside a CUDA-graph capture) a zeroed one per call.
+    The fused launches of one workspace must run in stream order (the engine's one stream)."""
+    key = (device, T, G)
+    if persist and key in _PERSISTENT:
+        return _PERSISTENT[key]
+    made = (
+        torch.zeros((T, 2 * _HIST), device=device, dtype=torch.int32),
+        torch.zeros((T, _BARS), device=device, dtype=torch.int64),
+    )
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if persist and not capturing:
+        _PERSISTENT[key] = made
+    return made
 
 
 def _sm_count(device: torch.device) -> int:
@@ -219,6 +312,8 @@ def grid_topk(
     barriers, needs ``T <= SMs``; else five launches, one per phase, any T. ``programs`` per row
     defaults to :func:`grid_programs`."""
     T, C = scores.shape
+    if C >= 1 << 21:  # the packed counts of _next_byte hold 21 bits
+        raise ValueError(f"rows of at most {(1 << 21) - 1} scores, got {C}")
     if fused is None:
         fused = scores.is_cuda and not _INTERPRET
     # the interpreter runs programs one by one: fused only with one program per row
@@ -230,16 +325,16 @@ def grid_topk(
         raise ValueError(f"{G} programs x {T} rows cannot be resident on {sms} SMs")
     span = triton.cdiv(triton.cdiv(C, G), block) * block
     G = triton.cdiv(C, span)
-    ws = torch.zeros((T, _HIST + _BARS), device=scores.device, dtype=torch.int32)
+    ws, bars = _workspace(scores.device, T, G, persist=fused and stop is None)
     cs = torch.empty((T, 4 * G * 257), device=scores.device, dtype=torch.int32)
     tail = min(1024, triton.next_power_of_2(max(kk, 16)))
     # stop: run phases [0, stop) only (benchmarks timing the phases; the output is garbage)
     phases = [(0, stop or _PHASES)] if fused else [(p, p + 1) for p in range(_PHASES)]
     for p0, p1 in phases:
         _grid_topk_kernel[(G, T)](
-            scores, scores.stride(0), C, kk, ws, ws.stride(0), cs, cs.stride(0), out,
-            out.stride(0), G, span, P0=p0, P1=p1, BLOCK=block,
+            scores, scores.stride(0), C, kk, ws, ws.stride(0), bars, bars.stride(0), cs,
+            cs.stride(0), out, out.stride(0), G, span, P0=p0, P1=p1, BLOCK=block,
             GP2=triton.next_power_of_2(G), SINGLE=span == block, TAIL=tail,
-            num_warps=num_warps,
+            ZB=triton.next_power_of_2(triton.cdiv(_HIST, G)), num_warps=num_warps,
         )  # fmt: skip
     return out
