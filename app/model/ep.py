@@ -183,24 +183,28 @@ class EPGroup:
         self.capacity = most if 0 < most <= self.dense_max_tokens else None
         return most
 
-    def exchange(
-        self, rows: torch.Tensor, counts: torch.Tensor, recv_counts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send ``rows`` [N, ...] (sorted by destination; ``counts`` [size] int64 per rank)
-        -> (rows received, sorted by source; counts received per source). Rows travel as
-        bytes (any dtype over gloo). Reads the counts on the host (one sync); pass
-        ``recv_counts`` when they are known (the way back) to skip their exchange."""
+    def split_sizes(self, counts: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(rows this rank sends to each rank, rows it receives from each) for ``counts``
+        [size] int64 rows per destination: one all-to-all of the counts and one host read
+        (the sized exchange's only host sync; the way back reuses the same lists)."""
         if self.size == 1:
-            return rows, counts
-        if recv_counts is None:
-            recv_counts = torch.empty_like(counts)
-            dist.all_to_all_single(recv_counts, counts, group=self.group)
+            n = counts.tolist()
+            return n, n
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        send, got = torch.stack((counts, recv)).tolist()
+        return send, got
+
+    def exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Send ``rows`` [N, ...] (sorted by destination, ``send[r]`` to rank r) -> the rows
+        received, sorted by source (``recv[r]`` from rank r). Rows travel as bytes (any
+        dtype over gloo). No host sync (the sizes come from :meth:`split_sizes`)."""
+        if self.size == 1:
+            return rows
         raw = _bytes(rows)
-        sc, rc = counts.tolist(), recv_counts.tolist()
-        out = raw.new_empty(sum(rc), raw.shape[1])
-        dist.all_to_all_single(out, raw, rc, sc, group=self.group)
-        shape = (sum(rc), *rows.shape[1:])
-        return out.view(rows.dtype).reshape(shape), recv_counts
+        out = raw.new_empty(sum(recv), raw.shape[1])
+        dist.all_to_all_single(out, raw, recv, send, group=self.group)
+        return out.view(rows.dtype).reshape(sum(recv), *rows.shape[1:])
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Every rank's ``rows`` [C, ...] (the same C everywhere) -> [size * C, ...] in rank
@@ -292,13 +296,14 @@ def ep_moe(
         return group.reduce_scatter(part)[:T].to(x.dtype)
     owner = torch.where(slots >= 0, slots // slots_per_rank, group.size)
     hit = torch.zeros(T, group.size + 1, dtype=torch.bool, device=x.device)
-    hit.scatter_(1, owner, True)
-    dest, tok = hit[:, : group.size].t().nonzero(as_tuple=True)  # by destination, then token
-    counts = torch.bincount(dest, minlength=group.size).to(torch.int64)
-    recv, recv_counts = group.exchange(_pack(x[tok], slots[tok], weights[tok]), counts)
-    rx, rs, rw = _unpack(recv, d, k, x.dtype)
+    hit = hit.scatter_(1, owner, True)[:, : group.size]  # token t has a slot on rank r
+    send, got = group.split_sizes(hit.sum(0).to(torch.int64))
+    # by destination, then token (the size is known: no second host sync)
+    tok = torch.nonzero_static(hit.t(), size=sum(send))[:, 1]
+    rx, rs, rw = _unpack(group.exchange(_pack(x[tok], slots[tok], weights[tok]), send, got),
+                         d, k, x.dtype)  # fmt: skip
     part = local(rx, rs, rw).float()
-    back, _ = group.exchange(part, recv_counts, counts)
+    back = group.exchange(part, got, send)
     out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
     return out.index_add_(0, tok, back).to(x.dtype)
 
@@ -311,8 +316,9 @@ def sharded_rows(
     to their owners, the rows come back. N may be 0 (an idle rank still answers)."""
     flat = rows.reshape(-1)
     order, counts = _by_owner(flat // per_rank, group.size)
-    want, recv_counts = group.exchange(flat[order], counts)
-    found, _ = group.exchange(table[want - start], recv_counts)
+    send, got = group.split_sizes(counts)
+    want = group.exchange(flat[order], send, got)
+    found = group.exchange(table[want - start], got, send)
     out = torch.empty_like(found)
     out[order] = found
     return out
