@@ -227,9 +227,11 @@ class EngineCore:
             self.proposer = proposer or make_proposer(spec, model, self.cache.pools)
         self.overlap = cfg.overlap_schedule and self.proposer is None
         max_tok = cfg.scheduler.max_num_batched_tokens
+        # an EP gang steps eagerly: its dense exchanges could be captured, but every rank
+        # would have to replay the graph of one agreed bucket in lockstep (not built yet)
         self.runner = ModelRunner(
             model, self.cache, max_tok, self.device,
-            cuda_graphs=cfg.cuda_graphs and not model.gang_exchanges,  # counts sync the host
+            cuda_graphs=cfg.cuda_graphs and not model.gang_exchanges,
             max_graph_batch=slots,
             features=self.proposer is not None and self.proposer.needs_features,
         )  # fmt: skip
