@@ -570,9 +570,9 @@ def topk_triton(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
         plan = None if _INTERPRET else grid_topk_plan(T, C, _sm_count(scores.device.index or 0))
         if plan is not None:  # one launch (kernels.topk_grid)
             return grid_topk(scores, kk, out, block=plan[0], num_warps=plan[1])
-        if not _INTERPRET and kk >= 2048 and T <= 8:  # the grid select's phases as launches
-            # (H200, 256K candidates, k 2048: 78.8 vs 117.7 µs at 8 rows; at 32 rows the
-            # coarse path is ahead, 241.3 vs 255.6)
+        if not _INTERPRET and kk >= 2048 and T <= 8 and C < 1 << 21:  # the grid phases
+            # as launches (H200, 256K candidates, k 2048: 78.8 vs 117.7 µs at 8 rows; at 32
+            # rows the coarse path is ahead, 241.3 vs 255.6; rows of 2^21+: coarse)
             return grid_topk(scores, kk, out, fused=False)
         return _topk_coarse(scores, kk, out)
     return _topk_chunked(scores, kk, out)

@@ -57,7 +57,8 @@ def moe_experts_ref(
 ) -> torch.Tensor:
     """``x`` [T, d], ``ids``/``weights`` [T, k]; per-expert weights w1/w3 [I, d], w2 [d, I].
 
-    Experts absent from ``w1`` (None) are not local to this rank and contribute nothing.
+    Experts absent from ``w1`` (None) are not local to this rank and contribute nothing;
+    neither does id -1 (an empty slot).
     ``act_fp8``: both GEMMs' activations rounded by :func:`fake_quant_act` (h after a bf16
     round trip, as the kernels store it).
     """
@@ -68,7 +69,7 @@ def moe_experts_ref(
     tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])
     flat_w = weights.reshape(-1).float()
     for e in torch.unique(flat_ids).tolist():
-        if w1[e] is None:
+        if e < 0 or w1[e] is None:  # -1: an empty slot (EP padding rows)
             continue
         sel = (flat_ids == e).nonzero(as_tuple=True)[0]
         t = tok[sel]

@@ -56,7 +56,8 @@ def _grid_sync(bar_ptr, n):
     """Wait until this barrier's counter reaches ``n`` (every program of the launch has
     arrived); -> whether this program arrived last (it does not wait: the others had)."""
     tl.debug_barrier()  # the program's earlier atomics and stores are issued
-    old = tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    # acq_rel: the last to arrive skips the polls, so its arrival is its acquire too
+    old = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
     if old < n - 1:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         while seen < n:
@@ -256,21 +257,37 @@ def _workspace(
     device: torch.device, T: int, G: int, persist: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(histogram halves [T, 2 * 1024] int32, barriers + epoch [T, 8] int64). ``persist``:
-    the one workspace of (device, T, G), zeroed once and kept zero-ready by the fused
-    launches themselves (no memset per call; see the kernel). Else (the phase-by-phase
-    launches, partial runs, a first call inside a CUDA-graph capture) a zeroed one per call.
-    The fused launches of one workspace must run in stream order (the engine's one stream)."""
-    key = (device, T, G)
-    if persist and key in _PERSISTENT:
+    rows of the one workspace of (device, G), zeroed once and kept zero-ready by the fused
+    launches themselves (no memset per call; see the kernel). It has a row for the most
+    rows a fused launch of G programs can hold (one program per SM) and a launch of T rows
+    uses the first T; a row's counters advance by G per launch that uses it, whatever T.
+    So a device holds one small workspace per G (at most SMs of them, about 6 MB in all on
+    an H200), never freed: a captured CUDA graph keeps its pointers. Else (the
+    phase-by-phase launches, partial runs, a first call inside a CUDA-graph capture) a
+    zeroed one per call. The fused launches of one workspace must run in stream order (the
+    engine's one stream)."""
+    if persist:
+        key = (device, G)
+        if key not in _PERSISTENT:
+            rows = max(T, _sm_count(device) // G if device.type == "cuda" else T)
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return _fresh(device, T)
+            _PERSISTENT[key] = _fresh(device, rows)
+        ws, bars = _PERSISTENT[key]
+        if ws.shape[0] >= T:
+            return ws[:T], bars[:T]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return _fresh(device, T)
+        _PERSISTENT[key] = _fresh(device, T)  # the interpreter: rows grow as launches ask
         return _PERSISTENT[key]
-    made = (
+    return _fresh(device, T)
+
+
+def _fresh(device: torch.device, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
         torch.zeros((T, 2 * _HIST), device=device, dtype=torch.int32),
         torch.zeros((T, _BARS), device=device, dtype=torch.int64),
     )
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if persist and not capturing:
-        _PERSISTENT[key] = made
-    return made
 
 
 def _sm_count(device: torch.device) -> int:

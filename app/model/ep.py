@@ -273,11 +273,13 @@ def ep_moe(
     - ep_size 1: ``local`` on ``x`` itself (no exchange: the fused MoE step).
     - dense (``group.capacity`` set: a decode-sized step): every rank pads its tokens to
       the capacity C and all-gathers them ([size * C] rows everywhere); each rank runs
-      its experts over all of them, and a reduce-scatter sums each rank's rows back
-      (fp32). Fixed sizes, no host sync: a CUDA graph can capture the layer.
+      its experts over all of them, and a reduce-scatter sums each rank's rows back in
+      fp32 (each rank's partial sum is rounded to ``x.dtype`` by its kernel first: with
+      bf16 activations EP2 differs from EP1 by a few bf16 units). Fixed sizes, no host
+      sync: a CUDA graph can capture the layer.
     - sized (larger steps): each token goes to the ranks holding one of its slots; the
-      exchange counts are read on the host (one sync per layer); partial sums come back
-      in fp32 and add up per token.
+      exchange counts are read on the host (one sync per layer); the partial sums (in
+      ``x.dtype``, as above) come back in fp32 and add up per token.
     """
     if group.size == 1:
         return local(x, slots, weights)

@@ -160,12 +160,12 @@ def _moe_worker(rank: int, store: str, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    group = EPGroup(rank, 2)
+    group = EPGroup(rank, 2, dense_max_tokens=6)  # steps above 6 tokens on a rank: sized
     g = torch.Generator().manual_seed(10 + rank)
     got: dict = {}
     for packed, redundant, tokens, mode in [
-        (False, 0, (7, 3), "dense"), (False, 2, (7, 0), "sized"), (True, 2, (5, 9), "dense"),
-        (True, 0, (6, 2), "sized"), (False, 2, (0, 4), "dense"),
+        (False, 0, (6, 3), "dense"), (False, 2, (7, 0), "sized"), (True, 2, (5, 2), "dense"),
+        (True, 0, (6, 9), "sized"), (False, 2, (0, 4), "dense"), (False, 0, (2, 12), "sized"),
     ]:  # fmt: skip
         placement = ExpertPlacement.default(8, 2, redundant)
         moe = _layer(ExpertShard(placement, rank), packed)
@@ -173,8 +173,6 @@ def _moe_worker(rank: int, store: str, out_dir: str) -> None:
         x = torch.randn(tokens[rank], 64, generator=g)
         tok = torch.randint(0, 100, (tokens[rank],), generator=g)
         most = group.agree(x.shape[0])
-        if mode == "sized":
-            group.capacity = None  # as a step above the dense limit runs
         assert (group.capacity is not None) == (mode == "dense") and most == max(tokens)
         with torch.no_grad():
             got[packed, redundant, tokens, mode] = (x, tok, moe(x, tok))

@@ -143,21 +143,29 @@ def test_grid_topk_phases(programs, block):
 
 def test_grid_topk_fused_one_program_per_row():
     """The fused launch (barriers included) with one program per row, as the interpreter can
-    run it; an exact tie at the threshold shared by 1000 scores. Five launches in a row on
+    run it; an exact tie at the threshold shared by 1000 scores. Six launches in a row on
     the one persistent workspace (no memset between them: each launch zeroes the other
-    histogram half and advances the epoch), alternating a row that stops at level 0 with
-    rows that run every level, so a stale count or a skipped barrier would show."""
+    histogram half and advances the epoch), alternating rows that run every level with a
+    row shorter than k (found short at level 0, it ends at level 1), so a stale count or a
+    skipped barrier would show (a barrier behind its target hangs)."""
+    from kernels import topk_grid as tg
+
     s = torch.full((2, 3000), -1.0)
     s[0, ::3] = 0.5
     s[1, 7] = 2.0
     g = torch.Generator().manual_seed(5)
     r = torch.randn(2, 3000, generator=g)
-    r[1, 100:] = float("-inf")  # 100 usable scores < k: stops at level 0, -1 tail
+    r[1, 100:] = float("-inf")  # 100 usable scores < k: a -1 tail
+    grid_topk(s, 100, torch.empty(2, 100, dtype=torch.int64), fused=True, programs=1, block=1024)
+    bars = tg._PERSISTENT[torch.device("cpu"), 1][1]
+    epoch = bars[:, 4].clone()
     for i in range(5):
         x = s if i % 2 == 0 else r
         out = torch.full((2, 100 if i % 2 == 0 else 150), -7, dtype=torch.int64)
         grid_topk(x, out.shape[1], out, fused=True, programs=1, block=1024)
         assert torch.equal(out, ix.topk_ref(x, out.shape[1])), i
+    assert tg._PERSISTENT[torch.device("cpu"), 1][1] is bars  # the same workspace, reused
+    assert bars[:, 4].tolist() == (epoch + 5).tolist()  # one epoch per launch
     grid_topk(s, 100, out := torch.empty(2, 100, dtype=torch.int64), fused=True, programs=1,
               block=1024)  # fmt: skip
     assert out[0].tolist() == list(range(0, 300, 3)) and out[1, :2].tolist() == [0, 1]
