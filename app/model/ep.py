@@ -260,6 +260,7 @@ def ep_moe(
     slots_per_rank: int,
     group: EPGroup,
     local: LocalExperts,
+    phase: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
     """Routed experts of ``x`` [T, d] over the gang; ``slots`` / ``weights`` [T, k] each
     token's expert slots (:func:`pair_slots`) and gate weights. T may be 0: an idle rank
@@ -280,6 +281,10 @@ def ep_moe(
     - sized (larger steps): each token goes to the ranks holding one of its slots; the
       exchange counts are read on the host (one sync per layer); the partial sums (in
       ``x.dtype``, as above) come back in fp32 and add up per token.
+
+    ``phase`` (benchmarks: ``bench.ep_nccl``): called with "dispatch" once the rows are
+    here and with "experts" once the local experts ran (the rest is the combine); not
+    called at ep_size 1.
     """
     if group.size == 1:
         return local(x, slots, weights)
@@ -294,7 +299,11 @@ def ep_moe(
         no_w = torch.zeros(cap - T, k, dtype=torch.float32, device=x.device)
         mine = _pack(rows, torch.cat((slots, pad)), torch.cat((weights.float(), no_w)))
         rx, rs, rw = _unpack(group.gather(mine), d, k, x.dtype)
+        if phase is not None:
+            phase("dispatch")
         part = local(rx, rs, rw).float()
+        if phase is not None:
+            phase("experts")
         return group.reduce_scatter(part)[:T].to(x.dtype)
     owner = torch.where(slots >= 0, slots // slots_per_rank, group.size)
     hit = torch.zeros(T, group.size + 1, dtype=torch.bool, device=x.device)
@@ -304,7 +313,11 @@ def ep_moe(
     tok = torch.nonzero_static(hit.t(), size=sum(send))[:, 1]
     rx, rs, rw = _unpack(group.exchange(_pack(x[tok], slots[tok], weights[tok]), send, got),
                          d, k, x.dtype)  # fmt: skip
+    if phase is not None:
+        phase("dispatch")
     part = local(rx, rs, rw).float()
+    if phase is not None:
+        phase("experts")
     back = group.exchange(part, got, send)
     out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
     return out.index_add_(0, tok, back).to(x.dtype)
