@@ -62,10 +62,12 @@ CASES = [
 ]
 SMOKE_CASES = [("v41", "sharded", 0, "on", 8, ()), ("v4", "replicated", 2, "off", 256, (SHORT,))]
 
-FLASH_MOE = {"d": 5120, "inter": 2304, "k": 6, "experts": (48, 96), "tokens": (1, 8, 64, 256),
-             "fmts": ("fp4", "fp8"), "reps": 50, "warmup": 10, "dtype": torch.bfloat16}  # fmt: skip
-SMOKE_MOE = {"d": 64, "inter": 64, "k": 2, "experts": (8, 16), "tokens": (1, 5),
-             "fmts": ("fp4", "fp8"), "reps": 2, "warmup": 1, "dtype": torch.float32}  # fmt: skip
+# layers: (expert format, experts in all; each rank holds half)
+FLASH_MOE = {"d": 5120, "inter": 2304, "k": 6, "tokens": (1, 8, 64, 256), "reps": 50,
+             "layers": (("fp4", 48), ("fp4", 96), ("fp8", 48), ("fp8", 96)), "warmup": 10,
+             "dtype": torch.bfloat16}  # fmt: skip
+SMOKE_MOE = {"d": 64, "inter": 64, "k": 2, "tokens": (1, 5), "reps": 2, "warmup": 1,
+             "layers": (("fp4", 8), ("fp8", 16)), "dtype": torch.float32}  # fmt: skip
 PHASES = ("gate", "dispatch", "experts", "combine", "shared")
 
 BW = {"sizes": tuple(1 << s for s in range(20, 29)), "reps": 20, "warmup": 3}  # 1-256 MiB
@@ -169,7 +171,12 @@ def _shell(shape: dict, n_experts: int, dev, shard: ExpertShard | None) -> MoE:
     with torch.device("meta"):
         moe = MoE(shape["d"], shape["inter"], n_experts, shape["k"], 2.5, 10.0, shard=shard)
     moe.experts = torch.nn.ModuleList()
-    return moe.to_empty(device=dev)
+    for mod in moe.modules():  # (not to_empty: from meta it imports torch._refs, 4 s on a CPU)
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                new = torch.empty(p.shape, dtype=p.dtype, device=dev)
+                mod._parameters[name] = torch.nn.Parameter(new, requires_grad=False)
+    return moe
 
 
 def _layers(shape: dict, fmt: str, n_experts: int, gang: Gang, group: EPGroup):
@@ -280,34 +287,33 @@ def moe_cases(gang: Gang, opts: dict, out) -> None:
     shape = SMOKE_MOE if gang.smoke else FLASH_MOE
     rank = gang.rank
     group = EPGroup(rank, 2)
-    for fmt in shape["fmts"]:
-        for n_experts in shape["experts"]:
-            base = {"fmt": fmt, "experts": n_experts, "local_experts": n_experts // 2,
-                    "d": shape["d"], "inter": shape["inter"], "k": shape["k"],
-                    "dtype": str(shape["dtype"]).removeprefix("torch."), "reps": shape["reps"],
-                    "backend": gang.backend}  # fmt: skip
+    for fmt, n_experts in shape["layers"]:
+        base = {"fmt": fmt, "experts": n_experts, "local_experts": n_experts // 2,
+                "d": shape["d"], "inter": shape["inter"], "k": shape["k"],
+                "dtype": str(shape["dtype"]).removeprefix("torch."), "reps": shape["reps"],
+                "backend": gang.backend}  # fmt: skip
+        try:
+            ref, ep = _layers(shape, fmt, n_experts, gang, group)
+            ok = True
+        except Exception as e:
+            out(failure("ep.moe", base, e, rank))
+            ok = False
+        if not all(gang.gather(ok)):
+            continue
+        for T in shape["tokens"]:
+            params = {**base, "tokens_per_rank": T}
             try:
-                ref, ep = _layers(shape, fmt, n_experts, gang, group)
-                ok = True
+                mine = _moe_point(gang, group, ref, ep, shape, T)
             except Exception as e:
-                out(failure("ep.moe", base, e, rank))
-                ok = False
-            if not all(gang.gather(ok)):
-                continue
-            for T in shape["tokens"]:
-                params = {**base, "tokens_per_rank": T}
-                try:
-                    mine = _moe_point(gang, group, ref, ep, shape, T)
-                except Exception as e:
-                    out(failure("ep.moe", params, e, rank))
-                    mine = None
-                got = gang.gather(mine)
-                if rank == 0 and all(g is not None for g in got):
-                    _moe_records(got, params, out)
-            del ref, ep
-            gc.collect()
-            if gang.device.type == "cuda":
-                torch.cuda.empty_cache()
+                out(failure("ep.moe", params, e, rank))
+                mine = None
+            got = gang.gather(mine)
+            if rank == 0 and all(g is not None for g in got):
+                _moe_records(got, params, out)
+        del ref, ep
+        gc.collect()
+        if gang.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _moe_records(got: list[dict], params: dict, out) -> None:
@@ -446,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="directory for ep_nccl.json")
     ap.add_argument("--cpu-smoke", action="store_true", help="gloo on the CPU, tiny shapes")
     ap.add_argument("--parts", default="greedy,moe,bw", help="which: greedy, moe, bw")
-    ap.add_argument("--timeout-s", type=int, default=600, help="a hung collective ends here")
+    ap.add_argument("--timeout-s", type=int, default=300, help="a hung collective ends here")
     ap.add_argument("--shm-dir", default="/dev/shm", help="Engram 'host' placement files")
     args = ap.parse_args(argv)
     check_devices(args.cpu_smoke)
