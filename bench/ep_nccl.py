@@ -41,7 +41,14 @@ from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.parallel import RankParallel
 from app.engine.request import EngineRequest, SamplingParams
-from app.model.ep import EPGroup, ExpertPlacement, ExpertShard, ep_moe, pair_slots
+from app.model.ep import (
+    DENSE_MAX_TOKENS,
+    EPGroup,
+    ExpertPlacement,
+    ExpertShard,
+    ep_moe,
+    pair_slots,
+)
 from app.model.moe import MoE, PackedExperts
 from bench.common import record
 from bench.gang import Gang, check_devices, failure, join, median, now, run
@@ -258,9 +265,9 @@ def _moe_point(gang: Gang, group: EPGroup, ref: MoE, ep: MoE, shape: dict, T: in
                 agree.append((now() - t) * 1e6)
         res["agree_us"] = median(agree)
         for mode in ("dense", "sized"):
+            # the gang's agreement picks the exchange: no dense steps at all for "sized"
+            group.dense_max_tokens = DENSE_MAX_TOKENS if mode == "dense" else 0
             group.agree(T, dev)
-            if mode == "sized":
-                group.capacity = None  # as a step above the dense limit runs
             got = ep(x, tok)
             y, _ = phased()
             gang.sync()
@@ -277,6 +284,7 @@ def _moe_point(gang: Gang, group: EPGroup, ref: MoE, ep: MoE, shape: dict, T: in
             r["phases_us"] = {p: median(v) for p, v in phases.items()}
             r["layer_us"] = median(_times(gang, lambda: ep(x, tok), reps, warm))
             res[mode] = r
+        group.dense_max_tokens = DENSE_MAX_TOKENS
         x2 = torch.randn(2 * T, shape["d"], generator=g, device=dev).to(dtype)
         tok2 = torch.randint(0, 500, (2 * T,), generator=g, device=dev)
         res["one_gpu_us"] = median(_times(gang, lambda: ref(x2, tok2), reps, warm))

@@ -92,6 +92,8 @@ def recv_state(dev: torch.device) -> tuple[DecodeState, dict, float]:
     got: list[Any] = [None, None]
     dist.recv_object_list(got, src=PREFILL)
     skeleton, extra = got
+    if skeleton is None:  # the prefill side failed before its send
+        raise RuntimeError(f"no state from the prefill rank: {extra['error']}")
     state = skeleton.map_tensors(lambda s: torch.empty(s[0], dtype=s[1], device=dev))
     _p2p(dist.irecv, _tensors(state), PREFILL)
     if dev.type == "cuda":
@@ -229,9 +231,11 @@ def _colocated(core: EngineCore, req: EngineRequest) -> dict:
     return {"tokens": toks, "ttft_s": times[0] - t0, "second_s": times[1] - t0}
 
 
-def _prefill_side(core: EngineCore, req: EngineRequest, colocated: list[int]) -> dict:
+def _prefill_side(
+    core: EngineCore, req: EngineRequest, colocated: list[int], sent: list[bool]
+) -> dict:
     """Prefill with export, send the state (the colocated tokens ride along for the decode
-    side's check); host times of each point."""
+    side's check); host times of each point. ``sent[0]``: the decode side has its state."""
     t0 = now()
     core.add_request(req, export=True)
     out = None
@@ -245,6 +249,7 @@ def _prefill_side(core: EngineCore, req: EngineRequest, colocated: list[int]) ->
         raise RuntimeError(f"request {req.request_id}: the export failed")
     state.wait_ready()
     t_ready = now()
+    sent[0] = True
     send_state(state, {"t0": t0, "t_ready": t_ready, "output_ids": tuple(out.token_ids),
                        "colocated": colocated})  # fmt: skip
     if core.device.type == "cuda":
@@ -295,12 +300,13 @@ def engine_case(gang: Gang, opts: dict, out) -> None:
         greedy = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
         req = EngineRequest(f"pd{rep}", _prompt(n, rep), greedy)
         mine: dict[str, Any] = {}
+        sent = [False]
         try:
             gang.barrier()
             if rank == PREFILL:
                 colo = _colocated(engines[1], req)
                 gang.sync()
-                side = _prefill_side(engines[0], req, colo["tokens"])
+                side = _prefill_side(engines[0], req, colo["tokens"], sent)
                 state = side.pop("state")
                 mine = {**side, "colocated": colo}
             else:
@@ -308,6 +314,8 @@ def engine_case(gang: Gang, opts: dict, out) -> None:
         except Exception as e:
             out(failure("pd.engine", {**params, "rep": rep}, e, rank))
             mine = {"error": repr(e)}
+            if rank == PREFILL and not sent[0]:  # rank 1 waits for a state: release it
+                dist.send_object_list([None, {"error": repr(e)}], dst=DECODE)
         got = gang.gather(mine)
         if rank == PREFILL and not any("error" in g for g in got):
             rows.append(got)
