@@ -54,8 +54,10 @@ def moe_experts_ref(
     w3: list[torch.Tensor],
     limit: float,
     act_fp8: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x`` [T, d], ``ids``/``weights`` [T, k]; per-expert weights w1/w3 [I, d], w2 [d, I].
+    """``x`` [T, d], ``ids``/``weights`` [T, k]; per-expert weights w1/w3 [I, d], w2 [d, I]
+    -> [T, d] in ``out_dtype`` (default ``x.dtype``; the sum over experts is fp32).
 
     Experts absent from ``w1`` (None) are not local to this rank and contribute nothing;
     neither does id -1 (an empty slot).
@@ -79,7 +81,7 @@ def moe_experts_ref(
             h = fake_quant_act(h.to(torch.bfloat16).to(h.dtype))
         y = (h @ w2[e].t()).float() * flat_w[sel].unsqueeze(-1)
         out.index_add_(0, t, y)
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 moe_experts = moe_experts_ref
@@ -105,6 +107,7 @@ def _stacked_ref(
     limit: float,
     offset: int,
     act_fp8: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     n_exp = max(int(ids.max()) + 1, offset + w13.shape[0])
     inter = w13.shape[1] // 2
@@ -115,7 +118,7 @@ def _stacked_ref(
         w1[offset + i], w3[offset + i] = w13[i, :inter], w13[i, inter:]
         w2s[offset + i] = w2[i]
     w2s = [w if w is not None else w2[0] for w in w2s]  # only shapes are read for non-local
-    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit, act_fp8)
+    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit, act_fp8, out_dtype)
 
 
 def moe_fp8_ref(
@@ -130,12 +133,14 @@ def moe_fp8_ref(
     limit: float,
     local_expert_offset: int = 0,
     act_fp8: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Dequantize stacked fp8 experts (``w13`` [E, 2I, d] = W1|W3, ``w2`` [E, d, I]) to
     ``x.dtype`` and run :func:`moe_experts_ref`; expert ``offset + i`` is ``w13[i]``."""
     w13f = dequantize_fp8_block(w13, s13, block, x.dtype)
     w2f = dequantize_fp8_block(w2, s2, block, x.dtype)
-    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8)
+    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8,
+                        out_dtype)
 
 
 def moe_fp4_ref(
@@ -150,6 +155,7 @@ def moe_fp4_ref(
     local_expert_offset: int = 0,
     act_fp8: bool = False,
     pairs: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Packed fp4 experts (``w13`` [E, 2I, d/2] int8 + [E, 2I, d/32] scales, ``w2``
     [E, d, I/2] + [E, d, I/32]) dequantized to ``x.dtype``, then :func:`moe_experts_ref`.
@@ -158,7 +164,8 @@ def moe_fp4_ref(
         w13, w2 = fp4_from_pairs(w13), fp4_from_pairs(w2)
     w13f = dequantize_fp4(w13, s13, x.dtype)
     w2f = dequantize_fp4(w2, s2, x.dtype)
-    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8)
+    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8,
+                        out_dtype)
 
 
 def fp4_to_pairs(packed: torch.Tensor) -> torch.Tensor:
@@ -842,6 +849,7 @@ def _moe_run(
     pairs: bool = False,
     prequant: bool = False,
     fp16_mma: bool | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     if prequant and (not act_fp8 or block[1] != ACT_GROUP):
         raise ValueError(f"prequant needs act_fp8 and {ACT_GROUP}-column scale groups")
@@ -850,7 +858,7 @@ def _moe_run(
     t, d = x.shape
     topk = ids.shape[1]
     n_local, n_slots = w13.shape[0], t * topk
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     if n_slots == 0:
         return out
     if tiles is None:
@@ -950,11 +958,13 @@ def moe_fp8_triton(
     act_fp8: bool = False,
     prequant: bool = False,
     fp16_mma: bool | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """MegaMoE over fp8 e4m3 block-scaled experts: ``w13`` [E, 2I, d] (W1 rows then W3 rows),
     ``s13`` [E, 2I/b0, d/b1], ``w2`` [E, d, I], ``s2`` [E, d/b0, I/b1] (e8m0 or fp32).
 
-    ``x`` [T, d] bf16/fp32, ``ids``/``weights`` [T, k]; returns [T, d] in x.dtype.
+    ``x`` [T, d] bf16/fp32, ``ids``/``weights`` [T, k]; returns [T, d] in ``out_dtype``
+    (default x.dtype; fp32 keeps the combine's fp32 sums, what an EP rank sends back).
     ``n_experts`` (all experts, local or not) sizes the tiles; ``tiles`` overrides them.
     ``act_fp8``: activations rounded to e4m3 per row and 32 columns (:func:`fake_quant_act`)
     and multiplied on the fp8 tensor cores, as DeepSeek's own inference does; else bf16.
@@ -982,7 +992,7 @@ def moe_fp8_triton(
         raise ValueError(f"scales {tuple(s13.shape)} {tuple(s2.shape)}, want {want13} {want2}")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, block, limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    prequant=prequant, fp16_mma=fp16_mma)  # fmt: skip
+                    prequant=prequant, fp16_mma=fp16_mma, out_dtype=out_dtype)  # fmt: skip
 
 
 def moe_fp4_triton(
@@ -1004,6 +1014,7 @@ def moe_fp4_triton(
     pairs: bool = False,
     prequant: bool = False,
     fp16_mma: bool | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
@@ -1012,7 +1023,7 @@ def moe_fp4_triton(
     ``pairs``: ``w13`` [E, I, d] and ``w2`` [E, d/2, I] in the layout of :func:`fp4_to_pairs`
     (one byte = the same column of two rows; the conversion is elementwise in the MMA
     operand's layout, for every path); d a multiple of 64.
-    ``prequant`` and ``fp16_mma`` as in :func:`moe_fp8_triton`."""
+    ``prequant``, ``fp16_mma`` and ``out_dtype`` as in :func:`moe_fp8_triton`."""
     _check_experts(x, ids, weights, w13, w2)
     d = x.shape[1]
     inter = w13.shape[1] if pairs else w13.shape[1] // 2
@@ -1032,7 +1043,7 @@ def moe_fp4_triton(
         raise ValueError(f"fp4 scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    pairs, prequant, fp16_mma)  # fmt: skip
+                    pairs, prequant, fp16_mma, out_dtype)  # fmt: skip
 
 
 def _unused_n_experts(ref):

@@ -235,7 +235,7 @@ def _by_owner(owner: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tenso
     return order, torch.bincount(owner, minlength=size).to(torch.int64)
 
 
-LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
 def _pack(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -264,10 +264,11 @@ def ep_moe(
 ) -> torch.Tensor:
     """Routed experts of ``x`` [T, d] over the gang; ``slots`` / ``weights`` [T, k] each
     token's expert slots (:func:`pair_slots`) and gate weights. T may be 0: an idle rank
-    still serves the others' tokens. ``local(rows [R, d], slots [R, k], weights [R, k])``
-    is this rank's part of each row: ``sum_j w_j expert(row)`` over the slots it holds
-    (the others ignored; the fused k-way kernels with the rank's slot offset) in
-    ``x.dtype``. -> [T, d] in ``x.dtype``.
+    still serves the others' tokens. ``local(rows [R, d], slots [R, k], weights [R, k],
+    dtype)`` is this rank's part of each row: ``sum_j w_j expert(row)`` over the slots it
+    holds (the others ignored; the fused k-way kernels with the rank's slot offset), in
+    ``dtype``: ``x.dtype`` at ep_size 1, else fp32 (the partial sums stay fp32 until the
+    combine has added them). -> [T, d] in ``x.dtype``.
 
     Each token travels once to each rank, never once per expert:
 
@@ -275,19 +276,17 @@ def ep_moe(
     - dense (``group.capacity`` set: a decode-sized step): every rank pads its tokens to
       the capacity C and all-gathers them ([size * C] rows everywhere); each rank runs
       its experts over all of them, and a reduce-scatter sums each rank's rows back in
-      fp32 (each rank's partial sum is rounded to ``x.dtype`` by its kernel first: with
-      bf16 activations EP2 differs from EP1 by a few bf16 units). Fixed sizes, no host
-      sync: a CUDA graph can capture the layer.
+      fp32. Fixed sizes, no host sync: a CUDA graph can capture the layer.
     - sized (larger steps): each token goes to the ranks holding one of its slots; the
-      exchange counts are read on the host (one sync per layer); the partial sums (in
-      ``x.dtype``, as above) come back in fp32 and add up per token.
+      exchange counts are read on the host (one sync per layer); the partial sums come
+      back in fp32 and add up per token.
 
     ``phase`` (benchmarks: ``bench.ep_nccl``): called with "dispatch" once the rows are
     here and with "experts" once the local experts ran (the rest is the combine); not
     called at ep_size 1.
     """
     if group.size == 1:
-        return local(x, slots, weights)
+        return local(x, slots, weights, x.dtype)
     T, d = x.shape
     k = slots.shape[1]
     cap = group.capacity
@@ -301,7 +300,7 @@ def ep_moe(
         rx, rs, rw = _unpack(group.gather(mine), d, k, x.dtype)
         if phase is not None:
             phase("dispatch")
-        part = local(rx, rs, rw).float()
+        part = local(rx, rs, rw, torch.float32)
         if phase is not None:
             phase("experts")
         return group.reduce_scatter(part)[:T].to(x.dtype)
@@ -315,7 +314,7 @@ def ep_moe(
                          d, k, x.dtype)  # fmt: skip
     if phase is not None:
         phase("dispatch")
-    part = local(rx, rs, rw).float()
+    part = local(rx, rs, rw, torch.float32)
     if phase is not None:
         phase("experts")
     back = group.exchange(part, got, send)

@@ -193,12 +193,14 @@ class PackedExperts(nn.Module):
         ids: torch.Tensor,
         weights: torch.Tensor,
         n_experts: int | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """``x`` [T, d], ``ids`` / ``weights`` [T, k] (global expert ids out of ``n_experts``,
-        which sizes the kernels' tiles; default: all local) -> [T, d]."""
+        which sizes the kernels' tiles; default: all local) -> [T, d] in ``out_dtype``
+        (default ``x.dtype``)."""
         x = x.contiguous()
         off = self.local_expert_offset
-        kw = {"n_experts": n_experts}
+        kw = {"n_experts": n_experts, "out_dtype": out_dtype}
         if self.fmt == "fp8":
             return moe_fp8(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.block,
                            self.limit, off, **kw)  # fmt: skip
@@ -261,20 +263,22 @@ class MoE(nn.Module):
         self.ep, self._placement = group, placement
         self._routes = placement.routes(group.rank, self.gate.weight.device)
 
-    def _local(self, rows: torch.Tensor, slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _local(
+        self, rows: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """``sum_j w_j expert(row)`` over the slots of ``slots`` [R, k] this rank holds (the
-        others contribute nothing) -> [R, d] in ``rows.dtype``."""
+        others contribute nothing) -> [R, d] in ``dtype``."""
         if rows.shape[0] == 0:
-            return rows.new_zeros(rows.shape)
+            return rows.new_zeros(rows.shape, dtype=dtype)
         if isinstance(self.experts, PackedExperts):  # its offset is this rank's first slot
-            return self.experts(rows, slots, w, len(self._placement.slots))
+            return self.experts(rows, slots, w, len(self._placement.slots), dtype)
         local = list(self.experts.values())  # slot order; index len(local): not held here
         off, n = self.slot_offset, len(local)
         held = (slots >= off) & (slots < off + n)
         return moe_experts(
             rows, torch.where(held, slots - off, n), w,
             [e.w1.weight for e in local] + [None], [e.w2.weight for e in local] + [None],
-            [e.w3.weight for e in local] + [None], self.limit,
+            [e.w3.weight for e in local] + [None], self.limit, out_dtype=dtype,
         )  # fmt: skip
 
     def _ep_routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,16 @@ def test_moe_fp4_with_expert_parallel_offset(split_k: int) -> None:
     out = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, E, split_k=split_k)
     assert torch.isfinite(out).all()
     assert rel(out, ref) < 1e-2
+    # an EP rank's partial sums: the combine's fp32 sums, not rounded to bf16
+    out32 = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, E, split_k=split_k,
+                               out_dtype=torch.float32)  # fmt: skip
+    assert out32.dtype == torch.float32  # the same sums (the interpreter's bf16 store
+    # truncates, the GPU's rounds to nearest: one bf16 unit apart at most)
+    torch.testing.assert_close(out32, out.float(), rtol=2**-7, atol=1e-6)
+    kept = (out32 != out32.bfloat16().float())[out32 != 0].float().mean()
+    assert kept > 0.9  # the fp32 digits a bf16 output drops are kept
+    ref32 = moe.moe_fp4_ref(x, ids, w, w13, s13, w2, s2, LIMIT, E, out_dtype=torch.float32)
+    assert ref32.dtype == torch.float32 and rel(out32, ref) < 1e-2 and rel(ref32, ref) < 1e-2
 
 
 def test_align_tiles() -> None:
