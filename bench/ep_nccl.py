@@ -29,18 +29,18 @@ No Ray, no pydantic (torch 2.11 + triton 3.6 on the GPU machine).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.parallel import RankParallel
-from app.engine.request import EngineRequest, SamplingParams
+from app.engine.request import SamplingParams
 from app.model.ep import (
     DENSE_MAX_TOKENS,
     EPGroup,
@@ -51,7 +51,7 @@ from app.model.ep import (
 )
 from app.model.moe import MoE, PackedExperts
 from bench.common import record
-from bench.gang import Gang, check_devices, failure, join, median, now, run
+from bench.gang import Gang, chosen_parts, failure, greedy_tokens, median, now, part_worker, run
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 LONG = tuple(range(3, 35))  # 32 tokens: two prefill chunks of 16
@@ -83,22 +83,6 @@ NVLINK_GBPS = 450.0  # H200 datasheet, one direction (../shared/docs/PERFORMANCE
 
 
 # ---- (a) greedy: EP2 engine against EP1 --------------------------------------------------
-def _greedy(core: EngineCore, prompts: tuple, gang: Gang | None, dev) -> dict[str, list[int]]:
-    """Greedy tokens of ``prompts``; in a gang every rank steps until every rank is done."""
-    outs: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        core.add_request(EngineRequest(f"r{i}", tuple(ids), GREEDY))
-        outs[f"r{i}"] = []
-    while True:
-        for o in core.step():
-            outs[o.request_id] += o.token_ids
-        left = torch.tensor([int(core.has_unfinished)], device=dev)
-        if gang is not None:
-            dist.all_reduce(left, op=dist.ReduceOp.MAX)
-        if not left.item():
-            return outs
-
-
 def greedy_cases(gang: Gang, opts: dict, out) -> None:
     dev, rank = gang.device, gang.rank
     cases = SMOKE_CASES if gang.smoke else CASES
@@ -117,10 +101,10 @@ def greedy_cases(gang: Gang, opts: dict, out) -> None:
                 max_num_batched_tokens=16, packed_experts=packed,
             )  # fmt: skip
             t = now()
-            ep2 = _greedy(EngineCore(cfg, parallel=par), prompts, gang, dev)
+            ep2 = greedy_tokens(EngineCore(cfg, parallel=par), prompts, GREEDY, True, dev)
             t_ep2 = now() - t
             ep1_core = EngineCore(cfg)  # the one-process engine (all experts, graphs as set)
-            ep1 = _greedy(ep1_core, prompts, None, dev)
+            ep1 = greedy_tokens(ep1_core, prompts, GREEDY, False, dev)
             graphs = ep1_core.stats.graph_steps
             del ep1_core
             gc.collect()
@@ -439,20 +423,7 @@ def bandwidth_cases(gang: Gang, opts: dict, out) -> None:
 
 # ---- driver -------------------------------------------------------------------------------
 PARTS = {"greedy": greedy_cases, "moe": moe_cases, "bw": bandwidth_cases}
-
-
-def worker(rank: int, opts: dict) -> None:
-    gang = join(rank, opts)
-    out = gang.output(Path(opts["out"]) / "ep_nccl.json", opts["args"])
-    for part in opts["parts"]:
-        t = now()
-        try:
-            PARTS[part](gang, opts, out)
-        except Exception as e:  # a part that fails outside its cases: record, go on
-            out(failure(f"ep.{part}", {}, e, rank))
-        if rank == 0:
-            print(f"ep_{part}: {now() - t:.1f} s", flush=True)
-    gang.close()
+worker = functools.partial(part_worker, parts=PARTS, prefix="ep", file="ep_nccl.json")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -463,12 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout-s", type=int, default=300, help="a hung collective ends here")
     ap.add_argument("--shm-dir", default="/dev/shm", help="Engram 'host' placement files")
     args = ap.parse_args(argv)
-    check_devices(args.cpu_smoke)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    parts = [p for p in args.parts.split(",") if p]
-    if bad := set(parts) - set(PARTS):
-        ap.error(f"unknown parts {sorted(bad)}; choose from {sorted(PARTS)}")
+    out_dir, parts = chosen_parts(ap, args, PARTS)
     with tempfile.TemporaryDirectory(prefix="fathom-ep-nccl-") as tmp:
         shm = args.shm_dir if Path(args.shm_dir).is_dir() else str(Path(tmp) / "shm")
         Path(shm).mkdir(parents=True, exist_ok=True)

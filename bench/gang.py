@@ -203,3 +203,53 @@ def run(worker: Callable[..., None], opts: dict[str, Any], doc_path: Path) -> No
                                "error": repr(crash)[:2000]})  # fmt: skip
     doc_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     print(f"wrote {doc_path}" + (f" (a rank failed: {crash!r:.200})" if crash else ""))
+
+
+def part_worker(rank: int, opts: dict[str, Any], *, parts: dict[str, Callable], prefix: str,
+                file: str) -> None:  # fmt: skip
+    """One rank of a bench: join the gang, run each of ``opts["parts"]`` (``parts[name](gang,
+    opts, out)``) recording a part that fails outside its cases as ``{prefix}.{name}``, and
+    write ``file`` in ``opts["out"]``. Bind the keywords with ``functools.partial``."""
+    gang = join(rank, opts)
+    out = gang.output(Path(opts["out"]) / file, opts["args"])
+    for part in opts["parts"]:
+        t = now()
+        try:
+            parts[part](gang, opts, out)
+        except Exception as e:  # record, go on with the next part
+            out(failure(f"{prefix}.{part}", {}, e, rank))
+        if rank == 0:
+            print(f"{prefix}_{part}: {now() - t:.1f} s", flush=True)
+    gang.close()
+
+
+def chosen_parts(ap: Any, args: Any, parts: dict[str, Callable]) -> tuple[Path, list[str]]:
+    """Check the devices, make ``args.out`` and validate ``args.parts`` (comma-separated
+    names of ``parts``; ``ap`` reports a bad one) -> (output directory, part names)."""
+    check_devices(args.cpu_smoke)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chosen = [p for p in args.parts.split(",") if p]
+    if bad := set(chosen) - set(parts):
+        ap.error(f"unknown parts {sorted(bad)}; choose from {sorted(parts)}")
+    return out_dir, chosen
+
+
+def greedy_tokens(core: Any, prompts: tuple, params: Any, gang: bool,
+                  device: Any = "cpu") -> dict[str, list[int]]:  # fmt: skip
+    """Greedy tokens of ``prompts`` (requests r0, r1, ...) from an ``EngineCore``; in a gang
+    (``gang``: the default process group) every rank steps until every rank is done."""
+    from app.engine.request import EngineRequest
+
+    outs: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        core.add_request(EngineRequest(f"r{i}", tuple(ids), params))
+        outs[f"r{i}"] = []
+    while True:
+        for o in core.step():
+            outs[o.request_id] += o.token_ids
+        left = torch.tensor([int(core.has_unfinished)], device=device)
+        if gang:
+            dist.all_reduce(left, op=dist.ReduceOp.MAX)
+        if not left.item():
+            return outs

@@ -31,6 +31,7 @@ No Ray, no pydantic (torch 2.11 + triton 3.6 on the GPU machine).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import tempfile
@@ -48,7 +49,7 @@ from app.engine.core import EngineCore
 from app.engine.handoff import DecodeState, Handoff
 from app.engine.request import EngineRequest, FinishReason, SamplingParams
 from bench.common import record
-from bench.gang import Gang, check_devices, failure, join, median, now, run
+from bench.gang import Gang, chosen_parts, failure, median, now, part_worker, run
 
 GPU = {"prompt_tokens": 32768, "max_tokens": 8, "reps": 3, "chunk": 8192, "kv_bytes": 1 << 30,
        "copy_reps": 20, "scaled_tokens": 32768}  # fmt: skip
@@ -435,20 +436,7 @@ def scaled_case(gang: Gang, opts: dict, out) -> None:
 
 # ---- driver -------------------------------------------------------------------------------
 PARTS = {"engine": engine_case, "scaled": scaled_case}
-
-
-def worker(rank: int, opts: dict) -> None:
-    gang = join(rank, opts)
-    out = gang.output(Path(opts["out"]) / "pd_transfer.json", opts["args"])
-    for part in opts["parts"]:
-        t = now()
-        try:
-            PARTS[part](gang, opts, out)
-        except Exception as e:
-            out(failure(f"pd.{part}", {}, e, rank))
-        if rank == 0:
-            print(f"pd_{part}: {now() - t:.1f} s", flush=True)
-    gang.close()
+worker = functools.partial(part_worker, parts=PARTS, prefix="pd", file="pd_transfer.json")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -460,12 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, help="timed PD / colocated requests (after a warm-up)")
     ap.add_argument("--timeout-s", type=int, default=300, help="a hung collective ends here")
     args = ap.parse_args(argv)
-    check_devices(args.cpu_smoke)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    parts = [p for p in args.parts.split(",") if p]
-    if bad := set(parts) - set(PARTS):
-        ap.error(f"unknown parts {sorted(bad)}; choose from {sorted(PARTS)}")
+    out_dir, parts = chosen_parts(ap, args, PARTS)
     shape = dict(SMOKE if args.cpu_smoke else GPU)
     for k in ("prompt_tokens", "reps"):
         if getattr(args, k) is not None:

@@ -16,9 +16,10 @@ import torch.multiprocessing as mp
 from app.config import EngineConfig, EngineConfigError, ParallelConfig
 from app.engine.core import EngineCore
 from app.engine.parallel import RankParallel
-from app.engine.request import EngineRequest, SamplingParams
+from app.engine.request import SamplingParams
 from app.model.config import ModelConfig
 from app.model.ep import EPGroup, ExpertPlacement, PlacementError, pair_slots
+from bench.gang import greedy_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 LONG = tuple(range(3, 35))  # 32 tokens: two chunks; the first skips the decoder layers
@@ -67,22 +68,6 @@ def _opts(packed: str) -> dict:
     return {"kv_cache_bytes": 1 << 22, "max_num_batched_tokens": 16, "packed_experts": packed}
 
 
-def _greedy(core: EngineCore, prompts: tuple, gang: bool) -> dict[str, list[int]]:
-    """Greedy tokens of ``prompts``; in a gang every rank steps until all are done."""
-    outs: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        core.add_request(EngineRequest(f"r{i}", tuple(ids), GREEDY))
-        outs[f"r{i}"] = []
-    while True:
-        for o in core.step():
-            outs[o.request_id] += o.token_ids
-        left = torch.tensor([int(core.has_unfinished)])
-        if gang:
-            dist.all_reduce(left, op=dist.ReduceOp.MAX)
-        if not left.item():
-            return outs
-
-
 def _worker(rank: int, paths: dict[str, str], store: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # two processes on two cores: spinning OpenMP threads stall gloo
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -96,10 +81,10 @@ def _worker(rank: int, paths: dict[str, str], store: str, out_dir: str) -> None:
         par = RankParallel(group, placement, engram, f"t-{arch}-{redundant}", str(shm))
         cfg = EngineConfig.from_options(paths[arch], **_opts(packed))
         core = EngineCore(cfg, parallel=par)
-        result["ep2"].append(_greedy(core, prompts, gang=True))
+        result["ep2"].append(greedy_tokens(core, prompts, GREEDY, gang=True))
         result["bytes"].append(par.engram_bytes)
         if (arch, packed) not in ep1:  # the one-process engine (its Engram: replicated)
-            ep1[arch, packed] = _greedy(EngineCore(cfg), prompts, gang=False)
+            ep1[arch, packed] = greedy_tokens(EngineCore(cfg), prompts, GREEDY, gang=False)
         result["ep1"].append(ep1[arch, packed])
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     dist.destroy_process_group()
