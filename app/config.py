@@ -20,6 +20,10 @@ ReplayMode = Literal["off", "encoder", "encoder+decoder"]
 REPLAY_MODES: tuple[str, ...] = ("off", "encoder", "encoder+decoder")
 PackedExpertsMode = Literal["auto", "on", "off"]
 PACKED_EXPERTS_MODES: tuple[str, ...] = ("auto", "on", "off")
+ExpertLayout = Literal["auto", "fp8_rows"]
+EXPERT_LAYOUTS: tuple[str, ...] = ("auto", "fp8_rows")
+MoePrefillAct = Literal["bf16", "fp8"]
+MOE_PREFILL_ACTS: tuple[str, ...] = ("bf16", "fp8")
 
 
 class EngineConfigError(ValueError):
@@ -180,6 +184,10 @@ class EngineConfig:
     ``packed_dense``: keep the checkpoint's fp8 dense projections as stored and multiply them
     in the fp8 kernel ("auto": on CUDA); off by default until it is timed on a GPU.
     ``speculative``: draft-and-verify decoding (:class:`SpeculativeConfig`; None = off).
+    ``expert_layout``: how packed fp4 experts are held ("auto": the pairs layout on CUDA;
+    "fp8_rows": re-encoded exactly as e4m3 with one scale per row, twice the bytes, for
+    prefill-heavy ranks). ``moe_prefill_act``: "fp8" multiplies prefill-sized MoE steps with
+    fp8 activations (one scale per token row; needs ``fp8_rows``), "bf16" keeps bf16.
     """
 
     model: str
@@ -187,6 +195,8 @@ class EngineConfig:
     dtype: str = "float32"
     packed_experts: PackedExpertsMode = "auto"
     packed_dense: PackedExpertsMode = "off"
+    expert_layout: ExpertLayout = "auto"
+    moe_prefill_act: MoePrefillAct = "bf16"
     overlap_schedule: bool = True
     cuda_graphs: bool = True
     seed: int = 0
@@ -207,9 +217,25 @@ class EngineConfig:
                 raise EngineConfigError(
                     f"{name} must be one of {PACKED_EXPERTS_MODES}, got {getattr(self, name)!r}"
                 )
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise EngineConfigError(
+                f"expert_layout must be one of {EXPERT_LAYOUTS}, got {self.expert_layout!r}"
+            )
+        if self.moe_prefill_act not in MOE_PREFILL_ACTS:
+            raise EngineConfigError(
+                f"moe_prefill_act must be one of {MOE_PREFILL_ACTS}, got {self.moe_prefill_act!r}"
+            )
+        if self.moe_prefill_act == "fp8" and self.expert_layout != "fp8_rows":
+            raise EngineConfigError("moe_prefill_act 'fp8' needs expert_layout 'fp8_rows'")
+        if self.expert_layout == "fp8_rows" and self.packed_experts == "off":
+            raise EngineConfigError("expert_layout 'fp8_rows' holds packed experts: "
+                                    "packed_experts cannot be 'off'")  # fmt: skip
 
     def packed_experts_flag(self) -> bool | None:
-        """``packed_experts`` as :func:`app.model.loader.load_model` takes it (None = auto)."""
+        """``packed_experts`` as :func:`app.model.loader.load_model` takes it (None = auto;
+        the fp8 rows expert layout exists only packed, so it makes "auto" mean "on")."""
+        if self.expert_layout == "fp8_rows" and self.packed_experts == "auto":
+            return True
         return {"auto": None, "on": True, "off": False}[self.packed_experts]
 
     def packed_dense_flag(self) -> bool:

@@ -2,7 +2,7 @@
 and shared memory (ptxas bundled with Triton), so that launch shapes can be checked before
 spending device time.
 
-    python -m bench.compile_report moe|moe-all|attention|indexer [DUMP_DIR]
+    python -m bench.compile_report moe|moe-all|moe-rows|attention|indexer [DUMP_DIR]
 
 Besides registers/stack/smem/MMA counts each line gives ``async`` (TTGIR
 ``ttg.async_copy_global_to_local`` ops: loads the software pipeliner made cp.async), ``LDGSTS``
@@ -99,32 +99,41 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: i
 
 
 def _moe_line(fp4: bool, pairs: bool, act8: bool, aq: bool, f16: bool, gated: bool,
-              fuse: bool, tile: tuple[int, ...]) -> str:  # fmt: skip
+              fuse: bool, tile: tuple[int, ...], rows_gk: int = 0) -> str:  # fmt: skip
     """One ``_moe_gemm`` variant compiled as a launch specializes it (16-byte divisibility of
     pointers, strides and sizes; e8m0 scales, read as int32 words when BK allows). ``pairs``
     (fp4 in the pairs layout): every tile computes two row sets, W1|W3 or W2's two halves
-    of d, so its W2 line covers twice the weights of the other layouts' W2 line."""
+    of d, so its W2 line covers twice the weights of the other layouts' W2 line.
+    ``rows_gk`` > 0: fp8 weights in the rows layout (fp32 scale per row) with MMA groups of
+    that many columns; -1: the rows layout with one activation scale per row (no groups)."""
     import kernels.moe as m
 
     bm, bn, bk, w, st = tile
-    words = bk % 128 == 0
+    rows = rows_gk != 0  # -1: rows layout with one activation scale per row (A_Q 2)
+    words = bk % 128 == 0 and not rows
     t = {n: "i32" for n in m._moe_gemm.arg_names}
     t.update(rows_ptr="*i32", tile_e_ptr="*i32", sa_ptr="*fp32", limit="fp32",
-             w_ptr="*i8" if fp4 else "*fp8e4nv", s_ptr="*i32" if words else "*u8",
+             w_ptr="*i8" if fp4 else "*fp8e4nv",
+             s_ptr="*fp32" if rows else "*i32" if words else "*u8",
              out_ptr=("*fp16" if f16 else "*bf16") if fuse else "*fp32",
              a_ptr="*fp8e4nv" if aq else "*fp16" if f16 else "*bf16")  # fmt: skip
     consts = dict(A_GATHER=gated, GATED=gated or pairs, FUSE_SWIGLU=fuse, FP4=fp4, PAIRS=pairs,
-                  USE_ASM=True, SCALE_E8M0=True, SCALE_WORDS=words, SB_N=1 if fp4 else 32,
-                  SB_K=32, HAS_LIMIT=True, CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk, A_FP8=act8,
-                  A_Q=aq, F16=f16)  # fmt: skip
+                  USE_ASM=True, SCALE_E8M0=not rows, SCALE_WORDS=words,
+                  SB_N=1 if fp4 or rows else 32, SB_K=0 if rows else 32, HAS_LIMIT=True,
+                  CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk, A_FP8=act8, A_Q=aq, F16=f16,
+                  GK=bk if rows_gk < 0 else rows_gk if rows else min(32, bk))  # fmt: skip
+    if rows_gk < 0:
+        consts["A_Q"] = 2
     aligned = tuple(n for n in m._moe_gemm.arg_names if n.endswith("_ptr")
                     or n in ("sam", "ssa", "swe", "swn", "sse", "ssn", "sos", "som", "N", "K",
                              "k_per_split"))  # fmt: skip
     try:
-        rep = compile_one(m._moe_gemm, t, consts, w, st, aligned=aligned)
+        rep = compile_one(m._moe_gemm, t, consts, w, st, aligned=aligned,
+                          name=f"moe_g{gated:d}_{bm}_{bn}_{bk}_{w}_{st}_gk{rows_gk}_a{act8:d}")
     except Exception as e:  # report and go on
         rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-    return (f"{'W13' if gated else 'W2 '} fp4={fp4:d} pairs={pairs:d} act8={act8:d} "
+    return (f"{'W13' if gated else 'W2 '} fp4={fp4:d} pairs={pairs:d} rows_gk={rows_gk} "
+            f"act8={act8:d} "
             f"prequant={aq:d} f16={f16:d} fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} "
             f"st={st}: {rep}")  # fmt: skip
 
@@ -151,6 +160,21 @@ def moe() -> None:
             for gated in (True, False):
                 pre = tile(4096, 48, gated, act8, pairs, aq)
                 print("prefill", _moe_line(fp4, pairs, act8, aq, False, gated, gated, pre))
+
+
+def moe_rows() -> None:
+    """The fp8 rows layout (prefill): bf16 activations (no promotion) and fp8 activations
+    per 128 / 32 columns, at the tiles ``bench.moe_prefill --sweep`` times."""
+    from bench.moe_prefill import TILES
+
+    for bm, bn1, bn2, bk, w, st in TILES:
+        for act8, gk in ((True, -1), (True, 128), (True, 32), (False, bk)):
+            for gated, bn in ((True, bn1), (False, bn2)):
+                if act8 and gk > bk:
+                    continue
+                tile = (bm, bn, bk, w, st)
+                print(_moe_line(False, False, act8, act8, False, gated, gated, tile, gk),
+                      flush=True)  # fmt: skip
 
 
 def moe_all() -> None:
@@ -231,4 +255,5 @@ def indexer() -> None:
 
 
 if __name__ == "__main__":
-    {"moe": moe, "moe-all": moe_all, "attention": attention, "indexer": indexer}[sys.argv[1]]()
+    {"moe": moe, "moe-all": moe_all, "moe-rows": moe_rows, "attention": attention,
+     "indexer": indexer}[sys.argv[1]]()

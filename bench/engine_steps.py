@@ -271,15 +271,39 @@ def decode(rank: Rank, args, bw: float) -> list[dict]:
 
 
 def prefill(rank: Rank, args, rate: float, bw: float) -> list[dict]:
+
+    records = []
+    print(f"{'experts':>14} {'ctx':>6} {'reqs':>4} {'new':>6} {'replay':>6} {'ms':>8} "
+          f"{'tok/s':>8} {'floor ms':>8} {'x floor':>7}", flush=True)  # fmt: skip
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.prefill.split(",")]
+    for layout in args.experts.split(","):
+        _expert_layout(rank.model, layout)
+        records += _prefill_cases(rank, args, rate, cases, layout)
+    return records
+
+
+def _expert_layout(model, layout: str) -> None:
+    """``fp4``: as built (pairs); ``fp8_rows``: every layer re-encoded as e4m3 rows (bf16
+    activations); ``fp8_rows_act8``: the same with fp8 activations at prefill-sized steps.
+    One way: fp4 -> fp8_rows -> fp8_rows_act8."""
+    from app.model.moe import PackedExperts
+
+    if layout not in ("fp4", "fp8_rows", "fp8_rows_act8"):
+        raise SystemExit(f"--experts: unknown layout {layout!r}")
+    for m in model.modules():
+        if isinstance(m, PackedExperts) and layout != "fp4":
+            m.repack("fp8_rows")
+            m.prefill_act_fp8 = layout == "fp8_rows_act8"
+    torch.cuda.empty_cache()
+
+
+def _prefill_cases(rank: Rank, args, rate: float, cases: list, layout: str) -> list[dict]:
     from app.engine.runner import StepInputs
     from bench.flash_rank import prefill_flops
 
     records = []
-    print(f"{'ctx':>6} {'reqs':>4} {'new':>6} {'replay':>6} {'ms':>8} {'tok/s':>8} "
-          f"{'floor ms':>8} {'x floor':>7}", flush=True)  # fmt: skip
-    cases = [tuple(int(v) for v in c.split("x")) for c in args.prefill.split(",")]
     for ctx, reqs, new in cases:
-        for replay in (False, True):
+        for replay in (False, True) if not args.replay_only else (True,):
             rids = rank.requests(reqs, ctx, new)
             # the chunk ends the prompt: decoder layers see only its last W rows
             floor_pos = ctx + new - rank.model.cfg.sliding_window if replay else 0
@@ -298,9 +322,9 @@ def prefill(rank: Rank, args, rate: float, bw: float) -> list[dict]:
             fl = prefill_flops(rank.model, tokens, ctx + new // 2, ep=rank.ep, decoder_rows=rows)
             floor = fl / rate
             p = {"context": ctx, "requests": reqs, "new_tokens": new, "decoder_replay": replay,
-                 "gflop": fl / 1e9, "rate_bf16_tflops": rate / 1e12}  # fmt: skip
+                 "gflop": fl / 1e9, "rate_bf16_tflops": rate / 1e12, "experts": layout}  # fmt: skip
             records.append(record("engine.prefill_step", t * 1e3, "ms", p, floor=floor * 1e3))
-            print(f"{ctx:>6} {reqs:>4} {new:>6} {replay!s:>6} {t * 1e3:8.1f} "
+            print(f"{layout:>14} {ctx:>6} {reqs:>4} {new:>6} {replay!s:>6} {t * 1e3:8.1f} "
                   f"{tokens / t:8.0f} {floor * 1e3:8.1f} {t / floor:7.2f}", flush=True)
     return records
 
@@ -444,6 +468,12 @@ def main() -> None:
                     help="decode batches also timed as verify steps of 1 + 3 tokens")
     ap.add_argument("--profile-batches", default="1,64,256")
     ap.add_argument("--out", default=None, help="result file name (default engine_steps_*)")
+    ap.add_argument("--experts", default="fp4",
+                    help="prefill: expert layouts in turn, one way: fp4 (pairs), fp8_rows, "
+                         "fp8_rows_act8 (fp8 activations at prefill-sized steps)")
+    ap.add_argument("--replay-only", action="store_true",
+                    help="prefill: decoder replay on only (the engine's default)")
+    ap.add_argument("--kv-gib", type=int, default=40, help="flash-rank KV pool size")
     args = ap.parse_args()
     if args.model == "tiny":
         args.batches = args.batches or "1,32,256"
@@ -456,7 +486,8 @@ def main() -> None:
     records = [record("ceiling.copy_bandwidth", bw / 1e12, "TB/s"),
                record("ceiling.bf16_matmul", rate / 1e12, "TFLOP/s")]  # fmt: skip
     name = args.out or "engine_steps_flash_rank"
-    rank = Rank(max_seqs=256, kv_bytes=40 << 30, ep=8, max_tokens=32768, dense=args.dense)
+    rank = Rank(max_seqs=256, kv_bytes=args.kv_gib << 30, ep=8, max_tokens=32768,
+                dense=args.dense)  # fmt: skip
     parts = {"decode": lambda: decode(rank, args, bw), "profile": lambda: profile(rank, args),
              "gap": lambda: gap(args, rank.model),
              "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip

@@ -55,6 +55,7 @@ def moe_experts_ref(
     limit: float,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
+    act_group: int | None = None,
 ) -> torch.Tensor:
     """``x`` [T, d], ``ids``/``weights`` [T, k]; per-expert weights w1/w3 [I, d], w2 [d, I]
     -> [T, d] in ``out_dtype`` (default ``x.dtype``; the sum over experts is fp32).
@@ -62,8 +63,10 @@ def moe_experts_ref(
     Experts absent from ``w1`` (None) are not local to this rank and contribute nothing;
     neither does id -1 (an empty slot).
     ``act_fp8``: both GEMMs' activations rounded by :func:`fake_quant_act` (h after a bf16
-    round trip, as the kernels store it).
+    round trip, as the kernels store it), per ``act_group`` columns (default ``ACT_GROUP``;
+    0 = one scale per row).
     """
+    group = ACT_GROUP if act_group is None else act_group
     out = torch.zeros(
         x.shape[0], w2[0].shape[0] if w2 else x.shape[1], dtype=torch.float32, device=x.device
     )
@@ -75,10 +78,10 @@ def moe_experts_ref(
             continue
         sel = (flat_ids == e).nonzero(as_tuple=True)[0]
         t = tok[sel]
-        xe = fake_quant_act(x[t]) if act_fp8 else x[t]
+        xe = fake_quant_act(x[t], group) if act_fp8 else x[t]
         h = swiglu_clamp(xe @ w1[e].t(), xe @ w3[e].t(), limit)
         if act_fp8:
-            h = fake_quant_act(h.to(torch.bfloat16).to(h.dtype))
+            h = fake_quant_act(h.to(torch.bfloat16).to(h.dtype), group)
         y = (h @ w2[e].t()).float() * flat_w[sel].unsqueeze(-1)
         out.index_add_(0, t, y)
     return out.to(out_dtype or x.dtype)
@@ -90,9 +93,10 @@ ACT_GROUP = 32  # fp8 activations: one scale per row and 32 columns
 
 
 def fake_quant_act(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
-    """Round ``x`` [..., K] like the kernels' fp8 activations: per row and ``group`` columns,
-    scale = amax / 448 (fp32), values rounded to e4m3; returns dequantized values."""
-    xf = x.float().unflatten(-1, (-1, group))
+    """Round ``x`` [..., K] like the kernels' fp8 activations: per row and ``group`` columns
+    (0: the whole row), scale = amax / 448 (fp32), values rounded to e4m3; returns
+    dequantized values."""
+    xf = x.float().unflatten(-1, (-1, group or x.shape[-1]))
     scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0
     q = (xf / scale).to(torch.float8_e4m3fn).float() * scale
     return q.flatten(-2).to(x.dtype)
@@ -108,6 +112,7 @@ def _stacked_ref(
     offset: int,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
+    act_group: int | None = None,
 ) -> torch.Tensor:
     n_exp = max(int(ids.max()) + 1, offset + w13.shape[0])
     inter = w13.shape[1] // 2
@@ -118,7 +123,7 @@ def _stacked_ref(
         w1[offset + i], w3[offset + i] = w13[i, :inter], w13[i, inter:]
         w2s[offset + i] = w2[i]
     w2s = [w if w is not None else w2[0] for w in w2s]  # only shapes are read for non-local
-    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit, act_fp8, out_dtype)
+    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit, act_fp8, out_dtype, act_group)
 
 
 def moe_fp8_ref(
@@ -134,13 +139,37 @@ def moe_fp8_ref(
     local_expert_offset: int = 0,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
+    act_group: int | None = None,
 ) -> torch.Tensor:
     """Dequantize stacked fp8 experts (``w13`` [E, 2I, d] = W1|W3, ``w2`` [E, d, I]) to
     ``x.dtype`` and run :func:`moe_experts_ref`; expert ``offset + i`` is ``w13[i]``."""
     w13f = dequantize_fp8_block(w13, s13, block, x.dtype)
     w2f = dequantize_fp8_block(w2, s2, block, x.dtype)
     return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8,
-                        out_dtype)
+                        out_dtype, act_group)
+
+
+def moe_fp8_rows_ref(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    limit: float,
+    local_expert_offset: int = 0,
+    act_fp8: bool = False,
+    act_group: int = 128,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Experts in the *fp8 rows* layout (:func:`fp4_to_fp8_rows`): e4m3 ``w13`` [E, 2I, d]
+    and ``w2`` [E, d, I], one fp32 scale per row (``s13`` [E, 2I], ``s2`` [E, d]), dequantized
+    to ``x.dtype``; ``act_fp8`` rounds the activations per ``act_group`` columns."""
+    w13f = (w13.float() * s13.float().unsqueeze(-1)).to(x.dtype)
+    w2f = (w2.float() * s2.float().unsqueeze(-1)).to(x.dtype)
+    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8,
+                        out_dtype, act_group)
 
 
 def moe_fp4_ref(
@@ -186,6 +215,26 @@ def fp4_from_pairs(packed: torch.Tensor) -> torch.Tensor:
     b = packed.view(torch.uint8)
     codes = torch.cat((b & 0xF, b >> 4), dim=-2)  # [..., R, C]
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(packed.dtype)
+
+
+def fp4_to_fp8_rows(
+    packed: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed fp4 [..., R, C/2] (MX layout, e8m0 ``scales`` [..., R, C/32]) -> the *fp8 rows*
+    layout: (e4m3 [..., R, C], one fp32 power-of-two scale per row [..., R], exact [..., R]).
+
+    A row's scale is the least power of two that keeps its largest magnitude within e4m3's
+    448, so a row is exact (``exact``) when its 32-column scales span at most 14 binades (the
+    smallest nonzero code, 0.5, must stay at or above e4m3's 2^-9); an inexact row is
+    rounded to nearest even. The prefill kernels multiply it on the fp8 tensor cores with one
+    promotion per activation group and the row scale applied once, in the epilogue."""
+    w = dequantize_fp4(packed, scales, torch.float32)
+    amax = w.abs().amax(-1)
+    e = torch.ceil(torch.log2(torch.where(amax > 0, amax, 448.0) / 448.0))
+    scale = torch.exp2(e)
+    q = (w / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    exact = (q.float() * scale.unsqueeze(-1) == w).all(-1)
+    return q, scale, exact
 
 
 # ---- Triton ---------------------------------------------------------------------------
@@ -405,7 +454,7 @@ def _group_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s, acc, FP4: tl.const
     (BM >= 64: fewer multiplies, no second accumulator), else on the partial."""
     w = _w_group(w_base, n, kg, swn, FP4, USE_ASM, CDT, GK, A_FP8, F16)
     a, sa = _a_group(a_base, sa_base, rmask, kg, USE_ASM, GK, A_FP8, A_Q)
-    return _w_dot(a, sa, w, s, acc, USE_ASM, CDT, SCALE_ON_W, A_FP8, F16)
+    return _w_dot(a, sa, w, s, acc, USE_ASM, CDT, SCALE_ON_W, A_FP8, F16, A_Q)
 
 
 @triton.jit
@@ -416,8 +465,9 @@ def _a_group(a_base, sa_base, rmask, kg, USE_ASM: tl.constexpr, GK: tl.constexpr
     a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
     sa = 1.0
     if A_FP8:
-        if A_Q:
-            tl.static_assert(GK == 32, "pre-quantized activations carry one scale per 32 columns")
+        if A_Q == 2:  # one scale per row over all of K: applied after the loop
+            pass
+        elif A_Q:  # one scale per row and GK columns (the host quantizes with the same group)
             sa = tl.load(sa_base + kg // GK, mask=rmask, other=0.0)
         else:
             a, sa = _e4m3_rows(a.to(tl.float32), USE_ASM)
@@ -426,10 +476,15 @@ def _a_group(a_base, sa_base, rmask, kg, USE_ASM: tl.constexpr, GK: tl.constexpr
 
 @triton.jit
 def _w_dot(a, sa, w, s, acc, USE_ASM: tl.constexpr, CDT: tl.constexpr,
-           SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr):  # fmt: skip
+           SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr,
+           A_Q: tl.constexpr = 0):  # fmt: skip
     """``acc + (a @ w^T)`` with the activation scales ``sa`` [BM] (A_FP8) and the weight
-    group's row scales ``s`` [BN] (see :func:`_group_dot`)."""
-    if A_FP8:
+    group's row scales ``s`` [BN] (see :func:`_group_dot`). ``A_Q == 2`` (row scales on
+    both sides, applied after the loop): the fp8 MMAs accumulate in place."""
+    if A_FP8 and A_Q == 2:
+        return tl.dot(a, tl.trans(w), acc) if USE_ASM else tl.dot(a, tl.trans(w.to(tl.float32)),
+                                                                  acc)  # fmt: skip
+    elif A_FP8:
         # the interpreter holds e4m3 values in fp32
         part = tl.dot(a, tl.trans(w)) if USE_ASM else tl.dot(a, tl.trans(w.to(tl.float32)))
         return acc + part * sa[:, None] * s[None, :]
@@ -469,10 +524,18 @@ def _moe_gemm(
     SCALE_E8M0: tl.constexpr, SCALE_WORDS: tl.constexpr, SB_N: tl.constexpr,
     SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr, CDT: tl.constexpr, A_FP8: tl.constexpr,
     A_Q: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GK: tl.constexpr,
 ):  # fmt: skip
     """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``; with
     ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked). ``A_Q``: A is e4m3 with one scale
-    per row and group at ``sa_ptr`` (row stride ``ssa``).
+    per row and group at ``sa_ptr`` (row stride ``ssa``). ``GK``: K columns per MMA group
+    (one weight scale group, and with fp8 activations one activation scale group).
+
+    ``SB_K == 0``: one weight scale per row (the fp8 rows layout, :func:`fp4_to_fp8_rows`),
+    applied to the accumulators once, after the K loop; the loop promotes only by the
+    activation scales (fp8) or not at all (bf16 / fp16: the MMAs accumulate in place).
+    ``A_Q == 2`` (with ``SB_K == 0``): fp8 activations with one scale per row over all of K
+    (``ssa``-strided [rows, 1]), applied with the weights' after the loop: no promotion.
 
     Scales: the re-encoding's 2^6 (fp4 codes as e4m3) and, under ``F16``, the 2^4 of the
     activations' fp16 x 2^-4 are folded into the scales' exponents (no multiply).
@@ -493,7 +556,6 @@ def _moe_gemm(
     w_base, s_base = w_ptr + e * swe, s_ptr + e * sse
     acc1 = tl.zeros((BM, BN), tl.float32)
     acc3 = tl.zeros((BM, BN), tl.float32)
-    GK: tl.constexpr = SB_K if SB_K < BK else BK  # K columns sharing one scale
     L2: tl.constexpr = (6 if FP4 and (A_FP8 or F16) else 0) + (4 if F16 else 0)
     s_row1 = s_base + (n // SB_N) * ssn
     s_row3 = s_base + ((n + N) // SB_N) * ssn
@@ -501,7 +563,10 @@ def _moe_gemm(
     for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BK):
         for g in tl.static_range(BK // GK):
             kg = k0 + g * GK
-            if SCALE_WORDS:
+            if SB_K == 0:  # row scales: after the loop
+                s1 = tl.full((BN,), 1.0, tl.float32)
+                s3 = s1
+            elif SCALE_WORDS:
                 if g % 4 == 0:
                     sw1 = tl.load(s_row1 + kg // 128)
                     sw3 = tl.load(s_row3 + kg // 128) if GATED else sw1
@@ -521,6 +586,15 @@ def _moe_gemm(
                     acc3 = _group_dot(a_base, sa_base, rmask, kg, w_base, n + N, swn, s3, acc3,
                                       FP4, USE_ASM, CDT, GK, BM >= 64, A_FP8, A_Q,
                                       F16)  # fmt: skip
+    if SB_K == 0:
+        acc1 = acc1 * _scale(s_row1, SCALE_E8M0, L2)[None, :]
+        if GATED:
+            acc3 = acc3 * _scale(s_row3, SCALE_E8M0, L2)[None, :]
+    if A_Q == 2:
+        tl.static_assert(SB_K == 0, "row activation scales go with row weight scales")
+        sa_row = tl.load(sa_base, mask=rmask, other=0.0)[:, None]
+        acc1 = acc1 * sa_row
+        acc3 = acc3 * sa_row
     o_ptrs = out_ptr + pid_k * sos + pos.to(tl.int64)[:, None] * som + n[None, :]
     if FUSE_SWIGLU:
         if HAS_LIMIT:
@@ -579,7 +653,7 @@ def _moe_combine(
         m = cmask & (p >= 0)
         part = tl.zeros((BD,), tl.float32)
         for s in tl.static_range(SPLIT):
-            part += tl.load(y_ptr + s * sys + p * sym + cols, mask=m, other=0.0)
+            part += tl.load(y_ptr + s * sys + p * sym + cols, mask=m, other=0.0).to(tl.float32)
         acc += w * part
     tl.store(out_ptr + t * som + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
@@ -646,12 +720,38 @@ def _quant_act_kernel(x_ptr, sx, q_ptr, sq, sc_ptr, ssc, n_rows, USE_ASM: tl.con
     tl.store(sc_ptr + r.to(tl.int64) * ssc + g, sc, mask=rmask)
 
 
+@triton.jit
+def _quant_rows_kernel(x_ptr, sx, q_ptr, sq, sc_ptr, K, USE_ASM: tl.constexpr,
+                       BK: tl.constexpr):  # fmt: skip
+    """One row quantized with one scale over all of it (amax / 448, as :func:`_e4m3_rows`):
+    a pass for the amax, a pass to round."""
+    r = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BK,), tl.float32)
+    for k0 in range(0, K, BK):
+        c = k0 + tl.arange(0, BK)
+        v = tl.load(x_ptr + r * sx + c, mask=c < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    sc = tl.maximum(tl.max(amax, axis=0), 1e-30) / 448.0
+    for k0 in range(0, K, BK):
+        c = k0 + tl.arange(0, BK)
+        v = tl.load(x_ptr + r * sx + c, mask=c < K, other=0.0).to(tl.float32) / sc
+        tl.store(q_ptr + r * sq + c, v.to(tl.float8e4nv) if USE_ASM else _e4m3_rne(v),
+                 mask=c < K)  # fmt: skip
+    tl.store(sc_ptr + r, sc)
+
+
 def _quant_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [R, K] -> (e4m3 values [R, K], fp32 scales [R, K / group]); fp32 values under
-    the interpreter."""
+    """``x`` [R, K] -> (e4m3 values [R, K], fp32 scales [R, K / group]); ``group`` 0: one
+    scale per row ([R, 1]). fp32 values under the interpreter."""
     r, k = x.shape
     q = torch.empty(r, k, device=x.device,
                     dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn)  # fmt: skip
+    if group == 0:
+        sc = torch.empty(r, 1, device=x.device, dtype=torch.float32)
+        if r:
+            _quant_rows_kernel[(r,)](x, x.stride(0), q, q.stride(0), sc, k,
+                                     USE_ASM=not _INTERPRET, BK=1024)  # fmt: skip
+        return q, sc
     sc = torch.empty(r, k // group, device=x.device, dtype=torch.float32)
     if r:
         _quant_act_kernel[(triton.cdiv(r, 32), k // group)](
@@ -728,9 +828,17 @@ def _gemm_tiles(
     act_fp8: bool,
     prequant: bool = False,
     pairs: bool = False,
+    rows: bool = False,
+    row_act: bool = False,
 ) -> GemmTiles:
     bk = max(min_bk, next(b for b in (128, 64, 32) if k % b == 0))
     if bm >= 64:  # many rows per expert: no split (H200 sweeps, bench.kernels_moe --tiles)
+        if rows and act_fp8 and bm >= 128:  # H200 sweep (bench.moe_prefill --sweep): 4096
+            # tokens all local, row activation scales: 2.15 ms with these, 2.31 with (128, 3)
+            # for W2; 128-column groups: 2.95 ms with (128, 128, 8 warps, 3 stages) for both
+            if row_act:
+                return GemmTiles(256 if not gated and n % 256 == 0 else 128, bk, 1, 8, 4)
+            return GemmTiles(128, bk, 1, 8, 3)
         if act_fp8:  # fp8 MMA, scales on fp32 partials: gated keeps three accumulators
             bn = next(b for b in ((64, 32) if gated else (128, 64, 32)) if n % b == 0)
             # pre-quantized: 4 warps, two CTAs per SM (one's MMAs under the other's scaling;
@@ -760,34 +868,49 @@ def pick_tiles(
     act_fp8: bool = False,
     pairs: bool = False,
     prequant: bool = False,
+    row_act: bool = False,
 ) -> MoeTiles:
     """Heuristic tiles: BM from the expected rows per touched local expert; at decode sizes
     small N tiles and split-K so that the weight stream fills every SM. ``pairs`` (fp4 in
     the :func:`fp4_to_pairs` layout): a W2 tile covers two row sets, N is d/2. ``prequant``:
-    fp8 activations quantized before the GEMMs (``act_fp8``)."""
+    fp8 activations quantized before the GEMMs (``act_fp8``). ``sb_k`` 0: the fp8 rows
+    layout (one weight scale per row); ``row_act``: with one activation scale per row."""
+    rows = sb_k == 0
+    per_expert = rows_per_expert(n_slots, n_local, n_experts)
     local_slots = max(1.0, n_slots * n_local / max(n_local, n_experts))
     touched = min(float(n_local), local_slots)
-    per_expert = local_slots / touched
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    if act_fp8 and not prequant and per_expert > 96:
+    if act_fp8 and (rows or not prequant) and per_expert > 96:
         bm = 128
     tiles = int(touched) + int(local_slots // bm)
+    min_bk = 0 if rows else min(sb_k, 128)
     return MoeTiles(
         bm,
-        _gemm_tiles(bm, inter, d, tiles, sms, min(sb_k, 128), True, act_fp8, prequant, pairs),
+        _gemm_tiles(bm, inter, d, tiles, sms, min_bk, True, act_fp8, prequant, pairs, rows,
+                    row_act),  # fmt: skip
         _gemm_tiles(
             bm,
             d // 2 if pairs else d,
             inter,
             tiles,
             sms,
-            min(sb_k, 128),
+            min_bk,
             pairs,
             act_fp8,
             prequant,
             pairs,
+            rows,
+            row_act,
         ),
     )
+
+
+def rows_per_expert(n_slots: int, n_local: int, n_experts: int) -> float:
+    """Expected routed rows per touched local expert when ``n_slots`` (token, slot) pairs
+    spread uniformly over ``n_experts`` of which ``n_local`` are here: what sizes the tiles
+    (above 96: prefill tiles of 128 rows)."""
+    local_slots = max(1.0, n_slots * n_local / max(n_local, n_experts))
+    return local_slots / min(float(n_local), local_slots)
 
 
 def _check_experts(
@@ -811,9 +934,21 @@ def _scale_arg(s: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return s.contiguous(), False
 
 
-def _scale_launch(s: torch.Tensor, e8: bool, sb_k: int, bk: int) -> tuple[tuple, dict]:
+def _scale_launch(
+    s: torch.Tensor, e8: bool, sb_k: int, bk: int, act_group: int | None = None
+) -> tuple[tuple, dict]:
     """The scale arguments of one ``_moe_gemm`` launch: e8m0 codes per 32 columns with BK a
-    multiple of 128 go as int32 words (four groups per load, ``SCALE_WORDS``)."""
+    multiple of 128 go as int32 words (four groups per load, ``SCALE_WORDS``); ``sb_k`` 0 =
+    one scale per row ([E, N] scales). The MMA group ``GK``: the weight scale group (at most
+    BK), or ``act_group`` (fixed fp8 activation groups), which must divide it."""
+    gk = bk if sb_k == 0 or sb_k >= bk else sb_k
+    if act_group:  # 0: one activation scale per row (rows layout), no MMA groups
+        if gk % act_group:
+            raise ValueError(f"activation groups of {act_group} columns do not divide the "
+                             f"weight group / K tile ({gk})")  # fmt: skip
+        gk = act_group
+    if sb_k == 0:
+        s = s.unsqueeze(-1)  # [E, N, 1]: the kernel's (expert, row, group) strides
     words = (
         e8
         and sb_k == 32
@@ -825,7 +960,7 @@ def _scale_launch(s: torch.Tensor, e8: bool, sb_k: int, bk: int) -> tuple[tuple,
     if words:
         s = s.view(torch.int32)
     args = (s, s.stride(0), s.stride(1), s.stride(-1))
-    return args, {"SCALE_E8M0": e8, "SCALE_WORDS": words}
+    return args, {"SCALE_E8M0": e8, "SCALE_WORDS": words, "GK": gk}
 
 
 def _moe_run(
@@ -850,9 +985,17 @@ def _moe_run(
     prequant: bool = False,
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
+    act_group: int | None = None,
 ) -> torch.Tensor:
-    if prequant and (not act_fp8 or block[1] != ACT_GROUP):
-        raise ValueError(f"prequant needs act_fp8 and {ACT_GROUP}-column scale groups")
+    if prequant and (not act_fp8 or (act_group is None and block[1] != ACT_GROUP)):
+        raise ValueError(f"prequant needs act_fp8 and {ACT_GROUP}-column scale groups "
+                         "(or an explicit act_group)")  # fmt: skip
+    if act_group is not None and not act_fp8:
+        act_group = None  # bf16 / fp16 activations have no groups
+    if act_group == 0 and (block[1] != 0 or not prequant):
+        raise ValueError("row activation scales (act_group 0) need row weight scales and "
+                         "prequant")  # fmt: skip
+    a_q = 2 if act_group == 0 else int(prequant)
     if fp16_mma and (act_fp8 or not 0 < limit <= 1024):
         raise ValueError("fp16_mma needs bf16 activations and a SwiGLU clamp in (0, 1024]")
     t, d = x.shape
@@ -863,7 +1006,7 @@ def _moe_run(
         return out
     if tiles is None:
         tiles = pick_tiles(n_slots, n_local, n_experts or n_local, d, inter, block[1],
-                           _num_sms(x.device), act_fp8, pairs, prequant)  # fmt: skip
+                           _num_sms(x.device), act_fp8, pairs, prequant, a_q == 2)  # fmt: skip
     tiles = _override(tiles, block_m, split_k)
     bm, g1, g2 = tiles.bm, tiles.gate_up, tiles.down
     n2 = d // 2 if pairs else d  # pairs: each W2 tile computes columns n and n + d/2
@@ -877,26 +1020,29 @@ def _moe_run(
     # fp16 MMA for bf16 activations at decode tile heights (see _group_dot); BM >= 64 keeps
     # bf16 with the scales on the weight tile (fp16 could not hold every scaled weight). The
     # SwiGLU clamp bounds H by limit^2 (V4/V4.1: 10 -> 100), inside fp16 * 2^4's 2^20; no
-    # clamp, no bound: bf16.
-    f16 = cdt == tl.bfloat16 and not act_fp8 and bm < 64 and 0 < limit <= 1024 and not _INTERPRET
+    # clamp, no bound: bf16. The fp8 rows layout (sb_k 0) has no weight-tile scales, so it
+    # takes fp16 MMA at every tile height (e4m3 -> fp16 is one cvt per two values).
+    rows_layout = block[1] == 0
+    f16 = (cdt == tl.bfloat16 and not act_fp8 and (bm < 64 or rows_layout)
+           and 0 < limit <= 1024 and not _INTERPRET)  # fmt: skip
     if fp16_mma is not None:  # test hook (the interpreter runs the path too)
         f16 = fp16_mma
     common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, PAIRS=pairs, SB_N=block[0],
-                  SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8, A_Q=prequant,
+                  SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8, A_Q=a_q,
                   F16=f16)  # fmt: skip
     h_dtype = torch.float16 if f16 else torch.float32 if cdt == tl.float32 else torch.bfloat16
     h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
     k1 = -(-(d // g1.bk) // g1.split) * g1.bk
+    scale_args, scale_kw = _scale_launch(s13, e8_13, block[1], g1.bk, act_group)
     xa, xs = x, x  # activations as the W13 GEMM reads them, and their scales (A_Q)
     if f16:
         xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
         _to_f16_kernel[(triton.cdiv(x.numel(), 1024),)](x, xa, x.numel(), USE_ASM=not _INTERPRET,
                                                          BLOCK=1024)  # fmt: skip
     elif prequant:
-        xa, xs = _quant_act(x, ACT_GROUP)
+        xa, xs = _quant_act(x, 0 if a_q == 2 else scale_kw["GK"])
     gate_args = (xa, xa.stride(0), xs, xs.stride(0), rows, tile_e, w13, w13.stride(0),
                  w13.stride(1))  # fmt: skip
-    scale_args, scale_kw = _scale_launch(s13, e8_13, block[1], g1.bk)
     gate_args += scale_args
     grid1 = (n_tiles, inter // g1.bn, g1.split)
     launch1 = dict(BN=g1.bn, BK=g1.bk, num_warps=g1.warps, num_stages=g1.stages, **scale_kw)
@@ -913,10 +1059,14 @@ def _moe_run(
             part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
             SPLIT=g1.split, HAS_LIMIT=limit > 0, F16=f16, USE_ASM=not _INTERPRET, BM=bm, BN=64,
         )  # fmt: skip
-    y = torch.empty(g2.split, n_rows, d, dtype=torch.float32, device=x.device)
+    # Y in bf16 when one K split writes it whole: each expert's output rounded once, as the
+    # reference's bf16 ``h @ W2^T`` is (the combine still sums in fp32); at 4096 tokens its
+    # fp32 write and read back were ~0.5 GB of traffic. Split-K partials stay fp32.
+    y_dtype = torch.bfloat16 if g2.split == 1 and x.dtype == torch.bfloat16 else torch.float32
+    y = torch.empty(g2.split, n_rows, d, dtype=y_dtype, device=x.device)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
-    ha, hs = _quant_act(h, ACT_GROUP) if prequant else (h, h)
-    scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk)
+    scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk, act_group)
+    ha, hs = _quant_act(h, 0 if a_q == 2 else scale_kw["GK"]) if prequant else (h, h)
     _moe_gemm[(n_tiles, n2 // g2.bn, g2.split)](
         ha, ha.stride(0), hs, hs.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
         *scale_args, y, y.stride(0), y.stride(1),
@@ -959,6 +1109,7 @@ def moe_fp8_triton(
     prequant: bool = False,
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
+    act_group: int | None = None,
 ) -> torch.Tensor:
     """MegaMoE over fp8 e4m3 block-scaled experts: ``w13`` [E, 2I, d] (W1 rows then W3 rows),
     ``s13`` [E, 2I/b0, d/b1], ``w2`` [E, d, I], ``s2`` [E, d/b0, I/b1] (e8m0 or fp32).
@@ -976,6 +1127,8 @@ def moe_fp8_triton(
     prefill tiles, where the loop should be loads, fp8 MMAs and promotion only).
     ``fp16_mma`` (test hook; None = auto): force the fp16-MMA path on or off (auto takes it at
     decode tile heights for bf16 activations under a clamp, on the GPU).
+    ``act_group`` (with ``act_fp8``): fp8 activation groups of that many columns (must divide
+    the weight group; V4's reference rounds activations per 128), also with ``prequant``.
     """
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
@@ -992,7 +1145,57 @@ def moe_fp8_triton(
         raise ValueError(f"scales {tuple(s13.shape)} {tuple(s2.shape)}, want {want13} {want2}")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, block, limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    prequant=prequant, fp16_mma=fp16_mma, out_dtype=out_dtype)  # fmt: skip
+                    prequant=prequant, fp16_mma=fp16_mma, out_dtype=out_dtype,
+                    act_group=act_group)  # fmt: skip
+
+
+def moe_fp8_rows_triton(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    limit: float,
+    local_expert_offset: int = 0,
+    act_fp8: bool = False,
+    act_group: int = 128,
+    out_dtype: torch.dtype | None = None,
+    *,
+    n_experts: int | None = None,
+    tiles: MoeTiles | None = None,
+    block_m: int | None = None,
+    split_k: int | None = None,
+    prequant: bool | None = None,
+    fp16_mma: bool | None = None,
+) -> torch.Tensor:
+    """MegaMoE over experts in the *fp8 rows* layout (:func:`fp4_to_fp8_rows`): e4m3 ``w13``
+    [E, 2I, d] and ``w2`` [E, d, I] with one fp32 scale per row, ``s13`` [E, 2I], ``s2``
+    [E, d]. The row scale goes on the accumulators after the K loop, so with ``act_fp8`` the
+    loop's only promotion is the activations' scale, once per ``act_group`` columns (128:
+    four fp8 MMAs per promotion; 0: one scale per row of x and of H, applied after the loop
+    too, and the fp8 MMAs accumulate in place), and with bf16 activations the MMAs
+    accumulate in place.
+    ``prequant`` (default: with ``act_fp8``) quantizes x and H once, in their own launches.
+    Same routing arguments and result as :func:`moe_fp8_triton`."""
+    _check_experts(x, ids, weights, w13, w2)
+    d, inter = x.shape[1], w13.shape[1] // 2
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 e4m3 experts expected, got {w13.dtype} / {w2.dtype}")
+    if w13.shape[2] != d or tuple(w2.shape[1:]) != (d, inter) or d % 32 or inter % 32:
+        raise ValueError(f"expert shapes {tuple(w13.shape)} {tuple(w2.shape)} vs d={d} "
+                         "(d and I multiples of 32)")  # fmt: skip
+    if tuple(s13.shape) != tuple(w13.shape[:2]) or tuple(s2.shape) != tuple(w2.shape[:2]):
+        raise ValueError(f"row scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit the "
+                         f"experts {tuple(w13.shape)} {tuple(w2.shape)}")  # fmt: skip
+    if act_fp8 and act_group not in (0, 32, 64, 128):
+        raise ValueError(f"act_group must be 0 (one scale per row), 32, 64 or 128, got {act_group}")
+    prequant = act_fp8 if prequant is None else prequant
+    return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, (1, 0), limit,
+                    local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
+                    prequant=prequant, fp16_mma=fp16_mma, out_dtype=out_dtype,
+                    act_group=act_group)  # fmt: skip
 
 
 def moe_fp4_triton(
@@ -1058,3 +1261,4 @@ def _unused_n_experts(ref):
 
 moe_fp8 = op(_unused_n_experts(moe_fp8_ref), moe_fp8_triton)
 moe_fp4 = op(_unused_n_experts(moe_fp4_ref), moe_fp4_triton)
+moe_fp8_rows = op(_unused_n_experts(moe_fp8_rows_ref), moe_fp8_rows_triton)

@@ -192,6 +192,8 @@ class EngineCore:
                 packed_experts=cfg.packed_experts_flag(),
                 packed_dense=cfg.packed_dense_flag(),
                 shard=parallel.shard if parallel is not None else None,
+                expert_layout=cfg.expert_layout,
+                prefill_act_fp8=cfg.moe_prefill_act == "fp8",
             )
             if parallel is not None:
                 parallel.attach(model)

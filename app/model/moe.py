@@ -17,15 +17,20 @@ from app.model.layers import Linear
 from kernels.gate import moe_gate_fused
 from kernels.moe import (
     fp4_from_pairs,
+    fp4_to_fp8_rows,
     fp4_to_pairs,
     moe_experts,
     moe_fp4,
     moe_fp8,
+    moe_fp8_rows,
+    rows_per_expert,
     swiglu_clamp,
 )
 
 PackedFormat = Literal["fp8", "fp4"]
-Fp4Layout = Literal["mx", "pairs"]
+Fp4Layout = Literal["mx", "pairs", "fp8_rows"]
+FP4_LAYOUTS: tuple[str, ...] = ("mx", "pairs", "fp8_rows")
+PREFILL_ROWS = 96  # rows per local expert above which a step counts as prefill (128-row tiles)
 FP4_GROUP = 32  # packed fp4: one e8m0 scale per 32 values of a row (what the kernels read)
 _KERNEL_ALIGN = 32  # the MegaMoE kernels tile d and I in multiples of 32
 
@@ -104,7 +109,13 @@ class PackedExperts(nn.Module):
     fp4 weights may be repacked (:meth:`repack`, the loader does it on CUDA) to the *pairs*
     layout of ``kernels.moe.fp4_to_pairs``: w13 [n, I, d], w2 [n, d/2, I], one byte = the same
     column of two rows (W1 and W3; W2's rows r and r + d/2), which the CUDA kernels
-    dequantize without shuffles; the scales keep their shapes. ``layout`` says which.
+    dequantize without shuffles; the scales keep their shapes. Or to the *fp8 rows* layout
+    of ``kernels.moe.fp4_to_fp8_rows`` (the prefill layout, twice the bytes): e4m3 w13
+    [n, 2I, d] and w2 [n, d, I] with one fp32 scale per row, s13 [n, 2I] and s2 [n, d]; the
+    same weights exactly (a layer whose rows are not all exact refuses it). There, with
+    ``prefill_act_fp8``, steps of more than ``PREFILL_ROWS`` rows per local expert multiply
+    fp8 activations (one scale per token row) on the fp8 tensor cores; decode-sized steps keep
+    bf16 activations. ``layout`` says which.
 
     Scales are e8m0 (``float8_e8m0fnu``) or fp32. On CUDA the Triton MegaMoE kernels dequantize
     in registers; on CPU the kernels' torch reference dequantizes per call. Experts outside
@@ -149,6 +160,7 @@ class PackedExperts(nn.Module):
         self.fmt, self.block, self.limit = fmt, block, limit
         self.hidden = d
         self.layout: Fp4Layout = "mx"
+        self.prefill_act_fp8 = False
         self.local_expert_offset = local_expert_offset
         self.register_buffer("w13", w13)
         self.register_buffer("s13", s13)
@@ -162,15 +174,22 @@ class PackedExperts(nn.Module):
 
     def repack(self, layout: Fp4Layout) -> None:
         """Hold the fp4 weights in ``layout`` ("mx": the checkpoint's; "pairs": the CUDA
-        kernels' fast one, which needs d % 64 == 0). In place, one expert at a time (an
-        expert has the same bytes in both layouts), so loading never holds two copies."""
+        kernels' fast one, which needs d % 64 == 0; "fp8_rows": the prefill layout). mx and
+        pairs convert in place, one expert at a time (an expert has the same bytes in both),
+        so loading never holds two copies; fp8_rows needs twice the bytes and is one way
+        (ValueError, layer unchanged but for pairs -> mx, when a row is not exact)."""
         if self.fmt != "fp4":
             raise ValueError(f"only fp4 experts have layouts, these are {self.fmt}")
-        if layout not in ("mx", "pairs"):
-            raise ValueError(f"fp4 layouts are 'mx' and 'pairs', got {layout!r}")
+        if layout not in FP4_LAYOUTS:
+            raise ValueError(f"fp4 layouts are {FP4_LAYOUTS}, got {layout!r}")
         if layout == "pairs" and not self.can_pair:
             raise ValueError(f"the pairs layout needs d % 64 == 0, d = {self.hidden}")
         if layout == self.layout:
+            return
+        if self.layout == "fp8_rows":
+            raise ValueError("the fp8 rows layout does not convert back (reload the layer)")
+        if layout == "fp8_rows":
+            self._to_fp8_rows()
             return
         conv = fp4_to_pairs if layout == "pairs" else fp4_from_pairs
         for name in ("w13", "w2"):
@@ -181,6 +200,27 @@ class PackedExperts(nn.Module):
                 out[e] = conv(w[e])
             setattr(self, name, out)
         self.layout = layout
+
+    def _to_fp8_rows(self) -> None:
+        self.repack("mx")
+        out: dict[str, torch.Tensor] = {}
+        for wn, sn in (("w13", "s13"), ("w2", "s2")):
+            w, s = getattr(self, wn), getattr(self, sn)
+            q = torch.empty(*w.shape[:2], 2 * w.shape[2], dtype=torch.float8_e4m3fn,
+                            device=w.device)  # fmt: skip
+            r = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):
+                q[e], r[e], exact = fp4_to_fp8_rows(w[e], s[e])
+                if not bool(exact.all()):
+                    raise ValueError(
+                        f"{wn} of local expert {e}: {int((~exact).sum())} rows whose 32-column "
+                        "scales span more than 14 binades are not exact in e4m3 with one "
+                        "scale per row"
+                    )
+            out[wn], out[sn] = q, r
+        for name, t in out.items():
+            setattr(self, name, t)
+        self.layout = "fp8_rows"
 
     @property
     def n_local(self) -> int:
@@ -204,11 +244,20 @@ class PackedExperts(nn.Module):
         if self.fmt == "fp8":
             return moe_fp8(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.block,
                            self.limit, off, **kw)  # fmt: skip
+        if self.layout == "fp8_rows":
+            n_all = n_experts or self.n_local
+            act8 = self.prefill_act_fp8 and (
+                rows_per_expert(ids.numel(), self.n_local, n_all) > PREFILL_ROWS
+            )
+            return moe_fp8_rows(x, ids, weights, self.w13, self.s13, self.w2, self.s2,
+                                self.limit, off, act_fp8=act8, act_group=0, **kw)  # fmt: skip
         return moe_fp4(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.limit, off,
                        pairs=self.layout == "pairs", **kw)  # fmt: skip
 
     def extra_repr(self) -> str:
         layout = f", layout={self.layout}" if self.fmt == "fp4" else ""
+        if self.layout == "fp8_rows" and self.prefill_act_fp8:
+            layout += ", prefill_act_fp8"
         return (f"{self.fmt}{layout}, block={self.block}, n_local={self.n_local}, "
                 f"offset={self.local_expert_offset}, limit={self.limit}")  # fmt: skip
 

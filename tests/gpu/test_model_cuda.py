@@ -71,3 +71,18 @@ def test_packed_dense_engine_greedy_matches_cpu(ckpts, arch):
     """Dense fp8 projections in the fp8 kernel (packed_dense) on CUDA: the CPU greedy tokens."""
     cpu = _greedy_on(ckpts[arch], "cpu", 2)
     assert _greedy_on(ckpts[arch], "cuda", 2, packed_dense="on") == cpu
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_fp8_rows_expert_layout_matches_cpu(ckpts, arch):
+    """fp4 experts re-encoded as e4m3 rows (``expert_layout="fp8_rows"``, the prefill layout;
+    bf16-free fp32 model, so no fp8 activations): logits and greedy tokens of the CPU path."""
+    cpu = load_model(ckpts[arch])
+    gpu = load_model(ckpts[arch], device="cuda", expert_layout="fp8_rows")
+    assert {b.ffn.experts.layout for b in [*gpu.layers, *gpu.mtp]} == {"fp8_rows"}
+    ids = torch.randint(3, 500, (41,), generator=torch.Generator().manual_seed(0))
+    ref = cpu.logits(ids).double()
+    got = gpu.logits(ids.cuda()).cpu().double()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-4
+    want = _greedy_on(ckpts[arch], "cpu", 3)
+    assert _greedy_on(ckpts[arch], "cuda", 3, expert_layout="fp8_rows") == want

@@ -97,6 +97,47 @@ def test_moe_fp4_pairs_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
     assert _rel(out, mx) < 1e-3
 
 
+@pytest.mark.parametrize(("t", "act_group"), [(1, None), (64, None), (2048, None), (2048, 128),
+                                              (2048, 32), (64, 128), (2048, 0)])  # fmt: skip
+def test_moe_fp8_rows_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
+                             act_group: int | None) -> None:  # fmt: skip
+    """fp4 experts re-encoded exactly in the fp8 rows layout: with bf16 activations the fp4
+    reference (decode and prefill tiles); with fp8 activations per ``act_group`` columns the
+    reference with that rounding, and pre-quantized = quantized in the loop."""
+    from kernels.moe import fp4_to_fp8_rows, moe_fp4_ref, moe_fp8_rows_ref, moe_fp8_rows_triton
+
+    w13, s13, w2, s2 = fp4_experts
+    def rows_of(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, r, exact = zip(*(fp4_to_fp8_rows(w[e], s[e]) for e in range(E_LOCAL)), strict=True)
+        assert all(bool(ok.all()) for ok in exact)  # every row exact
+        return torch.stack(q), torch.stack(r)
+
+    q13, r13 = rows_of(w13, s13)
+    q2, r2 = rows_of(w2, s2)
+    x = torch.randn(t, D, device="cuda").bfloat16()
+    n_all = E_LOCAL if t >= 1024 else E_ALL
+    if t >= 1024:
+        ids = torch.rand(t, n_all, device="cuda").argsort(-1)[:, :TOPK]
+        w = torch.rand(t, TOPK, device="cuda") + 0.1
+    else:
+        ids, w = _routing(t)
+    rows = (q13, r13, q2, r2)
+    if act_group is None:
+        out = moe_fp8_rows_triton(x, ids, w, *rows, 10.0, n_experts=n_all)
+        ref = moe_fp4_ref(x.float(), ids, w, *fp4_experts, 10.0)
+        assert _rel(out, ref) < 1e-2
+        return
+    run = lambda **kw: moe_fp8_rows_triton(x, ids, w, *rows, 10.0, n_experts=n_all,  # noqa: E731
+                                           act_fp8=True, act_group=act_group, **kw)  # fmt: skip
+    out = run()
+    ref = moe_fp8_rows_ref(x.float(), ids, w, *rows, 10.0, act_fp8=True, act_group=act_group)
+    plain = moe_fp4_ref(x.float(), ids, w, *fp4_experts, 10.0)
+    assert _rel(out, ref) < 5e-2
+    assert _rel(out, ref) < 0.6 * _rel(out, plain)
+    if act_group:  # row scales (0) exist only pre-quantized
+        assert _rel(run(prequant=False), out) < 1e-3
+
+
 @pytest.mark.parametrize(("fp4", "t"), [(False, 1024), (True, 1024), (False, 64)])
 def test_moe_prequantized_activations(fp4: bool, t: int, fp8_experts: tuple,
                                       fp4_experts: tuple) -> None:  # fmt: skip

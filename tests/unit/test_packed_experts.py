@@ -348,3 +348,82 @@ def test_engine_option_is_validated(tiny_ckpt) -> None:
     assert EngineConfig(model="m", packed_experts="off").packed_experts_flag() is False
     with pytest.raises(EngineConfigError, match="packed_experts"):
         EngineConfig.from_options("m", packed_experts=True)
+
+
+@torch.no_grad()
+def test_fp8_rows_layout_gives_the_same_layer(tiny_ckpt) -> None:
+    """``repack("fp8_rows")`` (the prefill layout): e4m3 rows with one fp32 scale each hold the
+    fp4 weights exactly, so the torch path's output is unchanged; with ``prefill_act_fp8`` a
+    step above 96 rows per local expert takes row-quantized fp8 activations (the kernels'
+    reference) and a smaller one does not. One way: it does not convert back."""
+    from kernels.moe import moe_fp8_rows_ref
+
+    pe = load_model(tiny_ckpt("v41"), packed_experts=True).layers[1].ffn.experts
+    assert isinstance(pe, PackedExperts)
+    g = torch.Generator().manual_seed(3)
+    n_exp = 8
+    x = torch.randn(450, 64, generator=g)  # 450 * 2 / 8 = 112 rows per expert: prefill
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:2] for _ in range(450)])
+    w = torch.rand(450, 2, generator=g)
+    w13 = dequantize_fp4(pe.w13, pe.s13, torch.float32)
+    want, small = pe(x, ids, w), pe(x[:40], ids[:40], w[:40])
+    pe.repack("fp8_rows")
+    assert pe.layout == "fp8_rows" and pe.w13.dtype == torch.float8_e4m3fn
+    assert pe.s13.shape == pe.w13.shape[:2] and pe.s2.shape == pe.w2.shape[:2]
+    assert torch.equal(pe.w13.float() * pe.s13.unsqueeze(-1), w13)
+    assert torch.equal(pe(x, ids, w), want)
+    pe.prefill_act_fp8 = True
+    assert "prefill_act_fp8" in repr(pe)
+    fp8 = pe(x, ids, w)
+    ref = moe_fp8_rows_ref(x, ids, w, pe.w13, pe.s13, pe.w2, pe.s2, pe.limit, act_fp8=True,
+                           act_group=0)  # fmt: skip
+    assert torch.equal(fp8, ref) and 1e-3 < rel(fp8, want) < 0.1
+    assert torch.equal(pe(x[:40], ids[:40], w[:40]), small)  # 10 rows per expert: bf16
+    with pytest.raises(ValueError, match="does not convert back"):
+        pe.repack("pairs")
+
+
+@torch.no_grad()
+def test_fp8_rows_refuses_an_inexact_layer(tiny_ckpt, caplog) -> None:
+    """A row whose scales span 15 binades cannot be one e4m3 row: the layer refuses the
+    layout, unchanged, and the loader keeps it in fp4 with a warning naming it."""
+    from app.model.loader import _fp8_rows_layout
+
+    model = load_model(tiny_ckpt("v41"), packed_experts=True)
+    pe = model.layers[2].ffn.experts
+    assert isinstance(pe, PackedExperts)
+    codes = pe.s13.view(torch.uint8)
+    codes[1, 3, 0], codes[1, 3, 1] = 127, 127 - 15
+    pe.w13.view(torch.uint8)[1, 3, :16] = 0x77  # the first group 6.0s, the second 0.5s:
+    pe.w13.view(torch.uint8)[1, 3, 16:32] = 0x11  # 0.5 * 2^-15 is below e4m3 under 6's scale
+    before = pe.w13.clone()
+    with pytest.raises(ValueError, match="local expert 1: 1 rows"):
+        pe.repack("fp8_rows")
+    assert pe.layout == "mx" and torch.equal(pe.w13, before)
+    with caplog.at_level(logging.WARNING):
+        _fp8_rows_layout(model, prefill_act_fp8=True, cuda=False)
+    assert "layers.2.ffn.experts" in caplog.text and "1 layer(s) keep fp4" in caplog.text
+    layouts = [m.layout for m in model.modules() if isinstance(m, PackedExperts)]
+    assert layouts.count("mx") == 1 and layouts.count("fp8_rows") == len(layouts) - 1
+
+
+def test_engine_fp8_rows_layout_greedy_tokens(tiny_ckpt) -> None:
+    """The engine with ``expert_layout="fp8_rows"`` (packed implied): the default engine's
+    greedy tokens with bf16 activations (same weights); the config checks its partners."""
+    path = tiny_ckpt("v41")
+    prompts = [_ids(n, seed=n).tolist() for n in (23, 5, 37)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for opts in ({"packed_experts": "on"}, {"expert_layout": "fp8_rows"}):
+        llm = LLM(path, kv_cache_bytes=1 << 22, max_num_batched_tokens=16, **opts)
+        layout = llm.engine.model.layers[0].ffn.experts.layout
+        assert layout == ("fp8_rows" if "expert_layout" in opts else "mx")
+        outs.append([o.token_ids for o in llm.generate(prompt_token_ids=prompts,
+                                                       sampling_params=params)])  # fmt: skip
+    assert outs[0] == outs[1]
+    with pytest.raises(EngineConfigError, match="needs expert_layout 'fp8_rows'"):
+        EngineConfig(model=path, moe_prefill_act="fp8")
+    with pytest.raises(EngineConfigError, match="packed_experts cannot be 'off'"):
+        EngineConfig(model=path, expert_layout="fp8_rows", packed_experts="off")
+    with pytest.raises(EngineConfigError, match="expert_layout must be one of"):
+        EngineConfig(model=path, expert_layout="fp16")
