@@ -172,8 +172,8 @@ def moe_rows() -> None:
             for gated, bn in ((True, bn1), (False, bn2)):
                 if act8 and gk > bk:
                     continue
-                tile = (bm, bn, bk, w, st)
-                print(_moe_line(False, False, act8, act8, False, gated, gated, tile, gk),
+                tile = (bm, bn, bk, w, st)  # bf16 activations: fp16 MMA, as the runtime
+                print(_moe_line(False, False, act8, act8, not act8, gated, gated, tile, gk),
                       flush=True)  # fmt: skip
 
 

@@ -286,15 +286,16 @@ def _expert_layout(model, layout: str) -> None:
     """``fp4``: as built (pairs); ``fp8_rows``: every layer re-encoded as e4m3 rows (bf16
     activations); ``fp8_rows_act8``: the same with fp8 activations at prefill-sized steps.
     One way: fp4 -> fp8_rows -> fp8_rows_act8."""
+    from app.model.loader import _fp8_rows_layout
     from app.model.moe import PackedExperts
 
     if layout not in ("fp4", "fp8_rows", "fp8_rows_act8"):
         raise SystemExit(f"--experts: unknown layout {layout!r}")
-    for m in model.modules():
-        if isinstance(m, PackedExperts) and layout != "fp4":
-            m.repack("fp8_rows")
-            m.prefill_act_fp8 = layout == "fp8_rows_act8"
-    torch.cuda.empty_cache()
+    held = {m.layout for m in model.modules() if isinstance(m, PackedExperts)}
+    if layout == "fp4" and "fp8_rows" in held:
+        raise SystemExit("--experts: fp4 after fp8_rows (the layout is one way)")
+    if layout != "fp4":
+        _fp8_rows_layout(model, layout == "fp8_rows_act8", cuda=True)
 
 
 def _prefill_cases(rank: Rank, args, rate: float, cases: list, layout: str) -> list[dict]:

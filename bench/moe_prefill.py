@@ -19,16 +19,18 @@ Layouts and paths (``kernels.moe``):
 
 Peers in the same run, GEMM launches only (inputs already sorted by expert and quantized,
 which favours them): ``torch._scaled_grouped_mm`` (rowwise fp8: per-token activation scales,
-the rows layout's per-row weight scales, the same e4m3 bytes) and ``torch._grouped_mm`` on
-bf16 copies of the weights. Ceilings measured in the same run: copy bandwidth, fp8 and bf16
-dense matmul (``torch._scaled_mm`` / ``@`` at 8192^3). Accuracy: each path's output against
-the fp32 expert loop with bf16 activations on the first 256 tokens. Writes
+the rows layout's per-row weight scales, the same e4m3 bytes; with and without fast
+accumulation) and ``torch._grouped_mm`` on bf16 copies of the weights. Ceilings measured in
+the same run: copy bandwidth, fp8 and bf16 dense matmul (``torch._scaled_mm`` / ``@`` at
+8192^3). Accuracy: each path's output against the fp32 expert loop with bf16 activations on
+the first 256 tokens. Writes
 ``bench/results/moe_prefill.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -132,12 +134,11 @@ def _grouped_peers(sets: list, ex: dict[str, Any]) -> tuple[list, Callable, Call
         h8, sh = _rowwise_fp8(h)
         prepared.append((a8, sa, h8, sh, offs, xa, h.bfloat16()))
 
-    def scaled(p: tuple) -> torch.Tensor:
+    def scaled(p: tuple, fast: bool = False) -> torch.Tensor:
         a8, sa, h8, sh, offs = p[:5]
-        torch._scaled_grouped_mm(a8, w13t, sa, rows["s13"], offs=offs, out_dtype=torch.bfloat16)
-        return torch._scaled_grouped_mm(
-            h8, w2t, sh, rows["s2"], offs=offs, out_dtype=torch.bfloat16
-        )
+        kw = {"offs": offs, "out_dtype": torch.bfloat16, "use_fast_accum": fast}
+        torch._scaled_grouped_mm(a8, w13t, sa, rows["s13"], **kw)
+        return torch._scaled_grouped_mm(h8, w2t, sh, rows["s2"], **kw)
 
     def bf16(p: tuple) -> torch.Tensor:
         offs, xa, h = p[4], p[5], p[6]
@@ -198,6 +199,9 @@ def _paths(ex: dict[str, Any], n_all: int) -> dict[str, Callable[..., torch.Tens
         ),
         "moe.prefill.fp8_rows.act_fp8.rowwise": lambda s, **kw: rows_(
             s, act_fp8=True, act_group=0, **kw
+        ),
+        "moe.prefill.fp8_rows.act_fp8.rowwise.precise_acc": lambda s, **kw: rows_(
+            s, act_fp8=True, act_group=0, precise_acc=True, **kw
         ),
     }
 
@@ -273,6 +277,10 @@ def main() -> None:
             peer_us = {}
             for pname, pfn in (
                 ("torch._scaled_grouped_mm.rowwise", scaled),
+                (
+                    "torch._scaled_grouped_mm.rowwise.fast_accum",
+                    functools.partial(scaled, fast=True),
+                ),
                 ("torch._grouped_mm.bf16", bf16_mm),
             ):
                 try:

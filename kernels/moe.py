@@ -160,8 +160,8 @@ def moe_fp8_rows_ref(
     limit: float,
     local_expert_offset: int = 0,
     act_fp8: bool = False,
-    act_group: int = 128,
     out_dtype: torch.dtype | None = None,
+    act_group: int = 128,
 ) -> torch.Tensor:
     """Experts in the *fp8 rows* layout (:func:`fp4_to_fp8_rows`): e4m3 ``w13`` [E, 2I, d]
     and ``w2`` [E, d, I], one fp32 scale per row (``s13`` [E, 2I], ``s2`` [E, d]), dequantized
@@ -465,7 +465,7 @@ def _a_group(a_base, sa_base, rmask, kg, USE_ASM: tl.constexpr, GK: tl.constexpr
     a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
     sa = 1.0
     if A_FP8:
-        if A_Q == 2:  # one scale per row over all of K: applied after the loop
+        if A_Q >= 2:  # one scale per row over all of K: applied after the loop
             pass
         elif A_Q:  # one scale per row and GK columns (the host quantizes with the same group)
             sa = tl.load(sa_base + kg // GK, mask=rmask, other=0.0)
@@ -481,9 +481,14 @@ def _w_dot(a, sa, w, s, acc, USE_ASM: tl.constexpr, CDT: tl.constexpr,
     """``acc + (a @ w^T)`` with the activation scales ``sa`` [BM] (A_FP8) and the weight
     group's row scales ``s`` [BN] (see :func:`_group_dot`). ``A_Q == 2`` (row scales on
     both sides, applied after the loop): the fp8 MMAs accumulate in place."""
-    if A_FP8 and A_Q == 2:
-        return tl.dot(a, tl.trans(w), acc) if USE_ASM else tl.dot(a, tl.trans(w.to(tl.float32)),
-                                                                  acc)  # fmt: skip
+    if A_FP8 and A_Q >= 2:
+        # the interpreter holds e4m3 values in fp32. On sm_90 Triton accumulates fp8 MMAs in
+        # the tensor cores' fast (reduced-precision) mode across the whole K loop (A_Q 2), or
+        # promotes to fp32 every 128 columns (A_Q 3, as CUTLASS without fast accumulation)
+        wt = tl.trans(w) if USE_ASM else tl.trans(w.to(tl.float32))
+        if A_Q == 3:
+            return tl.dot(a, wt, acc, max_num_imprecise_acc=128)
+        return tl.dot(a, wt, acc)
     elif A_FP8:
         # the interpreter holds e4m3 values in fp32
         part = tl.dot(a, tl.trans(w)) if USE_ASM else tl.dot(a, tl.trans(w.to(tl.float32)))
@@ -534,8 +539,9 @@ def _moe_gemm(
     ``SB_K == 0``: one weight scale per row (the fp8 rows layout, :func:`fp4_to_fp8_rows`),
     applied to the accumulators once, after the K loop; the loop promotes only by the
     activation scales (fp8) or not at all (bf16 / fp16: the MMAs accumulate in place).
-    ``A_Q == 2`` (with ``SB_K == 0``): fp8 activations with one scale per row over all of K
-    (``ssa``-strided [rows, 1]), applied with the weights' after the loop: no promotion.
+    ``A_Q`` 2 / 3 (with ``SB_K == 0``): fp8 activations with one scale per row over all of K
+    (``ssa``-strided [rows, 1]), applied with the weights' after the loop: no promotion
+    (3: fp32 promotion of the MMA accumulator every 128 columns).
 
     Scales: the re-encoding's 2^6 (fp4 codes as e4m3) and, under ``F16``, the 2^4 of the
     activations' fp16 x 2^-4 are folded into the scales' exponents (no multiply).
@@ -590,7 +596,7 @@ def _moe_gemm(
         acc1 = acc1 * _scale(s_row1, SCALE_E8M0, L2)[None, :]
         if GATED:
             acc3 = acc3 * _scale(s_row3, SCALE_E8M0, L2)[None, :]
-    if A_Q == 2:
+    if A_Q >= 2:
         tl.static_assert(SB_K == 0, "row activation scales go with row weight scales")
         sa_row = tl.load(sa_base, mask=rmask, other=0.0)[:, None]
         acc1 = acc1 * sa_row
@@ -836,9 +842,10 @@ def _gemm_tiles(
         if rows and act_fp8 and bm >= 128:  # H200 sweep (bench.moe_prefill --sweep): 4096
             # tokens all local, row activation scales: 2.15 ms with these, 2.31 with (128, 3)
             # for W2; 128-column groups: 2.95 ms with (128, 128, 8 warps, 3 stages) for both
+            bn = next(b for b in (128, 64, 32) if n % b == 0)
             if row_act:
-                return GemmTiles(256 if not gated and n % 256 == 0 else 128, bk, 1, 8, 4)
-            return GemmTiles(128, bk, 1, 8, 3)
+                return GemmTiles(256 if not gated and n % 256 == 0 else bn, bk, 1, 8, 4)
+            return GemmTiles(bn, bk, 1, 8, 3)
         if act_fp8:  # fp8 MMA, scales on fp32 partials: gated keeps three accumulators
             bn = next(b for b in ((64, 32) if gated else (128, 64, 32)) if n % b == 0)
             # pre-quantized: 4 warps, two CTAs per SM (one's MMAs under the other's scaling;
@@ -986,6 +993,7 @@ def _moe_run(
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
     act_group: int | None = None,
+    precise_acc: bool = False,
 ) -> torch.Tensor:
     if prequant and (not act_fp8 or (act_group is None and block[1] != ACT_GROUP)):
         raise ValueError(f"prequant needs act_fp8 and {ACT_GROUP}-column scale groups "
@@ -995,7 +1003,7 @@ def _moe_run(
     if act_group == 0 and (block[1] != 0 or not prequant):
         raise ValueError("row activation scales (act_group 0) need row weight scales and "
                          "prequant")  # fmt: skip
-    a_q = 2 if act_group == 0 else int(prequant)
+    a_q = (3 if precise_acc else 2) if act_group == 0 else int(prequant)
     if fp16_mma and (act_fp8 or not 0 < limit <= 1024):
         raise ValueError("fp16_mma needs bf16 activations and a SwiGLU clamp in (0, 1024]")
     t, d = x.shape
@@ -1006,7 +1014,7 @@ def _moe_run(
         return out
     if tiles is None:
         tiles = pick_tiles(n_slots, n_local, n_experts or n_local, d, inter, block[1],
-                           _num_sms(x.device), act_fp8, pairs, prequant, a_q == 2)  # fmt: skip
+                           _num_sms(x.device), act_fp8, pairs, prequant, a_q >= 2)  # fmt: skip
     tiles = _override(tiles, block_m, split_k)
     bm, g1, g2 = tiles.bm, tiles.gate_up, tiles.down
     n2 = d // 2 if pairs else d  # pairs: each W2 tile computes columns n and n + d/2
@@ -1040,7 +1048,7 @@ def _moe_run(
         _to_f16_kernel[(triton.cdiv(x.numel(), 1024),)](x, xa, x.numel(), USE_ASM=not _INTERPRET,
                                                          BLOCK=1024)  # fmt: skip
     elif prequant:
-        xa, xs = _quant_act(x, 0 if a_q == 2 else scale_kw["GK"])
+        xa, xs = _quant_act(x, 0 if a_q >= 2 else scale_kw["GK"])
     gate_args = (xa, xa.stride(0), xs, xs.stride(0), rows, tile_e, w13, w13.stride(0),
                  w13.stride(1))  # fmt: skip
     gate_args += scale_args
@@ -1066,7 +1074,7 @@ def _moe_run(
     y = torch.empty(g2.split, n_rows, d, dtype=y_dtype, device=x.device)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
     scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk, act_group)
-    ha, hs = _quant_act(h, 0 if a_q == 2 else scale_kw["GK"]) if prequant else (h, h)
+    ha, hs = _quant_act(h, 0 if a_q >= 2 else scale_kw["GK"]) if prequant else (h, h)
     _moe_gemm[(n_tiles, n2 // g2.bn, g2.split)](
         ha, ha.stride(0), hs, hs.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
         *scale_args, y, y.stride(0), y.stride(1),
@@ -1127,10 +1135,13 @@ def moe_fp8_triton(
     prefill tiles, where the loop should be loads, fp8 MMAs and promotion only).
     ``fp16_mma`` (test hook; None = auto): force the fp16-MMA path on or off (auto takes it at
     decode tile heights for bf16 activations under a clamp, on the GPU).
-    ``act_group`` (with ``act_fp8``): fp8 activation groups of that many columns (must divide
-    the weight group; V4's reference rounds activations per 128), also with ``prequant``.
+    ``act_group`` (with ``act_fp8``): fp8 activation groups of 32, 64 or 128 columns (must
+    divide the weight group; V4's reference rounds activations per 128), also with
+    ``prequant``.
     """
     _check_experts(x, ids, weights, w13, w2)
+    if act_group is not None and act_group not in (32, 64, 128):
+        raise ValueError(f"act_group must be 32, 64 or 128, got {act_group}")
     inter = w13.shape[1] // 2
     if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8 e4m3 experts expected, got {w13.dtype} / {w2.dtype}")
@@ -1160,8 +1171,8 @@ def moe_fp8_rows_triton(
     limit: float,
     local_expert_offset: int = 0,
     act_fp8: bool = False,
-    act_group: int = 128,
     out_dtype: torch.dtype | None = None,
+    act_group: int = 128,
     *,
     n_experts: int | None = None,
     tiles: MoeTiles | None = None,
@@ -1169,6 +1180,7 @@ def moe_fp8_rows_triton(
     split_k: int | None = None,
     prequant: bool | None = None,
     fp16_mma: bool | None = None,
+    precise_acc: bool = False,
 ) -> torch.Tensor:
     """MegaMoE over experts in the *fp8 rows* layout (:func:`fp4_to_fp8_rows`): e4m3 ``w13``
     [E, 2I, d] and ``w2`` [E, d, I] with one fp32 scale per row, ``s13`` [E, 2I], ``s2``
@@ -1178,6 +1190,8 @@ def moe_fp8_rows_triton(
     too, and the fp8 MMAs accumulate in place), and with bf16 activations the MMAs
     accumulate in place.
     ``prequant`` (default: with ``act_fp8``) quantizes x and H once, in their own launches.
+    With one activation scale per row the fp8 MMAs accumulate in the tensor cores' fast
+    mode over all of K; ``precise_acc`` promotes to fp32 every 128 columns instead.
     Same routing arguments and result as :func:`moe_fp8_triton`."""
     _check_experts(x, ids, weights, w13, w2)
     d, inter = x.shape[1], w13.shape[1] // 2
@@ -1195,7 +1209,7 @@ def moe_fp8_rows_triton(
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, (1, 0), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
                     prequant=prequant, fp16_mma=fp16_mma, out_dtype=out_dtype,
-                    act_group=act_group)  # fmt: skip
+                    act_group=act_group, precise_acc=precise_acc)  # fmt: skip
 
 
 def moe_fp4_triton(

@@ -644,7 +644,7 @@ def _fp8_rows_layout(model: nn.Module, prefill_act_fp8: bool, cuda: bool) -> Non
     (the prefill layout; H200, 4096 tokens on 48 local experts: 5.5 ms with bf16 activations,
     2.3 ms with fp8 ones, against 7.7 ms in the pairs layout, docs/performance.md). A layer
     with a row that is not exact keeps its fp4 layout, with a warning naming it."""
-    kept = []
+    kept, done = [], 0
     for name, m in model.named_modules():
         if isinstance(m, PackedExperts) and m.fmt == "fp4":
             try:
@@ -655,9 +655,15 @@ def _fp8_rows_layout(model: nn.Module, prefill_act_fp8: bool, cuda: bool) -> Non
                     m.repack("pairs")
                 continue
             m.prefill_act_fp8 = prefill_act_fp8
+            done += 1
     if kept:
         logger.warning("expert_layout fp8_rows: %d layer(s) keep fp4: %s", len(kept),
                        "; ".join(kept))  # fmt: skip
+    if not done and not kept:
+        logger.warning("expert_layout fp8_rows: no packed fp4 expert layers to re-encode "
+                       "(fp8 or dequantized experts keep their layout)")  # fmt: skip
+    if cuda:  # the fp4 buffers' blocks back to the device, where the KV budget can see them
+        torch.cuda.empty_cache()
 
 
 def load_model(

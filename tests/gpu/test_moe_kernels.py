@@ -107,6 +107,7 @@ def test_moe_fp8_rows_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
     from kernels.moe import fp4_to_fp8_rows, moe_fp4_ref, moe_fp8_rows_ref, moe_fp8_rows_triton
 
     w13, s13, w2, s2 = fp4_experts
+
     def rows_of(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, r, exact = zip(*(fp4_to_fp8_rows(w[e], s[e]) for e in range(E_LOCAL)), strict=True)
         assert all(bool(ok.all()) for ok in exact)  # every row exact

@@ -354,8 +354,10 @@ def test_engine_option_is_validated(tiny_ckpt) -> None:
 def test_fp8_rows_layout_gives_the_same_layer(tiny_ckpt) -> None:
     """``repack("fp8_rows")`` (the prefill layout): e4m3 rows with one fp32 scale each hold the
     fp4 weights exactly, so the torch path's output is unchanged; with ``prefill_act_fp8`` a
-    step above 96 rows per local expert takes row-quantized fp8 activations (the kernels'
-    reference) and a smaller one does not. One way: it does not convert back."""
+    step above 96 rows per local expert asks for fp8 activations with one scale per row (the
+    forward's choice, checked against the rows reference called with those arguments; the
+    kernel itself is tested in test_triton_moe_rows) and a smaller one does not. One way: it
+    does not convert back."""
     from kernels.moe import moe_fp8_rows_ref
 
     pe = load_model(tiny_ckpt("v41"), packed_experts=True).layers[1].ffn.experts
@@ -421,6 +423,9 @@ def test_engine_fp8_rows_layout_greedy_tokens(tiny_ckpt) -> None:
         outs.append([o.token_ids for o in llm.generate(prompt_token_ids=prompts,
                                                        sampling_params=params)])  # fmt: skip
     assert outs[0] == outs[1]
+    llm = LLM(path, kv_cache_bytes=1 << 22, expert_layout="fp8_rows", moe_prefill_act="fp8")
+    pes = [m for m in llm.engine.model.modules() if isinstance(m, PackedExperts)]
+    assert pes and all(m.layout == "fp8_rows" and m.prefill_act_fp8 for m in pes)
     with pytest.raises(EngineConfigError, match="needs expert_layout 'fp8_rows'"):
         EngineConfig(model=path, moe_prefill_act="fp8")
     with pytest.raises(EngineConfigError, match="packed_experts cannot be 'off'"):

@@ -120,7 +120,7 @@ def test_moe_fp8_rows_fp8_activations(group: int) -> None:
     run = lambda **kw: moe.moe_fp8_rows_triton(x, ids, w, *rows, LIMIT, act_fp8=True,  # noqa: E731
                                                act_group=group, block_m=64, **kw)  # fmt: skip
     out = run()
-    assert rel(out, ref) < 5e-2
+    assert rel(out, ref) < 3e-2
     assert rel(out, ref) < 0.6 * rel(out, plain)
     if group == 0:
         with pytest.raises(ValueError, match="row activation scales"):
@@ -138,3 +138,27 @@ def test_moe_fp8_rows_checks_shapes() -> None:
         moe.moe_fp8_rows_triton(x, ids, w, q13, r13[:, :-1], q2, r2, LIMIT)
     with pytest.raises(ValueError, match="act_group"):
         moe.moe_fp8_rows_triton(x, ids, w, q13, r13, q2, r2, LIMIT, act_fp8=True, act_group=48)
+
+
+def test_moe_fp8_rows_prefill_tiles_fit_small_widths() -> None:
+    """Above 96 rows per expert the rows layout takes its 128-row prefill tiles; their N tile
+    must still divide widths that are not multiples of 128 (d 64, I 96 here)."""
+    g = torch.Generator().manual_seed(9)
+    d, inter, t = 64, 96, 150  # 150 * 2 / 3 = 100 rows per expert
+
+    def fp4(r: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = zip(*(quantize_fp4(torch.randn(r, c, generator=g) / c**0.5) for _ in range(E)),
+                   strict=True)  # fmt: skip
+        return torch.stack(q), torch.stack(s)
+
+    experts = (*fp4(2 * inter, d), *fp4(d, inter))
+    rows = _rows(experts)
+    tiles = moe.pick_tiles(t * K, E, E, d, inter, 0, 4, True, False, True, True)
+    assert tiles.bm == 128 and inter % tiles.gate_up.bn == 0 and d % tiles.down.bn == 0
+    x = torch.randn(t, d, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+    w = torch.rand(t, K, generator=g) + 0.1
+    ref = moe.moe_fp8_rows_ref(x.double(), ids, w.double(), *rows, LIMIT, act_fp8=True,
+                               act_group=0)  # fmt: skip
+    out = moe.moe_fp8_rows_triton(x, ids, w, *rows, LIMIT, act_fp8=True, act_group=0)
+    assert rel(out, ref) < 3e-2
