@@ -839,13 +839,15 @@ def _gemm_tiles(
 ) -> GemmTiles:
     bk = max(min_bk, next(b for b in (128, 64, 32) if k % b == 0))
     if bm >= 64:  # many rows per expert: no split (H200 sweeps, bench.kernels_moe --tiles)
-        if rows and act_fp8 and bm >= 128:  # H200 sweep (bench.moe_prefill --sweep): 4096
-            # tokens all local, row activation scales: 2.15 ms with these, 2.31 with (128, 3)
-            # for W2; 128-column groups: 2.95 ms with (128, 128, 8 warps, 3 stages) for both
+        if rows and bm >= 128:  # H200 sweeps (bench.moe_prefill --sweep), 4096 tokens all
+            # local: row activation scales 2.10 ms with these (2.31 with W2 128 wide, 3
+            # stages); 128-column groups 2.93 ms; bf16 activations (fp16 MMA) 4.90 ms with W2
+            # 256 wide, 3 stages (5.24 with the 64-row tiles)
             bn = next(b for b in (128, 64, 32) if n % b == 0)
-            if row_act:
-                return GemmTiles(256 if not gated and n % 256 == 0 else bn, bk, 1, 8, 4)
-            return GemmTiles(bn, bk, 1, 8, 3)
+            wide = 256 if not gated and n % 256 == 0 else bn
+            if act_fp8 and row_act:
+                return GemmTiles(wide, bk, 1, 8, 4)
+            return GemmTiles(bn if act_fp8 else wide, bk, 1, 8, 3)
         if act_fp8:  # fp8 MMA, scales on fp32 partials: gated keeps three accumulators
             bn = next(b for b in ((64, 32) if gated else (128, 64, 32)) if n % b == 0)
             # pre-quantized: 4 warps, two CTAs per SM (one's MMAs under the other's scaling;
@@ -876,18 +878,21 @@ def pick_tiles(
     pairs: bool = False,
     prequant: bool = False,
     row_act: bool = False,
+    half: bool = True,
 ) -> MoeTiles:
     """Heuristic tiles: BM from the expected rows per touched local expert; at decode sizes
     small N tiles and split-K so that the weight stream fills every SM. ``pairs`` (fp4 in
     the :func:`fp4_to_pairs` layout): a W2 tile covers two row sets, N is d/2. ``prequant``:
     fp8 activations quantized before the GEMMs (``act_fp8``). ``sb_k`` 0: the fp8 rows
-    layout (one weight scale per row); ``row_act``: with one activation scale per row."""
+    layout (one weight scale per row); ``row_act``: with one activation scale per row;
+    ``half``: 16-bit MMA operands (fp32 ones keep the rows layout off its 128-row tiles, whose
+    shared memory they would not fit)."""
     rows = sb_k == 0
     per_expert = rows_per_expert(n_slots, n_local, n_experts)
     local_slots = max(1.0, n_slots * n_local / max(n_local, n_experts))
     touched = min(float(n_local), local_slots)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    if act_fp8 and (rows or not prequant) and per_expert > 96:
+    if ((rows and (act_fp8 or half)) or (act_fp8 and not prequant)) and per_expert > 96:
         bm = 128
     tiles = int(touched) + int(local_slots // bm)
     min_bk = 0 if rows else min(sb_k, 128)
@@ -1014,7 +1019,8 @@ def _moe_run(
         return out
     if tiles is None:
         tiles = pick_tiles(n_slots, n_local, n_experts or n_local, d, inter, block[1],
-                           _num_sms(x.device), act_fp8, pairs, prequant, a_q >= 2)  # fmt: skip
+                           _num_sms(x.device), act_fp8, pairs, prequant, a_q >= 2,
+                           _dot_dtype(x) != tl.float32)  # fmt: skip
     tiles = _override(tiles, block_m, split_k)
     bm, g1, g2 = tiles.bm, tiles.gate_up, tiles.down
     n2 = d // 2 if pairs else d  # pairs: each W2 tile computes columns n and n + d/2

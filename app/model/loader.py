@@ -641,8 +641,8 @@ def _repack_fp4_for_cuda(model: nn.Module) -> None:
 
 def _fp8_rows_layout(model: nn.Module, prefill_act_fp8: bool, cuda: bool) -> None:
     """``expert_layout="fp8_rows"``: every packed fp4 layer re-encoded exactly as e4m3 rows
-    (the prefill layout; H200, 4096 tokens on 48 local experts: 5.5 ms with bf16 activations,
-    2.3 ms with fp8 ones, against 7.7 ms in the pairs layout, docs/performance.md). A layer
+    (the prefill layout; H200, 4096 tokens on 48 local experts: 4.9 ms with bf16 activations,
+    2.2 ms with fp8 ones, against 7.8 ms in the pairs layout, docs/performance.md). A layer
     with a row that is not exact keeps its fp4 layout, with a warning naming it."""
     kept, done = [], 0
     for name, m in model.named_modules():
