@@ -224,9 +224,10 @@ def fp4_to_fp8_rows(
     layout: (e4m3 [..., R, C], one fp32 power-of-two scale per row [..., R], exact [..., R]).
 
     A row's scale is the least power of two that keeps its largest magnitude within e4m3's
-    448, so a row is exact (``exact``) when its 32-column scales span at most 14 binades (the
-    smallest nonzero code, 0.5, must stay at or above e4m3's 2^-9); an inexact row is
-    rounded to nearest even. The prefill kernels multiply it on the fp8 tensor cores with one
+    448, so a row is exact whenever its 32-column scales span at most 14 binades (the
+    smallest nonzero code, 0.5, then stays at or above e4m3's 2^-9; sufficient, not
+    necessary: ``exact`` checks each row's round trip); an inexact row is rounded to nearest
+    even. The prefill kernels multiply it on the fp8 tensor cores with one
     promotion per activation group and the row scale applied once, in the epilogue."""
     w = dequantize_fp4(packed, scales, torch.float32)
     amax = w.abs().amax(-1)
