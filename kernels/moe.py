@@ -889,9 +889,8 @@ def pick_tiles(
     ``half``: 16-bit MMA operands (fp32 ones keep the rows layout off its 128-row tiles, whose
     shared memory they would not fit)."""
     rows = sb_k == 0
-    per_expert = rows_per_expert(n_slots, n_local, n_experts)
-    local_slots = max(1.0, n_slots * n_local / max(n_local, n_experts))
-    touched = min(float(n_local), local_slots)
+    local_slots, touched = _local_load(n_slots, n_local, n_experts)
+    per_expert = local_slots / touched
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     if ((rows and (act_fp8 or half)) or (act_fp8 and not prequant)) and per_expert > 96:
         bm = 128
@@ -922,8 +921,14 @@ def rows_per_expert(n_slots: int, n_local: int, n_experts: int) -> float:
     """Expected routed rows per touched local expert when ``n_slots`` (token, slot) pairs
     spread uniformly over ``n_experts`` of which ``n_local`` are here: what sizes the tiles
     (above 96: prefill tiles of 128 rows)."""
+    local_slots, touched = _local_load(n_slots, n_local, n_experts)
+    return local_slots / touched
+
+
+def _local_load(n_slots: int, n_local: int, n_experts: int) -> tuple[float, float]:
+    """(expected slots on the local experts, expected local experts touched)."""
     local_slots = max(1.0, n_slots * n_local / max(n_local, n_experts))
-    return local_slots / min(float(n_local), local_slots)
+    return local_slots, min(float(n_local), local_slots)
 
 
 def _check_experts(
