@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.serve_util import Cluster, free_port
+from tests.integration.serve_util import Cluster
+from tests.ports import free_port
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,8 @@
-"""What the Serve integration modules share: the session's cluster (conftest.py), a free
-port, deploying an app, and waiting for an app's /health."""
+"""What the Serve integration modules share: the session's cluster (conftest.py), deploying
+an app, and waiting for an app's /health (free ports: tests/ports.py)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,12 +41,6 @@ def deploy(app: Any) -> Iterator[None]:
         yield
     finally:
         serve.delete(APP)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(base: str, timeout_s: float = 120.0) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -27,6 +26,7 @@ from app.api import (
 from app.config import EngineConfig
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, RequestOutput
+from tests.ports import free_port
 
 MODEL = "tiny-v41"
 NO_THINK = {"thinking": {"type": "disabled"}}
@@ -58,9 +58,7 @@ class Server:
     """A uvicorn server on a free 127.0.0.1 port in a background thread."""
 
     def __init__(self, app) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -4,7 +4,6 @@ the HTTP API's keys, limits, defaults and validation, with gRPC status codes."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -16,6 +15,7 @@ from app.api.grpc_service import GenerateService
 from app.grpc import fathom_pb2 as pb
 from app.grpc import fathom_pb2_grpc as pbg
 from app.grpc.raw import add_GenerateServiceServicer_to_server
+from tests.ports import free_port
 from tests.unit.test_api import MODEL, engine  # noqa: F401 (fixture)
 
 KEY = "k-123"
@@ -36,9 +36,7 @@ class GrpcServer:
     """A grpc.aio server with the service, on its own event loop thread."""
 
     def __init__(self, service: GenerateService) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.service = service
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
