@@ -1,8 +1,10 @@
 """Decode attention launch sweep on one GPU: KV splits x (heads per program, keys per step,
 warps, pipeline stages) at batch >= 32. Used to set ``kernels.attention`` autotune configs and
-``default_splits``; every row is a median time against the bytes floor.
+``default_splits``; every row is a median time against the bytes floor. ``--ws`` sweeps the
+warp-specialized kernel's launches instead (keys per ring stage, stages, producer /
+consumer registers), CUDA-graph replays.
 
-    python -m bench.attention_sweep [--batches 64,128] [--kv bf16,fp8] [--quick]
+    python -m bench.attention_sweep [--batches 64,128] [--kv bf16,fp8,packed] [--quick] [--ws]
 """
 
 from __future__ import annotations
@@ -32,6 +34,43 @@ LAUNCHES = [
 ]  # fmt: skip
 QUICK = [(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
          for c in attn._attn_configs()]  # fmt: skip
+# warp-specialized: (block_n, stages, p_regs, c_regs); 3 * 168 - p - c registers go to
+# consumer 0, the default partition
+WS_LAUNCHES = [(32, 2, 96, 208), (32, 3, 96, 208), (16, 4, 96, 208), (32, 2, 112, 200)]
+
+
+def ws_sweep(batches: list[int], kvs: list[str], splits: list[int]) -> None:
+    from bench.kernels_attention import _attn_flops, graph_us
+
+    ceil = ceilings()
+    bw, fl = ceil["copy_GBps"] * 1e9, ceil["bf16_TFLOPs"] * 1e12
+    recs, lines = [], [f"ceilings {ceil}"]
+    for kv, b in itertools.product(kvs, batches):
+        nbytes = _attn_bytes(b, kv)
+        floor = max(nbytes / bw, _attn_flops(b) / fl) * 1e6
+        nxt = rotating(lambda i, b=b, kv=kv: _attn_inputs(b, kv, i), nbytes * 4)
+        for s, (bn, st, pr, cr) in itertools.product(splits, WS_LAUNCHES):
+            launch = {"block_n": bn, "stages": st, "p_regs": pr, "c_regs": cr}
+
+            def run(nxt=nxt, s=s, launch=launch):
+                a = nxt()
+                kw = {k: v for k, v in a.items() if k not in ("q", "kv", "idx", "sink")}
+                attn.sparse_attention_triton(
+                    a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, splits=s, launch=launch,
+                    kernel="ws", **kw,
+                )  # fmt: skip
+
+            try:
+                us = graph_us(run)
+            except Exception as e:  # shared memory / registers
+                lines.append(f"{b:>5} {kv:>6} S={s} {launch} failed: {type(e).__name__}: {e}"[:200])
+                continue
+            params = {"batch": b, "kv": kv, "splits": s, "launch": launch}
+            recs.append(record("attention.decode.ws_launch", us, "us", params, floor))
+            lines.append(f"{b:>5} {kv:>6} S={s} {bn:>3} {st} {pr:>3} {cr:>3} {us:8.1f} us "
+                         f"{us / floor:6.2f}x floor {nbytes / us / 1e3:6.0f} GB/s")  # fmt: skip
+    print("wrote", write("attention_sweep_ws", recs))
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -40,7 +79,12 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,4")
     ap.add_argument("--kv", default="bf16,fp8")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ws", action="store_true", help="sweep the warp-specialized kernel")
     args = ap.parse_args()
+    if args.ws:
+        ws_sweep([int(x) for x in args.batches.split(",")], args.kv.split(","),
+                 [int(x) for x in args.splits.split(",")])  # fmt: skip
+        return
     ceil = ceilings()
     bw = ceil["copy_GBps"] * 1e9
     recs = []
@@ -59,10 +103,11 @@ def main() -> None:
                 launch = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
 
                 def run(nxt=nxt, s=s, launch=launch):
-                    q, kvt, idx, sink, ang, scale = nxt()
+                    a = nxt()
+                    kw = {k: v for k, v in a.items() if k not in ("q", "kv", "idx", "sink")}
                     attn.sparse_attention_triton(
-                        q, kvt, idx, sink, D**-0.5, inv_rope_angles=ang, kv_scale=scale,
-                        splits=s, launch=launch,
+                        a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, splits=s,
+                        launch=launch, kernel="tl", **kw,
                     )  # fmt: skip
 
                 try:

@@ -475,7 +475,17 @@ def main() -> None:
     ap.add_argument("--replay-only", action="store_true",
                     help="prefill: decoder replay on only (the engine's default)")
     ap.add_argument("--kv-gib", type=int, default=40, help="flash-rank KV pool size")
+    ap.add_argument("--attention", default="auto", choices=("auto", "ws", "tl"),
+                    help="decode attention kernel for the whole run (before / after A/B: "
+                         "tl = the portable kernel, ws = warp-specialized)")  # fmt: skip
     args = ap.parse_args()
+    from kernels.attention import kernel_choice
+
+    with kernel_choice(args.attention):
+        _run(args)
+
+
+def _run(args) -> None:
     if args.model == "tiny":
         args.batches = args.batches or "1,32,256"
         print("wrote", write(args.out or f"engine_steps_{args.device}", tiny(args)))
@@ -494,7 +504,8 @@ def main() -> None:
              "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip
     for part, fn in parts.items():
         if part in what:
-            records += fn()
+            records += [dict(r, params={**r.get("params", {}), "attention": args.attention})
+                    for r in fn()]  # fmt: skip
             write(name, records)  # keep what finished if a later part runs out of time
             gc.collect()
             torch.cuda.empty_cache()

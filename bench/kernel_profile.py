@@ -102,12 +102,12 @@ def compressor_cases() -> list:
 
 def attention_cases() -> list:
     recs = []
-    for kv_dtype, B in (("bf16", 64), ("fp8", 64), ("bf16", 1)):
-        q, kv, idx, sink, ang, scale = _attn_inputs(B, kv_dtype, 0)
+    for kv_dtype, B in (("bf16", 64), ("fp8", 64), ("packed", 64), ("bf16", 1)):
+        a = _attn_inputs(B, kv_dtype, 0)
+        kw = {k: v for k, v in a.items() if k not in ("q", "kv", "idx", "sink")}
 
-        def run(q=q, kv=kv, idx=idx, sink=sink, ang=ang, scale=scale):
-            attn.sparse_attention_triton(q, kv, idx, sink, D**-0.5, inv_rope_angles=ang,
-                                         kv_scale=scale)  # fmt: skip
+        def run(a=a, kw=kw):
+            attn.sparse_attention_triton(a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, **kw)
 
         recs += case("attention", run, {"batch": B, "kv": kv_dtype})
     return recs

@@ -102,8 +102,13 @@ def _time_or_none(fn: Callable[[], Any] | None) -> float | None:
 # ---- decode attention ---------------------------------------------------------------------
 
 
-def _attn_inputs(B: int, kv_dtype: str, seed: int, n_comp: int = 2048):
-    """B sequences, each with its own window (128 rows) and compressed pool (top-512 of 2048)."""
+def _attn_inputs(B: int, kv_dtype: str, seed: int, n_comp: int = 2048) -> dict[str, Any]:
+    """B sequences, each with its own window (128 rows) and compressed pool (top-512 of 2048).
+
+    ``kv_dtype``: "bf16" / "fp8" (fp8 e4m3 x fp32 pow2 per 32) rows of one pool, or "packed":
+    the engine's V4.1 step (two sources: fp8 + e8m0 window ring, nvfp4 + e4m3 entries)."""
+    from kernels.kv_quant import kv_pack
+
     g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randn(B, H, D, device=DEV, generator=g).bfloat16()
     per = W + n_comp
@@ -114,67 +119,98 @@ def _attn_inputs(B: int, kv_dtype: str, seed: int, n_comp: int = 2048):
     idx = torch.cat((win, comp.sort(1).values), dim=1)
     sink = torch.randn(H, device=DEV, generator=g)
     ang = torch.rand(B, ROPE // 2, device=DEV, generator=g) * 100
-    scale = None
+    args = dict(q=q, sink=sink, inv_rope_angles=ang)
+    if kv_dtype == "packed":
+        rows = kv.view(B, per, D)
+        ring, s1 = kv_pack(rows[:, :W].reshape(-1, D), "fp8")
+        pool, s2 = kv_pack(rows[:, W:].reshape(-1, D), "nvfp4")
+        sel = (comp - base - W) + torch.arange(B, device=DEV).unsqueeze(1) * n_comp
+        return {**args, "kv": ring, "kv_scale": s1, "idx": win - base + base // per * W,
+                "kv2": pool, "kv2_scale": s2, "idx2": sel.sort(1).values}  # fmt: skip
     if kv_dtype == "fp8":
         blocks = kv.unflatten(-1, (-1, 32))
         scale = pow2_ceil(blocks.abs().amax(-1).clamp_min(1e-4) / 448.0)
         kv = (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
-    else:
-        kv = kv.bfloat16()
-    return q, kv, idx, sink, ang, scale
+        return {**args, "kv": kv, "kv_scale": scale, "idx": idx}
+    return {**args, "kv": kv.bfloat16(), "idx": idx}
 
 
 def _attn_bytes(B: int, kv_dtype: str) -> float:
-    row = D * (1 if kv_dtype == "fp8" else 2) + (D // 32 * 4 if kv_dtype == "fp8" else 0)
-    return B * ((W + TOP) * (row + 8) + 2 * H * D * 2 + ROPE // 2 * 4)
+    """Bytes one decode step must move: the key rows read (+ their ids), q in, out."""
+    row = {"bf16": D * 2, "fp8": D + D // 32 * 4}
+    if kv_dtype == "packed":
+        keys = W * (D + D // 32 + 8) + TOP * (D // 2 + D // 16 + 8)
+    else:
+        keys = (W + TOP) * (row[kv_dtype] + 8)
+    return B * (keys + 2 * H * D * 2 + ROPE // 2 * 4)
 
 
-def _ref_attention(q, kv, idx, sink, ang, scale):
-    out = attn.sparse_attention_ref(q, kv, idx, sink, D**-0.5, kv_scale=scale)
-    return apply_rope_ref(out, ang, inverse=True)
+def _attn_flops(B: int) -> float:
+    """QK^T and PV over every selected key: 4 B H K D."""
+    return 4.0 * B * H * (W + TOP) * D
 
 
-def sweep_attention(ceil: dict[str, float], batches: list[int], compile_at: set[int]) -> list:
+def _ref_attention(a: dict[str, Any]) -> torch.Tensor:
+    kw = {k: a[k] for k in ("kv_scale", "kv2", "idx2", "kv2_scale") if k in a}
+    out = attn.sparse_attention_ref(a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, **kw)
+    return apply_rope_ref(out, a["inv_rope_angles"], inverse=True)
+
+
+def _triton_attention(a: dict[str, Any], kernel: str) -> torch.Tensor:
+    kw = {k: v for k, v in a.items() if k not in ("q", "kv", "idx", "sink")}
+    return attn.sparse_attention_triton(
+        a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, kernel=kernel, **kw
+    )
+
+
+def sweep_attention(ceil: dict[str, float], batches: list[int], compile_at: set[int],
+                    kv_dtypes: tuple[str, ...] = ("bf16", "fp8", "packed")) -> list:  # fmt: skip
+    """Decode attention per (key format, batch): the warp-specialized kernel ("ws", where it
+    applies) and the portable one ("tl") in the same run, the torch reference beside them.
+    The floor is the larger of the byte floor (copy rate) and the FLOP floor (bf16 matmul
+    rate): at batch 64 they are close, so >= 70% of bandwidth needs ~70% of the MMA peak."""
     recs = []
     bw = ceil["copy_GBps"] * 1e9
     compiled = _try_compile(_ref_attention)
-    for kv_dtype, B in itertools.product(("bf16", "fp8"), batches):
+    ws_ok = attn.ws_applies(torch.empty(1, H, D, device=DEV, dtype=torch.bfloat16), 1, 1)
+    for kv_dtype, B in itertools.product(kv_dtypes, batches):
         nbytes = _attn_bytes(B, kv_dtype)
+        byte_floor = nbytes / bw * 1e6
+        flop_floor = _attn_flops(B) / (ceil["bf16_TFLOPs"] * 1e12) * 1e6
+        floor = max(byte_floor, flop_floor)
         nxt = rotating(lambda i, B=B, k=kv_dtype: _attn_inputs(B, k, i), nbytes * 4)
         a = nxt()
-
-        def run(nxt=nxt):
-            q, kv, idx, sink, ang, scale = nxt()
-            attn.sparse_attention_triton(
-                q, kv, idx, sink, D**-0.5, inv_rope_angles=ang, kv_scale=scale
-            )
-
-        us = bench_us(run)
-        us_graph = graph_us(run)  # rotating inputs inside the graph too: a cold L2
-        eager = _time_or_none(lambda a=a: _ref_attention(*a))
-        comp = _time_or_none(lambda a=a: compiled(*a)) if compiled and B in compile_at else None
-        floor = nbytes / bw * 1e6
-        params = {
-            "batch": B,
-            "kv": kv_dtype,
-            "heads": H,
-            "dim": D,
-            "keys": W + TOP,
-            "splits": attn.default_splits(B, H, W + TOP, a[0].device),
-            "GBps": nbytes / us / 1e3,
-            "bytes": nbytes,
-            "speedup_vs_torch_eager": eager / us if eager else None,
-            "speedup_vs_torch_compile": comp / us if comp else None,
-        }
+        eager = _time_or_none(lambda a=a: _ref_attention(a))
+        comp = _time_or_none(lambda a=a: compiled(a)) if compiled and B in compile_at else None
+        want = _ref_attention({k: (v.double() if k in ("q", "sink") else v)
+                               for k, v in a.items()})  # fmt: skip
         peer = {
             "name": "FlashMLA-class decode at 90% of HBM BW (H800 report)",
-            "value": floor / 0.9,
+            "value": byte_floor / 0.9,
         }
-        recs.append(rec("attention.decode", us, "us", params, floor, peer))
-        recs.append(rec("attention.decode.graph", us_graph, "us",
-                        {**params, "GBps": nbytes / us_graph / 1e3}, floor, peer))  # fmt: skip
-        recs.append(rec("attention.decode.torch_eager", eager, "us", params, floor))
-        recs.append(rec("attention.decode.torch_compile", comp, "us", params, floor))
+        for kernel in ("ws", "tl") if ws_ok else ("tl",):
+
+            def run(nxt=nxt, kernel=kernel):
+                _triton_attention(nxt(), kernel)
+
+            got = _triton_attention(a, kernel)
+            err = float((got.double() - want).norm() / want.norm())
+            us = bench_us(run)
+            us_graph = graph_us(run)  # rotating inputs inside the graph too: a cold L2
+            params = {
+                "batch": B, "kv": kv_dtype, "kernel": kernel, "heads": H, "dim": D,
+                "keys": W + TOP, "bytes": nbytes, "byte_floor_us": byte_floor,
+                "flop_floor_us": flop_floor, "rel_err_vs_fp64": err,
+                "GBps": nbytes / us_graph / 1e3,
+                "TFLOPs": _attn_flops(B) / us_graph / 1e6,
+                "speedup_vs_torch_eager": eager / us_graph if eager else None,
+            }  # fmt: skip
+            recs.append(rec("attention.decode", us, "us", params, floor, peer))
+            recs.append(rec("attention.decode.graph", us_graph, "us", params, floor, peer))
+        recs.append(rec("attention.decode.torch_eager", eager, "us", {"batch": B, "kv": kv_dtype},
+                        floor))  # fmt: skip
+        recs.append(rec("attention.decode.torch_compile", comp, "us",
+                        {"batch": B, "kv": kv_dtype}, floor))  # fmt: skip
     return recs
 
 
@@ -291,7 +327,7 @@ def _table(recs: list) -> str:
         p = {
             k: v
             for k, v in r["params"].items()
-            if k in ("batch", "kv", "candidates", "mode", "entries", "splits")
+            if k in ("batch", "kv", "kernel", "candidates", "mode", "entries", "splits")
         }
         sp = r["params"].get("speedup_vs_torch_eager")
         extra = f" eager/x={sp:.1f}" if sp else ""
@@ -299,6 +335,8 @@ def _table(recs: list) -> str:
         extra += f" compile/x={spc:.1f}" if spc else ""
         gb = r["params"].get("GBps")
         extra += f" {gb:.0f}GB/s" if gb and "torch" not in r["name"] else ""
+        err = r["params"].get("rel_err_vs_fp64")
+        extra += f" err={err:.1e}" if err is not None else ""
         ratio = f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-"
         floor = f"{r['floor']:.1f}" if r["floor"] else "-"
         lines.append(
@@ -310,21 +348,24 @@ def _table(recs: list) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a subset in well under 90 s")
+    ap.add_argument("--only", choices=("attention", "indexer", "compressor"), default=None,
+                    help="one op family")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     ceil = ceilings()
     print(f"ceilings: {ceil}")
     recs = [rec(f"ceiling.{k}", v, k.split("_")[1], {}, None) for k, v in ceil.items()]
-    if args.quick:
-        recs += sweep_attention(ceil, [1, 64], compile_at=set())
-        recs += sweep_indexer(ceil, [1], [262144])
-        recs += sweep_compressor(ceil, [4096, 16384])
-    else:
-        recs += sweep_attention(ceil, [1, 8, 32, 64, 128], compile_at={8, 64})
-        recs += sweep_indexer(ceil, [1, 8, 64], [16384, 65536, 262144])
-        recs += sweep_compressor(ceil, [64, 1024, 4096])
-    path = write("kernels_attention", recs)
+    want = {args.only} if args.only else {"attention", "indexer", "compressor"}
+    if "attention" in want:
+        batches = [1, 64] if args.quick else [1, 8, 32, 64, 128]
+        recs += sweep_attention(ceil, batches, compile_at=set() if args.quick else {8, 64})
+    if "indexer" in want:
+        recs += (sweep_indexer(ceil, [1], [262144]) if args.quick
+                 else sweep_indexer(ceil, [1, 8, 64], [16384, 65536, 262144]))  # fmt: skip
+    if "compressor" in want:
+        recs += sweep_compressor(ceil, [4096, 16384] if args.quick else [64, 1024, 4096])
+    path = write("kernels_attention" + (f"_{args.only}" if args.only else ""), recs)
     info = machine()
     print(f"{info.get('gpu')} torch {info['torch']} triton {info.get('triton')}")
     print(_table(recs))

@@ -17,13 +17,17 @@ and ``_combine_kernel`` merges them. The output's inverse RoPE is fused into the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_ws import HEADS, launch_ws
 from kernels.dispatch import op
 from kernels.kv_quant import e2m1_to_f32
 
@@ -314,7 +318,6 @@ def _attn_full_body(
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=hmask)
 
 
-
 @triton.jit
 def _attn_split_body(
     q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr, out_ptr,
@@ -378,7 +381,6 @@ def _attn_split_body(
         tl.store(pp + 1, acc_o, mask=hmask[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=hmask)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=hmask)
-
 
 
 # Tuned per power-of-two bucket of T and K (both change every engine step).
@@ -484,6 +486,67 @@ def _source(kv: torch.Tensor, kv_scale: torch.Tensor | None, q: torch.Tensor, D:
     return 0, False
 
 
+def _launch_tl(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K, K2, S,
+               scale, D, R, fmt, e8, fmt2, e82, launch):  # fmt: skip
+    """The portable kernel over (T, H / BLOCK_H, S) (autotuned unless ``launch``)."""
+
+    def grid(meta):
+        return (T, triton.cdiv(H, meta["BLOCK_H"]), S)
+
+    np2 = triton.next_power_of_2
+    kernel = _sparse_attn_kernel if launch is None else _sparse_attn_kernel.fn
+    kernel[grid](
+        q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml,
+        T, H, K, K2, S, np2(T), np2(K), np2(K2) if K2 else 0, scale * _LOG2E,
+        q.stride(0), q.stride(1), kv.stride(0), sc.stride(0), idx.stride(0),
+        kv2.stride(0), sc2.stride(0), max(idx2.stride(0), 1),
+        ang.stride(0), out.stride(0), out.stride(1),
+        D=D, R=R, FMT=fmt, SC_E8=e8, FMT2=fmt2, SC2_E8=e82, ROPE=R > 0,
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, SPLIT_PAIRS=fmt2 == 2,
+        **(launch or {}),
+    )  # fmt: skip
+
+
+_KERNELS = ("auto", "ws", "tl")
+_choice = threading.local()  # per thread, as dispatch.reference_kernels
+
+
+@contextlib.contextmanager
+def kernel_choice(kernel: str) -> Iterator[None]:
+    """The attention kernel the calls in this block take when they name none ("auto", "ws",
+    "tl"): benchmarks' before / after runs of the same engine step (set it before CUDA-graph
+    capture -- a captured graph keeps the kernel it was captured with)."""
+    if kernel not in _KERNELS:
+        raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
+    prev = getattr(_choice, "kernel", "auto")
+    _choice.kernel = kernel
+    try:
+        yield
+    finally:
+        _choice.kernel = prev
+
+
+def ws_applies(q: torch.Tensor, fmt: int, fmt2: int) -> bool:
+    """Whether the warp-specialized kernel takes these inputs (sm_90, bf16 q, D = 512, heads
+    in blocks of 64; any key formats)."""
+    T, H, D = q.shape
+    return (
+        q.is_cuda
+        and not _INTERPRET
+        and q.dtype == torch.bfloat16
+        and D == 512
+        and H % HEADS == 0
+        and torch.cuda.get_device_capability(q.device) == (9, 0)
+    )
+
+
+def ws_splits(T: int, H: int, K: int, device: torch.device) -> int:
+    """KV splits of the warp-specialized kernel (one ~190 KB CTA per SM): as many as keep
+    (token, 64-head) programs within one wave, with >= 128 keys each."""
+    programs = T * triton.cdiv(H, HEADS)
+    return max(1, min(_sm_count(device.index or 0) // programs, K // 128))
+
+
 def sparse_attention_triton(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -499,12 +562,19 @@ def sparse_attention_triton(
     splits: int | None = None,
     out: torch.Tensor | None = None,
     launch: dict[str, int] | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Triton ``sparse_attention_ref`` (same arguments). Key sources: rows in q.dtype, fp8
     e4m3 with ``kv_scale`` [N, D/32] (fp32 or e8m0 codes), or (second source) nvfp4 bytes
     [N, D/2] with e4m3 scales [N, D/16]; ``splits`` overrides the KV split count
     (``default_splits``); ``out`` [T, H, D] (contiguous last dim) receives the result;
-    ``launch`` (BLOCK_H, BLOCK_N, num_warps, num_stages) bypasses the autotuner."""
+    ``launch`` (BLOCK_H, BLOCK_N, num_warps, num_stages) bypasses the autotuner.
+
+    ``kernel``: "ws" the warp-specialized Hopper kernel (``kernels.attention_ws``: sm_90,
+    bf16 q, D = 512, heads in blocks of 64), "tl" the portable kernel, "auto" "ws" wherever
+    it applies except plain bf16 rows at under 8 (token, 64-head) programs, where "tl" was
+    faster on the H200; None (default) takes :func:`kernel_choice`'s (normally "auto").
+    With "ws", ``launch`` holds its (block_n, stages, p_regs, c_regs) instead."""
     T, H, D = q.shape
     if idx.dim() != 2 or idx.shape[0] != T:
         raise ValueError(f"bad shapes q{tuple(q.shape)} kv{tuple(kv.shape)} idx{tuple(idx.shape)}")
@@ -544,7 +614,17 @@ def sparse_attention_triton(
     K, K2 = idx.shape[1], idx2.shape[1]
     if T == 0:
         return out
-    S = splits or default_splits(T, H, K + K2, q.device)
+    kernel = kernel or getattr(_choice, "kernel", "auto")
+    if kernel not in _KERNELS:
+        raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
+    ws = ws_applies(q, fmt, fmt2)
+    if kernel == "ws" and not ws:
+        raise ValueError("the warp-specialized kernel needs sm_90, bf16 q, D = 512, H % 64 == 0")
+    if kernel == "auto":
+        ws = ws and not (fmt == 0 and fmt2 == 0 and T * (H // HEADS) < 8)
+    else:
+        ws = kernel == "ws"
+    S = splits or (ws_splits if ws else default_splits)(T, H, K + K2, q.device)
     sink = sink.float().contiguous()
     ang = inv_rope_angles if R else sink  # dummy pointer when unused
     sc = kv_scale if fmt else sink
@@ -554,21 +634,16 @@ def sparse_attention_triton(
         part = torch.empty((S, T, H, D), device=q.device, dtype=torch.float32)
         ml = torch.empty((S, T, H, 2), device=q.device, dtype=torch.float32)
 
-    def grid(meta):
-        return (T, triton.cdiv(H, meta["BLOCK_H"]), S)
-
-    np2 = triton.next_power_of_2
-    kernel = _sparse_attn_kernel if launch is None else _sparse_attn_kernel.fn
-    kernel[grid](
-        q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml,
-        T, H, K, K2, S, np2(T), np2(K), np2(K2) if K2 else 0, scale * _LOG2E,
-        q.stride(0), q.stride(1), kv.stride(0), sc.stride(0), idx.stride(0),
-        kv2.stride(0), sc2.stride(0), max(idx2.stride(0), 1),
-        ang.stride(0), out.stride(0), out.stride(1),
-        D=D, R=R, FMT=fmt, SC_E8=e8, FMT2=fmt2, SC2_E8=e82, ROPE=R > 0,
-        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, SPLIT_PAIRS=fmt2 == 2,
-        **(launch or {}),
-    )  # fmt: skip
+    if ws:
+        strides = (q.stride(0), q.stride(1), kv.stride(0), sc.stride(0), idx.stride(0),
+                   kv2.stride(0), sc2.stride(0), max(idx2.stride(0), 1), ang.stride(0),
+                   out.stride(0), out.stride(1))  # fmt: skip
+        launch_ws(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K, K2, S,
+                  scale * _LOG2E, strides, D=D, R=R, fmt=fmt, e8=e8, fmt2=fmt2, e82=e82,
+                  **(launch or {}))  # fmt: skip
+    else:
+        _launch_tl(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K, K2, S,
+                   scale, D, R, fmt, e8, fmt2, e82, launch)  # fmt: skip
     if S > 1:
         bh = 16
         _combine_kernel[(T, triton.cdiv(H, bh))](

@@ -45,9 +45,10 @@ def _fp8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2), scale
 
 
+@pytest.mark.parametrize("kernel", ["tl", "ws"])
 @pytest.mark.parametrize("B", [1, 8, 64])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-def test_decode_attention(B, kv_dtype):
+def test_decode_attention(B, kv_dtype, kernel):
     q, kv, idx, sink, angles = _decode_case(B, B)
     scale = None
     kv = kv.bfloat16()
@@ -55,8 +56,9 @@ def test_decode_attention(B, kv_dtype):
         kv, scale = _fp8(kv.float())
     out = torch.full_like(q, float("nan"))
     attn.sparse_attention_triton(
-        q, kv, idx, sink, 512**-0.5, inv_rope_angles=angles, kv_scale=scale, out=out
-    )
+        q, kv, idx, sink, 512**-0.5, inv_rope_angles=angles, kv_scale=scale, out=out,
+        kernel=kernel,
+    )  # fmt: skip
     ref = attn.sparse_attention_ref(
         q.double(),
         kv if scale is not None else kv.double(),
@@ -70,12 +72,13 @@ def test_decode_attention(B, kv_dtype):
     assert _rel(out, ref) < 1e-2  # bf16 q, P and output rounding
 
 
+@pytest.mark.parametrize("kernel", ["tl", "ws"])
 @pytest.mark.parametrize("splits", [1, 2, 5])
-def test_split_kv_agrees(splits):
+def test_split_kv_agrees(splits, kernel):
     q, kv, idx, sink, angles = _decode_case(2, 7)
     kv = kv.bfloat16()
     got = attn.sparse_attention_triton(
-        q, kv, idx, sink, 0.05, inv_rope_angles=angles, splits=splits
+        q, kv, idx, sink, 0.05, inv_rope_angles=angles, splits=splits, kernel=kernel
     )
     ref = attn.sparse_attention_ref(
         q.double(), kv.double(), idx, sink.double(), 0.05, inv_rope_angles=angles.double()
@@ -206,9 +209,10 @@ def test_compressor(overlap, ratio, E):
     assert _rel(got32, ref) < 1e-5
 
 
+@pytest.mark.parametrize("kernel", ["tl", "ws"])
 @pytest.mark.parametrize("B", [1, 64])
 @pytest.mark.parametrize("packed", [False, True])
-def test_decode_attention_two_sources(B, packed):
+def test_decode_attention_two_sources(B, packed, kernel):
     """The batched step's call: window rows from a ring, top-512 from a separate compressed
     pool; packed = the released V4.1 formats (fp8 + e8m0 window, nvfp4 + e4m3 entries)."""
     from kernels.kv_quant import kv_pack
@@ -225,8 +229,9 @@ def test_decode_attention_two_sources(B, packed):
     else:
         ring, comp = ring.bfloat16(), comp.bfloat16()
     out = attn.sparse_attention_triton(
-        q, ring, win, sink, 512**-0.5, kv2=comp, idx2=sel, inv_rope_angles=angles, **kw
-    )
+        q, ring, win, sink, 512**-0.5, kv2=comp, idx2=sel, inv_rope_angles=angles,
+        kernel=kernel, **kw,
+    )  # fmt: skip
     ref = attn.sparse_attention_ref(
         q.double(), ring if packed else ring.double(), win, sink.double(), 512**-0.5,
         kv2=comp if packed else comp.double(), idx2=sel, inv_rope_angles=angles.double(), **kw,
@@ -305,3 +310,47 @@ def test_head_gemm_fp32_out(M):
     w = (torch.randn(129280, 5120, device=DEV, generator=g) * 0.02).bfloat16()
     out = linear_f32_triton(x, w)
     assert out.dtype == torch.float32 and _rel(out, linear_f32_ref(x, w)) < 1e-5
+
+
+WS_LAUNCHES = [None, {"block_n": 32, "stages": 3}, {"block_n": 16, "stages": 4}]
+
+
+@pytest.mark.parametrize("launch", WS_LAUNCHES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_ws_kernel_edges(launch, splits):
+    """The warp-specialized kernel where its blocking shows: 128 heads (two head blocks),
+    key counts off the block size, int32 ids, e8m0 window scales, a token whose keys are all
+    empty (its output is 0: only the sink is left), no RoPE; against the torch reference."""
+    from kernels.kv_quant import kv_pack
+
+    g = torch.Generator(device=DEV).manual_seed(11)
+    T, H, D, K, K2 = 5, 128, 512, 77, 301
+    q = torch.randn(T, H, D, device=DEV, generator=g).bfloat16()
+    ring, s1 = kv_pack(torch.randn(T * K, D, device=DEV, generator=g), "fp8")
+    comp, s2 = kv_pack(torch.randn(900, D, device=DEV, generator=g), "nvfp4")
+    assert s1.dtype == torch.uint8  # e8m0 codes
+    win = torch.arange(T * K, device=DEV, dtype=torch.int32).view(T, K)
+    sel = torch.randint(0, 900, (T, K2), device=DEV, generator=g, dtype=torch.int32)
+    win[2], sel[2] = -1, -1
+    sel[4, 200:] = -1
+    sink = torch.randn(H, device=DEV, generator=g)
+    kw = dict(kv_scale=s1, kv2=comp, idx2=sel, kv2_scale=s2)
+    out = attn.sparse_attention_triton(
+        q, ring, win, sink, D**-0.5, splits=splits, kernel="ws", launch=launch, **kw
+    )
+    ref = attn.sparse_attention_ref(q.double(), ring, win.long(), sink.double(), D**-0.5,
+                                    **{**kw, "idx2": sel.long()})  # fmt: skip
+    assert out[2].abs().max() == 0
+    assert _rel(out, ref) < 1e-2
+    tl_out = attn.sparse_attention_triton(
+        q, ring, win, sink, D**-0.5, splits=splits, kernel="tl", **kw
+    )
+    assert _rel(out, tl_out) < 1e-2
+
+
+def test_ws_kernel_refuses_what_it_cannot_take():
+    q = torch.randn(2, 32, 512, device=DEV).bfloat16()  # 32 heads: not a block of 64
+    kv = torch.randn(10, 512, device=DEV).bfloat16()
+    idx = torch.zeros(2, 4, device=DEV, dtype=torch.long)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        attn.sparse_attention_triton(q, kv, idx, torch.zeros(32, device=DEV), 0.1, kernel="ws")

@@ -114,6 +114,25 @@ def test_wrapper_rejects_bad_inputs():
         attn.sparse_attention_triton(q, kv, idx, sink, 1.0, inv_rope_angles=angles[:1])
 
 
+def test_kernel_choice_is_validated_and_scoped():
+    """``kernel`` names a kernel or fails: "ws" where the warp-specialized kernel cannot run
+    (here: no sm_90 GPU, 16 heads, D 32) is an error, not a silent fallback; the portable
+    kernel named outright, or through ``kernel_choice``, gives the reference's result, and
+    the choice ends with its block."""
+    q, kv, idx, sink, _ = _case(7, T=2, H=16, D=32, N=24, K=20)
+    ref = attn.sparse_attention_ref(q.double(), kv.double(), idx, sink.double(), 0.3)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        attn.sparse_attention_triton(q, kv, idx, sink, 0.3, kernel="ws")
+    with pytest.raises(ValueError, match="kernel must be"):
+        attn.sparse_attention_triton(q, kv, idx, sink, 0.3, kernel="fast")
+    with pytest.raises(ValueError, match="kernel must be"), attn.kernel_choice("fast"):
+        pass
+    assert rel(attn.sparse_attention_triton(q, kv, idx, sink, 0.3, kernel="tl"), ref) < 1e-5
+    with attn.kernel_choice("ws"), pytest.raises(ValueError, match="warp-specialized"):
+        attn.sparse_attention_triton(q, kv, idx, sink, 0.3)
+    assert rel(attn.sparse_attention_triton(q, kv, idx, sink, 0.3), ref) < 1e-5  # auto again
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_two_key_sources(packed, splits):
