@@ -2,7 +2,7 @@
 and shared memory (ptxas bundled with Triton), so that launch shapes can be checked before
 spending device time.
 
-    python -m bench.compile_report moe|moe-all|moe-rows|attention|indexer [DUMP_DIR]
+    python -m bench.compile_report moe|moe-all|moe-rows|attention|attention-ws|indexer [DUMP_DIR]
 
 Besides registers/stack/smem/MMA counts each line gives ``async`` (TTGIR
 ``ttg.async_copy_global_to_local`` ops: loads the software pipeliner made cp.async), ``LDGSTS``
@@ -232,6 +232,64 @@ def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> No
                   flush=True)  # fmt: skip
 
 
+def attention_ws() -> None:
+    """The warp-specialized decode attention (``kernels.attention_ws``, Gluon) at its sweep's
+    launches: the engine's packed formats (fp8 + e8m0 window, nvfp4 + e4m3 entries), fp8 with
+    fp32 scales, plain bf16; one split and several. Per line: the shared memory against the
+    227 KB limit, the partitions' register counts (``setmaxnreg`` values, SASS), and local
+    memory ops in the consumers' main loops and in the producer's whole region (the
+    epilogue's sin/cos range reduction uses a stack frame too, outside those loops)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench.attention_sweep import WS_LAUNCHES
+    from kernels import attention_ws as w
+
+    fn = w._attn_ws_kernel
+    base = {n: "i32" for n in fn.arg_names}
+    base.update(q_ptr="*bf16", idx_ptr="*i64", idx2_ptr="*i64", sink_ptr="*fp32",
+                ang_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ml_ptr="*fp32",
+                scale_log2="fp32")  # fmt: skip
+    kinds = {"packed": (1, True, 2, "*fp8e4nv", "*u8", "*u8", "*fp8e4nv"),
+             "fp8": (1, False, 1, "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"),
+             "bf16": (0, False, 0, "*bf16", "*fp32", "*bf16", "*fp32")}  # fmt: skip
+    aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("s_")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    for kind, (f1, e8, f2, kv, sc, kv2, sc2) in kinds.items():
+        for (bn, st, pr, cr), split1 in ((c, s1) for c in WS_LAUNCHES for s1 in (True, False)):
+            types = dict(base, kv_ptr=kv, sc_ptr=sc, kv2_ptr=kv2, sc2_ptr=sc2)
+            consts = dict(D=512, R=64, FMT=f1, SC_E8=e8, FMT2=f2, SC2_E8=False, ROPE=True,
+                          SPLIT1=split1, BLOCK_N=bn, STAGES=st, P_REGS=pr, C_REGS=cr)  # fmt: skip
+            sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+            head = f"attention-ws {kind:6} BN={bn} st={st} regs p/c={pr}/{cr} split1={split1:d}"
+            try:
+                src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+                k = triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": 168})
+            except Exception as e:
+                print(f"{head}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True,
+                                      text=True, check=True).stdout  # fmt: skip
+            lines = sass.splitlines()
+            regs = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL[^,;]*?,?\s*"
+                                                          r"(0x[0-9a-f]+)", sass)})  # fmt: skip
+            prod = next((i for i, ln in enumerate(lines)
+                         if f"USETMAXREG.DEALLOC.CTAPOOL {hex(pr)}" in ln), len(lines))  # fmt: skip
+            p_local = sum(1 for ln in lines[prod:] if re.search(r"\b(LDL|STL)\b", ln))
+            # the consumers' main loops: for each MMA the innermost backward branch around it
+            # (warp-specialized code also branches back over whole partitions)
+            ins, spans = _mma_loops(sass)
+            inner = {min((sp for sp in spans if sp[0] <= a <= sp[1]), key=lambda x: x[1] - x[0])
+                     for a, o in ins if re.search(r"\bHGMMA\b", o)}  # fmt: skip
+            c_local = sum(1 for a, o in ins if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", o)
+                          and any(lo <= a <= hi for lo, hi in inner))  # fmt: skip
+            print(f"{head}: smem {k.metadata.shared} / {w.SMEM_LIMIT} regs {regs} "
+                  f"consumer main-loop LDL/STL {c_local} producer LDL/STL {p_local} "
+                  f"cp.async {len(re.findall(r'LDGSTS', sass))}", flush=True)  # fmt: skip
+
+
 def indexer() -> None:
     import kernels.indexer as ix
 
@@ -256,4 +314,4 @@ def indexer() -> None:
 
 if __name__ == "__main__":
     {"moe": moe, "moe-all": moe_all, "moe-rows": moe_rows, "attention": attention,
-     "indexer": indexer}[sys.argv[1]]()
+     "attention-ws": attention_ws, "indexer": indexer}[sys.argv[1]]()

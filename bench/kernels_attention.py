@@ -172,7 +172,7 @@ def sweep_attention(ceil: dict[str, float], batches: list[int], compile_at: set[
     recs = []
     bw = ceil["copy_GBps"] * 1e9
     compiled = _try_compile(_ref_attention)
-    ws_ok = attn.ws_applies(torch.empty(1, H, D, device=DEV, dtype=torch.bfloat16), 1, 1)
+    ws_ok = attn.ws_applies(torch.empty(1, H, D, device=DEV, dtype=torch.bfloat16))
     for kv_dtype, B in itertools.product(kv_dtypes, batches):
         nbytes = _attn_bytes(B, kv_dtype)
         byte_floor = nbytes / bw * 1e6

@@ -526,9 +526,9 @@ def kernel_choice(kernel: str) -> Iterator[None]:
         _choice.kernel = prev
 
 
-def ws_applies(q: torch.Tensor, fmt: int, fmt2: int) -> bool:
-    """Whether the warp-specialized kernel takes these inputs (sm_90, bf16 q, D = 512, heads
-    in blocks of 64; any key formats)."""
+def ws_applies(q: torch.Tensor) -> bool:
+    """Whether the warp-specialized kernel takes queries ``q`` [T, H, D] (sm_90, bf16,
+    D = 512, heads in blocks of 64); it reads every key format."""
     T, H, D = q.shape
     return (
         q.is_cuda
@@ -617,7 +617,7 @@ def sparse_attention_triton(
     kernel = kernel or getattr(_choice, "kernel", "auto")
     if kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
-    ws = ws_applies(q, fmt, fmt2)
+    ws = ws_applies(q)
     if kernel == "ws" and not ws:
         raise ValueError("the warp-specialized kernel needs sm_90, bf16 q, D = 512, H % 64 == 0")
     if kernel == "auto":

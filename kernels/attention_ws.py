@@ -71,7 +71,8 @@ def _raw_view(raw_buf, kv_ptr, D: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _row_ids(idx_row, n0, hi, BLOCK_N: gl.constexpr):
-    """Key row ids of columns [n0, n0 + BLOCK_N) (-1 past ``hi``), int64, one per thread."""
+    """Key row ids of columns [n0, n0 + BLOCK_N) (-1 past ``hi``) as int64, spread over the
+    partition's 128 threads (replicated when BLOCK_N < 128)."""
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
     return gl.load(idx_row + n, mask=n < hi, other=-1).to(gl.int64)
 
@@ -95,8 +96,8 @@ def _scale_view(sc_buf, sc_ptr, D: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.
 @gluon.jit
 def _issue_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, ids, s_kv, s_sc, D: gl.constexpr,
                 FMT: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """cp.async the stored rows ``ids`` (-1: none) and their scale rows into one ring slot,
-    then commit the group."""
+    """cp.async the stored rows ``ids`` and their scale rows into one ring slot, then commit
+    the group. Rows with id -1 are masked copies, which zero-fill their bytes."""
     bl: gl.constexpr = _raw_layout(FMT)
     dst = _raw_view(raw_buf, kv_ptr, D, FMT, BLOCK_N)
     if FMT == 0:

@@ -1,44 +1,63 @@
 """The README's test command (``make test``): the unit tests and the Ray integration modules
-in two pytest processes side by side, one per core (the integration modules share one Ray
-cluster, tests/integration/conftest.py). Each process's output is printed when it ends;
-the exit status is non-zero when either fails.
+in two worker slots side by side, one per core (``SLOTS``; the integration modules of one
+pytest process share one Ray cluster, tests/integration/conftest.py). Every invocation's
+output is printed when all have ended; the exit status is non-zero when any fails.
 
     python -m tools.run_tests [extra pytest args]
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-SUITES = {
-    "unit": ["tests", "--ignore=tests/integration"],
-    "integration": ["tests/integration"],
+# Two worker slots, one per core; each runs its pytest invocations in turn. The Ray modules
+# share one cluster per pytest process (tests/integration/conftest.py); test_pd.py runs in
+# the unit slot after the unit tests, on a cluster of its own, which evens the two slots
+# (CI, 2 cores: unit ~630 s + pd ~85 s against the other Ray modules' ~730 s).
+MOVED = "tests/integration/test_pd.py"
+SLOTS = {
+    "unit": [
+        # torch's CPU threads: one; the other core runs the Ray modules
+        ("unit", ["tests", "--ignore=tests/integration"], {"OMP_NUM_THREADS": "1"}),
+        ("integration (pd)", [MOVED], {}),
+    ],
+    "integration": [("integration", ["tests/integration", f"--ignore={MOVED}"], {})],
 }
+
+
+def _slot(slot: str, extra: list[str], t0: float, out: dict) -> None:
+    """Run one slot's invocations in turn; ``out[slot]``: (name, exit code, log, seconds)."""
+    res = []
+    for name, args, env_extra in SLOTS[slot]:
+        env = dict(os.environ)
+        for k, v in env_extra.items():
+            env.setdefault(k, v)
+        with tempfile.TemporaryFile("w+") as log:
+            cmd = [sys.executable, "-m", "pytest", *args, *extra]
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+            log.seek(0)
+            res.append((name, rc, log.read(), time.time() - t0))
+    out[slot] = res
 
 
 def main(extra: list[str]) -> int:
     t0 = time.time()
-    with contextlib.ExitStack() as stack:
-        procs = {}
-        for name, args in SUITES.items():
-            env = dict(os.environ)
-            if name == "unit":  # torch's CPU threads: one, the other core runs the Ray modules
-                env.setdefault("OMP_NUM_THREADS", "1")
-            log = stack.enter_context(tempfile.TemporaryFile("w+"))
-            cmd = [sys.executable, "-m", "pytest", *args, *extra]
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            procs[name] = (proc, log)
-        status = 0
-        for name, (proc, log) in procs.items():
-            rc = proc.wait()
-            log.seek(0)
-            print(f"===== {name} tests (exit {rc}, {time.time() - t0:.0f} s since start) =====")
-            sys.stdout.write(log.read())
+    out: dict = {}
+    threads = [threading.Thread(target=_slot, args=(slot, extra, t0, out)) for slot in SLOTS]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    status = 0
+    for slot in SLOTS:
+        for name, rc, text, at in out[slot]:
+            print(f"===== {name} tests (exit {rc}, {at:.0f} s since start) =====")
+            sys.stdout.write(text)
             sys.stdout.flush()
             status = status or rc
     return status
