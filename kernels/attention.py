@@ -18,7 +18,6 @@ and ``_combine_kernel`` merges them. The output's inverse RoPE is fused into the
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_ws import HEADS, launch_ws
-from kernels.dispatch import op
+from kernels.dispatch import op, sm_count
 from kernels.kv_quant import e2m1_to_f32
 
 _LOG2E = 1.4426950408889634
@@ -442,16 +441,11 @@ def _combine_kernel(
     tl.store(optrs, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
-@functools.cache
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_splits(T: int, H: int, K: int, device: torch.device) -> int:
     """KV splits: only when (token, 32-head) programs fill under half the SMs; >= 128 keys each."""
     if device.type != "cuda":
         return 1
-    sms = _sm_count(device.index or 0)
+    sms = sm_count(device)
     programs = T * triton.cdiv(H, 32)
     if 2 * programs > sms:
         return 1
@@ -544,7 +538,7 @@ def ws_splits(T: int, H: int, K: int, device: torch.device) -> int:
     """KV splits of the warp-specialized kernel (one ~190 KB CTA per SM): as many as keep
     (token, 64-head) programs within one wave, with >= 128 keys each."""
     programs = T * triton.cdiv(H, HEADS)
-    return max(1, min(_sm_count(device.index or 0) // programs, K // 128))
+    return max(1, min(sm_count(device) // programs, K // 128))
 
 
 def sparse_attention_triton(

@@ -32,6 +32,19 @@ def reference_kernels() -> Iterator[None]:
         _state.reference = prev
 
 
+def sm_count(device: torch.device | int | None) -> int:
+    """Streaming multiprocessors of a CUDA device (index None: device 0), for the launch
+    heuristics; cached, as they ask at every call."""
+    if isinstance(device, torch.device):
+        device = device.index
+    return _sm_count(device or 0)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _decider(args: tuple, kwargs: dict, device_arg: int | None) -> torch.Tensor | None:
     if device_arg is not None:
         return args[device_arg] if len(args) > device_arg else None

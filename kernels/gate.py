@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import op
+from kernels.dispatch import op, sm_count
 from kernels.indexer import topk_ref
 
 
@@ -145,7 +145,7 @@ def moe_gate_triton(
     bt = 16 if t <= 16 else 64
     be = 64 if t <= 64 else 128
     bk = next(b for b in (128, 64, 32, 16) if d % b == 0)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    sms = sm_count(x.device) if x.is_cuda else 4
     blocks = triton.cdiv(t, bt) * triton.cdiv(n_exp, be)
     split = max(1, min(d // bk, triton.cdiv(2 * sms, blocks)))
     k_per = triton.cdiv(d // bk, split) * bk

@@ -28,14 +28,13 @@ Triton designs:
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import op
+from kernels.dispatch import op, sm_count
 from kernels.kv_quant import e2m1_to_f32
 from kernels.topk_grid import grid_topk, grid_topk_plan
 
@@ -228,9 +227,6 @@ def _paged_scores_kernel(
         tl.store(optrs, res, mask=tmask[:, None] & (c[None, :] < C))
 
 
-@functools.cache
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def indexer_scores_triton(
@@ -262,7 +258,7 @@ def indexer_scores_triton(
     HP, DP = triton.next_power_of_2(HI), max(16, triton.next_power_of_2(DI))
     bt = max(1, 64 // HP)
     t_blocks = triton.cdiv(T, bt)
-    sms = _sm_count(q.device.index or 0) if q.is_cuda else 1
+    sms = sm_count(q.device) if q.is_cuda else 1
 
     def grid(meta):
         c_blocks = triton.cdiv(C, meta["BLOCK_C"])
@@ -567,7 +563,7 @@ def topk_triton(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
     if C > _ONE_CHUNK and 4 * triton.next_power_of_2(kk) > _ONE_CHUNK:
         raise ValueError(f"top-{kk} of {C} candidates is beyond the chunked select")
     if C > _ONE_CHUNK:
-        plan = None if _INTERPRET else grid_topk_plan(T, C, _sm_count(scores.device.index or 0))
+        plan = None if _INTERPRET else grid_topk_plan(T, C, sm_count(scores.device))
         if plan is not None:  # one launch (kernels.topk_grid)
             return grid_topk(scores, kk, out, block=plan[0], num_warps=plan[1])
         if not _INTERPRET and kk >= 2048 and T <= 8 and C < 1 << 21:  # the grid phases

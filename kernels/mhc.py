@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import op
+from kernels.dispatch import op, sm_count
 from kernels.norm import rms_norm_ref
 
 
@@ -273,7 +273,7 @@ def _mix_and_finish(
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
     bt, bd = 16, min(64, triton.next_power_of_2(d))
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 4
+    sms = sm_count(dev) if x.is_cuda else 4
     chunks = triton.cdiv(d, bd)
     split = max(1, min(chunks, triton.cdiv(2 * sms, triton.cdiv(t, bt))))
     d_per = triton.cdiv(chunks, split) * bd

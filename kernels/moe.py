@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import op
+from kernels.dispatch import op, sm_count
 from kernels.kv_quant import e2m1_to_f32
 from kernels.quant import dequantize_fp4, dequantize_fp8_block, is_e8m0
 
@@ -800,7 +800,7 @@ def _align(
 
 def _num_sms(dev: torch.device) -> int:
     if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev).multi_processor_count
+        return sm_count(dev)
     return 4
 
 

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import sm_count
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LEVELS = 4  # bytes of a 32-bit key
 _HIST = _LEVELS * 256
@@ -269,7 +271,7 @@ def _workspace(
     if persist:
         key = (device, G)
         if key not in _PERSISTENT:
-            rows = max(T, _sm_count(device) // G if device.type == "cuda" else T)
+            rows = max(T, sm_count(device) // G if device.type == "cuda" else T)
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return _fresh(device, T)
             _PERSISTENT[key] = _fresh(device, rows)
@@ -290,8 +292,6 @@ def _fresh(device: torch.device, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def grid_programs(T: int, C: int, sms: int, block: int = _BLOCK) -> int:
@@ -334,7 +334,7 @@ def grid_topk(
     if fused is None:
         fused = scores.is_cuda and not _INTERPRET
     # the interpreter runs programs one by one: fused only with one program per row
-    sms = _sm_count(scores.device) if scores.is_cuda else T
+    sms = sm_count(scores.device) if scores.is_cuda else T
     if fused and not grid_topk_fits(T, sms):
         raise ValueError(f"a fused grid top-k holds at most {sms} rows resident, got {T}")
     G = programs or (grid_programs(T, C, sms, block) if fused else triton.cdiv(C, block))
