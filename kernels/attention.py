@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_ws import HEADS, launch_ws
-from kernels.dispatch import op, sm_count
+from kernels.dispatch import capability, op, sm_count
 from kernels.kv_quant import e2m1_to_f32
 
 _LOG2E = 1.4426950408889634
@@ -530,7 +530,7 @@ def ws_applies(q: torch.Tensor) -> bool:
         and q.dtype == torch.bfloat16
         and D == 512
         and H % HEADS == 0
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and capability(q.device) == (9, 0)
     )
 
 

@@ -256,7 +256,9 @@ def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
               SC_E8: gl.constexpr, FMT2: gl.constexpr, SC2_E8: gl.constexpr,
               ROPE: gl.constexpr, SPLIT1: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
-    """One warpgroup: the whole S of every key block, output channels [HALF*D/2, +D/2)."""
+    """One warpgroup: the whole S of every key block, output channels [HALF*D/2, +D/2).
+    Consumer 0 is the default partition, consumer 1 a worker (workers share a signature:
+    the producer's, which this one has too)."""
     t = gl.program_id(0)
     h0 = gl.program_id(1) * 64
     split = gl.program_id(2)
@@ -324,24 +326,6 @@ def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
 
 
 @gluon.jit
-def _consumer1(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
-               out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
-               s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-               raw_bufs, sc_bufs, ready, empty, q_bar, D: gl.constexpr, R: gl.constexpr,
-               FMT: gl.constexpr,
-               SC_E8: gl.constexpr, FMT2: gl.constexpr, SC2_E8: gl.constexpr,
-               ROPE: gl.constexpr, SPLIT1: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
-    """The second consumer (a worker partition: same signature as the producer)."""
-    _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
-              out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
-              s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-              raw_bufs, sc_bufs, ready, empty, q_bar, D, R, FMT, SC_E8, FMT2, SC2_E8, ROPE,
-              SPLIT1, BLOCK_N,
-              STAGES, 1)  # fmt: skip
-
-
-@gluon.jit
 def _attn_ws_kernel(
     q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr, out_ptr,
     part_ptr, ml_ptr, T, H, K, K2, SPLITS, scale_log2, s_qt, s_qh, s_kv, s_sc, s_it, s_kv2,
@@ -392,7 +376,7 @@ def _attn_ws_kernel(
                          q_smem, k_bufs, bias_bufs, raw_bufs, sc_bufs, ready, empty, q_bar, D, R,
                          FMT, SC_E8, FMT2,
                          SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 0)),
-            (_consumer1, (q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr,
+            (_consumer, (q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr,
                           ang_ptr, out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2,
                           s_qt, s_qh, s_kv, s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh,
                           q_smem, k_bufs, bias_bufs, raw_bufs, sc_bufs, ready, empty, q_bar, D, R,

@@ -45,6 +45,19 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def capability(device: torch.device | int | None) -> tuple[int, int]:
+    """Compute capability of a CUDA device (index None: device 0); cached, as the kernel
+    choice asks at every call."""
+    if isinstance(device, torch.device):
+        device = device.index
+    return _capability(device or 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _decider(args: tuple, kwargs: dict, device_arg: int | None) -> torch.Tensor | None:
     if device_arg is not None:
         return args[device_arg] if len(args) > device_arg else None
