@@ -15,7 +15,6 @@ import itertools
 from bench.common import record, write
 from bench.kernels_attention import (
     TOP,
-    D,
     H,
     W,
     _attn_bytes,
@@ -23,6 +22,7 @@ from bench.kernels_attention import (
     bench_us,
     ceilings,
     rotating,
+    triton_attention,
 )
 from kernels import attention as attn
 
@@ -53,12 +53,7 @@ def ws_sweep(batches: list[int], kvs: list[str], splits: list[int]) -> None:
             launch = {"block_n": bn, "stages": st, "p_regs": pr, "c_regs": cr}
 
             def run(nxt=nxt, s=s, launch=launch):
-                a = nxt()
-                kw = {k: v for k, v in a.items() if k not in ("q", "kv", "idx", "sink")}
-                attn.sparse_attention_triton(
-                    a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, splits=s, launch=launch,
-                    kernel="ws", **kw,
-                )  # fmt: skip
+                triton_attention(nxt(), "ws", splits=s, launch=launch)
 
             try:
                 us = graph_us(run)
@@ -103,12 +98,7 @@ def main() -> None:
                 launch = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
 
                 def run(nxt=nxt, s=s, launch=launch):
-                    a = nxt()
-                    kw = {k: v for k, v in a.items() if k not in ("q", "kv", "idx", "sink")}
-                    attn.sparse_attention_triton(
-                        a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, splits=s,
-                        launch=launch, kernel="tl", **kw,
-                    )  # fmt: skip
+                    triton_attention(nxt(), "tl", splits=s, launch=launch)
 
                 try:
                     us = bench_us(run)

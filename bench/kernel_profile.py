@@ -29,8 +29,8 @@ from bench.kernels_attention import (
     _cmp_inputs,
     _idx_inputs,
     graph_us,
+    triton_attention,
 )
-from kernels import attention as attn
 from kernels import compressor as cp
 from kernels import indexer as ix
 
@@ -104,10 +104,9 @@ def attention_cases() -> list:
     recs = []
     for kv_dtype, B in (("bf16", 64), ("fp8", 64), ("packed", 64), ("bf16", 1)):
         a = _attn_inputs(B, kv_dtype, 0)
-        kw = {k: v for k, v in a.items() if k not in ("q", "kv", "idx", "sink")}
 
-        def run(a=a, kw=kw):
-            attn.sparse_attention_triton(a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, **kw)
+        def run(a=a):
+            triton_attention(a)
 
         recs += case("attention", run, {"batch": B, "kv": kv_dtype})
     return recs

@@ -156,10 +156,11 @@ def _ref_attention(a: dict[str, Any]) -> torch.Tensor:
     return apply_rope_ref(out, a["inv_rope_angles"], inverse=True)
 
 
-def _triton_attention(a: dict[str, Any], kernel: str) -> torch.Tensor:
+def triton_attention(a: dict[str, Any], kernel: str | None = None, **launch: Any) -> torch.Tensor:
+    """``sparse_attention_triton`` on one ``_attn_inputs`` set (``launch``: splits, launch)."""
     kw = {k: v for k, v in a.items() if k not in ("q", "kv", "idx", "sink")}
     return attn.sparse_attention_triton(
-        a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, kernel=kernel, **kw
+        a["q"], a["kv"], a["idx"], a["sink"], D**-0.5, kernel=kernel, **launch, **kw
     )
 
 
@@ -191,9 +192,9 @@ def sweep_attention(ceil: dict[str, float], batches: list[int], compile_at: set[
         for kernel in ("ws", "tl") if ws_ok else ("tl",):
 
             def run(nxt=nxt, kernel=kernel):
-                _triton_attention(nxt(), kernel)
+                triton_attention(nxt(), kernel)
 
-            got = _triton_attention(a, kernel)
+            got = triton_attention(a, kernel)
             err = float((got.double() - want).norm() / want.norm())
             us = bench_us(run)
             us_graph = graph_us(run)  # rotating inputs inside the graph too: a cold L2
