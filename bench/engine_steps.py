@@ -478,6 +478,10 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", choices=("auto", "ws", "tl"),
                     help="decode attention kernel for the whole run (before / after A/B: "
                          "tl = the portable kernel, ws = warp-specialized)")  # fmt: skip
+    ap.add_argument("--moe-decode", default="auto",
+                    help="decode MoE GEMMs, comma-separated runs of the decode part on one "
+                         "built rank (before / after A/B: tl = _moe_gemm, auto = the Gluon "
+                         "decode kernel where it applies)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
 
@@ -499,7 +503,20 @@ def _run(args) -> None:
     name = args.out or "engine_steps_flash_rank"
     rank = Rank(max_seqs=256, kv_bytes=args.kv_gib << 30, ep=8, max_tokens=32768,
                 dense=args.dense)  # fmt: skip
-    parts = {"decode": lambda: decode(rank, args, bw), "profile": lambda: profile(rank, args),
+    def decodes() -> list[dict]:
+        from kernels.moe import decode_kernel_choice
+
+        out = []
+        for choice in args.moe_decode.split(","):
+            if rank.runner.graphs is not None:  # recapture: a graph keeps the kernels it took
+                rank.runner.graphs.graphs.clear()
+            print(f"moe decode GEMMs: {choice}", flush=True)
+            with decode_kernel_choice(choice):
+                out += [dict(r, params={**r.get("params", {}), "moe_decode": choice})
+                        for r in decode(rank, args, bw)]  # fmt: skip
+        return out
+
+    parts = {"decode": decodes, "profile": lambda: profile(rank, args),
              "gap": lambda: gap(args, rank.model),
              "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip
     for part, fn in parts.items():

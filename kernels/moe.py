@@ -24,7 +24,10 @@ Triton path (``moe_fp8_triton`` / ``moe_fp4_triton``), no host sync (CUDA-graph 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import op, sm_count
+from kernels import moe_decode
+from kernels.dispatch import capability, op, sm_count
 from kernels.kv_quant import e2m1_to_f32
 from kernels.quant import dequantize_fp4, dequantize_fp8_block, is_e8m0
 
@@ -1005,6 +1009,8 @@ def _moe_run(
     out_dtype: torch.dtype | None = None,
     act_group: int | None = None,
     precise_acc: bool = False,
+    row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    decode_kernel: str = "auto",
 ) -> torch.Tensor:
     if prequant and (not act_fp8 or (act_group is None and block[1] != ACT_GROUP)):
         raise ValueError(f"prequant needs act_fp8 and {ACT_GROUP}-column scale groups "
@@ -1023,6 +1029,10 @@ def _moe_run(
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     if n_slots == 0:
         return out
+    if decode_kernel == "auto":
+        decode_kernel = getattr(_decode_choice, "kernel", "auto")
+    if decode_kernel == "auto" and (tiles, block_m, split_k) != (None, None, None):
+        decode_kernel = "tl"  # the test hooks shape ``_moe_gemm``'s launches
     if tiles is None:
         tiles = pick_tiles(n_slots, n_local, n_experts or n_local, d, inter, block[1],
                            _num_sms(x.device), act_fp8, pairs, prequant, a_q >= 2,
@@ -1032,6 +1042,15 @@ def _moe_run(
     n2 = d // 2 if pairs else d  # pairs: each W2 tile computes columns n and n + d/2
     if inter % g1.bn or n2 % g2.bn:  # the grids tile N exactly (no column masks)
         raise ValueError(f"tiles {tiles} do not divide I={inter} and the W2 N={n2}")
+    rows_layout = block[1] == 0
+    f16 = (_dot_dtype(x) == tl.bfloat16 and not act_fp8 and (bm < 64 or rows_layout)
+           and 0 < limit <= 1024 and not _INTERPRET)  # fmt: skip
+    if fp16_mma is not None:  # test hook (the interpreter runs the path too)
+        f16 = fp16_mma
+    refs = _decode_refs(x, s13, s2, d, inter, bm, pairs and f16, row_refs, decode_kernel)
+    if refs is not None:
+        return _moe_run_decode(x, ids, weights, w13, s13, w2, s2, inter, limit, offset,
+                               n_experts or n_local, refs, out)  # fmt: skip
     rows, inv, tile_e = _align(ids, n_local, offset, bm)
     n_tiles, n_rows = tile_e.numel(), rows.numel()
     s13, e8_13 = _scale_arg(s13)
@@ -1041,12 +1060,8 @@ def _moe_run(
     # bf16 with the scales on the weight tile (fp16 could not hold every scaled weight). The
     # SwiGLU clamp bounds H by limit^2 (V4/V4.1: 10 -> 100), inside fp16 * 2^4's 2^20; no
     # clamp, no bound: bf16. The fp8 rows layout (sb_k 0) has no weight-tile scales, so it
-    # takes fp16 MMA at every tile height (e4m3 -> fp16 is one cvt per two values).
-    rows_layout = block[1] == 0
-    f16 = (cdt == tl.bfloat16 and not act_fp8 and (bm < 64 or rows_layout)
-           and 0 < limit <= 1024 and not _INTERPRET)  # fmt: skip
-    if fp16_mma is not None:  # test hook (the interpreter runs the path too)
-        f16 = fp16_mma
+    # takes fp16 MMA at every tile height (e4m3 -> fp16 is one cvt per two values): ``f16``,
+    # decided above.
     common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, PAIRS=pairs, SB_N=block[0],
                   SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8, A_Q=a_q,
                   F16=f16)  # fmt: skip
@@ -1097,6 +1112,122 @@ def _moe_run(
     bd = min(1024, triton.next_power_of_2(d))
     _moe_combine[(t, triton.cdiv(d, bd))](
         y, y.stride(0), y.stride(1), inv, w, out, out.stride(0), d, topk, SPLIT=g2.split, BD=bd
+    )
+    return out
+
+
+DECODE_KERNELS = ("auto", "gluon", "tl")
+_decode_choice = threading.local()
+
+
+@contextlib.contextmanager
+def decode_kernel_choice(kernel: str) -> Iterator[None]:
+    """The decode GEMMs the fp4 calls in this block take when they name none ("auto": the
+    Gluon kernel where it applies, "tl": ``_moe_gemm``): before / after runs of the same
+    engine step (set it before CUDA-graph capture: a graph keeps what it captured)."""
+    if kernel not in ("auto", "tl"):
+        raise ValueError(f"kernel must be 'auto' or 'tl', got {kernel!r}")
+    prev = getattr(_decode_choice, "kernel", "auto")
+    _decode_choice.kernel = kernel
+    try:
+        yield
+    finally:
+        _decode_choice.kernel = prev
+
+
+def _decode_refs(
+    x: torch.Tensor,
+    s13: torch.Tensor,
+    s2: torch.Tensor,
+    d: int,
+    inter: int,
+    bm: int,
+    f16_pairs: bool,
+    row_refs: tuple[torch.Tensor, torch.Tensor] | None,
+    choice: str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The row references for :mod:`kernels.moe_decode` when its kernel runs this call, else
+    None (the ``tl`` path). ``choice`` "auto": where it applies (fp4 pairs on the fp16 path at
+    decode tile heights, e8m0 scales, d and I multiples of 128, sm_80+) and the experts carry
+    exact ``row_refs``; "gluon": required (computed here when not given; an error where the
+    kernel cannot run or the scales are not exact); "tl": never."""
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {choice!r}")
+    if choice == "tl" or (choice == "auto" and row_refs is None):
+        return None
+    fits = (
+        f16_pairs and bm <= 32 and x.is_cuda and is_e8m0(s13) and is_e8m0(s2)
+        and d % moe_decode.KB == 0 and inter % moe_decode.KB == 0
+        and inter % moe_decode.BR == 0 and (d // 2) % moe_decode.BR == 0
+        and capability(x.device) >= (8, 0)
+    )  # fmt: skip
+    if not fits:
+        if choice == "gluon":
+            raise ValueError("decode_kernel='gluon' needs fp4 pairs experts with e8m0 scales, "
+                             "bf16 activations under a SwiGLU clamp, a decode batch, d and I "
+                             "multiples of 128, on a CUDA sm_80+ device")  # fmt: skip
+        return None
+    if row_refs is None:
+        (r13, ok13), (r2, ok2) = moe_decode.row_refs(s13), moe_decode.row_refs(s2)
+        if not (ok13 and ok2):
+            raise ValueError(f"scales of a row span more than {moe_decode.SPREAD} binades: the "
+                             "decode kernel's fp16 products would not be exact")  # fmt: skip
+        row_refs = (r13, r2)
+    return row_refs
+
+
+def _moe_run_decode(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    inter: int,
+    limit: float,
+    offset: int,
+    n_all: int,
+    refs: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The MoE layer with :mod:`kernels.moe_decode`'s GEMMs (fp4 pairs, decode batches):
+    align, x -> fp16 x 2^-4, W13 (+ SwiGLU, or fp32 partials + reduce), W2, combine."""
+    t, d = x.shape
+    topk = ids.shape[1]
+    n_local, n_slots = w13.shape[0], t * topk
+    per = rows_per_expert(n_slots, n_local, n_all)
+    bt = 8 if per <= 4 else 16 if per <= 12 else 32
+    rows, inv, tile_e = _align(ids, n_local, offset, bt)
+    n_tiles, n_rows = tile_e.numel(), rows.numel()
+    _, touched = _local_load(n_slots, n_local, n_all)
+    tiles = touched + n_slots * n_local / max(n_local, n_all) / bt  # active tiles, expected
+    sms = _num_sms(x.device)
+    split1 = moe_decode.pick_split(tiles, inter, d, sms)
+    split2 = moe_decode.pick_split(tiles, d // 2, inter, sms)
+    xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    _to_f16_kernel[(triton.cdiv(x.numel(), 1024),)](x, xa, x.numel(), USE_ASM=True, BLOCK=1024)
+    q13, q2 = s13.view(torch.uint8), s2.view(torch.uint8)
+    h = torch.empty(n_rows, inter, dtype=torch.float16, device=x.device)
+    if split1 == 1:
+        moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], h, n_slots, topk, inter, d, 1,
+                          limit, True, True, bt)  # fmt: skip
+    else:
+        part = torch.empty(split1, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
+        moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter, d,
+                          split1, limit, True, False, bt)  # fmt: skip
+        _swiglu_reduce[(n_tiles, triton.cdiv(inter, 64))](
+            part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
+            SPLIT=split1, HAS_LIMIT=limit > 0, F16=True, USE_ASM=True, BM=bt, BN=64,
+        )  # fmt: skip
+    y_dtype = torch.bfloat16 if split2 == 1 and x.dtype == torch.bfloat16 else torch.float32
+    y = torch.empty(split2, n_rows, d, dtype=y_dtype, device=x.device)
+    moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
+                      limit, False, False, bt)  # fmt: skip
+    w = weights.reshape(-1).float().contiguous()
+    bd = min(1024, triton.next_power_of_2(d))
+    _moe_combine[(t, triton.cdiv(d, bd))](
+        y, y.stride(0), y.stride(1), inv, w, out, out.stride(0), d, topk, SPLIT=split2, BD=bd
     )
     return out
 
@@ -1244,6 +1375,8 @@ def moe_fp4_triton(
     prequant: bool = False,
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
+    row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    decode_kernel: str = "auto",
 ) -> torch.Tensor:
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
@@ -1252,7 +1385,11 @@ def moe_fp4_triton(
     ``pairs``: ``w13`` [E, I, d] and ``w2`` [E, d/2, I] in the layout of :func:`fp4_to_pairs`
     (one byte = the same column of two rows; the conversion is elementwise in the MMA
     operand's layout, for every path); d a multiple of 64.
-    ``prequant``, ``fp16_mma`` and ``out_dtype`` as in :func:`moe_fp8_triton`."""
+    ``prequant``, ``fp16_mma`` and ``out_dtype`` as in :func:`moe_fp8_triton`.
+    ``row_refs`` (r13, r2) of :func:`kernels.moe_decode.row_refs` for these scales, when
+    exact: decode batches in the pairs layout then run :mod:`kernels.moe_decode`'s GEMMs
+    (``decode_kernel`` "auto"; "gluon" requires them, computing the refs if not given;
+    "tl" keeps ``_moe_gemm``)."""
     _check_experts(x, ids, weights, w13, w2)
     d = x.shape[1]
     inter = w13.shape[1] if pairs else w13.shape[1] // 2
@@ -1272,13 +1409,16 @@ def moe_fp4_triton(
         raise ValueError(f"fp4 scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    pairs, prequant, fp16_mma, out_dtype)  # fmt: skip
+                    pairs, prequant, fp16_mma, out_dtype, row_refs=row_refs,
+                    decode_kernel=decode_kernel)  # fmt: skip
 
 
 def _unused_n_experts(ref):
-    """A reference with the kernels' ``n_experts`` keyword (it only sizes their tiles)."""
+    """A reference with the kernels' ``n_experts``, ``row_refs`` and ``decode_kernel``
+    keywords (they only choose and size the kernels' launches)."""
 
-    def run(*args: Any, n_experts: int | None = None, **kwargs: Any) -> torch.Tensor:
+    def run(*args: Any, n_experts: int | None = None, row_refs: Any = None,
+            decode_kernel: str = "auto", **kwargs: Any) -> torch.Tensor:  # fmt: skip
         return ref(*args, **kwargs)
 
     run.__doc__, run.__name__ = ref.__doc__, ref.__name__

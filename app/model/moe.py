@@ -26,6 +26,8 @@ from kernels.moe import (
     rows_per_expert,
     swiglu_clamp,
 )
+from kernels.moe_decode import row_refs
+from kernels.quant import is_e8m0
 
 PackedFormat = Literal["fp8", "fp4"]
 Fp4Layout = Literal["mx", "pairs", "fp8_rows"]
@@ -166,6 +168,10 @@ class PackedExperts(nn.Module):
         self.register_buffer("s13", s13)
         self.register_buffer("w2", w2)
         self.register_buffer("s2", s2)
+        # per-row reference exponents of the scales (kernels.moe_decode) in the pairs layout,
+        # when they make its fp16 products exact: decode steps then run its GEMMs
+        self.register_buffer("r13", None, persistent=False)
+        self.register_buffer("r2", None, persistent=False)
 
     @property
     def can_pair(self) -> bool:
@@ -200,6 +206,16 @@ class PackedExperts(nn.Module):
                 out[e] = conv(w[e])
             setattr(self, name, out)
         self.layout = layout
+        self.r13 = self.r2 = None
+        if layout == "pairs" and is_e8m0(self.s13) and is_e8m0(self.s2):
+            (r13, ok13), (r2, ok2) = row_refs(self.s13), row_refs(self.s2)
+            if ok13 and ok2:  # else the decode kernel's fp16 products would not be exact
+                self.r13, self.r2 = r13, r2
+
+    @property
+    def row_refs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode kernel's row references (pairs layout, exact scales), else None."""
+        return None if self.r13 is None or self.r2 is None else (self.r13, self.r2)
 
     def _to_fp8_rows(self) -> None:
         self.repack("mx")
@@ -252,7 +268,7 @@ class PackedExperts(nn.Module):
             return moe_fp8_rows(x, ids, weights, self.w13, self.s13, self.w2, self.s2,
                                 self.limit, off, act_fp8=act8, act_group=0, **kw)  # fmt: skip
         return moe_fp4(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.limit, off,
-                       pairs=self.layout == "pairs", **kw)  # fmt: skip
+                       pairs=self.layout == "pairs", row_refs=self.row_refs, **kw)  # fmt: skip
 
     def extra_repr(self) -> str:
         layout = f", layout={self.layout}" if self.fmt == "fp4" else ""

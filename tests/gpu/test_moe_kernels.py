@@ -97,6 +97,83 @@ def test_moe_fp4_pairs_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
     assert _rel(out, mx) < 1e-3
 
 
+DECODE_CASES = [(1, False, False), (8, False, False), (64, False, True), (512, False, False),
+                (64, True, False), (200, True, True)]
+
+
+@pytest.mark.parametrize(("t", "all_local", "wide"), DECODE_CASES)
+def test_moe_decode_kernel(fp4_experts: tuple[torch.Tensor, ...], t: int, all_local: bool,
+                           wide: bool) -> None:  # fmt: skip
+    """The Gluon decode GEMMs (kernels.moe_decode: weights as the MMA's A, K permuted per
+    block, scales re-based into fp16) = the fp32 reference on the same fp4 weights, and the
+    tl kernel's fp16 path to accumulation order: 8-, 16- and 32-row token tiles, one and
+    several K splits, row scales spanning 4 or 30 binades (``wide``). Each call's output is
+    poisoned first; every element must be written."""
+    from kernels import moe_decode
+    from kernels.moe import fp4_to_pairs, moe_fp4_ref, moe_fp4_triton
+
+    w13, s13, w2, s2 = fp4_experts
+    if wide:  # every row: scales over 30 binades (R re-basing; fp16 would overflow otherwise)
+        s13 = torch.randint(95, 126, s13.shape, device="cuda").to(torch.uint8)
+        s2 = torch.randint(95, 126, s2.shape, device="cuda").to(torch.uint8)
+    h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
+    (r13, ok13), (r2, ok2) = moe_decode.row_refs(s13), moe_decode.row_refs(s2)
+    assert ok13 and ok2
+    n_all = E_LOCAL if all_local else E_ALL
+    torch.manual_seed(t)
+    x = torch.randn(t, D, device="cuda").bfloat16()
+    if all_local:
+        ids = torch.rand(t, n_all, device="cuda").argsort(-1)[:, :TOPK]
+        w = torch.rand(t, TOPK, device="cuda") + 0.1
+    else:
+        ids, w = _routing(t)
+    kw = dict(n_experts=n_all, pairs=True, out_dtype=torch.float32)
+    out = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, row_refs=(r13, r2), **kw)
+    assert bool(torch.isfinite(out).all())
+    ref = moe_fp4_ref(x.float(), ids, w, w13, s13, w2, s2, 10.0)
+    err = _rel(out, ref)
+    assert err < 1e-2
+    tl_ = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, decode_kernel="tl", **kw)
+    # the same fp16 weights and activations, summed in another order; H rounds to fp16 in
+    # both (2^-11), so order effects flip some of its roundings: ~1e-4, not more
+    assert _rel(out, tl_) < 1e-3
+    assert err < 1.2 * _rel(tl_, ref)  # and no less accurate than the tl kernel
+    # "gluon" computes the references itself; "auto" without them is the tl path exactly
+    forced = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, decode_kernel="gluon", **kw)
+    assert torch.equal(forced, out)
+    auto = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, **kw)
+    assert torch.equal(auto, tl_)
+
+
+def test_moe_decode_kernel_writes_every_row_and_refuses_prefill(
+    fp4_experts: tuple[torch.Tensor, ...],
+) -> None:
+    """Launched directly on a poisoned H (NaN): every valid token row of every touched tile
+    is written; a prefill-sized call with decode_kernel='gluon' is an error, not a fallback."""
+    from kernels import moe_decode
+    from kernels.moe import _align, fp4_to_pairs, moe_fp4_triton
+
+    w13, s13, w2, s2 = fp4_experts
+    h13 = fp4_to_pairs(w13)
+    r13, _ = moe_decode.row_refs(s13)
+    t = 40
+    x = (torch.randn(t, D, device="cuda") * 0.0625).half()
+    ids, _ = _routing(t)
+    rows, _, tile_e = _align(ids, E_LOCAL, 0, 16)
+    h = torch.full((rows.numel(), INTER), float("nan"), dtype=torch.float16, device="cuda")
+    moe_decode.launch(x, rows, tile_e, h13, s13, r13, h, t * TOPK, TOPK, INTER, D, 1, 10.0,
+                      True, True, 16)  # fmt: skip
+    valid = rows < t * TOPK
+    assert int(valid.sum()) == int(((ids >= 0) & (ids < E_LOCAL)).sum())
+    assert bool(torch.isfinite(h[valid]).all())
+    x2 = torch.randn(4096, D, device="cuda").bfloat16()
+    ids2 = torch.rand(4096, E_LOCAL, device="cuda").argsort(-1)[:, :TOPK]
+    with pytest.raises(ValueError, match="decode batch"):
+        moe_fp4_triton(x2, ids2, torch.rand(4096, TOPK, device="cuda"), h13, s13,
+                       fp4_to_pairs(w2), s2, 10.0, n_experts=E_LOCAL, pairs=True,
+                       decode_kernel="gluon")  # fmt: skip
+
+
 @pytest.mark.parametrize(("t", "act_group"), [(1, None), (64, None), (2048, None), (2048, 128),
                                               (2048, 32), (64, 128), (2048, 0)])  # fmt: skip
 def test_moe_fp8_rows_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,

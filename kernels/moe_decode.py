@@ -1,0 +1,317 @@
+"""MoE decode GEMMs over fp4 experts in the pairs layout (Gluon, sm_80+; tuned on sm_90).
+
+At decode a local expert sees a few token rows (1-16), so its GEMM is a weight stream:
+every fp4 byte is read once, converted, and multiplied by a handful of activation columns.
+``kernels.moe._moe_gemm`` (``tl``) takes the tokens as the MMA's M and the weights as B: its
+converted weight tile goes through Triton's operand shuffles, and each 32-column scale goes
+on an fp32 partial. This kernel swaps the operands (weights = A, M = weight rows; tokens =
+B, N = 8 or 16, ``mma.sync`` m16n8k16 in fp16) and permutes K inside each KB-column block so
+that every thread's share of the A fragments is KB/4 contiguous bytes of a row:
+
+    logical k = 16 s + 8 h + 2 t + b   <->   stored column (KB/4) t + 4 s + 2 h + b
+
+(t = lane % 4, s = k16 step, h, b bits of the fragment). The same permutation on the
+activation columns keeps the product exact (a sum over K in another order). A thread's
+KB/4 stored columns lie in one 32-column scale group, so the scale goes on the weights in
+fp16 (one multiply per two values) and the MMAs accumulate in place over all of K:
+
+    W = code x 2^(c - 127)             (e2m1 code, e8m0 scale code c per 32 columns)
+      = [code x 2^-6] x 2^(6 + c - R)  x 2^(R - 127)
+
+code x 2^-6 is the e4m3 re-encoding of the code (bit moves) and its fp16 ``cvt`` (exact);
+R = (largest c of the row) - 9 (``row_refs``) keeps every product code x 2^(c - R) inside
+fp16 exactly when the row's scales span at most 32 binades (checked on the host); the
+activations are fp16 x 2^-4 (the F16 path's convention), so the accumulator is scaled by
+2^(R - 127 + 4) once per row after the K loop.
+
+Per CTA: BR weight rows (16 per warp per repetition; a byte holds a row of each of the two
+row sets: W1 and W3 rows, or W2's rows n and n + N) x BT token rows of one expert x one K
+split. A ring of STAGES shared-memory slots takes the stored bytes and the token rows'
+activations by cp.async; each thread reads its fragment bytes as 16-byte loads. The
+epilogue writes the same outputs as ``_moe_gemm``: H (clamped SwiGLU, fp16 x 2^-4) when one
+split covers K, else fp32 partials [split, rows, 2N]; W2's Y [split, rows, 2N].
+
+Gluon does not run under the interpreter: ``tests/gpu`` checks this kernel against the
+torch reference and the ``tl`` kernel; the CPU tests check the K permutation and the scale
+re-basing (``row_refs`` / :func:`emulate`), which are what this kernel adds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.runtime.jit import constexpr_function
+
+WARPS = gl.constexpr(4)
+KB = 128  # K columns per block (a ring slot); a thread's quarter is one 32-column scale group
+BR = 64  # weight rows per CTA (16 per warp); a byte holds one row of each of the two row sets
+STAGES = 3  # ring slots: 2 blocks in flight per CTA (H200 sweep: 3 beat 4)
+SPREAD = 32  # binades a row's scales may span for the fp16 products to be exact
+HEAD = 9  # R = max c - HEAD: the largest product code x 2^(c - R) is 6 x 2^9
+
+# fp4 pairs -> e4m3 x 2^-6, four bytes at a time (the byte's low nibble -> $0, high -> $1):
+# the code's magnitude bits e1 e0 m land on e4m3's low exponent bits and top mantissa bit
+# (e = 0 lands on the e4m3 subnormal of the same value), the sign on bit 7.
+_PAIRS_E4M3 = gl.constexpr("""{
+.reg .b32 a, u;
+and.b32 a, $2, 0x07070707;  shl.b32 a, a, 2;
+and.b32 u, $2, 0x08080808;  shl.b32 u, u, 4;  or.b32 $0, a, u;
+shr.b32 a, $2, 2;  and.b32 a, a, 0x1C1C1C1C;
+and.b32 u, $2, 0x80808080;  or.b32 $1, a, u;
+}""")
+
+
+def row_refs(scales: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Per-row reference exponents R = max(c) - HEAD of e8m0 scale codes [E, rows, groups]
+    (int32 [E, rows]) and whether every row's codes span at most SPREAD binades (then the
+    kernel's fp16 products are exact)."""
+    c = scales.view(torch.uint8).to(torch.int32)
+    hi, lo = c.amax(-1), c.amin(-1)
+    return (hi - HEAD).contiguous(), bool(((hi - lo) <= SPREAD).all())
+
+
+def k_perm(kb: int) -> torch.Tensor:
+    """The stored column of each logical MMA column k in a KB-column block (see the module
+    docstring): ``stored[k]``."""
+    k = torch.arange(kb)
+    s, h, t, b = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
+    return (kb // 4) * t + 4 * s + 2 * h + b
+
+
+def rebased_weights(codes: torch.Tensor, c: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The kernel's fp16 weights: e2m1 ``codes`` [R, K] (fp32 values) x 2^-6 in fp16 (the
+    e4m3 re-encoding's ``cvt``), times the fp16 2^(6 + c - R) of their group (``c`` [R, K/32]
+    e8m0 codes, ``ref`` [R]): code x 2^(c - R), i.e. W x 2^(127 - R) when exact."""
+    g = torch.arange(codes.shape[1]) // 32
+    mult = torch.exp2((6 + c[:, g] - ref[:, None]).double()).to(torch.float16)
+    return (codes * 2.0**-6).to(torch.float16) * mult  # one fp16 rounding, as HMUL2
+
+
+def emulate(x16: torch.Tensor, codes: torch.Tensor, c: torch.Tensor, ref: torch.Tensor,
+            kb: int) -> torch.Tensor:  # fmt: skip
+    """What the kernel computes for one row set, in torch: ``x16`` [T, K] fp16 activations
+    (x 2^-4), ``codes`` [R, K] e2m1 values (fp32), ``c`` [R, K/32] e8m0 codes, ``ref`` [R]
+    reference exponents. The weights are scaled in fp16 as the kernel does, the columns
+    permuted per KB block as the kernel's fragments take them, the products summed in
+    fp64 (the MMA's fp32 accumulation order is not modelled), and the row factor applied.
+    Returns [T, R] fp32 (= x @ W^T when the scales are exact)."""
+    k = codes.shape[1]
+    w16 = rebased_weights(codes, c, ref)
+    perm = (torch.arange(k) // kb) * kb + k_perm(kb).repeat(k // kb)
+    acc = x16[:, perm].double() @ w16[:, perm].double().T
+    return (acc * torch.exp2((ref - 127 + 4).double())[None, :]).float()
+
+
+@constexpr_function
+def _tile_layout(R, KB, rows):
+    """Register layout of a stored tile [R, KB] (weight bytes, or fp16 activations): thread
+    (g, t) of a warp holds the KB/4 contiguous stored columns of quarter t, which are all its
+    fragment values of the K block. ``rows`` "w": rows g and g + 8 of each 16-row block,
+    warps split the rows into 16-row blocks repeated every 64 (the mma layout's A rows);
+    "x": token rows g (+ 8 per repetition) and every warp holds the whole tile (B)."""
+    q = KB // 4
+    reg = [[0, 1 << i] for i in range(q.bit_length() - 1)]
+    if rows == "w":
+        reg += [[8, 0]] + [[64 << i, 0] for i in range((R // 64).bit_length() - 1)]
+        warps = [[16, 0], [32, 0]]
+    else:
+        reg += [[8 << i, 0] for i in range((R // 8).bit_length() - 1)]
+        warps = [[0, 0], [0, 0]]
+    return gl.DistributedLinearLayout(
+        reg_bases=reg, lane_bases=[[0, q], [0, 2 * q], [1, 0], [2, 0], [4, 0]],
+        warp_bases=warps, block_bases=[], shape=[R, KB],
+    )  # fmt: skip
+
+
+@constexpr_function
+def _quarters_layout(R, KB, rows):
+    """:func:`_tile_layout` viewed as [R, 4, KB/4] (the quarter t as its own dimension)."""
+    lay = _tile_layout(R, KB, rows)
+    q = KB // 4
+
+    def split(b):
+        return [b[0], b[1] // q, b[1] % q]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=[split(b) for b in lay.reg_bases],
+        lane_bases=[split(b) for b in lay.lane_bases],
+        warp_bases=[split(b) for b in lay.warp_bases], block_bases=[], shape=[R, 4, q],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _fragments(v, R: gl.constexpr, KB: gl.constexpr):
+    """[R, KB] in stored column order -> [R, KB] in logical MMA order (a relabelling of each
+    thread's registers: no data moves)."""
+    v = gl.reshape(v, [R, 4, KB // 16, 2, 2])
+    v = gl.permute(v, [0, 2, 3, 1, 4])
+    return gl.reshape(v, [R, KB])
+
+
+@gluon.jit
+def _issue(w_slot, x_slot, s_slot, w_rows, a_rows, amask, s_rows, k, K, BR: gl.constexpr,
+           BT: gl.constexpr, KB: gl.constexpr):  # fmt: skip
+    """cp.async the weight bytes [BR, KB], the token rows' activations [BT, KB] and the rows'
+    scale words (four e8m0 codes: the block's 32-column groups; lo rows then hi rows) of the
+    K block at ``k`` into one ring slot (at or past K: masked, zero-filled)."""
+    wl: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // KB, KB // 16], [WARPS, 1], [1, 0])
+    cw = k + gl.arange(0, KB, layout=gl.SliceLayout(0, wl))
+    async_copy.async_copy_global_to_shared(
+        w_slot, gl.convert_layout(w_rows, gl.SliceLayout(1, wl))[:, None] + cw[None, :],
+        mask=(cw < K)[None, :],
+    )  # fmt: skip
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // KB, KB // 8], [WARPS, 1], [1, 0])
+    cx = k + gl.arange(0, KB, layout=gl.SliceLayout(0, xl))
+    ar = gl.convert_layout(a_rows, gl.SliceLayout(1, xl))
+    am = gl.convert_layout(amask, gl.SliceLayout(1, xl))
+    async_copy.async_copy_global_to_shared(
+        x_slot, ar[:, None] + cx[None, :], mask=am[:, None] & (cx < K)[None, :]
+    )
+    async_copy.async_copy_global_to_shared(s_slot, s_rows + k // KB,
+                                           mask=gl.full(s_rows.shape, k, gl.int32,
+                                                        s_rows.type.layout) < K)  # fmt: skip
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _mult(words, ref, layout: gl.constexpr):
+    """fp16 2^(6 + c - R) [BR, 4] for each row and column quarter t of a K block: c = byte t
+    of the row's scale word (group t of the block), R = the row's reference ``ref``."""
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, layout))
+    c = (words[:, None] >> (8 * t)[None, :]) & 0xFF
+    bits = (c + (6 + 127) - ref[:, None]) << 23
+    return bits.to(gl.float32, bitcast=True).to(gl.float16)
+
+
+@gluon.jit
+def _moe_dec_kernel(
+    a_ptr, sam, rows_ptr, tile_e_ptr, w_ptr, swe, swn, s_ptr, sse, ssn, r_ptr, sre,
+    out_ptr, sos, som, n_slots, topk, N, K, k_per_split, limit,
+    A_GATHER: gl.constexpr, FUSE_SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
+    BR: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n, pid_k = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    e = gl.load(tile_e_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(gl.int64)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, 8])  # fmt: skip
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    wl: gl.constexpr = _tile_layout(BR, KB, "w")
+    wq: gl.constexpr = _quarters_layout(BR, KB, "w")
+    xl: gl.constexpr = _tile_layout(BT, KB, "x")
+    ql: gl.constexpr = gl.SliceLayout(2, wq)  # [BR, 4]: one scale group per thread and row
+    rl: gl.constexpr = gl.SliceLayout(1, ql)
+
+    # token rows of this tile (pad rows: slot n_slots, masked)
+    tl_: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    pos = pid_m * BT + gl.arange(0, BT, layout=tl_)
+    slot = gl.load(rows_ptr + pos)
+    amask = slot < n_slots
+    arow = (slot // topk) if A_GATHER else pos
+    a_rows = a_ptr + arow.to(gl.int64) * sam
+
+    n0 = pid_n * BR
+    cl: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    w_rows = w_ptr + e * swe + (n0 + gl.arange(0, BR, layout=cl)).to(gl.int64) * swn
+    r = n0 + gl.arange(0, BR, layout=rl)
+    sl: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    sr = n0 + gl.arange(0, 2 * BR, layout=sl)
+    s_rows = s_ptr + e * sse + gl.where(sr < n0 + BR, sr, sr - BR + N).to(gl.int64) * ssn
+    ref_lo = gl.load(r_ptr + e * sre + r)
+    ref_hi = gl.load(r_ptr + e * sre + N + r)
+
+    w_bufs = gl.allocate_shared_memory(
+        gl.uint8, [STAGES, BR, KB], gl.SwizzledSharedLayout(16, 1, KB // 16, [1, 0]))
+    x_bufs = gl.allocate_shared_memory(
+        gl.float16, [STAGES, BT, KB], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    s_bufs = gl.allocate_shared_memory(
+        gl.int32, [STAGES, 2 * BR], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    k_lo = pid_k * k_per_split
+    k_hi = gl.minimum(k_lo + k_per_split, K)
+    n_it = gl.cdiv(k_hi - k_lo, KB)
+    for j in gl.static_range(STAGES - 1):
+        _issue(w_bufs.index(j), x_bufs.index(j), s_bufs.index(j), w_rows, a_rows, amask,
+               s_rows, k_lo + j * KB, k_hi, BR, BT, KB)  # fmt: skip
+    acc_lo = gl.zeros([BR, BT], gl.float32, mma)
+    acc_hi = gl.zeros([BR, BT], gl.float32, mma)
+    for i in range(n_it):
+        async_copy.wait_group(STAGES - 2)  # block i has landed (this thread's copies)
+        gl.thread_barrier()  # ... everyone's, and slot (i - 1) % STAGES is free again
+        nxt = (i + STAGES - 1) % STAGES
+        _issue(w_bufs.index(nxt), x_bufs.index(nxt), s_bufs.index(nxt), w_rows, a_rows, amask,
+               s_rows, k_lo + (i + STAGES - 1) * KB, k_hi, BR, BT, KB)  # fmt: skip
+        cur = i % STAGES
+        words = s_bufs.index(cur)
+        q = gl.convert_layout(gl.reshape(w_bufs.index(cur).load(wl), [BR, 4, KB // 4]), wq,
+                              assert_trivial=True)  # fmt: skip
+        lo8, hi8 = gl.inline_asm_elementwise(
+            _PAIRS_E4M3, "=r,=r,r", [q], dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True,
+            pack=4,
+        )  # fmt: skip
+        m_lo = _mult(words.slice(0, BR).load(rl), ref_lo, ql)
+        m_hi = _mult(words.slice(BR, BR).load(rl), ref_hi, ql)
+        w_lo = lo8.to(gl.float16) * gl.expand_dims(m_lo, 2)
+        w_hi = hi8.to(gl.float16) * gl.expand_dims(m_hi, 2)
+        w_lo = gl.convert_layout(_fragments(gl.reshape(w_lo, [BR, KB]), BR, KB), dot_a, True)
+        w_hi = gl.convert_layout(_fragments(gl.reshape(w_hi, [BR, KB]), BR, KB), dot_a, True)
+        xv = _fragments(x_bufs.index(cur).load(xl), BT, KB)
+        xb = gl.convert_layout(gl.permute(xv, [1, 0]), dot_b, True)
+        acc_lo = mma_v2(w_lo, xb, acc_lo)
+        acc_hi = mma_v2(w_hi, xb, acc_hi)
+    async_copy.wait_group(0)
+
+    # rows x tokens -> out[token row, column]; the row factor 2^(R - 127 + 4)
+    rm = n0 + gl.arange(0, BR, layout=gl.SliceLayout(1, mma))
+    f_lo = ((gl.load(r_ptr + e * sre + rm) + 4) << 23).to(gl.float32, bitcast=True)
+    f_hi = ((gl.load(r_ptr + e * sre + N + rm) + 4) << 23).to(gl.float32, bitcast=True)
+    acc_lo = acc_lo * f_lo[:, None]
+    acc_hi = acc_hi * f_hi[:, None]
+    tp = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+    o_ptrs = out_ptr + pid_k * sos + tp.to(gl.int64)[None, :] * som + rm[:, None]
+    if FUSE_SWIGLU:
+        if HAS_LIMIT:
+            acc_lo = gl.minimum(acc_lo, limit)
+            acc_hi = gl.minimum(gl.maximum(acc_hi, -limit), limit)
+        h = acc_lo / (1.0 + gl.exp(-acc_lo)) * acc_hi
+        gl.store(o_ptrs, (h * 0.0625).to(gl.float16))
+    else:
+        gl.store(o_ptrs, acc_lo.to(out_ptr.dtype.element_ty))
+        gl.store(o_ptrs + N, acc_hi.to(out_ptr.dtype.element_ty))
+
+
+def pick_split(tiles: float, n: int, k: int, sms: int, br: int = BR) -> int:
+    """K splits of one GEMM: enough CTAs for about two waves of four per SM over the expected
+    active tiles (x n / br row blocks), each split keeping at least four K blocks."""
+    blocks = max(1.0, tiles) * (n // br)
+    return max(1, min(k // KB // 4, math.ceil(2 * 4 * sms / blocks)))
+
+
+def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.Tensor,
+           s: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, n_slots: int, topk: int,
+           n: int, k: int, split: int, limit: float, gather: bool, fuse_swiglu: bool,
+           bt: int, br: int = BR, kb: int = KB, stages: int = STAGES,
+           maxnreg: int | None = None) -> None:  # fmt: skip
+    """One GEMM: ``a`` fp16 [rows, K] (x 2^-4), ``w`` pairs bytes [E, N, K] (row n: rows n
+    and n + N of the row sets), ``s`` e8m0 codes [E, 2N, K/32] (uint8; read as one int32
+    word per row and K block), ``ref`` int32 [E, 2N] (:func:`row_refs`), ``out`` as
+    ``_moe_gemm`` writes it. K a multiple of KB = 128, N of BR."""
+    if kb != 128 or k % kb or n % br:
+        raise ValueError(f"decode GEMM: K={k} must be a multiple of 128 and N={n} of {br}")
+    s = s.view(torch.uint8).contiguous().view(torch.int32)  # [E, 2N, K/128]
+    per = -(-(k // kb) // split) * kb
+    grid = (tile_e.numel(), n // br, split)
+    _moe_dec_kernel[grid](
+        a, a.stride(0), rows, tile_e, w, w.stride(0), w.stride(1), s, s.stride(0), s.stride(1),
+        ref, ref.stride(0), out, out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
+        n_slots, topk, n, k, per, limit, A_GATHER=gather, FUSE_SWIGLU=fuse_swiglu,
+        HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    )  # fmt: skip
