@@ -478,10 +478,9 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", choices=("auto", "ws", "tl"),
                     help="decode attention kernel for the whole run (before / after A/B: "
                          "tl = the portable kernel, ws = warp-specialized)")  # fmt: skip
-    ap.add_argument("--moe-decode", default="auto",
-                    help="decode MoE GEMMs, comma-separated runs of the decode part on one "
-                         "built rank (before / after A/B: tl = _moe_gemm, auto = the Gluon "
-                         "decode kernel where it applies)")  # fmt: skip
+    ap.add_argument("--moe-decode", default="auto", choices=("auto", "tl"),
+                    help="decode MoE GEMMs of the decode part (before / after A/B: tl = "
+                         "_moe_gemm, auto = the Gluon decode kernel where it applies)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
 
@@ -506,15 +505,9 @@ def _run(args) -> None:
     def decodes() -> list[dict]:
         from kernels.moe import decode_kernel_choice
 
-        out = []
-        for choice in args.moe_decode.split(","):
-            if rank.runner.graphs is not None:  # recapture: a graph keeps the kernels it took
-                rank.runner.graphs.graphs.clear()
-            print(f"moe decode GEMMs: {choice}", flush=True)
-            with decode_kernel_choice(choice):
-                out += [dict(r, params={**r.get("params", {}), "moe_decode": choice})
-                        for r in decode(rank, args, bw)]  # fmt: skip
-        return out
+        with decode_kernel_choice(args.moe_decode):
+            return [dict(r, params={**r.get("params", {}), "moe_decode": args.moe_decode})
+                    for r in decode(rank, args, bw)]  # fmt: skip
 
     parts = {"decode": decodes, "profile": lambda: profile(rank, args),
              "gap": lambda: gap(args, rank.model),

@@ -66,11 +66,13 @@ def _gemms_only(ex: dict[str, Any], refs: tuple, sets: list, **launch: Any) -> C
         h = torch.empty(rows.numel(), INTER, dtype=torch.float16, device=x.device)
         part = torch.empty(s1, rows.numel(), 2 * INTER, device=x.device)
         y = torch.empty(s2, rows.numel(), D, device=x.device)
-        prepared.append((xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots))
+        if not launch.get("stages"):
+            launch = dict(launch, stages=moe_decode.pick_stages(bt, tiles))
+        prepared.append((xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots, launch))
 
     def run(p: tuple) -> None:
-        xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots = p
-        kw = dict(bt=bt, **launch)
+        xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots, lk = p
+        kw = dict(bt=bt, **lk)
         if s1 == 1:
             moe_decode.launch(xa, rows, tile_e, ex["r13"], ex["q13"], refs[0], h, n_slots,
                               TOPK, INTER, D, 1, LIMIT, True, True, **kw)  # fmt: skip
@@ -90,9 +92,13 @@ def _gemms_only(ex: dict[str, Any], refs: tuple, sets: list, **launch: Any) -> C
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="1,8,64,512")
-    ap.add_argument("--stages", default="3", help="ring depths of the gluon GEMMs-only rows")
+    ap.add_argument("--stages", default="0",
+                    help="ring depths of the gluon GEMMs-only rows (0: the layer's pick)")
     ap.add_argument("--sweep", default="", help="tokens at which to sweep the gluon GEMMs' "
                     "launch (rows per CTA x stages x register cap) and stop")  # fmt: skip
+    ap.add_argument("--sweep-br", default="64,128")
+    ap.add_argument("--sweep-stages", default="2,3,4")
+    ap.add_argument("--sweep-maxnreg", default="none,80")
     ap.add_argument("--out", default="moe_decode")
     args = ap.parse_args()
     ceil = ceilings()
@@ -111,7 +117,10 @@ def main() -> None:
             sets = _inputs(t, False)
             touched = sum(len(torch.unique(s[1][s[1] < E_LOCAL])) for s in sets) / len(sets)
             floor = touched * FP4_BYTES / bw * 1e6
-            for br, st, nreg in itertools.product((64, 128), (2, 3, 4), (None, 80)):
+            grid = itertools.product(*([int(v) if v != "none" else None for v in g.split(",")]
+                                       for g in (args.sweep_br, args.sweep_stages,
+                                                 args.sweep_maxnreg)))  # fmt: skip
+            for br, st, nreg in grid:
                 try:
                     us = _us(_gemms_only(ex, refs, sets, br=br, stages=st, maxnreg=nreg))
                 except Exception as e:  # e.g. out of shared memory or registers
@@ -160,8 +169,8 @@ def main() -> None:
             us = _us(_gemms_only(ex, refs, sets, stages=st))
             par = {"tokens": t, "stages": st, "experts_touched": touched}
             recs.append(record("moe.decode.gluon.gemms", us, "us", par, floor))
-            lines.append(f"{'moe.decode.gluon.gemms st' + str(st):28s} T={t:4d} {us:8.1f} us  "
-                         f"x floor {us / floor:5.2f}")  # fmt: skip
+            label = "moe.decode.gluon.gemms " + (f"st{st}" if st else "pick")
+            lines.append(f"{label:28s} T={t:4d} {us:8.1f} us  x floor {us / floor:5.2f}")
         prepared, scaled, _ = _grouped_peers(sets, ex)
         us = _us(_rotating(lambda p, f=scaled: f(p, True), prepared))
         par = {"tokens": t, "note": "two GEMM launches only, on the fp8 rows copy"}

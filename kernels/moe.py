@@ -452,9 +452,9 @@ def _group_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s, acc, FP4: tl.const
     go on the fp32 partial. A_Q (with A_FP8): the activations come quantized already
     (:func:`_quant_act_kernel`: e4m3 values, one fp32 scale per row and group at
     ``sa_base``), so the loop is loads, the fp8 MMA and the promotion of its partial.
-    F16 (bf16 activations, scales on the partial): fp16 MMA on
-    activations stored as fp16 times 2^-4 (see :func:`_to_f16_kernel`; the 2^4 goes back in
-    the scale), so the weights' dequantization is one ``cvt`` per two values instead of
+    F16 (bf16 activations, scales on the partial): fp16 MMA on activations stored as fp16
+    times 2^-4 (converted by the align launch, :func:`_align`; the 2^4 goes back in the
+    scale), so the weights' dequantization is one ``cvt`` per two values instead of
     integer bit surgery. Else bf16 MMA: scales on the weight tile when many rows share it
     (BM >= 64: fewer multiplies, no second accumulator), else on the partial."""
     w = _w_group(w_base, n, kg, swn, FP4, USE_ASM, CDT, GK, A_FP8, F16)
@@ -672,13 +672,22 @@ def _moe_combine(
 @triton.jit
 def _moe_align(
     ids_ptr, n_slots, offset, n_local, rows_ptr, inv_ptr, tile_e_ptr, cursor_ptr,
-    n_tiles, n_rows, BM: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    n_tiles, n_rows, x_ptr, xa_ptr, n_x, BM: tl.constexpr, NB: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CONVERT: tl.constexpr, USE_ASM: tl.constexpr,
 ):  # fmt: skip
-    """One program: count slots per local expert (histogram), lay out BM-row tiles per expert
+    """Program 0: count slots per local expert (histogram), lay out BM-row tiles per expert
     (prefix sum), write each tile's expert, pad rows, then place every slot with an atomic
     cursor per expert. Row order inside an expert varies between runs; results do not (rows
-    of a matrix product are independent, and the combine reads in slot order)."""
+    of a matrix product are independent, and the combine reads in slot order).
+    ``CONVERT``: programs 1.. also write ``xa = fp16(x * 2^-4)`` (the F16 GEMMs' input),
+    BLOCK values each, in the same launch."""
+    if CONVERT:
+        pid = tl.program_id(0)
+        if pid > 0:
+            i = (pid - 1) * BLOCK + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + i, mask=i < n_x, other=0.0).to(tl.float32)
+            tl.store(xa_ptr + i, _f16_sixteenth(v, USE_ASM), mask=i < n_x)
+            return
     bins = tl.arange(0, NB)
     counts = tl.zeros((NB,), tl.int32)
     for s0 in range(0, n_slots, BLOCK):
@@ -705,14 +714,6 @@ def _moe_align(
         p = tl.atomic_add(cursor_ptr + tl.where(local, e, 0), 1, mask=local)
         tl.store(rows_ptr + p, s, mask=local)
         tl.store(inv_ptr + s, tl.where(local, p, -1), mask=s < n_slots)
-
-
-@triton.jit
-def _to_f16_kernel(x_ptr, y_ptr, n, USE_ASM: tl.constexpr, BLOCK: tl.constexpr):
-    """``y = fp16(x * 2^-4)``: the F16 GEMM input convention (see :func:`_f16_sixteenth`)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + i, _f16_sixteenth(v, USE_ASM), mask=i < n)
 
 
 @triton.jit
@@ -779,10 +780,17 @@ def _dot_dtype(x: torch.Tensor) -> tl.dtype:
 
 
 def _align(
-    ids: torch.Tensor, n_local: int, offset: int, bm: int
+    ids: torch.Tensor,
+    n_local: int,
+    offset: int,
+    bm: int,
+    x: torch.Tensor | None = None,
+    xa: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(slots by tile row [tiles*BM] int32 (pad = T*k), row of each slot [T*k] int32
     (-1 = not local), tile experts [tiles] int32 (-1 = idle)); one launch, no host sync.
+    With ``x`` and ``xa`` the same launch writes ``xa = fp16(x * 2^-4)`` (the F16 path's
+    activations; one launch fewer per layer).
 
     e.g. BM=2, slot experts [1,0,1] -> rows [1,-,0,2] (``-`` = pad; 0 and 2 in either
     order), tile experts [0,1]."""
@@ -795,9 +803,12 @@ def _align(
     tile_e = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     nb = triton.next_power_of_2(n_local + 1)
     cursor = torch.empty(nb, dtype=torch.int32, device=dev)
-    _moe_align[(1,)](
+    convert = x is not None and xa is not None
+    n_x = x.numel() if convert else 0
+    _moe_align[(1 + triton.cdiv(n_x, 1024),)](
         ids.reshape(-1), n_slots, offset, n_local, rows, inv, tile_e, cursor, n_tiles, n_rows,
-        BM=bm, NB=nb, BLOCK=1024, BLOCK_T=max(16, 8192 // nb), num_warps=8,
+        x if convert else ids, xa if convert else ids, n_x, BM=bm, NB=nb, BLOCK=1024,
+        BLOCK_T=max(16, 8192 // nb), CONVERT=convert, USE_ASM=not _INTERPRET, num_warps=8,
     )  # fmt: skip
     return rows, inv, tile_e
 
@@ -1051,7 +1062,8 @@ def _moe_run(
     if refs is not None:
         return _moe_run_decode(x, ids, weights, w13, s13, w2, s2, inter, limit, offset,
                                n_experts or n_local, refs, out)  # fmt: skip
-    rows, inv, tile_e = _align(ids, n_local, offset, bm)
+    xa = torch.empty(x.shape, dtype=torch.float16, device=x.device) if f16 else None
+    rows, inv, tile_e = _align(ids, n_local, offset, bm, x, xa)  # + x -> xa on the F16 path
     n_tiles, n_rows = tile_e.numel(), rows.numel()
     s13, e8_13 = _scale_arg(s13)
     s2, e8_2 = _scale_arg(s2)
@@ -1069,13 +1081,11 @@ def _moe_run(
     h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
     k1 = -(-(d // g1.bk) // g1.split) * g1.bk
     scale_args, scale_kw = _scale_launch(s13, e8_13, block[1], g1.bk, act_group)
-    xa, xs = x, x  # activations as the W13 GEMM reads them, and their scales (A_Q)
-    if f16:
-        xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-        _to_f16_kernel[(triton.cdiv(x.numel(), 1024),)](x, xa, x.numel(), USE_ASM=not _INTERPRET,
-                                                         BLOCK=1024)  # fmt: skip
-    elif prequant:
-        xa, xs = _quant_act(x, 0 if a_q >= 2 else scale_kw["GK"])
+    xs = x  # the scales of the activations (A_Q)
+    if xa is None:  # F16: converted by the align launch
+        xa = x
+        if prequant:
+            xa, xs = _quant_act(x, 0 if a_q >= 2 else scale_kw["GK"])
     gate_args = (xa, xa.stride(0), xs, xs.stride(0), rows, tile_e, w13, w13.stride(0),
                  w13.stride(1))  # fmt: skip
     gate_args += scale_args
@@ -1198,24 +1208,24 @@ def _moe_run_decode(
     n_local, n_slots = w13.shape[0], t * topk
     per = rows_per_expert(n_slots, n_local, n_all)
     bt = 8 if per <= 4 else 16 if per <= 12 else 32
-    rows, inv, tile_e = _align(ids, n_local, offset, bt)
+    xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    rows, inv, tile_e = _align(ids, n_local, offset, bt, x, xa)  # and x -> fp16 x 2^-4
     n_tiles, n_rows = tile_e.numel(), rows.numel()
     _, touched = _local_load(n_slots, n_local, n_all)
     tiles = touched + n_slots * n_local / max(n_local, n_all) / bt  # active tiles, expected
     sms = _num_sms(x.device)
     split1 = moe_decode.pick_split(tiles, inter, d, sms)
     split2 = moe_decode.pick_split(tiles, d // 2, inter, sms)
-    xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-    _to_f16_kernel[(triton.cdiv(x.numel(), 1024),)](x, xa, x.numel(), USE_ASM=True, BLOCK=1024)
     q13, q2 = s13.view(torch.uint8), s2.view(torch.uint8)
     h = torch.empty(n_rows, inter, dtype=torch.float16, device=x.device)
+    st = moe_decode.pick_stages(bt, tiles)
     if split1 == 1:
         moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], h, n_slots, topk, inter, d, 1,
-                          limit, True, True, bt)  # fmt: skip
+                          limit, True, True, bt, stages=st)  # fmt: skip
     else:
         part = torch.empty(split1, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
         moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter, d,
-                          split1, limit, True, False, bt)  # fmt: skip
+                          split1, limit, True, False, bt, stages=st)  # fmt: skip
         _swiglu_reduce[(n_tiles, triton.cdiv(inter, 64))](
             part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
             SPLIT=split1, HAS_LIMIT=limit > 0, F16=True, USE_ASM=True, BM=bt, BN=64,
@@ -1223,7 +1233,7 @@ def _moe_run_decode(
     y_dtype = torch.bfloat16 if split2 == 1 and x.dtype == torch.bfloat16 else torch.float32
     y = torch.empty(split2, n_rows, d, dtype=y_dtype, device=x.device)
     moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
-                      limit, False, False, bt)  # fmt: skip
+                      limit, False, False, bt, stages=st)  # fmt: skip
     w = weights.reshape(-1).float().contiguous()
     bd = min(1024, triton.next_power_of_2(d))
     _moe_combine[(t, triton.cdiv(d, bd))](

@@ -49,7 +49,7 @@ from triton.runtime.jit import constexpr_function
 WARPS = gl.constexpr(4)
 KB = 128  # K columns per block (a ring slot); a thread's quarter is one 32-column scale group
 BR = 64  # weight rows per CTA (16 per warp); a byte holds one row of each of the two row sets
-STAGES = 3  # ring slots: 2 blocks in flight per CTA (H200 sweep: 3 beat 4)
+STAGES = 2  # ring slots (pick_stages): one block in flight while the other is multiplied
 SPREAD = 32  # binades a row's scales may span for the fp16 products to be exact
 HEAD = 9  # R = max c - HEAD: the largest product code x 2^(c - R) is 6 x 2^9
 
@@ -285,6 +285,14 @@ def _moe_dec_kernel(
     else:
         gl.store(o_ptrs, acc_lo.to(out_ptr.dtype.element_ty))
         gl.store(o_ptrs + N, acc_hi.to(out_ptr.dtype.element_ty))
+
+
+def pick_stages(bt: int, tiles: float) -> int:
+    """Ring slots: 2, or 3 for many 8-row tiles. H200 sweep (``bench.moe_decode --sweep``,
+    the two GEMMs, 48 of 384 experts local): 1 / 8 / 512 tokens 18.2 / 42.8 / 317 us with 2
+    slots against 19.2 / 44.2 / 331 with 3 (4 and 5 slower still); 64 tokens (8-row tiles,
+    ~36 of them) 186 us with 3 against 194 with 2."""
+    return 3 if bt == 8 and tiles >= 16 else 2
 
 
 def pick_split(tiles: float, n: int, k: int, sms: int, br: int = BR) -> int:

@@ -115,6 +115,20 @@ def test_align_many_slots_and_experts() -> None:
     assert (tile_e >= 0).sum() == ((counts + bm - 1) // bm).sum()
 
 
+def test_align_converts_the_activations_in_the_same_launch() -> None:
+    """With x and xa the align launch also writes xa = fp16(x * 2^-4) (programs 1..) for the
+    F16 GEMMs, every element, and lays out the same tiles as without them."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 9, (300, 3), generator=g)
+    x = (torch.randn(300, 40, generator=g) * 100).bfloat16()
+    xa = torch.full(x.shape, float("nan"), dtype=torch.float16)
+    rows, inv, tile_e = moe._align(ids, 6, 2, 4, x, xa)
+    assert torch.equal(xa, (x.float() * 0.0625).half())
+    r2, i2, t2 = moe._align(ids, 6, 2, 4)
+    assert torch.equal(inv >= 0, i2 >= 0) and torch.equal(tile_e, t2)
+    assert torch.equal(rows.sort().values, r2.sort().values)
+
+
 @pytest.mark.parametrize(("fp4", "bm"), [(False, 16), (False, 64), (True, 16)])
 def test_moe_fp8_activations(fp4: bool, bm: int) -> None:
     """fp8 activations (per row and 32 columns) against the reference with the same rounding,
