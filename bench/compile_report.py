@@ -2,7 +2,8 @@
 and shared memory (ptxas bundled with Triton), so that launch shapes can be checked before
 spending device time.
 
-    python -m bench.compile_report moe|moe-all|moe-rows|attention|attention-ws|indexer [DUMP_DIR]
+    python -m bench.compile_report moe|moe-all|moe-rows|moe-decode|attention|attention-ws|indexer
+        [DUMP_DIR]
 
 Besides registers/stack/smem/MMA counts each line gives ``async`` (TTGIR
 ``ttg.async_copy_global_to_local`` ops: loads the software pipeliner made cp.async), ``LDGSTS``
@@ -290,6 +291,61 @@ def attention_ws() -> None:
                   f"cp.async {len(re.findall(r'LDGSTS', sass))}", flush=True)  # fmt: skip
 
 
+def moe_decode() -> None:
+    """The Gluon decode GEMMs (``kernels.moe_decode``) at the launches the layer picks: W13
+    (gathered rows, fused SwiGLU -> fp16 H) and W2 (fp32 split-K partials / bf16 Y), 8-, 16-
+    and 32-row token tiles, ring depths 2 and 3. Per line: registers, local memory, shared
+    memory, and the main loop per K block (one 128-column block of 64 weight rows per CTA):
+    SASS instructions, HMMAs, LDS, LDGSTS and the conversion's F2FP / HMUL2 / LOP3."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import moe_decode as md
+
+    fn = md._moe_dec_kernel
+    base = {n: "i32" for n in fn.arg_names}
+    base.update(a_ptr="*fp16", rows_ptr="*i32", tile_e_ptr="*i32", w_ptr="*i8", s_ptr="*i32",
+                r_ptr="*i32", limit="fp32")  # fmt: skip
+    aligned = [n for n in fn.arg_names if n.endswith("_ptr")
+               or n in ("sam", "swe", "swn", "sse", "ssn", "sre", "sos", "som", "N", "K",
+                        "k_per_split")]  # fmt: skip
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    for name, out, gather, fuse in (("W13", "*fp16", True, True), ("W2 split", "*fp32", False,
+                                                                    False),
+                                    ("W2", "*bf16", False, False)):  # fmt: skip
+        for bt, st in ((8, 2), (8, 3), (16, 2), (32, 2)):
+            consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=True, BR=md.BR, BT=bt,
+                          KB=md.KB, STAGES=st)  # fmt: skip
+            sig = {n: ("constexpr" if n in consts else dict(base, out_ptr=out)[n])
+                   for n in fn.arg_names}  # fmt: skip
+            head = f"moe-decode {name:8s} BT={bt:2d} stages={st}"
+            try:
+                src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+                k = triton.compile(src, target=TARGET, options={"num_warps": 4})
+            except Exception as e:
+                print(f"{head}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                res = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
+                                     capture_output=True, text=True, check=True).stdout
+                sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True,
+                                      text=True, check=True).stdout  # fmt: skip
+            use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+            regs, stack, _, local = use.groups() if use else ("?",) * 4
+            ins, spans = _mma_loops(sass)
+            lo, hi = max(spans, key=lambda sp: sp[1] - sp[0]) if spans else (0, -1)
+            body = [o for a, o in ins if lo <= a <= hi]
+
+            def count(op: str, body: list[str] = body) -> int:
+                return sum(1 for o in body if re.search(rf"\b{op}\b", o))
+
+            print(f"{head}: regs {regs} stack {stack} local {local} smem {k.metadata.shared} "
+                  f"loop instrs {len(body)} HMMA {count('HMMA')} LDS {count('LDS')} "
+                  f"LDGSTS {count('LDGSTS')} F2FP {count('F2FP')} HMUL2 {count('HMUL2')} "
+                  f"LOP3 {count('LOP3')} BAR {count('BAR')}", flush=True)  # fmt: skip
+
+
 def indexer() -> None:
     import kernels.indexer as ix
 
@@ -313,5 +369,5 @@ def indexer() -> None:
 
 
 if __name__ == "__main__":
-    {"moe": moe, "moe-all": moe_all, "moe-rows": moe_rows, "attention": attention,
-     "attention-ws": attention_ws, "indexer": indexer}[sys.argv[1]]()
+    {"moe": moe, "moe-all": moe_all, "moe-rows": moe_rows, "moe-decode": moe_decode,
+     "attention": attention, "attention-ws": attention_ws, "indexer": indexer}[sys.argv[1]]()

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
-from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention_ws import HEADS, launch_ws
-from kernels.dispatch import capability, op, sm_count
+from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count
 from kernels.kv_quant import e2m1_to_f32
 
 _LOG2E = 1.4426950408889634
@@ -502,22 +500,13 @@ def _launch_tl(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K
 
 
 _KERNELS = ("auto", "ws", "tl")
-_choice = threading.local()  # per thread, as dispatch.reference_kernels
 
 
-@contextlib.contextmanager
-def kernel_choice(kernel: str) -> Iterator[None]:
+def kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
     """The attention kernel the calls in this block take when they name none ("auto", "ws",
     "tl"): benchmarks' before / after runs of the same engine step (set it before CUDA-graph
     capture -- a captured graph keeps the kernel it was captured with)."""
-    if kernel not in _KERNELS:
-        raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
-    prev = getattr(_choice, "kernel", "auto")
-    _choice.kernel = kernel
-    try:
-        yield
-    finally:
-        _choice.kernel = prev
+    return pinned_variant("attention", kernel, _KERNELS)
 
 
 def ws_applies(q: torch.Tensor) -> bool:
@@ -608,7 +597,7 @@ def sparse_attention_triton(
     K, K2 = idx.shape[1], idx2.shape[1]
     if T == 0:
         return out
-    kernel = kernel or getattr(_choice, "kernel", "auto")
+    kernel = kernel or pinned("attention")
     if kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
     ws = ws_applies(q)

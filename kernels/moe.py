@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels import moe_decode
-from kernels.dispatch import capability, op, sm_count
+from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count
 from kernels.kv_quant import e2m1_to_f32
 from kernels.quant import dequantize_fp4, dequantize_fp8_block, is_e8m0
 
@@ -1041,7 +1039,7 @@ def _moe_run(
     if n_slots == 0:
         return out
     if decode_kernel == "auto":
-        decode_kernel = getattr(_decode_choice, "kernel", "auto")
+        decode_kernel = pinned("moe_decode")
     if decode_kernel == "auto" and (tiles, block_m, split_k) != (None, None, None):
         decode_kernel = "tl"  # the test hooks shape ``_moe_gemm``'s launches
     if tiles is None:
@@ -1127,22 +1125,13 @@ def _moe_run(
 
 
 DECODE_KERNELS = ("auto", "gluon", "tl")
-_decode_choice = threading.local()
 
 
-@contextlib.contextmanager
-def decode_kernel_choice(kernel: str) -> Iterator[None]:
+def decode_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
     """The decode GEMMs the fp4 calls in this block take when they name none ("auto": the
     Gluon kernel where it applies, "tl": ``_moe_gemm``): before / after runs of the same
     engine step (set it before CUDA-graph capture: a graph keeps what it captured)."""
-    if kernel not in ("auto", "tl"):
-        raise ValueError(f"kernel must be 'auto' or 'tl', got {kernel!r}")
-    prev = getattr(_decode_choice, "kernel", "auto")
-    _decode_choice.kernel = kernel
-    try:
-        yield
-    finally:
-        _decode_choice.kernel = prev
+    return pinned_variant("moe_decode", kernel, ("auto", "tl"))
 
 
 def _decode_refs(
