@@ -71,14 +71,7 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: i
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        res = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+    k, res, sass = _compiled(src, {"num_warps": warps, "num_stages": stages})
     ttgir = k.asm["ttgir"]
     if DUMP_DIR and name:
         os.makedirs(DUMP_DIR, exist_ok=True)
@@ -233,6 +226,29 @@ def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> No
                   flush=True)  # fmt: skip
 
 
+def _compiled(src: Any, options: dict) -> tuple[Any, str, str]:
+    """``src`` (a tl or Gluon source) compiled for sm_90: (the kernel, its resource usage as
+    cuobjdump reports it, its SASS)."""
+    k = triton.compile(src, target=TARGET, options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    return k, res, sass
+
+
+def _gluon_sass(fn: Any, sig: dict, consts: dict, attrs: dict,
+                options: dict) -> tuple[Any, str, str]:  # fmt: skip
+    """A Gluon kernel compiled for sm_90 (:func:`_compiled`)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return _compiled(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                     options)  # fmt: skip
+
+
 def attention_ws() -> None:
     """The warp-specialized decode attention (``kernels.attention_ws``, Gluon) at its sweep's
     launches: the engine's packed formats (fp8 + e8m0 window, nvfp4 + e4m3 entries), fp8 with
@@ -240,8 +256,6 @@ def attention_ws() -> None:
     227 KB limit, the partitions' register counts (``setmaxnreg`` values, SASS), and local
     memory ops in the consumers' main loops and in the producer's whole region (the
     epilogue's sin/cos range reduction uses a stack frame too, outside those loops)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from bench.attention_sweep import WS_LAUNCHES
     from kernels import attention_ws as w
 
@@ -263,16 +277,10 @@ def attention_ws() -> None:
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             head = f"attention-ws {kind:6} BN={bn} st={st} regs p/c={pr}/{cr} split1={split1:d}"
             try:
-                src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-                k = triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": 168})
+                k, _, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": 4, "maxnreg": 168})
             except Exception as e:
                 print(f"{head}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(k.asm["cubin"])
-                f.flush()
-                sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True,
-                                      text=True, check=True).stdout  # fmt: skip
             lines = sass.splitlines()
             regs = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL[^,;]*?,?\s*"
                                                           r"(0x[0-9a-f]+)", sass)})  # fmt: skip
@@ -297,8 +305,6 @@ def moe_decode() -> None:
     and 32-row token tiles, ring depths 2 and 3. Per line: registers, local memory, shared
     memory, and the main loop per K block (one 128-column block of 64 weight rows per CTA):
     SASS instructions, HMMAs, LDS, LDGSTS and the conversion's F2FP / HMUL2 / LOP3."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from kernels import moe_decode as md
 
     fn = md._moe_dec_kernel
@@ -319,18 +325,10 @@ def moe_decode() -> None:
                    for n in fn.arg_names}  # fmt: skip
             head = f"moe-decode {name:8s} BT={bt:2d} stages={st}"
             try:
-                src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-                k = triton.compile(src, target=TARGET, options={"num_warps": 4})
+                k, res, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": 4})
             except Exception as e:
                 print(f"{head}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(k.asm["cubin"])
-                f.flush()
-                res = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
-                                     capture_output=True, text=True, check=True).stdout
-                sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True,
-                                      text=True, check=True).stdout  # fmt: skip
             use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
             regs, stack, _, local = use.groups() if use else ("?",) * 4
             ins, spans = _mma_loops(sass)

@@ -281,16 +281,8 @@ shl.b32 u, t1, 8;  and.b32 u, u, 0x80008000;  or.b32 a, a, u;  fma.rn.bf16x2 $3,
 }""")
 
 
-# fp4 -> e4m3 for the fp8 tensor cores, four bytes (eight codes) at a time: the code's
-# magnitude bits e1 e0 m land on e4m3's low exponent bits and top mantissa bit, which is the
-# value times 2^-6 (e = 0 lands on the e4m3 subnormal of the same weight), the sign on bit 7.
-_FP4_E4M3_ASM = tl.constexpr("""{
-.reg .b32 a, u;
-and.b32 a, $2, 0x07070707;  shl.b32 a, a, 2;
-and.b32 u, $2, 0x08080808;  shl.b32 u, u, 4;  or.b32 $0, a, u;
-shr.b32 a, $2, 2;  and.b32 a, a, 0x1C1C1C1C;
-and.b32 u, $2, 0x80808080;  or.b32 $1, a, u;
-}""")
+# fp4 -> e4m3 x 2^-6 for the fp8 tensor cores and the fp16 path (kernels.moe_decode's PTX).
+_FP4_E4M3_ASM = tl.constexpr(moe_decode.FP4_TO_E4M3_PTX)
 
 
 # fp32 -> fp16 as an inline cvt after the fp32 multiply: the compiler otherwise may convert
@@ -994,6 +986,36 @@ def _scale_launch(
     return args, {"SCALE_E8M0": e8, "SCALE_WORDS": words, "GK": gk}
 
 
+def _reduce_swiglu(part: torch.Tensor, h: torch.Tensor, tile_e: torch.Tensor, inter: int,
+                   limit: float, bm: int, f16: bool) -> None:  # fmt: skip
+    """H = SwiGLU(sum of the W13 GEMM's K-split partials ``part`` [split, rows, 2I])."""
+    _swiglu_reduce[(tile_e.numel(), triton.cdiv(inter, 64))](
+        part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
+        SPLIT=part.shape[0], HAS_LIMIT=limit > 0, F16=f16, USE_ASM=not _INTERPRET, BM=bm, BN=64,
+    )  # fmt: skip
+
+
+def _y_buffer(x: torch.Tensor, split: int, n_rows: int) -> torch.Tensor:
+    """The W2 GEMM's output: bf16 when one K split writes it whole (each expert's output
+    rounded once, as the reference's bf16 ``h @ W2^T`` is; the combine still sums in fp32; at
+    4096 tokens its fp32 write and read back were ~0.5 GB of traffic), else fp32 partials."""
+    dt = torch.bfloat16 if split == 1 and x.dtype == torch.bfloat16 else torch.float32
+    return torch.empty(split, n_rows, x.shape[1], dtype=dt, device=x.device)
+
+
+def _combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
+             out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """out[t] = sum_j w[t, j] * sum_s Y[s, row(t, j)] (fixed order)."""
+    t, d = out.shape
+    topk = weights.shape[1]
+    w = weights.reshape(-1).float().contiguous()
+    bd = min(1024, triton.next_power_of_2(d))
+    _moe_combine[(t, triton.cdiv(d, bd))](
+        y, y.stride(0), y.stride(1), inv, w, out, out.stride(0), d, topk, SPLIT=y.shape[0], BD=bd
+    )
+    return out
+
+
 def _moe_run(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -1098,15 +1120,8 @@ def _moe_run(
         _moe_gemm[grid1](*gate_args, part, part.stride(0), part.stride(1), n_slots, topk, inter,
                          d, k1, limit, A_GATHER=True, GATED=True, FUSE_SWIGLU=False, **launch1,
                          **common)  # fmt: skip
-        _swiglu_reduce[(n_tiles, triton.cdiv(inter, 64))](
-            part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
-            SPLIT=g1.split, HAS_LIMIT=limit > 0, F16=f16, USE_ASM=not _INTERPRET, BM=bm, BN=64,
-        )  # fmt: skip
-    # Y in bf16 when one K split writes it whole: each expert's output rounded once, as the
-    # reference's bf16 ``h @ W2^T`` is (the combine still sums in fp32); at 4096 tokens its
-    # fp32 write and read back were ~0.5 GB of traffic. Split-K partials stay fp32.
-    y_dtype = torch.bfloat16 if g2.split == 1 and x.dtype == torch.bfloat16 else torch.float32
-    y = torch.empty(g2.split, n_rows, d, dtype=y_dtype, device=x.device)
+        _reduce_swiglu(part, h, tile_e, inter, limit, bm, f16)
+    y = _y_buffer(x, g2.split, n_rows)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
     scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk, act_group)
     ha, hs = _quant_act(h, 0 if a_q >= 2 else scale_kw["GK"]) if prequant else (h, h)
@@ -1116,12 +1131,7 @@ def _moe_run(
         n_slots, topk, n2, inter, k2, limit, A_GATHER=False, GATED=pairs, FUSE_SWIGLU=False,
         BN=g2.bn, BK=g2.bk, num_warps=g2.warps, num_stages=g2.stages, **scale_kw, **common,
     )  # fmt: skip
-    w = weights.reshape(-1).float().contiguous()
-    bd = min(1024, triton.next_power_of_2(d))
-    _moe_combine[(t, triton.cdiv(d, bd))](
-        y, y.stride(0), y.stride(1), inv, w, out, out.stride(0), d, topk, SPLIT=g2.split, BD=bd
-    )
-    return out
+    return _combine(y, inv, weights, out)
 
 
 DECODE_KERNELS = ("auto", "gluon", "tl")
@@ -1199,7 +1209,7 @@ def _moe_run_decode(
     bt = 8 if per <= 4 else 16 if per <= 12 else 32
     xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
     rows, inv, tile_e = _align(ids, n_local, offset, bt, x, xa)  # and x -> fp16 x 2^-4
-    n_tiles, n_rows = tile_e.numel(), rows.numel()
+    n_rows = rows.numel()
     _, touched = _local_load(n_slots, n_local, n_all)
     tiles = touched + n_slots * n_local / max(n_local, n_all) / bt  # active tiles, expected
     sms = _num_sms(x.device)
@@ -1215,20 +1225,11 @@ def _moe_run_decode(
         part = torch.empty(split1, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
         moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter, d,
                           split1, limit, True, False, bt, stages=st)  # fmt: skip
-        _swiglu_reduce[(n_tiles, triton.cdiv(inter, 64))](
-            part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
-            SPLIT=split1, HAS_LIMIT=limit > 0, F16=True, USE_ASM=True, BM=bt, BN=64,
-        )  # fmt: skip
-    y_dtype = torch.bfloat16 if split2 == 1 and x.dtype == torch.bfloat16 else torch.float32
-    y = torch.empty(split2, n_rows, d, dtype=y_dtype, device=x.device)
+        _reduce_swiglu(part, h, tile_e, inter, limit, bt, True)
+    y = _y_buffer(x, split2, n_rows)
     moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
                       limit, False, False, bt, stages=st)  # fmt: skip
-    w = weights.reshape(-1).float().contiguous()
-    bd = min(1024, triton.next_power_of_2(d))
-    _moe_combine[(t, triton.cdiv(d, bd))](
-        y, y.stride(0), y.stride(1), inv, w, out, out.stride(0), d, topk, SPLIT=split2, BD=bd
-    )
-    return out
+    return _combine(y, inv, weights, out)
 
 
 def _override(tiles: MoeTiles, block_m: int | None, split_k: int | None) -> MoeTiles:

@@ -53,16 +53,18 @@ STAGES = 2  # ring slots (pick_stages): one block in flight while the other is m
 SPREAD = 32  # binades a row's scales may span for the fp16 products to be exact
 HEAD = 9  # R = max c - HEAD: the largest product code x 2^(c - R) is 6 x 2^9
 
-# fp4 pairs -> e4m3 x 2^-6, four bytes at a time (the byte's low nibble -> $0, high -> $1):
-# the code's magnitude bits e1 e0 m land on e4m3's low exponent bits and top mantissa bit
-# (e = 0 lands on the e4m3 subnormal of the same value), the sign on bit 7.
-_PAIRS_E4M3 = gl.constexpr("""{
+# fp4 -> e4m3 x 2^-6, four bytes (eight codes) at a time (the low nibbles -> $0, the high
+# nibbles -> $1): the code's magnitude bits e1 e0 m land on e4m3's low exponent bits and top
+# mantissa bit (e = 0 lands on the e4m3 subnormal of the same value), the sign on bit 7. Both
+# MoE GEMM kernels use it (kernels.moe wraps it for tl).
+FP4_TO_E4M3_PTX = """{
 .reg .b32 a, u;
 and.b32 a, $2, 0x07070707;  shl.b32 a, a, 2;
 and.b32 u, $2, 0x08080808;  shl.b32 u, u, 4;  or.b32 $0, a, u;
 shr.b32 a, $2, 2;  and.b32 a, a, 0x1C1C1C1C;
 and.b32 u, $2, 0x80808080;  or.b32 $1, a, u;
-}""")
+}"""
+_PAIRS_E4M3 = gl.constexpr(FP4_TO_E4M3_PTX)
 
 
 def row_refs(scales: torch.Tensor) -> tuple[torch.Tensor, bool]:
