@@ -5,7 +5,7 @@ every fp4 byte is read once, converted, and multiplied by a handful of activatio
 ``kernels.moe._moe_gemm`` (``tl``) takes the tokens as the MMA's M and the weights as B: its
 converted weight tile goes through Triton's operand shuffles, and each 32-column scale goes
 on an fp32 partial. This kernel swaps the operands (weights = A, M = weight rows; tokens =
-B, N = 8 or 16, ``mma.sync`` m16n8k16 in fp16) and permutes K inside each KB-column block so
+B, N = 8, 16 or 32, ``mma.sync`` m16n8k16 in fp16) and permutes K inside each KB-column block so
 that every thread's share of the A fragments is KB/4 contiguous bytes of a row:
 
     logical k = 16 s + 8 h + 2 t + b   <->   stored column (KB/4) t + 4 s + 2 h + b
@@ -26,8 +26,9 @@ activations are fp16 x 2^-4 (the F16 path's convention), so the accumulator is s
 
 Per CTA: BR weight rows (16 per warp per repetition; a byte holds a row of each of the two
 row sets: W1 and W3 rows, or W2's rows n and n + N) x BT token rows of one expert x one K
-split. A ring of STAGES shared-memory slots takes the stored bytes and the token rows'
-activations by cp.async; each thread reads its fragment bytes as 16-byte loads. The
+split. A ring of 2-3 shared-memory slots takes the stored bytes, the token rows'
+activations and the rows' scale words by cp.async; each thread reads its fragment bytes as
+16-byte loads. The
 epilogue writes the same outputs as ``_moe_gemm``: H (clamped SwiGLU, fp16 x 2^-4) when one
 split covers K, else fp32 partials [split, rows, 2N]; W2's Y [split, rows, 2N].
 
@@ -69,11 +70,13 @@ _PAIRS_E4M3 = gl.constexpr(FP4_TO_E4M3_PTX)
 
 def row_refs(scales: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Per-row reference exponents R = max(c) - HEAD of e8m0 scale codes [E, rows, groups]
-    (int32 [E, rows]) and whether every row's codes span at most SPREAD binades (then the
-    kernel's fp16 products are exact)."""
+    (int32 [E, rows]) and whether the kernel is exact on them: every row's codes span at most
+    SPREAD binades (the fp16 products) and its largest is at least 2^-121 (the fp32 row
+    factor 2^(R - 123) stays a normal number)."""
     c = scales.view(torch.uint8).to(torch.int32)
     hi, lo = c.amax(-1), c.amin(-1)
-    return (hi - HEAD).contiguous(), bool(((hi - lo) <= SPREAD).all())
+    ok = bool(((hi - lo) <= SPREAD).all()) and bool((hi >= HEAD - 3).all())
+    return (hi - HEAD).contiguous(), ok
 
 
 def k_perm(kb: int) -> torch.Tensor:

@@ -75,3 +75,12 @@ def test_the_spread_bound_is_tight() -> None:
     small = (codes[:, :32].abs() == 0.5)
     w16 = rebased_weights(codes, c.int(), refs[0])
     assert bool(small.any()) and float(w16[:, :32][small].abs().max()) == 0.0
+
+
+def test_a_row_of_tiny_scales_is_not_taken() -> None:
+    """A row whose largest scale is below 2^-121 would put the row factor 2^(R - 123) outside
+    fp32's normal range: ``row_refs`` says not exact (the layer keeps the tl kernel)."""
+    c = torch.full((1, 2, 4), 40, dtype=torch.uint8)
+    assert row_refs(c)[1]
+    c[0, 1] = 5
+    assert not row_refs(c)[1]
