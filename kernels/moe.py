@@ -1073,8 +1073,14 @@ def _moe_run(
     n2 = d // 2 if pairs else d  # pairs: each W2 tile computes columns n and n + d/2
     if inter % g1.bn or n2 % g2.bn:  # the grids tile N exactly (no column masks)
         raise ValueError(f"tiles {tiles} do not divide I={inter} and the W2 N={n2}")
+    # fp16 MMA for bf16 activations at decode tile heights (see _group_dot); BM >= 64 keeps
+    # bf16 with the scales on the weight tile (fp16 could not hold every scaled weight). The
+    # SwiGLU clamp bounds H by limit^2 (V4/V4.1: 10 -> 100), inside fp16 * 2^4's 2^20; no
+    # clamp, no bound: bf16. The fp8 rows layout (sb_k 0) has no weight-tile scales, so it
+    # takes fp16 MMA at every tile height (e4m3 -> fp16 is one cvt per two values).
+    cdt = _dot_dtype(x)
     rows_layout = block[1] == 0
-    f16 = (_dot_dtype(x) == tl.bfloat16 and not act_fp8 and (bm < 64 or rows_layout)
+    f16 = (cdt == tl.bfloat16 and not act_fp8 and (bm < 64 or rows_layout)
            and 0 < limit <= 1024 and not _INTERPRET)  # fmt: skip
     if fp16_mma is not None:  # test hook (the interpreter runs the path too)
         f16 = fp16_mma
@@ -1087,13 +1093,6 @@ def _moe_run(
     n_tiles, n_rows = tile_e.numel(), rows.numel()
     s13, e8_13 = _scale_arg(s13)
     s2, e8_2 = _scale_arg(s2)
-    cdt = _dot_dtype(x)
-    # fp16 MMA for bf16 activations at decode tile heights (see _group_dot); BM >= 64 keeps
-    # bf16 with the scales on the weight tile (fp16 could not hold every scaled weight). The
-    # SwiGLU clamp bounds H by limit^2 (V4/V4.1: 10 -> 100), inside fp16 * 2^4's 2^20; no
-    # clamp, no bound: bf16. The fp8 rows layout (sb_k 0) has no weight-tile scales, so it
-    # takes fp16 MMA at every tile height (e4m3 -> fp16 is one cvt per two values): ``f16``,
-    # decided above.
     common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, PAIRS=pairs, SB_N=block[0],
                   SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8, A_Q=a_q,
                   F16=f16)  # fmt: skip
