@@ -220,14 +220,18 @@ def e2m1_to_f32(code):
 
 @triton.jit
 def _kv_pack_kernel(
-    x_ptr, sx, c_ptr, sc, s_ptr, ss, y_ptr, sy, N,
-    D: tl.constexpr, B: tl.constexpr, FMT: tl.constexpr, QDQ: tl.constexpr, BR: tl.constexpr,
+    x_ptr, sx, c_ptr, sc, s_ptr, ss, y_ptr, sy, dst_ptr, N,
+    D: tl.constexpr, B: tl.constexpr, FMT: tl.constexpr, QDQ: tl.constexpr,
+    HAS_DST: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
     """Rows [BR, D] -> groups of B channels: scale from the group's amax, codes (packed two
-    fp4 per byte, channel 2j low), or with QDQ the decoded values in x's dtype."""
+    fp4 per byte, channel 2j low), or with QDQ the decoded values in x's dtype. HAS_DST:
+    row i's codes and scales go to row ``dst[i]`` of the code and scale tensors (a cache
+    write in the same launch)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = r < N
     d = tl.arange(0, D)
+    w = tl.load(dst_ptr + r, mask=rm, other=0).to(tl.int64) if HAS_DST else r.to(tl.int64)
     x = tl.load(x_ptr + r[:, None].to(tl.int64) * sx + d[None, :], mask=rm[:, None], other=0.0)
     g = tl.reshape(x.to(tl.float32), (BR, D // B, B))
     amax = tl.max(tl.abs(g), axis=2)
@@ -245,7 +249,7 @@ def _kv_pack_kernel(
         if QDQ:
             out = qv * scale[:, :, None]
         else:
-            tl.store(c_ptr + r[:, None].to(tl.int64) * sc + d[None, :],
+            tl.store(c_ptr + w[:, None] * sc + d[None, :],
                      tl.reshape(q, (BR, D)).to(tl.uint8), mask=rm[:, None])  # fmt: skip
     else:
         code = _e2m1_code(tl.minimum(tl.maximum(v, -6.0), 6.0))
@@ -254,13 +258,13 @@ def _kv_pack_kernel(
         else:
             lo, hi = tl.split(tl.reshape(code, (BR, D // 2, 2)))
             j = tl.arange(0, D // 2)
-            tl.store(c_ptr + r[:, None].to(tl.int64) * sc + j[None, :],
+            tl.store(c_ptr + w[:, None] * sc + j[None, :],
                      (lo | (hi << 4)).to(tl.uint8), mask=rm[:, None])  # fmt: skip
     if QDQ:
         tl.store(y_ptr + r[:, None].to(tl.int64) * sy + d[None, :],
                  tl.reshape(out, (BR, D)).to(y_ptr.dtype.element_ty), mask=rm[:, None])
     else:
-        sp = s_ptr + r[:, None].to(tl.int64) * ss + gs[None, :]
+        sp = s_ptr + w[:, None] * ss + gs[None, :]
         if FMT == 2:
             tl.store(sp, s8.to(tl.uint8), mask=rm[:, None])
         else:  # e8m0: the biased exponent
@@ -268,37 +272,79 @@ def _kv_pack_kernel(
             tl.store(sp, e.to(tl.uint8), mask=rm[:, None])
 
 
-def _launch(x: torch.Tensor, fmt: str, qdq: bool):
+def _rows_per_program(d: int) -> int:
+    """Rows per program: about 2048 values (16 per thread at 4 warps). 16 rows of 512
+    channels took 255 registers and spilled (sm_90), and at decode sizes most of them were
+    masked."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 4
+    return max(1, min(16, 2048 // d))
+
+
+def _check(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int, int, int]:
     if fmt not in _FMT_CODE:
         raise ValueError(f"unknown KV format {fmt!r} ({', '.join(_FMT_CODE)})")
     b = KV_BLOCKS[fmt]
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n, d = x2.shape
     if d % b or d & (d - 1):
         raise ValueError(f"{fmt} rows need a power-of-two multiple of {b} channels, got {d}")
-    br = 16 if os.environ.get("TRITON_INTERPRET") != "1" else 4
+    return x2, n, d, b
+
+
+def _launch(x: torch.Tensor, fmt: str, qdq: bool):
+    x2, n, d, b = _check(x, fmt)
+    br = _rows_per_program(d)
     grid = (triton.cdiv(n, br),)
     if qdq:
         y = torch.empty_like(x2)
         if n:
-            _kv_pack_kernel[grid](x2, x2.stride(0), y, 0, y, 0, y, y.stride(0), n, D=d, B=b,
-                                  FMT=_FMT_CODE[fmt], QDQ=True, BR=br)  # fmt: skip
-        return y.view(shape)
+            _kv_pack_kernel[grid](x2, x2.stride(0), y, 0, y, 0, y, y.stride(0), y, n, D=d, B=b,
+                                  FMT=_FMT_CODE[fmt], QDQ=True, HAS_DST=False, BR=br)  # fmt: skip
+        return y.view(x.shape)
     codes, scale = kv_storage(fmt, n, d, x.dtype, x.device)
     cu, su = codes.view(torch.uint8), scale.view(torch.uint8)  # codes written as bytes
     if n:
         _kv_pack_kernel[grid](x2, x2.stride(0), cu, cu.stride(0), su, su.stride(0),
-                              codes, 0, n, D=d, B=b, FMT=_FMT_CODE[fmt], QDQ=False,
-                              BR=br)  # fmt: skip
+                              codes, 0, cu, n, D=d, B=b, FMT=_FMT_CODE[fmt], QDQ=False,
+                              HAS_DST=False, BR=br)  # fmt: skip
     return codes, scale
 
 
 def kv_pack_triton(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`kv_pack` (same results, bit for bit): rows [N, D] -> (codes, scale)."""
     return _launch(x, fmt, qdq=False)
+
+
+def kv_pack_into_ref(
+    x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: str
+) -> None:
+    """:func:`kv_pack` of ``x`` [N, D] stored at rows ``rows`` [N] (int64) of the cache
+    tensors ``codes`` / ``scale`` (a repeated row, the trash row, keeps one of its writes)."""
+    c, s = kv_pack_ref(x, fmt)
+    codes.view(torch.uint8).index_copy_(0, rows, c.view(torch.uint8))
+    scale.view(torch.uint8).index_copy_(0, rows, s.view(torch.uint8))
+
+
+def kv_pack_into_triton(
+    x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: str
+) -> None:
+    """Triton :func:`kv_pack_into`: pack and store in one launch (no packed temporaries, no
+    scatter launches)."""
+    x2, n, d, b = _check(x, fmt)
+    cu, su = codes.view(torch.uint8), scale.view(torch.uint8)
+    if rows.shape != (n,) or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rows must be integer [{n}], got {rows.dtype} {tuple(rows.shape)}")
+    if cu.stride(1) != 1 or su.stride(1) != 1 or su.shape[1] != d // b:
+        raise ValueError(f"{fmt} cache tensors of {d} channels with unit stride expected")
+    if n:
+        br = _rows_per_program(d)
+        _kv_pack_kernel[(triton.cdiv(n, br),)](
+            x2, x2.stride(0), cu, cu.stride(0), su, su.stride(0), cu, 0, rows.contiguous(), n,
+            D=d, B=b, FMT=_FMT_CODE[fmt], QDQ=False, HAS_DST=True, BR=br,
+        )  # fmt: skip
 
 
 def kv_qdq_triton(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -312,5 +358,6 @@ def _qdq_triton(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
 
 
 kv_pack = op(kv_pack_ref, kv_pack_triton)
+kv_pack_into = op(kv_pack_into_ref, kv_pack_into_triton)
 # the Triton kernel rounds with the format's own block (the one the model uses)
 kv_qdq = op(kv_qdq_ref, _qdq_triton, when=lambda x, fmt, block: block == KV_BLOCKS.get(fmt))

@@ -30,7 +30,7 @@ from app.cache.manager import CacheManager
 from app.engine.batch import BatchBuilder, StepSpec
 from app.engine.scheduler import Scheduled
 from app.model.model import DeepseekModel
-from app.model.moe import MoE, PackedExperts
+from app.model.moe import MoE, PackedExperts, stack_dense_experts
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class ModelRunner:
         # tokens of the next step are read from here on the device.
         self.sampled = torch.zeros(max(1, cache.kv.max_slots), dtype=torch.int64, device=device)
         self.graphs = None
+        stack_dense_experts(model)  # the stacked weights exist before any graph capture
         if cuda_graphs and device.type == "cuda":
             if capturable(model):
                 from app.engine.graphs import CudaGraphRunner

@@ -138,10 +138,10 @@ class Attention(nn.Module):
         """Store the step's window KV in the ring; the window key source and its rows [T, W]."""
         ring = batch.kv.window[self.spec.layer_id]
         w = meta.window()
-        data, scale = ring.encode(kv)
         if meta.direct:
-            ring.put(w.write, data, scale)
+            ring.write(w.write, kv)
             return ring, w.rows
+        data, scale = ring.encode(kv)
         stored = ring.take(w.stored)  # before the write: the chunk may overwrite these rows
         ring.put(w.write, data, scale)
         return KVRows(data, scale, ring.fmt, ring.dim).cat(stored), w.rows

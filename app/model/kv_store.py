@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.kv_quant import kv_pack, kv_unpack
+from kernels.kv_quant import kv_pack, kv_pack_into, kv_unpack
 
 
 @dataclass
@@ -52,8 +52,12 @@ class KVRows:
         return kv_pack(values, self.fmt)
 
     def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``values`` [n, dim] at ``rows`` [n] (int64; trash rows may repeat)."""
-        self.put(rows, *self.encode(values))
+        """Store ``values`` [n, dim] at ``rows`` [n] (int64; trash rows may repeat); packed
+        formats are packed and stored by one kernel."""
+        if self.fmt == "float":
+            self.put(rows, *self.encode(values))
+        else:
+            kv_pack_into(values, rows, self.data, self.scale, self.fmt)
 
     def put(self, rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None) -> None:
         """Store already encoded rows (see :meth:`encode`)."""

@@ -24,10 +24,10 @@ from kernels.moe import (
     moe_fp8,
     moe_fp8_rows,
     rows_per_expert,
-    swiglu_clamp,
 )
 from kernels.moe_decode import row_refs
 from kernels.quant import is_e8m0
+from kernels.swiglu import swiglu_halves
 
 PackedFormat = Literal["fp8", "fp4"]
 Fp4Layout = Literal["mx", "pairs", "fp8_rows"]
@@ -71,15 +71,60 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
-    """``W2(silu(min(W1 x, L)) * clamp(W3 x, +-L))``."""
+    """``W2(silu(min(W1 x, L)) * clamp(W3 x, +-L))``.
+
+    W1 and W3 run as one GEMM: on first use their weights move into one stacked ``[W1; W3]``
+    tensor (the parameters become views of it, no second copy), and one kernel applies the
+    clamped SwiGLU to the two halves: two launches where there were six (fp8 projections kept
+    as stored run as two GEMMs into the same kernel)."""
 
     def __init__(self, d: int, inter: int, limit: float):
         super().__init__()
         self.limit = limit
         self.w1, self.w2, self.w3 = Linear(d, inter), Linear(inter, d), Linear(d, inter)
 
+    def stacked_w13(self) -> torch.Tensor:
+        """``[W1; W3]`` [2I, d], with ``w1.weight`` / ``w3.weight`` views of it (stacked once;
+        again only if a weight was replaced since, e.g. by a loader)."""
+        w1, w3 = self.w1.weight, self.w3.weight
+        base = self.__dict__.get("_w13")
+        inter = w1.shape[0]
+        if (
+            base is None
+            or w1.data_ptr() != base.data_ptr()
+            or w3.data_ptr() != base[inter:].data_ptr()
+            or base.shape != (2 * inter, w1.shape[1])
+            or base.dtype != w1.dtype
+        ):
+            if w1.dtype != w3.dtype or w1.device != w3.device or w1.shape != w3.shape:
+                raise ValueError("W1 and W3 of an expert differ in dtype, device or shape")
+            if w1.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("stack the experts' W1/W3 before a CUDA-graph capture "
+                                   "(stack_dense_experts)")  # fmt: skip
+            base = torch.cat((w1.data, w3.data))
+            w1.data, w3.data = base[:inter], base[inter:]
+            self.__dict__["_w13"] = base  # a plain attribute: not in the state dict
+        return base
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu_clamp(self.w1(x), self.w3(x), self.limit))
+        if type(self.w1) is Linear and type(self.w3) is Linear:
+            w13 = self.stacked_w13()
+            h13 = torch.nn.functional.linear(x.to(w13.dtype), w13)
+        else:  # fp8 projections kept as stored (``packed_dense``): two GEMMs
+            h13 = torch.cat((self.w1(x), self.w3(x)), dim=-1)
+        return self.w2(swiglu_halves(h13, self.limit))
+
+
+def stack_dense_experts(model: nn.Module) -> int:
+    """Stack W1/W3 of every dense :class:`Expert` of ``model`` (shared experts, dequantized
+    routed ones) now, on the weights' device, rather than at a first forward that may be
+    inside a CUDA-graph capture -> how many were stacked."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Expert) and type(m.w1) is Linear and type(m.w3) is Linear:
+            m.stacked_w13()
+            n += 1
+    return n
 
 
 def packing_problem(fmt: PackedFormat, d: int, inter: int, block: tuple[int, int]) -> str | None:

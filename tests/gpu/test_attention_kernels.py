@@ -287,6 +287,27 @@ def test_kv_pack_bit_exact_on_gpu(fmt):
         assert torch.equal(kv_qdq_ref(x, fmt, KV_BLOCKS[fmt]), kv_qdq_triton(x, fmt))
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n", [1, 3, 600])
+def test_kv_pack_into_cache_rows_on_gpu(fmt, n):
+    """Pack + store into cache rows in one launch (the engine's KV writes) = the reference's
+    pack and index_copy, bit for bit; the other rows keep their bytes."""
+    from kernels.kv_quant import kv_pack_into_ref, kv_pack_into_triton, kv_storage
+
+    g = torch.Generator(device=DEV).manual_seed(n)
+    d = 128 if fmt == "mxfp4" else 512
+    x = (torch.randn(n, d, device=DEV, generator=g) * 5).bfloat16()
+    rows = torch.randperm(2048, device=DEV, generator=g)[:n]
+    want = kv_storage(fmt, 2048, d, torch.bfloat16, DEV)
+    for t in want:
+        t.view(torch.uint8).random_(0, 256, generator=g)
+    got = tuple(t.clone() for t in want)
+    kv_pack_into_ref(x, rows, *want, fmt)
+    kv_pack_into_triton(x, rows, *got, fmt)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_norm_rope_on_gpu():
     from kernels.norm import norm_rope_ref, norm_rope_triton
 

@@ -361,6 +361,23 @@ def test_dequant_tiles_exact(block_m: int | None, limit: float) -> None:
 
 
 @pytest.mark.parametrize("t", [1, 64, 4096])
+def test_shared_expert_swiglu_on_gpu(t: int) -> None:
+    """The fused SwiGLU of the stacked W1/W3 GEMM = torch's four launches: the same bf16
+    bits but for the rare element where the two exp implementations round apart (one step)."""
+    from kernels.moe import swiglu_clamp
+    from kernels.swiglu import swiglu_halves_triton
+
+    inter = 2304
+    h = (torch.randn(t, 2 * inter, device="cuda") * 6).bfloat16()  # past the clamp at 10
+    got = swiglu_halves_triton(h, 10.0)
+    want = swiglu_clamp(h[:, :inter], h[:, inter:], 10.0)
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2**-7).all()
+    assert (diff > 0).float().mean() < 1e-3
+    assert (h[:, :inter].float() > 10).any()  # the clamp was exercised
+
+
+@pytest.mark.parametrize("t", [1, 64, 4096])
 def test_gate(t: int) -> None:
     from kernels.gate import moe_gate_ref, moe_gate_triton
 

@@ -12,10 +12,13 @@ import torch  # noqa: E402
 
 from kernels.kv_quant import (  # noqa: E402
     KV_BLOCKS,
+    kv_pack_into_ref,
+    kv_pack_into_triton,
     kv_pack_ref,
     kv_pack_triton,
     kv_qdq_ref,
     kv_qdq_triton,
+    kv_storage,
 )
 from kernels.norm import norm_rope_ref, norm_rope_triton  # noqa: E402
 from kernels.rope import apply_rope_ref  # noqa: E402
@@ -37,6 +40,33 @@ def test_kv_pack_bit_exact(fmt, dtype):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (fmt, scale)
         assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8)), (fmt, scale)
         assert torch.equal(kv_qdq_ref(x, fmt, KV_BLOCKS[fmt]), kv_qdq_triton(x, fmt))
+
+
+@pytest.mark.parametrize("fmt", list(KV_BLOCKS))
+def test_kv_pack_into_cache_rows(fmt):
+    """Pack + store in one launch: the rows named land bit-exact, every other row of the
+    cache tensors keeps its bytes (int32 and int64 row ids)."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(5, 64, generator=g) * 3).to(torch.bfloat16)
+    i32 = torch.tensor([3, 11, 12, 1, 7], dtype=torch.int32)
+    for rows in (torch.tensor([9, 2, 14, 0, 5]), i32):
+        want_c, want_s = kv_storage(fmt, 16, 64, torch.bfloat16, "cpu")
+        want_c.view(torch.uint8).fill_(0xA5)
+        want_s.view(torch.uint8).fill_(0x3C)
+        got_c, got_s = want_c.clone(), want_s.clone()
+        kv_pack_into_ref(x, rows.long(), want_c, want_s, fmt)
+        kv_pack_into_triton(x, rows, got_c, got_s, fmt)
+        assert torch.equal(want_c.view(torch.uint8), got_c.view(torch.uint8))
+        assert torch.equal(want_s.view(torch.uint8), got_s.view(torch.uint8))
+        c, s = kv_pack_ref(x, fmt)  # the written rows are the packed rows, the rest untouched
+        assert torch.equal(got_c.view(torch.uint8)[rows.long()], c.view(torch.uint8))
+        assert torch.equal(got_s.view(torch.uint8)[rows.long()], s.view(torch.uint8))
+        untouched = torch.ones(16, dtype=torch.bool)
+        untouched[rows.long()] = False
+        assert (got_c.view(torch.uint8)[untouched] == 0xA5).all()
+        assert (got_s.view(torch.uint8)[untouched] == 0x3C).all()
+    with pytest.raises(ValueError, match="rows must be integer"):
+        kv_pack_into_triton(x, torch.zeros(4, dtype=torch.int64), got_c, got_s, fmt)
 
 
 def test_kv_qdq_keeps_leading_dims():

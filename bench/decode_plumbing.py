@@ -1,0 +1,144 @@
+"""The small per-layer ops of a decode step at V4.1-Flash rank shapes, one by one, as the
+engine's graph-captured step runs them: mHC (post of one sublayer + mix, collapse and norm of
+the next, V4.1 form), the router (gate GEMM + top-k, over the EP group's 8 x T tokens), the
+window-KV write (fp8 pack + store into the ring) and the shared expert (W1/W3, SwiGLU, W2).
+
+    python bench/decode_plumbing.py [--label NAME] [--tokens 1,8,64] [--out DIR]
+
+Run as a file, it imports ``kernels`` / ``app`` from PYTHONPATH first, so the same script
+times an older checkout (``PYTHONPATH=/old/tree python bench/decode_plumbing.py --label
+before``) beside the current one in the same device session. Each op is checked against its
+torch reference before it is timed. Floor: the op's bytes at the measured copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+D, N, E, INTER, DIM, RING = 5120, 4, 384, 2304, 512, 4 * 256  # V4.1-Flash rank shapes
+
+
+def _us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def _copy_rate() -> float:
+    x = torch.empty(1 << 28, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), rep=100, return_mode="median")
+    return 2 * x.numel() * 4 / (ms * 1e-3)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def mhc_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
+    from kernels import mhc
+
+    dev = "cuda"
+    x = torch.randn(t, N, D, device=dev, generator=g).bfloat16()
+    out = torch.randn(t, D, device=dev, generator=g).bfloat16()
+    fn = torch.randn(N * (N + 2), N * D, device=dev, generator=g) / (N * D) ** 0.5
+    base = 0.5 * torch.randn(N * (N + 2), device=dev, generator=g)
+    scale = 1 + 0.2 * torch.randn(3, device=dev, generator=g)
+    nw = 1 + 0.1 * torch.randn(D, device=dev, generator=g)
+    post, comb = 2 * torch.rand(t, N, device=dev, generator=g), torch.rand(t, N, N, device=dev)
+    pre_in = torch.rand(t, N, device=dev, generator=g) + 0.1
+    eps = (20, 1e-6, 1e-6, 1e-6)
+    args = (out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
+    got = mhc.hc_post_pre_triton(*args)
+    ref = mhc.hc_post_pre_ref(*args)
+    err = max(_rel(got[1], ref[1]), _rel(got[4], ref[4]))
+    byt = x.numel() * 2 * 2 + out.numel() * 2 + fn.numel() * 4 + t * D * 2
+    return (lambda: mhc.hc_post_pre_triton(*args)), err, byt
+
+
+def gate_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
+    from kernels.gate import moe_gate_ref, moe_gate_triton
+
+    tg = 8 * t  # the EP8 group's tokens through this rank's router (bench/flash_rank.py)
+    x = torch.randn(tg, D, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(E, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    bias = 0.1 * torch.randn(E, device="cuda", generator=g)
+    ids, wts = moe_gate_triton(x, w, bias, 6, 1.5)
+    rids, rw = moe_gate_ref(x.float() @ w.float().t(), bias, 6, 1.5)
+    err = float((ids != rids).float().mean().item()) + _rel(wts, rw)
+    return (lambda: moe_gate_triton(x, w, bias, 6, 1.5)), err, w.numel() * 2 + x.numel() * 2
+
+
+def kv_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
+    from app.model.kv_store import KVRows
+    from kernels.kv_quant import kv_pack_ref, kv_storage
+
+    data, sc = kv_storage("fp8", RING * 64, DIM, torch.bfloat16, "cuda")
+    ring = KVRows(data, sc, "fp8", DIM)
+    kv = torch.randn(t, DIM, device="cuda", generator=g).bfloat16()
+    rows = torch.randperm(RING * 64, device="cuda", generator=g)[:t]
+    ring.write(rows, kv)
+    c, s = kv_pack_ref(kv, "fp8")
+    ok = torch.equal(data.view(torch.uint8)[rows], c.view(torch.uint8)) and torch.equal(
+        sc.view(torch.uint8)[rows], s.view(torch.uint8)
+    )
+    return (lambda: ring.write(rows, kv)), 0.0 if ok else 1.0, t * DIM * 2 + t * (DIM + 16)
+
+
+def shared_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
+    from app.model.moe import Expert
+    from kernels.moe import swiglu_clamp
+
+    e = Expert(D, INTER, 10.0).cuda().bfloat16()
+    for p in e.parameters():
+        p.data.normal_(0, D**-0.5, generator=g)
+    x = torch.randn(t, D, device="cuda", generator=g).bfloat16()
+    if hasattr(e, "stacked_w13"):
+        e.stacked_w13()  # as the runner does before capture
+    got = e(x)
+    ref = e.w2(swiglu_clamp(e.w1(x), e.w3(x), 10.0))
+    return (lambda: e(x)), _rel(got, ref), 3 * INTER * D * 2
+
+
+CASES = {"mhc": mhc_case, "gate": gate_case, "kv_write": kv_case, "shared_expert": shared_case}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label", default="current")
+    ap.add_argument("--tokens", default="1,8,64")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = ap.parse_args()
+    import kernels
+
+    rate = _copy_rate()
+    print(f"kernels from {os.path.dirname(kernels.__file__)}; copy {rate / 1e12:.2f} TB/s",
+          flush=True)  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(0)
+    recs = []
+    with torch.inference_mode():
+        for name, case in CASES.items():
+            for t in (int(v) for v in args.tokens.split(",")):
+                fn, err, byt = case(t, g)
+                us = _us(fn)
+                floor = byt / rate * 1e6
+                recs.append({"op": name, "tokens": t, "us": us, "floor_us": floor, "err": err,
+                             "label": args.label})  # fmt: skip
+                print(f"{args.label:>8} {name:>14} T={t:<3} {us:7.2f} us  floor {floor:6.2f}"
+                      f"  x{us / floor:6.1f}  err {err:.1e}", flush=True)  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"decode_plumbing_{args.label}.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "argv": sys.argv, "records": recs}, f,
+                  indent=1)  # fmt: skip
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The shared expert's fused SwiGLU under TRITON_INTERPRET=1, and the stacked W1/W3 GEMM of
+:class:`app.model.moe.Expert`."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from app.model.moe import Expert  # noqa: E402
+from kernels.moe import swiglu_clamp  # noqa: E402
+from kernels.swiglu import swiglu_halves_ref, swiglu_halves_triton  # noqa: E402
+
+
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+@pytest.mark.parametrize("inter", [96, 2304])
+def test_swiglu_halves_matches_torch(limit, inter):
+    g = torch.Generator().manual_seed(inter)
+    h = torch.randn(3, 2 * inter, generator=g) * 8  # past the clamp on both sides
+    ref = swiglu_halves_ref(h, limit)
+    out = swiglu_halves_triton(h, limit)
+    assert out.shape == (3, inter)
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+    if limit:  # the clamp acted: without it the outputs differ
+        assert not torch.allclose(swiglu_halves_ref(h, 0.0), ref)
+    # bf16: the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even, and the
+    # GPU test asks for torch's bits); two truncations (silu, product): within two steps
+    hb = h.to(torch.bfloat16)
+    got, want = swiglu_halves_triton(hb, limit).float(), swiglu_halves_ref(hb, limit).float()
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=1e-3)
+
+
+def test_swiglu_halves_refuses_odd_widths():
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        swiglu_halves_triton(torch.zeros(2, 7), 1.0)
+
+
+def test_expert_stacks_w1_w3_once_and_follows_replaced_weights():
+    torch.manual_seed(0)
+    e = Expert(64, 96, 10.0)
+    for p in e.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(5, 64)
+
+    def unfused() -> torch.Tensor:
+        return e.w2(swiglu_clamp(e.w1(x), e.w3(x), 10.0))
+
+    want = unfused()
+    out = e(x)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    w13 = e.stacked_w13()
+    assert e.w1.weight.data_ptr() == w13.data_ptr()  # views of the stack: no second copy
+    assert e.w3.weight.data_ptr() == w13[96:].data_ptr()
+    assert e.stacked_w13().data_ptr() == w13.data_ptr()  # stacked once
+    assert sorted(e.state_dict()) == ["w1.weight", "w2.weight", "w3.weight"]
+    e.w3.weight.data = torch.randn(96, 64)  # a loader replacing a weight: stacked again
+    torch.testing.assert_close(e(x), unfused(), rtol=1e-5, atol=1e-5)
+    assert e.stacked_w13().data_ptr() != w13.data_ptr()
