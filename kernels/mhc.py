@@ -6,18 +6,11 @@ From the flattened streams ``v`` [T, n*d]: ``m = (fn @ v) * rsqrt(mean(v^2) + ep
 
 Fused forms (two launches each, no host sync):
 ``hc_pre``: ``_hc_mix_partial`` (split over d: the mixing dot and sum of squares of the
-streams, fp32) then a finish: pre/post/comb with Sinkhorn on the n x n in registers, collapse
-``sum_j p_j X_j`` and its RMSNorm. ``hc_post_pre`` (V4.1 single-pass shape): the same with
-the post update ``X' = post (x) out + comb^T X`` computed and stored by the first kernel,
-which mixes X' on the fly. ``p`` is the computed ``pre`` (V4) or the previous sublayer's
-``pre_in`` (V4.1 one-step-late pre).
-
-With ``pre_in`` (V4.1) the collapse weights are known before the mix, so the split-d kernel
-also collapses its d-range (fp32) and sums its squares, and ``_hc_finish_collapsed`` only
-scales: one program per (token, 1024 columns) plus one per token for the Sinkhorn, running
-side by side. V4's finish (``_hc_finish``) needs the mix's own pre first: one program per
-token that reads the token's streams twice (12 us per call at one token on an H200, which
-is what V4.1's form removes).
+streams, fp32) then ``_hc_finish`` (one program per token: pre/post/comb with Sinkhorn on the
+n x n in registers, collapse ``sum_j p_j X_j`` and its RMSNorm). ``hc_post_pre`` (V4.1
+single-pass shape): the same with the post update ``X' = post (x) out + comb^T X`` computed
+and stored by the first kernel, which mixes X' on the fly. ``p`` is the computed ``pre``
+(V4) or the previous sublayer's ``pre_in`` (V4.1 one-step-late pre).
 """
 
 from __future__ import annotations
@@ -130,17 +123,15 @@ def hc_post_pre_ref(
 @triton.jit
 def _hc_mix_partial(
     x_ptr, sxt, sxj, fn_ptr, sfn, mp_ptr, sq_ptr, sps,
-    out_ptr, sot, post_ptr, comb_ptr, xn_ptr, snt, snj, pin_ptr, col_ptr, csq_ptr,
+    out_ptr, sot, post_ptr, comb_ptr, xn_ptr, snt, snj,
     T, D, d_per_split,
     N: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, HAS_POST: tl.constexpr,
-    COLLAPSE: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     """Partial ``m[t] = fn . v`` and ``sum v^2`` over a d-range of every stream.
 
     With HAS_POST, the streams are ``X'_k = post_k out + sum_j comb[j,k] X_j``, stored
-    (rounded to X's dtype) and mixed as stored. With COLLAPSE (the collapse weights ``p``
-    are an input: V4.1's one-step-late pre), also the collapsed ``col = sum_j p_j X_j`` of
-    the range (fp32) and its partial sum of squares, so that the finish never reads X."""
+    (rounded to X's dtype) and mixed as stored."""
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
     t = pid_t * BT + tl.arange(0, BT)
     tmask = t < T
@@ -149,7 +140,6 @@ def _hc_mix_partial(
     w = tl.arange(0, WP)
     m = tl.zeros((BT, WP), tl.float32)
     sq = tl.zeros((BT,), tl.float32)
-    csq = tl.zeros((BT,), tl.float32)
     d_lo = pid_s * d_per_split
     for d0 in range(d_lo, tl.minimum(d_lo + d_per_split, D), BD):
         dd = d0 + tl.arange(0, BD)
@@ -160,7 +150,6 @@ def _hc_mix_partial(
                          + dd[None, None, :], mask=m3, other=0.0).to(tl.float32)  # fmt: skip
             o = tl.load(out_ptr + t64[:, None] * sot + dd[None, :], mask=dmask, other=0.0)
             o = o.to(tl.float32)
-        col = tl.zeros((BT, BD), tl.float32)
         for k in tl.static_range(N):
             if HAS_POST:
                 ck = tl.load(comb_ptr + t64[:, None] * N * N + jn[None, :] * N + k,
@@ -174,27 +163,22 @@ def _hc_mix_partial(
                 xk = tl.load(x_ptr + t64[:, None] * sxt + k * sxj + dd[None, :], mask=dmask,
                              other=0.0).to(tl.float32)  # fmt: skip
             sq += tl.sum(xk * xk, axis=1)
-            if COLLAPSE:
-                col += tl.load(pin_ptr + t64 * N + k, mask=tmask, other=0.0)[:, None] * xk
             f = tl.load(fn_ptr + w[None, :] * sfn + k * D + dd[:, None],
                         mask=(w[None, :] < W) & (dd[:, None] < D), other=0.0)  # fmt: skip
             m = tl.dot(xk, f, m, input_precision=PREC)
-        if COLLAPSE:
-            csq += tl.sum(col * col, axis=1)
-            tl.store(col_ptr + t64[:, None] * D + dd[None, :], col, mask=dmask)
     tl.store(mp_ptr + pid_s * sps * WP + t64[:, None] * WP + w[None, :], m, mask=tmask[:, None])
     tl.store(sq_ptr + pid_s * sps + t64, sq, mask=tmask)
-    if COLLAPSE:
-        tl.store(csq_ptr + pid_s * sps + t64, csq, mask=tmask)
 
 
 @triton.jit
-def _hc_mixes(
-    t, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, D, iters,
-    hc_eps, norm_eps, N: tl.constexpr, WP: tl.constexpr, SPLIT: tl.constexpr,
+def _hc_finish(
+    x_ptr, sxt, sxj, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, nw_ptr, pin_ptr,
+    pre_ptr, post_ptr, comb_ptr, y_ptr, syt, D, iters, hc_eps, norm_eps, rms_eps,
+    N: tl.constexpr, WP: tl.constexpr, SPLIT: tl.constexpr, HAS_PRE_IN: tl.constexpr,
+    BD: tl.constexpr,
 ):  # fmt: skip
-    """Token ``t``'s pre / post / comb (Sinkhorn in registers) from the split partials;
-    stores the three and returns pre."""
+    """One token: pre/post/comb (Sinkhorn in registers), then RMSNorm(sum_j p_j X_j)."""
+    t = tl.program_id(0).to(tl.int64)
     a = tl.arange(0, N)
     m_pre = tl.zeros((N,), tl.float32)
     m_post = tl.zeros((N,), tl.float32)
@@ -220,21 +204,7 @@ def _hc_mixes(
     tl.store(pre_ptr + t * N + a, pre)
     tl.store(post_ptr + t * N + a, post)
     tl.store(comb_ptr + t * N * N + a[:, None] * N + a[None, :], c)
-    return pre
-
-
-@triton.jit
-def _hc_finish(
-    x_ptr, sxt, sxj, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, nw_ptr,
-    pre_ptr, post_ptr, comb_ptr, y_ptr, syt, D, iters, hc_eps, norm_eps, rms_eps,
-    N: tl.constexpr, WP: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
-    """One token (V4: the collapse weights are this mix's pre): pre/post/comb (Sinkhorn in
-    registers), then RMSNorm(sum_j pre_j X_j), reading the token's streams twice."""
-    t = tl.program_id(0).to(tl.int64)
-    a = tl.arange(0, N)
-    p = _hc_mixes(t, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                  D, iters, hc_eps, norm_eps, N, WP, SPLIT)  # fmt: skip
+    p = tl.load(pin_ptr + t * N + a) if HAS_PRE_IN else pre
     csq = tl.zeros((BD,), tl.float32)
     for d0 in range(0, D, BD):
         dd = d0 + tl.arange(0, BD)
@@ -250,31 +220,6 @@ def _hc_finish(
         nw = tl.load(nw_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
         y = tl.sum(p[:, None] * xs, axis=0) * rs * nw
         tl.store(y_ptr + t * syt + dd, y.to(y_ptr.dtype.element_ty), mask=dd < D)
-
-
-@triton.jit
-def _hc_finish_collapsed(
-    col_ptr, csq_ptr, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_ptr,
-    comb_ptr, y_ptr, syt, D, iters, hc_eps, norm_eps, rms_eps,
-    N: tl.constexpr, WP: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
-    """The finish when the mix kernel collapsed already (COLLAPSE): program (t, c < C)
-    writes ``y[t, c-th BD columns] = col * rsqrt(mean(col^2) + eps) * w``; program (t, C)
-    computes the token's pre / post / comb, in parallel with them."""
-    t, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if c == tl.num_programs(1) - 1:
-        _hc_mixes(t, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                  D, iters, hc_eps, norm_eps, N, WP, SPLIT)  # fmt: skip
-    else:
-        csq = 0.0
-        for s in tl.static_range(SPLIT):
-            csq += tl.load(csq_ptr + s * sps + t)
-        rs = 1.0 / tl.sqrt(csq / D + rms_eps)
-        dd = c * BD + tl.arange(0, BD)
-        dm = dd < D
-        col = tl.load(col_ptr + t * D + dd, mask=dm, other=0.0)
-        nw = tl.load(nw_ptr + dd, mask=dm, other=0.0).to(tl.float32)
-        tl.store(y_ptr + t * syt + dd, (col * rs * nw).to(y_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -327,9 +272,7 @@ def _mix_and_finish(
     t, n, d = x.shape
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
-    # 4-token tiles at decode sizes: 16 spilled ~0.8 KB per thread in the loop (sm_90, 255
-    # registers) while one token was live; 16 at prefill, where fn is re-read per tile
-    bt, bd = (4 if t <= 64 else 16), min(64, triton.next_power_of_2(d))
+    bt, bd = 16, min(64, triton.next_power_of_2(d))
     sms = sm_count(dev) if x.is_cuda else 4
     chunks = triton.cdiv(d, bd)
     split = max(1, min(chunks, triton.cdiv(2 * sms, triton.cdiv(t, bt))))
@@ -338,14 +281,10 @@ def _mix_and_finish(
     mp = torch.empty(split, t, wp, **f32)
     sq = torch.empty(split, t, **f32)
     out, post, comb = post_args if post_args is not None else (x, x, x)
-    collapse = pre_in is not None
-    pin = pre_in.float().contiguous() if collapse else mp
-    col = torch.empty(t, d, **f32) if collapse else mp
-    csq = torch.empty(split, t, **f32) if collapse else mp
     _hc_mix_partial[(triton.cdiv(t, bt), split)](
         src, src.stride(0), src.stride(1), fn, fn.stride(0), mp, sq, t,
-        out, out.stride(0), post, comb, x, x.stride(0), x.stride(1), pin, col, csq, t, d, d_per,
-        N=n, W=n * (n + 2), WP=wp, HAS_POST=post_args is not None, COLLAPSE=collapse,
+        out, out.stride(0), post, comb, x, x.stride(0), x.stride(1), t, d, d_per,
+        N=n, W=n * (n + 2), WP=wp, HAS_POST=post_args is not None,
         PREC="ieee" if _interpret() else "tf32x3", BT=bt, BD=bd,
     )  # fmt: skip
     pre, post2, comb2 = (
@@ -354,19 +293,13 @@ def _mix_and_finish(
         torch.empty(t, n, n, **f32),
     )
     y = torch.empty(t, d, dtype=x.dtype, device=dev)
-    base32, scale32 = base.float().contiguous(), scale.float().contiguous()
-    if collapse:
-        bdf = 64 if _interpret() else min(1024, triton.next_power_of_2(d))
-        _hc_finish_collapsed[(t, triton.cdiv(d, bdf) + 1)](
-            col, csq, mp, sq, t, base32, scale32, norm_w.contiguous(), pre, post2, comb2,
-            y, y.stride(0), d, iters, hc_eps, norm_eps, rms_eps,
-            N=n, WP=wp, SPLIT=split, BD=bdf, num_warps=1 if bdf <= 256 else 4,
-        )  # fmt: skip
-        return y, post2, comb2, pre
     _hc_finish[(t,)](
-        x, x.stride(0), x.stride(1), mp, sq, t, base32, scale32, norm_w.contiguous(),
-        pre, post2, comb2, y, y.stride(0), d, iters, hc_eps, norm_eps, rms_eps,
-        N=n, WP=wp, SPLIT=split, BD=min(1024, triton.next_power_of_2(d)),
+        x, x.stride(0), x.stride(1), mp, sq, t, base.float().contiguous(),
+        scale.float().contiguous(), norm_w.contiguous(),
+        pre_in.float().contiguous() if pre_in is not None else mp, pre, post2, comb2,
+        y, y.stride(0), d, iters, hc_eps, norm_eps, rms_eps,
+        N=n, WP=wp, SPLIT=split, HAS_PRE_IN=pre_in is not None,
+        BD=min(1024, triton.next_power_of_2(d)),
     )  # fmt: skip
     return y, post2, comb2, pre
 
