@@ -21,6 +21,9 @@ import sys
 import torch
 import triton
 
+# kernels / app: from PYTHONPATH first (an older tree under test), else this checkout's
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 D, N, E, INTER, DIM, RING = 5120, 4, 384, 2304, 512, 4 * 256  # V4.1-Flash rank shapes
 
 
