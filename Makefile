@@ -31,13 +31,19 @@ test: $(DEV_STAMP)
 	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m tools.run_tests
 
 # On a CUDA machine with torch + triton already there (the lent H200 has no network, so no
-# venv): the GPU tests (~6.5 min on an H200, mostly autotuning and compiles), then the quick
-# kernel benchmarks (~3 min; JSON into bench/results/). Split them across device calls when a
-# call is capped at 10 minutes.
+# venv): the GPU tests (140 tests; more than one 10-minute device call on an H200, mostly
+# compiles: shard them with GPU_TESTS, e.g. GPU_TESTS=tests/gpu/test_moe_kernels.py, or run
+# GPU_ARGS="-n 4" with pytest-xdist), then the quick kernel benchmarks (~3 min; JSON into
+# bench/results/). Every test id is printed as it ends (the ini's -q is dropped), so a call
+# cut by its limit still says what passed and failed; --timeout fails a hung test with its
+# traceback (pytest-timeout, on the device image).
+GPU_TESTS ?= tests/gpu
+GPU_ARGS ?=
 gpu-check: gpu-test gpu-bench
 
 gpu-test:
-	PYTHONPATH=. $(PY) -m pytest tests/gpu -q -p no:cacheprovider
+	PYTHONPATH=. $(PY) -m pytest $(GPU_TESTS) -o addopts="" -p no:cacheprovider -v -rfE \
+		--durations=30 --timeout 240 $(GPU_ARGS)
 
 gpu-bench:
 	PYTHONPATH=. $(PY) -m bench.kernels_moe --quick
