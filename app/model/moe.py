@@ -83,6 +83,11 @@ class Expert(nn.Module):
         self.limit = limit
         self.w1, self.w2, self.w3 = Linear(d, inter), Linear(inter, d), Linear(d, inter)
 
+    @property
+    def stackable(self) -> bool:
+        """W1 and W3 are plain :class:`Linear` weights (not fp8 ones kept as stored)."""
+        return type(self.w1) is Linear and type(self.w3) is Linear
+
     def stacked_w13(self) -> torch.Tensor:
         """``[W1; W3]`` [2I, d], with ``w1.weight`` / ``w3.weight`` views of it (stacked once;
         again only if a weight was replaced since, e.g. by a loader)."""
@@ -107,7 +112,7 @@ class Expert(nn.Module):
         return base
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.w1) is Linear and type(self.w3) is Linear:
+        if self.stackable:
             w13 = self.stacked_w13()
             h13 = torch.nn.functional.linear(x.to(w13.dtype), w13)
         else:  # fp8 projections kept as stored (``packed_dense``): two GEMMs
@@ -121,7 +126,7 @@ def stack_dense_experts(model: nn.Module) -> int:
     inside a CUDA-graph capture -> how many were stacked."""
     n = 0
     for m in model.modules():
-        if isinstance(m, Expert) and type(m.w1) is Linear and type(m.w3) is Linear:
+        if isinstance(m, Expert) and m.stackable:
             m.stacked_w13()
             n += 1
     return n
