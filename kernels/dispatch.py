@@ -19,17 +19,33 @@ from typing import Any
 import torch
 
 _state = threading.local()
+OPS: dict[str, Callable[..., Any]] = {}  # name -> dispatching function, as op() made them
 
 
 @contextlib.contextmanager
-def reference_kernels() -> Iterator[None]:
-    """Run every op through its torch reference, on CUDA too (A/B checks, debugging)."""
+def reference_kernels(*names: str) -> Iterator[None]:
+    """Run ops through their torch reference, on CUDA too (A/B checks, debugging): every op,
+    or only those named (an op's name is its reference's without ``_ref``, e.g.
+    ``"sparse_attention"``), which is how a mismatch is bisected to one kernel."""
     prev = getattr(_state, "reference", False)
-    _state.reference = True
+    if not names:
+        _state.reference = True
+    elif prev is not True:
+        _state.reference = frozenset(names) | (prev or frozenset())
     try:
         yield
     finally:
         _state.reference = prev
+
+
+def op_name(fn: Callable[..., Any]) -> str:
+    """The name :func:`reference_kernels` knows a dispatching function (or reference) by."""
+    return fn.__name__.removesuffix("_ref")
+
+
+def _use_reference(name: str) -> bool:
+    ref = getattr(_state, "reference", False)
+    return ref is True or (bool(ref) and name in ref)
 
 
 @contextlib.contextmanager
@@ -98,6 +114,8 @@ def op(
 ) -> Callable[..., Any]:
     """The dispatching function of one op (the reference's name and docstring)."""
 
+    name = op_name(reference)
+
     @functools.wraps(reference)
     def run(*args: Any, **kwargs: Any) -> Any:
         t = _decider(args, kwargs, device_arg)
@@ -105,11 +123,13 @@ def op(
             triton is not None
             and t is not None
             and t.is_cuda
-            and not getattr(_state, "reference", False)
+            and not _use_reference(name)
             and (when is None or when(*args, **kwargs))
         ):
             return triton(*args, **kwargs)
         return reference(*args, **kwargs)
 
     run.reference, run.triton = reference, triton  # type: ignore[attr-defined]
+    if triton is not None:
+        OPS.setdefault(name, run)
     return run

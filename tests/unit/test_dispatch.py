@@ -40,6 +40,34 @@ def test_selection_rules():
     assert f.reference is not f.triton and f.__name__ == "fn"
 
 
+def test_reference_kernels_by_name_bisects_one_op():
+    """``reference_kernels("name")`` sends only the named ops to their references (how a
+    mismatch is narrowed to one kernel); nesting adds names; the bare form takes every op."""
+    from kernels.dispatch import OPS, op_name
+
+    calls: list[str] = []
+
+    def a_ref(x):
+        return "a_ref"
+
+    def b_ref(x):
+        return "b_ref"
+
+    fa, fb = op(a_ref, _spy("a_tri", calls)), op(b_ref, _spy("b_tri", calls))
+    dev = torch.zeros(2).as_subclass(_FakeCuda)
+    assert (op_name(fa), op_name(b_ref)) == ("a", "b") and OPS["a"] is fa
+    with reference_kernels("a"):
+        assert (fa(dev), fb(dev)) == ("a_ref", "b_tri")
+        with reference_kernels("b"):
+            assert (fa(dev), fb(dev)) == ("a_ref", "b_ref")
+        assert fb(dev) == "b_tri"
+        with reference_kernels():
+            assert fb(dev) == "b_ref"
+    assert (fa(dev), fb(dev)) == ("a_tri", "b_tri")
+    with reference_kernels(), reference_kernels("a"):  # a name inside "all" keeps all
+        assert fb(dev) == "b_ref"
+
+
 @pytest.mark.parametrize(
     "fn",
     [attention.sparse_attention, compressor.compress_pool, engram.engram_rows,
