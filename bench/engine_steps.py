@@ -481,10 +481,14 @@ def main() -> None:
     ap.add_argument("--moe-decode", default="auto", choices=("auto", "tl"),
                     help="decode MoE GEMMs of the decode part (before / after A/B: tl = "
                          "_moe_gemm, auto = the Gluon decode kernel where it applies)")  # fmt: skip
+    ap.add_argument("--mhc-finish", default="auto", choices=("auto", "tile", "loop"),
+                    help="mHC finish form for the whole run (before / after A/B: tile = "
+                         "one tile at decode waves, auto / loop = two passes over d)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
+    from kernels.mhc import finish_choice
 
-    with kernel_choice(args.attention):
+    with kernel_choice(args.attention), finish_choice(args.mhc_finish):
         _run(args)
 
 
@@ -514,8 +518,9 @@ def _run(args) -> None:
              "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip
     for part, fn in parts.items():
         if part in what:
-            records += [dict(r, params={**r.get("params", {}), "attention": args.attention})
-                    for r in fn()]  # fmt: skip
+            records += [dict(r, params={**r.get("params", {}), "attention": args.attention,
+                                        "mhc_finish": args.mhc_finish})
+                        for r in fn()]  # fmt: skip
             write(name, records)  # keep what finished if a later part runs out of time
             gc.collect()
             torch.cuda.empty_cache()

@@ -15,14 +15,18 @@ and stored by the first kernel, which mixes X' on the fly. ``p`` is the computed
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import op, sm_count
+from kernels.dispatch import op, pinned, pinned_variant, sm_count
 from kernels.norm import rms_norm_ref
+
+_FINISH = ("auto", "tile", "loop")
+FINISH_TILE_MAX = 8192  # widest d-tile (next power of 2 of d) the one-tile finish holds
 
 
 def sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -175,11 +179,20 @@ def _hc_finish(
     x_ptr, sxt, sxj, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, nw_ptr, pin_ptr,
     pre_ptr, post_ptr, comb_ptr, y_ptr, syt, D, iters, hc_eps, norm_eps, rms_eps,
     N: tl.constexpr, WP: tl.constexpr, SPLIT: tl.constexpr, HAS_PRE_IN: tl.constexpr,
-    BD: tl.constexpr,
+    BD: tl.constexpr, ONE_TILE: tl.constexpr,
 ):  # fmt: skip
-    """One token: pre/post/comb (Sinkhorn in registers), then RMSNorm(sum_j p_j X_j)."""
+    """One token: pre/post/comb (Sinkhorn in registers), then RMSNorm(sum_j p_j X_j).
+
+    ONE_TILE (BD >= D): the token's streams and the norm weight are loaded once, first, so
+    their latency runs under the partial sums and the Sinkhorn; otherwise two passes over d
+    (the norm, then the output), each a chain of dependent loads."""
     t = tl.program_id(0).to(tl.int64)
     a = tl.arange(0, N)
+    if ONE_TILE:
+        d1 = tl.arange(0, BD)
+        x1 = tl.load(x_ptr + t * sxt + a[:, None] * sxj + d1[None, :], mask=d1[None, :] < D,
+                     other=0.0)  # fmt: skip
+        nw1 = tl.load(nw_ptr + d1, mask=d1 < D, other=0.0)
     m_pre = tl.zeros((N,), tl.float32)
     m_post = tl.zeros((N,), tl.float32)
     m_comb = tl.zeros((N, N), tl.float32)
@@ -205,21 +218,27 @@ def _hc_finish(
     tl.store(post_ptr + t * N + a, post)
     tl.store(comb_ptr + t * N * N + a[:, None] * N + a[None, :], c)
     p = tl.load(pin_ptr + t * N + a) if HAS_PRE_IN else pre
-    csq = tl.zeros((BD,), tl.float32)
-    for d0 in range(0, D, BD):
-        dd = d0 + tl.arange(0, BD)
-        xs = tl.load(x_ptr + t * sxt + a[:, None] * sxj + dd[None, :], mask=dd[None, :] < D,
-                     other=0.0).to(tl.float32)  # fmt: skip
-        col = tl.sum(p[:, None] * xs, axis=0)
-        csq += col * col
-    rs = 1.0 / tl.sqrt(tl.sum(csq) / D + rms_eps)
-    for d0 in range(0, D, BD):
-        dd = d0 + tl.arange(0, BD)
-        xs = tl.load(x_ptr + t * sxt + a[:, None] * sxj + dd[None, :], mask=dd[None, :] < D,
-                     other=0.0).to(tl.float32)  # fmt: skip
-        nw = tl.load(nw_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-        y = tl.sum(p[:, None] * xs, axis=0) * rs * nw
-        tl.store(y_ptr + t * syt + dd, y.to(y_ptr.dtype.element_ty), mask=dd < D)
+    if ONE_TILE:
+        col = tl.sum(p[:, None] * x1.to(tl.float32), axis=0)
+        rs = 1.0 / tl.sqrt(tl.sum(col * col) / D + rms_eps)
+        y = col * rs * nw1.to(tl.float32)
+        tl.store(y_ptr + t * syt + d1, y.to(y_ptr.dtype.element_ty), mask=d1 < D)
+    else:
+        csq = tl.zeros((BD,), tl.float32)
+        for d0 in range(0, D, BD):
+            dd = d0 + tl.arange(0, BD)
+            xs = tl.load(x_ptr + t * sxt + a[:, None] * sxj + dd[None, :], mask=dd[None, :] < D,
+                         other=0.0).to(tl.float32)  # fmt: skip
+            col = tl.sum(p[:, None] * xs, axis=0)
+            csq += col * col
+        rs = 1.0 / tl.sqrt(tl.sum(csq) / D + rms_eps)
+        for d0 in range(0, D, BD):
+            dd = d0 + tl.arange(0, BD)
+            xs = tl.load(x_ptr + t * sxt + a[:, None] * sxj + dd[None, :], mask=dd[None, :] < D,
+                         other=0.0).to(tl.float32)  # fmt: skip
+            nw = tl.load(nw_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+            y = tl.sum(p[:, None] * xs, axis=0) * rs * nw
+            tl.store(y_ptr + t * syt + dd, y.to(y_ptr.dtype.element_ty), mask=dd < D)
 
 
 @triton.jit
@@ -293,15 +312,37 @@ def _mix_and_finish(
         torch.empty(t, n, n, **f32),
     )
     y = torch.empty(t, d, dtype=x.dtype, device=dev)
+    one_tile = _finish_form(t, d, sms) == "tile"
+    bd = triton.next_power_of_2(d) if one_tile else min(1024, triton.next_power_of_2(d))
     _hc_finish[(t,)](
         x, x.stride(0), x.stride(1), mp, sq, t, base.float().contiguous(),
         scale.float().contiguous(), norm_w.contiguous(),
         pre_in.float().contiguous() if pre_in is not None else mp, pre, post2, comb2,
         y, y.stride(0), d, iters, hc_eps, norm_eps, rms_eps,
-        N=n, WP=wp, SPLIT=split, HAS_PRE_IN=pre_in is not None,
-        BD=min(1024, triton.next_power_of_2(d)),
+        N=n, WP=wp, SPLIT=split, HAS_PRE_IN=pre_in is not None, BD=bd, ONE_TILE=one_tile,
+        num_warps=max(4, min(16, n * bd // 1024)) if one_tile else 4,
     )  # fmt: skip
     return y, post2, comb2, pre
+
+
+def finish_choice(form: str) -> contextlib.AbstractContextManager[None]:
+    """The form of the mHC finish the calls in this block take ("auto", "tile": the token's
+    streams loaded once, "loop": two passes over d): before / after runs of the same step (set
+    it before CUDA-graph capture)."""
+    return pinned_variant("mhc_finish", form, _FINISH)
+
+
+def _finish_form(t: int, d: int, sms: int) -> str:
+    """The finish form of a call: "tile" where it is asked for and applies, else "loop".
+
+    "auto" keeps the two-pass loop, the form measured on the H200 (12.3 us per call at one
+    token, latency-bound: eight dependent d-tile loads); "tile" is its one-round-trip
+    replacement, not yet timed, so it is opt-in until an A/B run shows it faster. It holds
+    the token's n x d streams in registers (up to 16 warps), so it applies to a decode wave
+    only (t <= SMs, d <= FINISH_TILE_MAX), where one program per token does not fill the
+    machine anyway; larger calls in a "tile" block take the loop."""
+    fits = triton.next_power_of_2(d) <= FINISH_TILE_MAX and t <= sms
+    return "tile" if pinned("mhc_finish") == "tile" and fits else "loop"
 
 
 def hc_pre_triton(

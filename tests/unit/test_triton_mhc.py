@@ -76,3 +76,33 @@ def test_hc_post_pre(v41: bool) -> None:
     res = mhc.hc_post_pre_triton(out, x, post, comb, *params, *eps, pre_in)
     for o, r in zip(res, ref, strict=True):
         assert rel(o, r) < 1e-5
+
+
+@pytest.mark.parametrize("v41", [False, True])
+def test_one_tile_finish_matches_reference(v41: bool, monkeypatch) -> None:
+    """The opt-in one-tile finish ("tile": streams loaded once) on a decode wave (3 tokens,
+    within the interpreter's 4 "SMs"), for hc_pre and hc_post_pre: the fp64 reference's
+    outputs, and the form really taken; 5 tokens (more than a wave) take the loop."""
+    forms: list[str] = []
+    real = mhc._finish_form
+    monkeypatch.setattr(mhc, "_finish_form", lambda *a: forms.append(real(*a)) or forms[-1])
+    g = torch.Generator().manual_seed(14)
+    t = 3
+    x = torch.randn(t, N, D, generator=g)
+    out = torch.randn(t, D, generator=g)
+    post, comb = 2 * torch.rand(t, N, generator=g), torch.rand(t, N, N, generator=g)
+    params = _params(g)
+    pre_in = torch.rand(t, N, generator=g) + 0.1 if v41 else None
+    eps = (ITERS, HC_EPS, NORM_EPS, RMS_EPS)
+    ref_pre = mhc.hc_pre_ref(x.double(), *_f64(params), *eps, pre_in)
+    ref_pp = mhc.hc_post_pre_ref(out.double(), x.double(), post, comb, *_f64(params), *eps,
+                                 pre_in)  # fmt: skip
+    with mhc.finish_choice("tile"):
+        got_pre = mhc.hc_pre_triton(x, *params, *eps, pre_in)
+        got_pp = mhc.hc_post_pre_triton(out, x, post, comb, *params, *eps, pre_in)
+        mhc.hc_pre_triton(torch.randn(5, N, D, generator=g), *params, *eps)
+    assert forms == ["tile", "tile", "loop"]
+    for o, r in zip((*got_pre, *got_pp), (*ref_pre, *ref_pp), strict=True):
+        assert rel(o, r) < 1e-5
+    with pytest.raises(ValueError, match="mhc_finish kernel must be"), mhc.finish_choice("x"):
+        pass
