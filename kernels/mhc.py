@@ -179,13 +179,15 @@ def _hc_finish(
     x_ptr, sxt, sxj, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, nw_ptr, pin_ptr,
     pre_ptr, post_ptr, comb_ptr, y_ptr, syt, D, iters, hc_eps, norm_eps, rms_eps,
     N: tl.constexpr, WP: tl.constexpr, SPLIT: tl.constexpr, HAS_PRE_IN: tl.constexpr,
-    BD: tl.constexpr, ONE_TILE: tl.constexpr,
+    BD: tl.constexpr, ONE_TILE: tl.constexpr, SPLIT_P: tl.constexpr,
 ):  # fmt: skip
     """One token: pre/post/comb (Sinkhorn in registers), then RMSNorm(sum_j p_j X_j).
 
-    ONE_TILE (BD >= D): the token's streams and the norm weight are loaded once, first, so
-    their latency runs under the partial sums and the Sinkhorn; otherwise two passes over d
-    (the norm, then the output), each a chain of dependent loads."""
+    ONE_TILE (BD >= D): one round trip to memory. The token's streams and the norm weight are
+    loaded once, first, so their latency runs under the Sinkhorn, and the SPLIT partial rows
+    come in one [SPLIT_P, WP] load (unrolled per split, their loads held ~190 registers and
+    spilled at 16 warps). Otherwise two passes over d (the norm, then the output), each a
+    chain of dependent loads."""
     t = tl.program_id(0).to(tl.int64)
     a = tl.arange(0, N)
     if ONE_TILE:
@@ -193,16 +195,29 @@ def _hc_finish(
         x1 = tl.load(x_ptr + t * sxt + a[:, None] * sxj + d1[None, :], mask=d1[None, :] < D,
                      other=0.0)  # fmt: skip
         nw1 = tl.load(nw_ptr + d1, mask=d1 < D, other=0.0)
-    m_pre = tl.zeros((N,), tl.float32)
-    m_post = tl.zeros((N,), tl.float32)
-    m_comb = tl.zeros((N, N), tl.float32)
-    sq = 0.0
-    for s in tl.static_range(SPLIT):
-        row = mp_ptr + s * sps * WP + t * WP
-        m_pre += tl.load(row + a)
-        m_post += tl.load(row + N + a)
-        m_comb += tl.load(row + 2 * N + a[:, None] * N + a[None, :])
-        sq += tl.load(sq_ptr + s * sps + t)
+    if ONE_TILE:  # the SPLIT partial rows in one 2-D load, summed, then picked apart
+        sp = tl.arange(0, SPLIT_P)
+        wv = tl.arange(0, WP)
+        part = tl.load(mp_ptr + sp[:, None].to(tl.int64) * sps * WP + t * WP + wv[None, :],
+                       mask=sp[:, None] < SPLIT, other=0.0)  # fmt: skip
+        mv = tl.sum(part, axis=0)
+        sq = tl.sum(tl.load(sq_ptr + sp.to(tl.int64) * sps + t, mask=sp < SPLIT, other=0.0))
+        m_pre = tl.sum(tl.where(wv[None, :] == a[:, None], mv[None, :], 0.0), axis=1)
+        m_post = tl.sum(tl.where(wv[None, :] == N + a[:, None], mv[None, :], 0.0), axis=1)
+        ci = 2 * N + a[:, None] * N + a[None, :]
+        m_comb = tl.sum(tl.where(wv[None, None, :] == ci[:, :, None], mv[None, None, :], 0.0),
+                        axis=2)  # fmt: skip
+    else:
+        m_pre = tl.zeros((N,), tl.float32)
+        m_post = tl.zeros((N,), tl.float32)
+        m_comb = tl.zeros((N, N), tl.float32)
+        sq = 0.0
+        for s in tl.static_range(SPLIT):
+            row = mp_ptr + s * sps * WP + t * WP
+            m_pre += tl.load(row + a)
+            m_post += tl.load(row + N + a)
+            m_comb += tl.load(row + 2 * N + a[:, None] * N + a[None, :])
+            sq += tl.load(sq_ptr + s * sps + t)
     r = 1.0 / tl.sqrt(sq / (N * D) + norm_eps)
     s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
     pre = tl.sigmoid(m_pre * r * s0 + tl.load(base_ptr + a)) + hc_eps
@@ -219,7 +234,13 @@ def _hc_finish(
     tl.store(comb_ptr + t * N * N + a[:, None] * N + a[None, :], c)
     p = tl.load(pin_ptr + t * N + a) if HAS_PRE_IN else pre
     if ONE_TILE:
-        col = tl.sum(p[:, None] * x1.to(tl.float32), axis=0)
+        # p as N scalars spread over an [N, 1] built from aranges: the compiler can lay that
+        # out as the streams are, instead of moving the [N, BD] streams to p's layout (which
+        # took 8-13 KB of stack at 16 warps when p was the mix's own pre)
+        pb = tl.zeros((N, 1), tl.float32)
+        for j in tl.static_range(N):
+            pb = tl.where(a[:, None] == j, tl.sum(tl.where(a == j, p, 0.0), axis=0), pb)
+        col = tl.sum(pb * x1.to(tl.float32), axis=0)
         rs = 1.0 / tl.sqrt(tl.sum(col * col) / D + rms_eps)
         y = col * rs * nw1.to(tl.float32)
         tl.store(y_ptr + t * syt + d1, y.to(y_ptr.dtype.element_ty), mask=d1 < D)
@@ -320,6 +341,7 @@ def _mix_and_finish(
         pre_in.float().contiguous() if pre_in is not None else mp, pre, post2, comb2,
         y, y.stride(0), d, iters, hc_eps, norm_eps, rms_eps,
         N=n, WP=wp, SPLIT=split, HAS_PRE_IN=pre_in is not None, BD=bd, ONE_TILE=one_tile,
+        SPLIT_P=triton.next_power_of_2(split),
         num_warps=max(4, min(16, n * bd // 1024)) if one_tile else 4,
     )  # fmt: skip
     return y, post2, comb2, pre

@@ -26,11 +26,11 @@ T, N, D, ITERS, HC_EPS, NORM_EPS, RMS_EPS = 5, 4, 96, 20, 1e-6, 1e-6, 1e-6
 pytestmark = pytest.mark.usefixtures("poison_outputs")  # unwritten outputs stay NaN
 
 
-def _params(g: torch.Generator) -> tuple[torch.Tensor, ...]:
-    fn = torch.randn(N * (N + 2), N * D, generator=g) / (N * D) ** 0.5
+def _params(g: torch.Generator, d: int = D) -> tuple[torch.Tensor, ...]:
+    fn = torch.randn(N * (N + 2), N * d, generator=g) / (N * d) ** 0.5
     base = 0.5 * torch.randn(N * (N + 2), generator=g)
     scale = 1 + 0.2 * torch.randn(3, generator=g)
-    norm_w = 1 + 0.1 * torch.randn(D, generator=g)
+    norm_w = 1 + 0.1 * torch.randn(d, generator=g)
     return fn, base, scale, norm_w
 
 
@@ -78,8 +78,9 @@ def test_hc_post_pre(v41: bool) -> None:
         assert rel(o, r) < 1e-5
 
 
+@pytest.mark.parametrize("d", [96, 192])  # 2 and 3 d-splits of the mix (3: a masked split)
 @pytest.mark.parametrize("v41", [False, True])
-def test_one_tile_finish_matches_reference(v41: bool, monkeypatch) -> None:
+def test_one_tile_finish_matches_reference(v41: bool, d: int, monkeypatch) -> None:
     """The opt-in one-tile finish ("tile": streams loaded once) on a decode wave (3 tokens,
     within the interpreter's 4 "SMs"), for hc_pre and hc_post_pre: the fp64 reference's
     outputs, and the form really taken; 5 tokens (more than a wave) take the loop."""
@@ -88,10 +89,10 @@ def test_one_tile_finish_matches_reference(v41: bool, monkeypatch) -> None:
     monkeypatch.setattr(mhc, "_finish_form", lambda *a: forms.append(real(*a)) or forms[-1])
     g = torch.Generator().manual_seed(14)
     t = 3
-    x = torch.randn(t, N, D, generator=g)
-    out = torch.randn(t, D, generator=g)
+    x = torch.randn(t, N, d, generator=g)
+    out = torch.randn(t, d, generator=g)
     post, comb = 2 * torch.rand(t, N, generator=g), torch.rand(t, N, N, generator=g)
-    params = _params(g)
+    params = _params(g, d)
     pre_in = torch.rand(t, N, generator=g) + 0.1 if v41 else None
     eps = (ITERS, HC_EPS, NORM_EPS, RMS_EPS)
     ref_pre = mhc.hc_pre_ref(x.double(), *_f64(params), *eps, pre_in)
@@ -100,7 +101,7 @@ def test_one_tile_finish_matches_reference(v41: bool, monkeypatch) -> None:
     with mhc.finish_choice("tile"):
         got_pre = mhc.hc_pre_triton(x, *params, *eps, pre_in)
         got_pp = mhc.hc_post_pre_triton(out, x, post, comb, *params, *eps, pre_in)
-        mhc.hc_pre_triton(torch.randn(5, N, D, generator=g), *params, *eps)
+        mhc.hc_pre_triton(torch.randn(5, N, d, generator=g), *params, *eps)
     assert forms == ["tile", "tile", "loop"]
     for o, r in zip((*got_pre, *got_pp), (*ref_pre, *ref_pp), strict=True):
         assert rel(o, r) < 1e-5
