@@ -112,9 +112,10 @@ def fp8_linear_triton(
         raise ValueError(f"N = {N} is not a multiple of the tile {t.bn}")
     s, e8 = moe._scale_arg(scale.unsqueeze(0))
     w3 = w.unsqueeze(0)
-    rows = torch.arange(n_tiles * bm, dtype=torch.int32, device=x.device)
-    tile_e = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
-    y = torch.empty(t.split, n_tiles * bm, N, dtype=torch.float32, device=x.device)
+    rows, tile_e = _one_group_rows(n_tiles * bm, n_tiles, x.device)
+    # one K split: the kernel's fp32 tile is rounded to x's dtype as it is stored
+    y_dt = x2.dtype if t.split == 1 else torch.float32
+    y = torch.empty(t.split, n_tiles * bm, N, dtype=y_dt, device=x.device)
     k_per = -(-(K // t.bk) // t.split) * t.bk
     scale_args, scale_kw = moe._scale_launch(s, e8, b1, t.bk)
     interp = moe._INTERPRET
@@ -126,8 +127,44 @@ def fp8_linear_triton(
         A_FP8=False, A_Q=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
         num_stages=t.stages, **scale_kw,
     )  # fmt: skip
-    out = y[0, :M] if t.split == 1 else y[:, :M].sum(0)
-    return out.to(x.dtype).view(*shape[:-1], N)
+    if t.split == 1:
+        return y[0, :M].view(*shape[:-1], N)
+    out = torch.empty(M, N, dtype=x2.dtype, device=x.device)
+    n_elem, blk = M * N, 1024
+    _split_sum_cast[(triton.cdiv(n_elem, blk),)](y, y.stride(0), out, n_elem, SPLIT=t.split,
+                                                 BLOCK=blk)  # fmt: skip
+    return out.view(*shape[:-1], N)
+
+
+_ROWS: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _one_group_rows(n_rows: int, n_tiles: int, device: torch.device):
+    """The one-group GEMM's row map (0 .. n_rows-1) and tile experts (all 0), as views of
+    buffers kept per device: two launches fewer per projection than making them per call.
+    Kept only when made outside a CUDA-graph capture (a captured fill runs at replay), and
+    never freed: a captured graph may read an outgrown buffer."""
+    kept = _ROWS.setdefault(device, [])
+    if kept and kept[-1][0].numel() >= n_rows:
+        return kept[-1][0][:n_rows], kept[-1][1][:n_tiles]
+    size = max(n_rows, 4096)
+    rows = torch.arange(size, dtype=torch.int32, device=device)
+    tile_e = torch.zeros(size, dtype=torch.int32, device=device)  # n_tiles <= n_rows
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        kept.append((rows, tile_e))
+    return rows[:n_rows], tile_e[:n_tiles]
+
+
+@triton.jit
+def _split_sum_cast(y_ptr, sys, out_ptr, n_elem, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = sum_s y[s]`` over the first ``n_elem`` values of each split (in split order,
+    fp32), rounded to out's dtype: the split-K reduction and the cast in one launch."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n_elem
+    acc = tl.load(y_ptr + i, mask=m, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(y_ptr + s * sys + i, mask=m, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 fp8_linear = op(fp8_linear_ref, fp8_linear_triton)

@@ -122,3 +122,28 @@ def test_fp8_linear(shape, block):
     ref = fp8_linear_ref(x.double(), q, s, block)
     out = fp8_linear_triton(x, q, s, block)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("shape,block", [((3, 64, 1024), (128, 128)), ((5, 64, 2048), (32, 32))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_split_k(shape, block, dtype):
+    """Decode-sized fp8 projections split K (2 and 4 splits here, as at M = 1 on the H200):
+    the splits' one-launch sum + cast equals the fp32 sum of the splits rounded once, and the
+    result is the reference's; the kernel's row map is reused, not remade per call."""
+    from kernels import linear, moe
+    from kernels.linear import fp8_linear_ref, fp8_linear_triton
+    from kernels.quant import quantize_fp8_block
+
+    M, N, K = shape
+    assert moe._gemm_tiles(16, N, K, 1, 4, 32, False, False).split == K // 512
+    g = torch.Generator().manual_seed(K)
+    q, s = quantize_fp8_block(torch.randn(N, K, generator=g) / K**0.5, block)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    out = fp8_linear_triton(x, q, s, block)
+    ref = fp8_linear_ref(x.double(), q, s, block)
+    assert out.dtype == dtype and out.shape == (M, N)
+    tol = 1e-6 if dtype == torch.float32 else 4e-3  # bf16: one rounding of the output
+    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+    kept = list(linear._ROWS[x.device])
+    fp8_linear_triton(x, q, s, block)
+    assert len(linear._ROWS[x.device]) == 1 and linear._ROWS[x.device][0] is kept[0]
