@@ -126,8 +126,45 @@ def shared_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
     return (lambda: e(x)), _rel(got, ref), 3 * INTER * D * 2
 
 
+# one layer's dense projections at V4.1-Flash shapes [N, K]: wq_a, wq_b, wkv, wo_b and the
+# shared expert's stacked W1/W3 and W2 (the grouped wo_a is left out)
+DENSE = ((1280, D), (64 * 512, 1280), (512, D), (D, 8 * 1024), (2 * INTER, D), (D, INTER))
+
+
+def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, float]:
+    """The layer's dense projections at t tokens: the checkpoint's e4m3 weights with 32 x 32
+    e8m0 blocks through ``fp8_linear`` ("fp8"), or bf16 through cuBLAS ("bf16", the peer)."""
+    from kernels.linear import fp8_linear_ref, fp8_linear_triton
+    from kernels.quant import dequantize_fp8_block, quantize_fp8_block
+
+    x = {k: torch.randn(t, k, device="cuda", generator=g).bfloat16() for _, k in DENSE}
+    ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) / k**0.5, (32, 32))
+          for n, k in DENSE]  # fmt: skip
+    if fmt == "fp8":
+        calls = [(lambda q=q, s=s, k=k: fp8_linear_triton(x[k], q, s, (32, 32)))
+                 for (q, s), (_, k) in zip(ws, DENSE, strict=True)]  # fmt: skip
+        err = max(_rel(c(), fp8_linear_ref(x[k].float(), q, s, (32, 32)))
+                  for c, (q, s), (_, k) in zip(calls, ws, DENSE, strict=True))  # fmt: skip
+        byt = sum(n * k + (n // 32) * (k // 32) for n, k in DENSE)
+    else:
+        wb = [dequantize_fp8_block(q, s, (32, 32)).bfloat16() for q, s in ws]
+        calls = [(lambda w=w, k=k: torch.nn.functional.linear(x[k], w))
+                 for w, (_, k) in zip(wb, DENSE, strict=True)]  # fmt: skip
+        err = 0.0
+        byt = sum(2 * n * k for n, k in DENSE)
+    byt += sum(t * (k + n) * 2 for n, k in DENSE)
+
+    def run():
+        for c in calls:
+            c()
+
+    return run, err, byt
+
+
 CASES = {"mhc": mhc_case, "mhc_tile": lambda t, g: mhc_case(t, g, "tile"), "gate": gate_case,
-         "kv_write": kv_case, "shared_expert": shared_case}  # fmt: skip
+         "kv_write": kv_case, "shared_expert": shared_case,
+         "dense_fp8": lambda t, g: dense_case(t, g, "fp8"),
+         "dense_bf16": lambda t, g: dense_case(t, g, "bf16")}  # fmt: skip
 
 
 def main() -> None:
