@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 # build; --no-compile skips byte-compiling ray & co. at install time (Python does it lazily).
 PIP := $(BIN)/pip install -q --disable-pip-version-check --no-compile "torch==2.13.0" "numpy<2.4"
 
-.PHONY: serve test lint gpu-check gpu-test gpu-bench clean
+.PHONY: serve test lint gpu-check gpu-test gpu-bench gpu-cache-pack clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,9 +41,22 @@ GPU_TESTS ?= tests/gpu
 GPU_ARGS ?=
 gpu-check: gpu-test gpu-bench
 
+# Triton's kernel cache of the GPU runs, inside the checkout: a GPU machine that starts bare is
+# handed the last run's compiled kernels as one tarball (`make gpu-cache-pack`: the cubins and
+# their metadata, ~1/10 of the cache). Triton records absolute paths, so the checkout must sit
+# at the same path on every machine (a different path only misses the cache).
+GPU_CACHE := $(CURDIR)/.gpu-cache
+gpu-test gpu-bench: export TRITON_CACHE_DIR := $(GPU_CACHE)/triton
+
 gpu-test:
+	@if [ -f $(GPU_CACHE)/triton.tgz ] && [ ! -d $(GPU_CACHE)/triton ]; then \
+		tar xzf $(GPU_CACHE)/triton.tgz -C $(GPU_CACHE); fi
 	PYTHONPATH=. $(PY) -m pytest $(GPU_TESTS) -o addopts="" -p no:cacheprovider -v -rfE \
 		--durations=30 --timeout 240 $(GPU_ARGS)
+
+gpu-cache-pack:
+	cd $(GPU_CACHE) && find triton -type f \( -name '*.source' -o -name '*.ttir' -o \
+		-name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \) -delete && tar czf triton.tgz triton
 
 gpu-bench:
 	PYTHONPATH=. $(PY) -m bench.kernels_moe --quick
