@@ -29,21 +29,23 @@ from app.model.tiny import make_tiny_checkpoint
 from kernels.dispatch import OPS, reference_kernels
 
 
-def _prompts(lens: list[int], seed: int) -> list[list[int]]:
+def prompts(lens: list[int], seed: int) -> list[list[int]]:
+    """Random prompts of these lengths (token ids 3..499) from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
 
 
-def _reference(model, prompt: list[int], n: int) -> list[int]:
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of the model's full-sequence forward (no cache)."""
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(model.logits(torch.tensor(seq))[-1].argmax()))
     return seq[len(prompt) :]
 
 
-def _engine_tokens(ckpt: str, prompts: list[list[int]], n: int, opts: dict) -> list[list[int]]:
-    eng = EngineCore(EngineConfig.from_options(ckpt, **opts))
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+def run_requests(eng: EngineCore, prompts: list[list[int]], params: SamplingParams
+                 ) -> dict[str, list[int]]:  # fmt: skip
+    """Requests ``r0``, ``r1``, ... to the end -> their tokens; the cache checked after."""
     for i, p in enumerate(prompts):
         eng.add_request(EngineRequest(f"r{i}", tuple(p), params))
     got: dict[str, list[int]] = {}
@@ -51,7 +53,7 @@ def _engine_tokens(ckpt: str, prompts: list[list[int]], n: int, opts: dict) -> l
         for o in eng.step():
             got.setdefault(o.request_id, []).extend(o.token_ids)
     eng.cache.check_integrity()
-    return [got[f"r{i}"] for i in range(len(prompts))]
+    return got
 
 
 def _flag(v: str) -> bool:
@@ -74,16 +76,18 @@ def main() -> None:
         importlib.import_module(f"kernels.{m.name}")
     ckpt = tempfile.mkdtemp(prefix=f"bisect-{args.arch}-")
     make_tiny_checkpoint(ckpt, arch=args.arch, seed=0)
-    prompts = _prompts([int(x) for x in args.lens.split(",")], args.seed)
+    ps = prompts([int(x) for x in args.lens.split(",")], args.seed)
     cpu = load_model(ckpt)
-    want = [_reference(cpu, p, args.tokens) for p in prompts]
+    want = [reference_greedy(cpu, p, args.tokens) for p in ps]
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     opts = dict(device=args.device, kv_cache_bytes=1 << 24, max_num_batched_tokens=16,
                 cuda_graphs=_flag(args.graphs), overlap_schedule=_flag(args.overlap),
                 bounded_replay=args.bounded_replay, packed_experts=args.packed_experts)  # fmt: skip
 
     def check(label: str) -> bool:
         t0 = time.perf_counter()
-        got = _engine_tokens(ckpt, prompts, args.tokens, opts)
+        out = run_requests(EngineCore(EngineConfig.from_options(ckpt, **opts)), ps, params)
+        got = [out[f"r{i}"] for i in range(len(ps))]
         bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
         print(f"{label:<40} {'OK' if not bad else 'MISMATCH requests ' + str(bad)}"
               f"  ({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip

@@ -18,46 +18,24 @@ from app.engine.outputs import HostSamples
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
 from bench.teacher import drive
+from tools.op_bisect import prompts, reference_greedy, run_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def _reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(model.logits(torch.tensor(seq))[-1].argmax()))
-    return seq[len(prompt) :]
-
-
-def _run(eng: EngineCore, prompts: list[list[int]], params=GREEDY) -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        eng.add_request(EngineRequest(f"r{i}", tuple(p), params))
-    got: dict[str, list[int]] = {}
-    while eng.has_unfinished:
-        for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.token_ids)
-    eng.cache.check_integrity()
-    return got
-
-
-def _prompts(lens, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
-
-
 @pytest.mark.parametrize("arch", ["v41", "v4"])
 @pytest.mark.parametrize("graphs,overlap", [(True, True), (False, True), (True, False)])
 def test_engine_greedy_equals_cpu_reference(ckpts, arch, graphs, overlap):
-    ps = _prompts((23, 5, 37, 1, 12))
+    ps = prompts([23, 5, 37, 1, 12], 1)
     cpu = load_model(ckpts[arch])
     eng = EngineCore(EngineConfig.from_options(
         ckpts[arch], device="cuda", kv_cache_bytes=1 << 24, max_num_batched_tokens=16,
         cuda_graphs=graphs, overlap_schedule=overlap, bounded_replay="off",
     ))  # fmt: skip
-    got = _run(eng, ps)
+    got = run_requests(eng, ps, GREEDY)
     for i, p in enumerate(ps):
-        assert got[f"r{i}"] == _reference_greedy(cpu, p, 12), i
+        assert got[f"r{i}"] == reference_greedy(cpu, p, 12), i
     assert (eng.stats.graph_steps > 0) == graphs
 
 
@@ -65,8 +43,8 @@ def test_prefix_hits_and_preemption_equal_cpu_reference(ckpts):
     """Shared prefixes (hits with replay off are exact) and a pool small enough to preempt:
     four requests of up to 4 blocks of 16 (2 shared) need 10 blocks, the pool has 8."""
     cpu = load_model(ckpts["v41"])
-    shared = _prompts((40,), seed=5)[0]
-    ps = [shared + t for t in _prompts((3, 9, 6, 11), seed=6)]
+    shared = prompts([40], 5)[0]
+    ps = [shared + t for t in prompts([3, 9, 6, 11], 6)]
     probe = EngineCore(EngineConfig.from_options(ckpts["v41"], device="cuda", block_size=16,
                                                  kv_cache_bytes=1 << 24))  # fmt: skip
     blk, slot = probe.cache.kv.bytes_per_block(), probe.cache.kv.bytes_per_slot()
@@ -74,11 +52,11 @@ def test_prefix_hits_and_preemption_equal_cpu_reference(ckpts):
         ckpts["v41"], device="cuda", block_size=16, max_num_seqs=4, max_num_batched_tokens=24,
         kv_cache_bytes=(8 + 1) * blk + (4 + 1) * slot, bounded_replay="off",
     ))  # fmt: skip
-    got = _run(eng, ps)
+    got = run_requests(eng, ps, GREEDY)
     assert eng.cache.index.stats.hit_tokens > 0
     assert eng.stats.num_preemptions > 0
     for i, p in enumerate(ps):
-        assert got[f"r{i}"] == _reference_greedy(cpu, p, 12), i
+        assert got[f"r{i}"] == reference_greedy(cpu, p, 12), i
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
@@ -101,7 +79,7 @@ def _decoding_engine(ckpt: str, graphs: bool, n: int = 6) -> EngineCore:
     eng = EngineCore(EngineConfig.from_options(
         ckpt, device="cuda", kv_cache_bytes=1 << 24, cuda_graphs=graphs, overlap_schedule=True,
     ))  # fmt: skip
-    for i, p in enumerate(_prompts([9] * n, seed=9)):
+    for i, p in enumerate(prompts([9] * n, 9)):
         eng.add_request(EngineRequest(f"d{i}", tuple(p), SamplingParams(
             temperature=0.8, top_p=0.9, seed=i, max_tokens=40, ignore_eos=True)))  # fmt: skip
     for _ in range(4):  # prefill, then decode steps (graphs captured)
@@ -153,7 +131,7 @@ def test_no_host_sync_inside_a_step(ckpts, monkeypatch):
 def test_speculative_greedy_equals_cpu_reference(ckpts, arch, spec):
     """DSpark (V4.1) and MTP (V4) on the device: the drafter's kernels and the verify steps
     leave greedy outputs equal to the CPU reference; the drafts are finite and checked."""
-    ps = _prompts((23, 5, 37, 1, 12), seed=3)
+    ps = prompts([23, 5, 37, 1, 12], 3)
     cpu = load_model(ckpts[arch])
     eng = EngineCore(EngineConfig.from_options(
         ckpts[arch], device="cuda", kv_cache_bytes=1 << 24, max_num_batched_tokens=16,
@@ -161,9 +139,9 @@ def test_speculative_greedy_equals_cpu_reference(ckpts, arch, spec):
     ))  # fmt: skip
     blocks = []
     eng.on_draft = lambda rids, anchors, block: blocks.append(block.logits.clone())
-    got = _run(eng, ps)
+    got = run_requests(eng, ps, GREEDY)
     for i, p in enumerate(ps):
-        assert got[f"r{i}"] == _reference_greedy(cpu, p, 12), i
+        assert got[f"r{i}"] == reference_greedy(cpu, p, 12), i
     assert eng.stats.spec_verifies > 0 and blocks
     assert eng.stats.graph_steps > 0  # verify steps replay graphs that return the features
     assert all(bool(torch.isfinite(b).all()) for b in blocks)
