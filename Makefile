@@ -43,22 +43,26 @@ gpu-check: gpu-test gpu-bench
 
 # Triton's kernel cache of the GPU runs, inside the checkout: a GPU machine that starts bare is
 # handed the last run's compiled kernels as one tarball (`make gpu-cache-pack`: the cubins and
-# their metadata, ~1/10 of the cache). Triton records absolute paths, so the checkout must sit
-# at the same path on every machine (a different path only misses the cache).
+# their metadata, ~1/10 of the cache; the IRs stay out, so bench.compile_report needs its own
+# cache). Triton records absolute paths: the checkout must sit at the same path on every
+# machine (elsewhere the cache only misses).
 GPU_CACHE := $(CURDIR)/.gpu-cache
 gpu-test gpu-bench: export TRITON_CACHE_DIR := $(GPU_CACHE)/triton
+UNPACK_GPU_CACHE = @if [ -f $(GPU_CACHE)/triton.tgz ] && [ ! -d $(GPU_CACHE)/triton ]; then \
+	tar xzf $(GPU_CACHE)/triton.tgz -C $(GPU_CACHE); fi
 
 gpu-test:
-	@if [ -f $(GPU_CACHE)/triton.tgz ] && [ ! -d $(GPU_CACHE)/triton ]; then \
-		tar xzf $(GPU_CACHE)/triton.tgz -C $(GPU_CACHE); fi
+	$(UNPACK_GPU_CACHE)
 	PYTHONPATH=. $(PY) -m pytest $(GPU_TESTS) -o addopts="" -p no:cacheprovider -v -rfE \
 		--durations=30 --timeout 240 $(GPU_ARGS)
 
 gpu-cache-pack:
-	cd $(GPU_CACHE) && find triton -type f \( -name '*.source' -o -name '*.ttir' -o \
-		-name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \) -delete && tar czf triton.tgz triton
+	@test -d $(GPU_CACHE)/triton || { echo "no $(GPU_CACHE)/triton to pack"; exit 1; }
+	cd $(GPU_CACHE) && tar czf triton.tgz --exclude='*.source' --exclude='*.ttir' \
+		--exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' triton
 
 gpu-bench:
+	$(UNPACK_GPU_CACHE)
 	PYTHONPATH=. $(PY) -m bench.kernels_moe --quick
 	PYTHONPATH=. $(PY) -m bench.kernels_attention --quick
 

@@ -25,8 +25,12 @@ OPS: dict[str, Callable[..., Any]] = {}  # name -> dispatching function, as op()
 @contextlib.contextmanager
 def reference_kernels(*names: str) -> Iterator[None]:
     """Run ops through their torch reference, on CUDA too (A/B checks, debugging): every op,
-    or only those named (an op's name is its reference's without ``_ref``, e.g.
-    ``"sparse_attention"``), which is how a mismatch is bisected to one kernel."""
+    or only those named (their :data:`OPS` names, e.g. ``"sparse_attention"``), which is how
+    a mismatch is bisected to one kernel. A name not in :data:`OPS` (a typo, or an op whose
+    module is not imported yet) is an error."""
+    unknown = sorted(set(names) - set(OPS))
+    if unknown:  # a typo would otherwise bisect nothing, silently
+        raise ValueError(f"no kernel op named {unknown}; ops: {sorted(OPS)}")
     prev = getattr(_state, "reference", False)
     if not names:
         _state.reference = True
@@ -40,7 +44,7 @@ def reference_kernels(*names: str) -> Iterator[None]:
 
 def op_name(fn: Callable[..., Any]) -> str:
     """The name :func:`reference_kernels` knows a dispatching function (or reference) by."""
-    return fn.__name__.removesuffix("_ref")
+    return getattr(fn, "op_name", None) or fn.__name__.removesuffix("_ref")
 
 
 def _use_reference(name: str) -> bool:
@@ -111,10 +115,12 @@ def op(
     *,
     when: Callable[..., bool] | None = None,
     device_arg: int | None = None,
+    name: str | None = None,
 ) -> Callable[..., Any]:
-    """The dispatching function of one op (the reference's name and docstring)."""
+    """The dispatching function of one op (the reference's name and docstring), registered in
+    :data:`OPS` under ``name`` (default: the reference's name without ``_ref``)."""
 
-    name = op_name(reference)
+    name = name or op_name(reference)
 
     @functools.wraps(reference)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -129,7 +135,7 @@ def op(
             return triton(*args, **kwargs)
         return reference(*args, **kwargs)
 
-    run.reference, run.triton = reference, triton  # type: ignore[attr-defined]
+    run.reference, run.triton, run.op_name = reference, triton, name  # type: ignore[attr-defined]
     if triton is not None:
         OPS.setdefault(name, run)
     return run

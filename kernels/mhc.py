@@ -26,7 +26,7 @@ from kernels.dispatch import op, pinned, pinned_variant, sm_count
 from kernels.norm import rms_norm_ref
 
 _FINISH = ("auto", "tile", "loop")
-FINISH_TILE_MAX = 8192  # widest d-tile (next power of 2 of d) the one-tile finish holds
+FINISH_TILE_MAX = 32768  # most stream values (n x next power of 2 of d) one-tile holds
 
 
 def sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -333,7 +333,7 @@ def _mix_and_finish(
         torch.empty(t, n, n, **f32),
     )
     y = torch.empty(t, d, dtype=x.dtype, device=dev)
-    one_tile = _finish_form(t, d, sms) == "tile"
+    one_tile = _finish_form(t, n, d, sms) == "tile"
     bd = triton.next_power_of_2(d) if one_tile else min(1024, triton.next_power_of_2(d))
     _hc_finish[(t,)](
         x, x.stride(0), x.stride(1), mp, sq, t, base.float().contiguous(),
@@ -354,16 +354,17 @@ def finish_choice(form: str) -> contextlib.AbstractContextManager[None]:
     return pinned_variant("mhc_finish", form, _FINISH)
 
 
-def _finish_form(t: int, d: int, sms: int) -> str:
+def _finish_form(t: int, n: int, d: int, sms: int) -> str:
     """The finish form of a call: "tile" where it is asked for and applies, else "loop".
 
     "auto" keeps the two-pass loop, the form measured on the H200 (12.3 us per call at one
     token, latency-bound: eight dependent d-tile loads); "tile" is its one-round-trip
     replacement, not yet timed, so it is opt-in until an A/B run shows it faster. It holds
     the token's n x d streams in registers (up to 16 warps), so it applies to a decode wave
-    only (t <= SMs, d <= FINISH_TILE_MAX), where one program per token does not fill the
-    machine anyway; larger calls in a "tile" block take the loop."""
-    fits = triton.next_power_of_2(d) <= FINISH_TILE_MAX and t <= sms
+    only (t <= SMs, n x d <= FINISH_TILE_MAX: 4 x 8192 at 16 warps is ~64 registers of
+    streams per thread), where one program per token does not fill the machine anyway;
+    larger calls in a "tile" block take the loop."""
+    fits = n * triton.next_power_of_2(d) <= FINISH_TILE_MAX and t <= sms
     return "tile" if pinned("mhc_finish") == "tile" and fits else "loop"
 
 
@@ -439,5 +440,5 @@ def hc_post_pre_triton(
 
 
 hc_pre = op(hc_pre_ref, hc_pre_triton)
-hc_post = op(hc_expand_ref, hc_post_triton)
+hc_post = op(hc_expand_ref, hc_post_triton, name="hc_post")
 hc_post_pre = op(hc_post_pre_ref, hc_post_pre_triton)

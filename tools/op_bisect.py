@@ -99,12 +99,21 @@ def main() -> None:
     triton_ok = check("all ops on Triton")
     with reference_kernels():
         ref_ok = check("all ops on references")
-    if triton_ok or not ref_ok:
+    if triton_ok:
+        print("verdict: the kernels give the reference's tokens", flush=True)
+        return
+    if not ref_ok:
+        print("verdict: the references mismatch too -- the cause is outside the kernel ops "
+              "(engine, cache, graphs)", flush=True)  # fmt: skip
         return
     names = sorted(OPS)
+    bad = []
     for name in names:
         with reference_kernels(*(n for n in names if n != name)):
-            check(f"only {name} on Triton")
+            if not check(f"only {name} on Triton"):
+                bad.append(name)
+    alone = "no op breaks the tokens alone: the mismatch needs two or more kernels together"
+    print(f"verdict: {bad} break the tokens alone" if bad else f"verdict: {alone}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention, compressor, engram, gate, indexer, kv_quant, linear, mhc, moe, norm
+from kernels import (
+    attention,
+    compressor,
+    engram,
+    gate,
+    indexer,
+    kv_quant,
+    linear,
+    mhc,
+    moe,
+    norm,
+    swiglu,
+)
 from kernels.dispatch import op, reference_kernels
 
 
@@ -40,11 +52,15 @@ def test_selection_rules():
     assert f.reference is not f.triton and f.__name__ == "fn"
 
 
-def test_reference_kernels_by_name_bisects_one_op():
+def test_reference_kernels_by_name_bisects_one_op(monkeypatch):
     """``reference_kernels("name")`` sends only the named ops to their references (how a
-    mismatch is narrowed to one kernel); nesting adds names; the bare form takes every op."""
-    from kernels.dispatch import OPS, op_name
+    mismatch is narrowed to one kernel); nesting adds names; the bare form takes every op; an
+    unknown name is an error; ``op(name=...)`` registers under that name."""
+    from kernels import dispatch
+    from kernels.dispatch import op_name
 
+    monkeypatch.setattr(dispatch, "OPS", {})  # this test's ops only, run after run
+    OPS = dispatch.OPS
     calls: list[str] = []
 
     def a_ref(x):
@@ -66,20 +82,30 @@ def test_reference_kernels_by_name_bisects_one_op():
     assert (fa(dev), fb(dev)) == ("a_tri", "b_tri")
     with reference_kernels(), reference_kernels("a"):  # a name inside "all" keeps all
         assert fb(dev) == "b_ref"
+    with pytest.raises(ValueError, match="no kernel op named"), reference_kernels("a", "c"):
+        pass
+    fc = op(a_ref, _spy("c_tri", calls), name="c")
+    assert OPS["c"] is fc and op_name(fc) == "c" and OPS["a"] is fa
+    with reference_kernels("c"):
+        assert (fa(dev), fc(dev)) == ("a_tri", "a_ref")
 
 
 @pytest.mark.parametrize(
     "fn",
     [attention.sparse_attention, compressor.compress_pool, engram.engram_rows,
      engram.engram_gather, engram.engram_gate, gate.moe_gate_fused, indexer.indexer_scores,
-     indexer.indexer_scores_paged, indexer.topk, kv_quant.kv_pack, kv_quant.kv_qdq,
-     linear.linear_f32, mhc.hc_pre, mhc.hc_post, mhc.hc_post_pre, moe.moe_fp8, moe.moe_fp4,
-     norm.norm_rope, norm.rms_norm],
+     indexer.indexer_scores_paged, indexer.topk, kv_quant.kv_pack, kv_quant.kv_pack_into,
+     kv_quant.kv_qdq, linear.linear_f32, linear.fp8_linear, mhc.hc_pre, mhc.hc_post,
+     mhc.hc_post_pre, moe.moe_fp8, moe.moe_fp4, moe.moe_fp8_rows, norm.norm_rope, norm.rms_norm,
+     swiglu.swiglu_halves],
     ids=lambda f: f.__name__,
 )  # fmt: skip
 def test_every_op_dispatches_through_one_rule(fn):
+    from kernels.dispatch import OPS, op_name
+
     assert callable(fn.reference) and callable(fn.triton)
     assert fn.reference is not fn.triton
+    assert OPS[op_name(fn)] is fn  # reference_kernels(name) reaches it (hc_post: by its name)
 
 
 def test_pinned_variants_are_validated_scoped_and_per_op():

@@ -124,6 +124,25 @@ def test_fp8_linear(shape, block):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
 
+@pytest.mark.parametrize("shape", [(3, 64, 96), (20, 64, 256), (3, 64, 1024)])  # 1, 1, 2 splits
+def test_fp8_linear_bf16_rounds_once(shape):
+    """bf16 activations: the output is the fp32 result rounded once to bf16 -- stored in bf16
+    by the GEMM itself (one split) or by the split sum -- so every value is within one bf16
+    ulp of the fp64 reference (the interpreter truncates where the GPU rounds to nearest)."""
+    from kernels.linear import fp8_linear_ref, fp8_linear_triton
+    from kernels.quant import quantize_fp8_block
+
+    M, N, K = shape
+    g = torch.Generator().manual_seed(K + 1)
+    q, s = quantize_fp8_block(torch.randn(N, K, generator=g) / K**0.5, (32, 32))
+    x = torch.randn(M, K, generator=g).bfloat16()
+    out = fp8_linear_triton(x, q, s, (32, 32))
+    ref = fp8_linear_ref(x.double(), q, s, (32, 32))
+    assert out.dtype == torch.bfloat16
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+    assert ((out.double() - ref).abs() <= ulp + 1e-6 * ref.abs().max()).all()
+
+
 @pytest.mark.parametrize("shape,block", [((3, 64, 1024), (128, 128)), ((5, 64, 2048), (32, 32))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_split_k(shape, block, dtype):
