@@ -197,8 +197,7 @@ class Attention(nn.Module):
         v4_keys = None
         if spec.owns_index_keys and not self.cfg.is_v41:
             v4_keys = self._pool(self.indexer.compressor, "idx", x, batch, meta)
-        ang = self.rotary.angles(grp.entry * r)
-        cos, sin = ang.cos(), ang.sin()
+        cos, sin = meta.group_cos_sin(self.rotary, r, self.compressor.span, rows)
         entries = norm_rope(latent, None, None, cos, sin).to(x.dtype)
         pools.entries[spec.layer_id].write(grp.dest, entries)
         if spec.owns_index_keys:

@@ -67,8 +67,8 @@ class StepMeta:
         self.direct = b.direct_window(sliding_window)
         self._window: WindowRows | None = None
         self._groups: dict[tuple[int, int, int], GroupRows] = {}
-        self._angles: dict[int, torch.Tensor] = {}
-        self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._angles: dict[tuple, torch.Tensor] = {}
+        self._cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hca: dict[int, torch.Tensor] = {}
 
     # ---- window ---------------------------------------------------------------------------
@@ -176,9 +176,11 @@ class StepMeta:
         return GroupRows(token, valid, w, dest, w == 0, from_new, new_idx, tail_idx, tail_write)
 
     # ---- rotary -----------------------------------------------------------------------------
+    # Cached per rotary *kind* (``Rotary.key``: every layer of one type has an equal one), so
+    # a step computes them once per kind, not once per layer (four to five launches a layer).
     def cos_sin(self, rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, rope/2] of the step's positions for one :class:`Rotary` (cached)."""
-        key = id(rotary)
+        key = rotary.key
         if key not in self._cos_sin:
             a = self.angles(rotary)
             self._cos_sin[key] = (a.cos(), a.sin())
@@ -186,7 +188,16 @@ class StepMeta:
 
     def angles(self, rotary) -> torch.Tensor:
         """[T, rope/2] angles of the step's positions for one :class:`Rotary` (cached)."""
-        key = id(rotary)
+        key = rotary.key
         if key not in self._angles:
             self._angles[key] = rotary.angles(self.pos)
         return self._angles[key]
+
+    def group_cos_sin(self, rotary, ratio: int, span: int, tail_rows: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(cos, sin) [G, rope/2] at the entry positions of :meth:`groups` (cached)."""
+        key = (rotary.key, ratio, span, tail_rows)
+        if key not in self._cos_sin:
+            a = rotary.angles(self.groups(ratio, span, tail_rows).entry * ratio)
+            self._cos_sin[key] = (a.cos(), a.sin())
+        return self._cos_sin[key]

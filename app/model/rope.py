@@ -44,6 +44,8 @@ class Rotary:
         scaling = cfg.rope_scaling if compressed else None
         self.dim = cfg.qk_rope_head_dim
         self.freqs = rope_frequencies(self.dim, theta, scaling)
+        # equal for every layer of one type: a step computes their angles once (StepMeta)
+        self.key = (self.dim, theta, repr(scaling))
         self._on: dict[torch.device, torch.Tensor] = {}  # copies per device (made once)
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:

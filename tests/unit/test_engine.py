@@ -215,3 +215,34 @@ def test_constrained_json_through_the_engine(tiny_ckpt):
         jsonschema.validate(json.loads(o.text), s)
     with pytest.raises(RequestError, match="constraint"):
         llm.generate("x", SamplingParams(constraint=OutputConstraint("json", '{"type": 5}')))
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_a_step_computes_rope_once_per_rotary_kind(tiny_ckpt, arch):
+    """The cos / sin of a step's positions, and of its compressor groups' entries, are made
+    once per rotary kind (every layer of one type has an equal ``Rotary.key``), not once per
+    layer: on the GPU each is a launch, four to five a layer (~160 a flash-rank step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCos(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.cos.default:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    eng = make_engine(tiny_ckpt(arch))
+    eng.add_request(EngineRequest("a", tuple(range(3, 40)), GREEDY))
+    eng.step()  # the prefill; the counted step decodes
+    pools = eng.cache.kv.pools
+    attn = [layer.attn for layer in eng.model.layers]
+    owners = [a for a in attn if a.spec.owns_compressor]
+    kinds = {a.rotary.key for a in attn}
+    group_kinds = {(a.rotary.key, a.spec.ratio, a.compressor.span,
+                    pools.tail_rows((a.spec.layer_id, "kv"))
+                    if (a.spec.layer_id, "kv") in pools.tails else 0) for a in owners}  # fmt: skip
+    with CountCos() as mode:
+        eng.step()
+    assert mode.n == len(kinds) + len(group_kinds)
+    assert mode.n < len(attn) + len(owners)  # what one per layer made
