@@ -195,7 +195,7 @@ def _hc_finish(
         x1 = tl.load(x_ptr + t * sxt + a[:, None] * sxj + d1[None, :], mask=d1[None, :] < D,
                      other=0.0)  # fmt: skip
         nw1 = tl.load(nw_ptr + d1, mask=d1 < D, other=0.0)
-    if ONE_TILE:  # the SPLIT partial rows in one 2-D load, summed, then picked apart
+        # the SPLIT partial rows in one 2-D load, summed, then picked apart
         sp = tl.arange(0, SPLIT_P)
         wv = tl.arange(0, WP)
         part = tl.load(mp_ptr + sp[:, None].to(tl.int64) * sps * WP + t * WP + wv[None, :],

@@ -29,7 +29,7 @@ from app.model.tiny import make_tiny_checkpoint
 from kernels.dispatch import OPS, reference_kernels
 
 
-def prompts(lens: list[int], seed: int) -> list[list[int]]:
+def prompts(lens, seed: int = 0) -> list[list[int]]:
     """Random prompts of these lengths (token ids 3..499) from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]

@@ -19,6 +19,7 @@ from app.engine.request import (
     RequestError,
     SamplingParams,
 )
+from tools.op_bisect import prompts, reference_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -47,18 +48,6 @@ def run_all(eng: EngineCore, reqs: list[EngineRequest], arrive_rng: random.Rando
                 finish[o.request_id] = o.finish_reason
     eng.cache.check_integrity()
     return outs, finish
-
-
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(model.logits(torch.tensor(seq))[-1].argmax()))
-    return seq[len(prompt) :]
-
-
-def prompts(n_list, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in n_list]
 
 
 @pytest.mark.parametrize("arch,overlap", [("v41", True), ("v41", False), ("v4", True)])

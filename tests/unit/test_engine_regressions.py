@@ -13,6 +13,7 @@ from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, FinishReason, SamplingParams
+from tools.op_bisect import prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -21,11 +22,6 @@ def make_engine(path: str, **opts) -> EngineCore:
     opts.setdefault("kv_cache_bytes", 1 << 22)
     opts.setdefault("bounded_replay", "off")
     return EngineCore(EngineConfig.from_options(path, **opts))
-
-
-def prompts(n_list, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in n_list]
 
 
 def run_all(eng: EngineCore, reqs):
