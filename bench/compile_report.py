@@ -317,12 +317,14 @@ def moe_decode() -> None:
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     for name, out, gather, fuse in (("W13", "*fp16", True, True), ("W2 split", "*fp32", False,
                                                                     False),
-                                    ("W2", "*bf16", False, False)):  # fmt: skip
+                                    ("W2", "*bf16", False, False), ("fp8", "*bf16", False, False),
+                                    ("fp8 split", "*fp32", False, False)):  # fmt: skip
+        fp8 = name.startswith("fp8")  # the dense fp8 projections (launch_dense)
         for bt, st in ((8, 2), (8, 3), (16, 2), (32, 2)):
-            consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=True, BR=md.BR, BT=bt,
-                          KB=md.KB, STAGES=st)  # fmt: skip
-            sig = {n: ("constexpr" if n in consts else dict(base, out_ptr=out)[n])
-                   for n in fn.arg_names}  # fmt: skip
+            consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=not fp8, BR=md.BR, BT=bt,
+                          KB=md.KB, STAGES=st, FP8=fp8, SB_N=32 if fp8 else 1)  # fmt: skip
+            types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else {}))
+            sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             head = f"moe-decode {name:8s} BT={bt:2d} stages={st}"
             try:
                 k, res, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": 4})

@@ -133,16 +133,26 @@ DENSE = ((1280, D), (64 * 512, 1280), (512, D), (D, 8 * 1024), (2 * INTER, D), (
 
 def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, float]:
     """The layer's dense projections at t tokens: the checkpoint's e4m3 weights with 32 x 32
-    e8m0 blocks through ``fp8_linear`` ("fp8"), or bf16 through cuBLAS ("bf16", the peer)."""
-    from kernels.linear import fp8_linear_ref, fp8_linear_triton
+    e8m0 blocks through ``fp8_linear`` ("fp8": the decode kernel, planned as ``Fp8Linear``
+    plans it; "fp8_tl": the MegaMoE GEMM, the previous path), or bf16 through cuBLAS ("bf16",
+    the peer)."""
+    from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    from kernels.linear import fp8_linear_triton as fp8_linear
     from kernels.quant import dequantize_fp8_block, quantize_fp8_block
 
     x = {k: torch.randn(t, k, device="cuda", generator=g).bfloat16() for _, k in DENSE}
     ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) / k**0.5, (32, 32))
           for n, k in DENSE]  # fmt: skip
-    if fmt == "fp8":
-        calls = [(lambda q=q, s=s, k=k: fp8_linear_triton(x[k], q, s, (32, 32)))
-                 for (q, s), (_, k) in zip(ws, DENSE, strict=True)]  # fmt: skip
+    if fmt.startswith("fp8"):
+        kernel = "tl" if fmt == "fp8_tl" else "gluon"
+        plans = [fp8_decode_plan(q, s, (32, 32)) for q, s in ws]
+
+        def one(q, s, k, p):
+            with fp8_kernel_choice(kernel):
+                return fp8_linear(x[k], q, s, (32, 32), p)
+
+        calls = [(lambda q=q, s=s, k=k, p=p: one(q, s, k, p))
+                 for (q, s), (_, k), p in zip(ws, DENSE, plans, strict=True)]  # fmt: skip
         err = max(_rel(c(), fp8_linear_ref(x[k].float(), q, s, (32, 32)))
                   for c, (q, s), (_, k) in zip(calls, ws, DENSE, strict=True))  # fmt: skip
         byt = sum(n * k + (n // 32) * (k // 32) for n, k in DENSE)
@@ -161,9 +171,10 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
     return run, err, byt
 
 
-CASES = {"mhc": mhc_case, "mhc_tile": lambda t, g: mhc_case(t, g, "tile"), "gate": gate_case,
+CASES = {"mhc": mhc_case, "mhc_loop": lambda t, g: mhc_case(t, g, "loop"), "gate": gate_case,
          "kv_write": kv_case, "shared_expert": shared_case,
          "dense_fp8": lambda t, g: dense_case(t, g, "fp8"),
+         "dense_fp8_tl": lambda t, g: dense_case(t, g, "fp8_tl"),
          "dense_bf16": lambda t, g: dense_case(t, g, "bf16")}  # fmt: skip
 
 
@@ -171,6 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="current")
     ap.add_argument("--tokens", default="1,8,64")
+    ap.add_argument("--ops", default=",".join(CASES), help="cases to time (comma-separated)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args()
     import kernels
@@ -181,7 +193,8 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     recs = []
     with torch.inference_mode():
-        for name, case in CASES.items():
+        for name in args.ops.split(","):
+            case = CASES[name]
             for t in (int(v) for v in args.tokens.split(",")):
                 fn, err, byt = case(t, g)
                 if fn is None:  # not in this tree

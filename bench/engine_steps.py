@@ -482,13 +482,18 @@ def main() -> None:
                     help="decode MoE GEMMs of the decode part (before / after A/B: tl = "
                          "_moe_gemm, auto = the Gluon decode kernel where it applies)")  # fmt: skip
     ap.add_argument("--mhc-finish", default="auto", choices=("auto", "tile", "loop"),
-                    help="mHC finish form for the whole run (before / after A/B: tile = "
-                         "one tile at decode waves, auto / loop = two passes over d)")  # fmt: skip
+                    help="mHC finish form for the whole run (before / after A/B: auto / "
+                         "tile = one tile at decode waves, loop = two passes over d)")  # fmt: skip
+    ap.add_argument("--dense-kernel", default="auto", choices=("auto", "tl"),
+                    help="with --dense fp8: the projections' kernel at decode sizes (before / "
+                         "after A/B: tl = the MegaMoE GEMM, auto = the decode kernel)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
+    from kernels.linear import fp8_kernel_choice
     from kernels.mhc import finish_choice
 
-    with kernel_choice(args.attention), finish_choice(args.mhc_finish):
+    with (kernel_choice(args.attention), finish_choice(args.mhc_finish),
+          fp8_kernel_choice(args.dense_kernel)):  # fmt: skip
         _run(args)
 
 
@@ -519,7 +524,8 @@ def _run(args) -> None:
     for part, fn in parts.items():
         if part in what:
             records += [dict(r, params={**r.get("params", {}), "attention": args.attention,
-                                        "mhc_finish": args.mhc_finish})
+                                        "mhc_finish": args.mhc_finish,
+                                        "dense_kernel": args.dense_kernel})
                         for r in fn()]  # fmt: skip
             write(name, records)  # keep what finished if a later part runs out of time
             gc.collect()

@@ -8,12 +8,13 @@ from bf16 weights and activations, up to the order of the sums.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import op
+from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count
 
 
 def linear_f32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -71,22 +72,88 @@ linear_f32 = op(linear_f32_ref, lambda x, w: linear_f32_triton(x.contiguous(), w
 
 
 # ---- fp8 dense projections with the checkpoint's block scales ----------------------------------
+DECODE_MAX_TOKENS = 64  # rows up to which a planned projection takes the decode kernel
+_KERNELS = ("auto", "gluon", "tl")
+
+
+@dataclass(frozen=True)
+class Fp8DecodePlan:
+    """What the decode kernel (``kernels.moe_decode``, ``FP8``) reads beside the weight, made
+    once per weight (:func:`fp8_decode_plan`): ``words`` int32 [ceil(N/b0), K/128], four e8m0
+    codes per 128 columns (one per 32); ``refs`` int32 [N], each row's reference exponent."""
+
+    words: torch.Tensor
+    refs: torch.Tensor
+    b0: int
+
+
+def fp8_decode_plan(
+    w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> Fp8DecodePlan | None:
+    """The decode kernel's plan for ``w`` (e4m3 [N, K]) and its e8m0 ``scale`` per ``block``,
+    or None where the kernel does not apply: fp32 scales, K not a multiple of 128 or N of 64,
+    column blocks not a multiple of 32, or a block row whose codes span more binades than its
+    fp16 products hold exactly (``moe_decode.SPREAD_FP8``). Column blocks wider than 32 are
+    widened to one code per 32 columns. Synchronizes with the device once: make it before any
+    CUDA-graph capture (``Fp8Linear.prepare``)."""
+    from kernels import moe_decode as md
+
+    n, k = w.shape
+    b0, b1 = block
+    if (scale.dtype not in (torch.float8_e8m0fnu, torch.uint8) or w.dtype != torch.float8_e4m3fn
+            or k % md.KB or n % md.BR or b1 % 32 or scale.shape != (-(-n // b0), -(-k // b1))):
+        return None  # fmt: skip
+    codes = scale.view(torch.uint8)
+    if b1 > 32:
+        codes = codes.repeat_interleave(b1 // 32, dim=1)[:, : k // 32]
+    refs, exact = md.fp8_refs(codes, b0, n)
+    if not exact:
+        return None
+    return Fp8DecodePlan(codes.contiguous().view(torch.int32), refs, b0)
+
+
+def fp8_kernel_choice(kernel: str):
+    """The kernel planned fp8 projections take in this block ("auto": the decode kernel up to
+    :data:`DECODE_MAX_TOKENS` rows, "gluon": the same but an error where it cannot run, "tl":
+    the MegaMoE GEMM): before / after runs of the same step (set it before CUDA-graph
+    capture)."""
+    return pinned_variant("fp8_linear", kernel, _KERNELS)
+
+
+def _decode_kernel_runs(x: torch.Tensor) -> bool:
+    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return capability(x.device) >= (8, 9) and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def fp8_linear_ref(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    plan: Fp8DecodePlan | None = None,
 ) -> torch.Tensor:
     """``x @ dequant(w)^T`` in ``x.dtype``: ``w`` [N, K] e4m3 with e8m0 (or fp32) ``scale``
-    [ceil(N/b0), ceil(K/b1)] per ``block`` (b0, b1) -- what the dequantized model computes."""
+    [ceil(N/b0), ceil(K/b1)] per ``block`` (b0, b1) -- what the dequantized model computes.
+    ``plan`` (the decode kernel's, :func:`fp8_decode_plan`) does not change the result."""
     from kernels.quant import dequantize_fp8_block
 
     return torch.nn.functional.linear(x, dequantize_fp8_block(w, scale, block, x.dtype))
 
 
 def fp8_linear_triton(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    plan: Fp8DecodePlan | None = None,
 ) -> torch.Tensor:
-    """Triton :func:`fp8_linear_ref`: the MegaMoE GEMM (``kernels.moe._moe_gemm``) with one
-    group, weights streamed as e4m3 and multiplied after the in-register conversion, each
-    32-column group's fp32 partial times its scale; split-K at decode sizes."""
+    """Triton :func:`fp8_linear_ref`. With a ``plan``, up to :data:`DECODE_MAX_TOKENS` rows
+    on sm_89+: the decode kernel (``kernels.moe_decode``: weights as the MMA's A, each
+    32-column scale re-based onto the fp16 weights, one accumulation over all of K). Else
+    the MegaMoE GEMM (``kernels.moe._moe_gemm``) with one group, weights streamed as e4m3 and
+    multiplied after the in-register conversion, each 32-column group's fp32 partial times
+    its scale; split-K at decode sizes."""
     from kernels import moe
 
     shape = x.shape
@@ -103,6 +170,15 @@ def fp8_linear_triton(
                          f"{tuple(scale.shape)} does not fit the kernel")  # fmt: skip
     if M == 0:
         return x.new_empty(*shape[:-1], N)
+    kernel = pinned("fp8_linear")
+    if kernel != "tl":
+        fits = plan is not None and M <= DECODE_MAX_TOKENS and _decode_kernel_runs(x2)
+        if fits:
+            return _fp8_decode(x2, w, plan, M, N, K).view(*shape[:-1], N)
+        if kernel == "gluon":
+            has = plan is not None
+            raise ValueError(f"the fp8 decode kernel cannot take this call (plan: {has}, "
+                             f"rows {M}, {x2.dtype} on {x2.device})")  # fmt: skip
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
     n_tiles = -(-M // bm)
     # any K step that is a multiple of 32 works (each 32-column group takes its block's
@@ -134,6 +210,27 @@ def fp8_linear_triton(
     _split_sum_cast[(triton.cdiv(n_elem, blk),)](y, y.stride(0), out, n_elem, SPLIT=t.split,
                                                  BLOCK=blk)  # fmt: skip
     return out.view(*shape[:-1], N)
+
+
+def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N: int,
+                K: int) -> torch.Tensor:  # fmt: skip
+    """[M, N] in x's dtype through ``moe_decode.launch_dense`` (+ the split-K sum)."""
+    from kernels import moe_decode as md
+
+    bt = 8 if M <= 8 else 16 if M <= 16 else 32
+    tiles = -(-M // bt)
+    split = md.pick_split(tiles, N, K, sm_count(x2.device))
+    rows, tile_e = _one_group_rows(tiles * bt, tiles, x2.device)
+    y = torch.empty(split, tiles * bt, N, device=x2.device,
+                    dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
+    md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
+                    md.pick_stages(bt, tiles))  # fmt: skip
+    if split == 1:
+        return y[0, :M]
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    _split_sum_cast[(triton.cdiv(M * N, 1024),)](y, y.stride(0), out, M * N, SPLIT=split,
+                                                 BLOCK=1024)  # fmt: skip
+    return out
 
 
 _ROWS: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}

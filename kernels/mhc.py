@@ -355,17 +355,18 @@ def finish_choice(form: str) -> contextlib.AbstractContextManager[None]:
 
 
 def _finish_form(t: int, n: int, d: int, sms: int) -> str:
-    """The finish form of a call: "tile" where it is asked for and applies, else "loop".
+    """The finish form of a call: "tile" where it applies (unless "loop" is pinned), else
+    "loop".
 
-    "auto" keeps the two-pass loop, the form measured on the H200 (12.3 us per call at one
-    token, latency-bound: eight dependent d-tile loads); "tile" is its one-round-trip
-    replacement, not yet timed, so it is opt-in until an A/B run shows it faster. It holds
-    the token's n x d streams in registers (up to 16 warps), so it applies to a decode wave
-    only (t <= SMs, n x d <= FINISH_TILE_MAX: 4 x 8192 at 16 warps is ~64 registers of
-    streams per thread), where one program per token does not fill the machine anyway;
-    larger calls in a "tile" block take the loop."""
+    "tile" loads the token's streams once (one round trip); "loop" is the two-pass form over
+    d. H200, eighth session (``bench/decode_plumbing.py``, the pre + finish pair, graph):
+    11.1 / 11.3 / 17.4 us at 1 / 8 / 64 tokens against 15.1 / 17.4 / 23.8 us for the loop;
+    the flash rank's decode step 12.18 against 12.80 ms at batch 1 and 29.31 against 30.29
+    ms at 64 (32K context). The tile holds the token's n x d streams in registers (up to 16
+    warps), so it applies to a decode wave only (t <= SMs, n x d <= FINISH_TILE_MAX: 4 x
+    8192 at 16 warps is ~64 registers of streams per thread); larger calls take the loop."""
     fits = n * triton.next_power_of_2(d) <= FINISH_TILE_MAX and t <= sms
-    return "tile" if pinned("mhc_finish") == "tile" and fits else "loop"
+    return "tile" if pinned("mhc_finish") != "loop" and fits else "loop"
 
 
 def hc_pre_triton(

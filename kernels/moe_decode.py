@@ -1,4 +1,5 @@
-"""MoE decode GEMMs over fp4 experts in the pairs layout (Gluon, sm_80+; tuned on sm_90).
+"""Decode GEMMs over stored low-precision weights (Gluon, sm_89+; tuned on sm_90): the MoE's
+fp4 experts in the pairs layout, and the dense fp8 projections (e4m3 + e8m0 blocks).
 
 At decode a local expert sees a few token rows (1-16), so its GEMM is a weight stream:
 every fp4 byte is read once, converted, and multiplied by a handful of activation columns.
@@ -32,6 +33,13 @@ activations and the rows' scale words by cp.async; each thread reads its fragmen
 epilogue writes the same outputs as ``_moe_gemm``: H (clamped SwiGLU, fp16 x 2^-4) when one
 split covers K, else fp32 partials [split, rows, 2N]; W2's Y [split, rows, 2N].
 
+**Dense fp8** (``FP8``; :func:`launch_dense`): one row set of e4m3 bytes [N, K] with e8m0
+codes per (SB_N rows, 32 columns) (``kernels.linear.fp8_decode_plan`` widens 128-column
+blocks to 32). A byte is its value, so the conversion is the e4m3 ``cvt`` and the same
+re-basing with no 2^-6: W = e4m3 x 2^(c - R) x 2^(R - 127), R = (largest c of the row's
+block) - HEAD_FP8, exact in fp16 while a block's codes span at most SPREAD_FP8 binades. The
+activations are the model's bf16 / fp16, converted to fp16 x 2^-4 in the kernel.
+
 Gluon does not run under the interpreter: ``tests/gpu`` checks this kernel against the
 torch reference and the ``tl`` kernel; the CPU tests check the K permutation and the scale
 re-basing (``row_refs`` / :func:`emulate`), which are what this kernel adds.
@@ -53,6 +61,10 @@ BR = 64  # weight rows per CTA (16 per warp); a byte holds one row of each of th
 STAGES = 2  # ring slots (pick_stages): one block in flight while the other is multiplied
 SPREAD = 32  # binades a row's scales may span for the fp16 products to be exact
 HEAD = 9  # R = max c - HEAD: the largest product code x 2^(c - R) is 6 x 2^9
+# fp8 weights: the largest product e4m3 x 2^(c - R) is 448 x 2^6 < 65504; the smallest nonzero
+# one, 2^-9 x 2^(c - R), stays a multiple of fp16's 2^-24 while c - R >= -15
+HEAD_FP8 = 6
+SPREAD_FP8 = 21
 
 # fp4 -> e4m3 x 2^-6, four bytes (eight codes) at a time (the low nibbles -> $0, the high
 # nibbles -> $1): the code's magnitude bits e1 e0 m land on e4m3's low exponent bits and top
@@ -183,12 +195,13 @@ def _issue(w_slot, x_slot, s_slot, w_rows, a_rows, amask, s_rows, k, K, BR: gl.c
 
 
 @gluon.jit
-def _mult(words, ref, layout: gl.constexpr):
-    """fp16 2^(6 + c - R) [BR, 4] for each row and column quarter t of a K block: c = byte t
-    of the row's scale word (group t of the block), R = the row's reference ``ref``."""
+def _mult(words, ref, layout: gl.constexpr, OFF: gl.constexpr):
+    """fp16 2^(OFF + c - R) [BR, 4] for each row and column quarter t of a K block: c = byte t
+    of the row's scale word (group t of the block), R = the row's reference ``ref``; OFF = 6
+    undoes the fp4 codes' e4m3 re-encoding (x 2^-6), 0 for fp8 weights."""
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, layout))
     c = (words[:, None] >> (8 * t)[None, :]) & 0xFF
-    bits = (c + (6 + 127) - ref[:, None]) << 23
+    bits = (c + (OFF + 127) - ref[:, None]) << 23
     return bits.to(gl.float32, bitcast=True).to(gl.float16)
 
 
@@ -198,7 +211,11 @@ def _moe_dec_kernel(
     out_ptr, sos, som, n_slots, topk, N, K, k_per_split, limit,
     A_GATHER: gl.constexpr, FUSE_SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
     BR: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
+    FP8: gl.constexpr = False, SB_N: gl.constexpr = 1,
 ):  # fmt: skip
+    """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x 2^-4;
+    ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations bf16 /
+    fp16 as the model holds them (converted here), no gather, no SwiGLU."""
     pid_m, pid_n, pid_k = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     e = gl.load(tile_e_ptr + pid_m)
     if e < 0:
@@ -228,14 +245,18 @@ def _moe_dec_kernel(
     r = n0 + gl.arange(0, BR, layout=rl)
     sl: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     sr = n0 + gl.arange(0, 2 * BR, layout=sl)
-    s_rows = s_ptr + e * sse + gl.where(sr < n0 + BR, sr, sr - BR + N).to(gl.int64) * ssn
+    if FP8:  # one row set: the ring's second half repeats the first (never read)
+        s_rows = s_ptr + e * sse + ((n0 + (sr - n0) % BR) // SB_N).to(gl.int64) * ssn
+    else:
+        s_rows = s_ptr + e * sse + gl.where(sr < n0 + BR, sr, sr - BR + N).to(gl.int64) * ssn
     ref_lo = gl.load(r_ptr + e * sre + r)
-    ref_hi = gl.load(r_ptr + e * sre + N + r)
+    if not FP8:
+        ref_hi = gl.load(r_ptr + e * sre + N + r)
 
     w_bufs = gl.allocate_shared_memory(
         gl.uint8, [STAGES, BR, KB], gl.SwizzledSharedLayout(16, 1, KB // 16, [1, 0]))
     x_bufs = gl.allocate_shared_memory(
-        gl.float16, [STAGES, BT, KB], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+        a_ptr.dtype.element_ty, [STAGES, BT, KB], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     s_bufs = gl.allocate_shared_memory(
         gl.int32, [STAGES, 2 * BR], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
@@ -257,37 +278,51 @@ def _moe_dec_kernel(
         words = s_bufs.index(cur)
         q = gl.convert_layout(gl.reshape(w_bufs.index(cur).load(wl), [BR, 4, KB // 4]), wq,
                               assert_trivial=True)  # fmt: skip
-        lo8, hi8 = gl.inline_asm_elementwise(
-            _PAIRS_E4M3, "=r,=r,r", [q], dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True,
-            pack=4,
-        )  # fmt: skip
-        m_lo = _mult(words.slice(0, BR).load(rl), ref_lo, ql)
-        m_hi = _mult(words.slice(BR, BR).load(rl), ref_hi, ql)
-        w_lo = lo8.to(gl.float16) * gl.expand_dims(m_lo, 2)
-        w_hi = hi8.to(gl.float16) * gl.expand_dims(m_hi, 2)
-        w_lo = gl.convert_layout(_fragments(gl.reshape(w_lo, [BR, KB]), BR, KB), dot_a, True)
-        w_hi = gl.convert_layout(_fragments(gl.reshape(w_hi, [BR, KB]), BR, KB), dot_a, True)
-        xv = _fragments(x_bufs.index(cur).load(xl), BT, KB)
-        xb = gl.convert_layout(gl.permute(xv, [1, 0]), dot_b, True)
-        acc_lo = mma_v2(w_lo, xb, acc_lo)
-        acc_hi = mma_v2(w_hi, xb, acc_hi)
+        xv = x_bufs.index(cur).load(xl)
+        if FP8:  # the model's activations -> fp16 x 2^-4
+            xv = (xv.to(gl.float32) * 0.0625).to(gl.float16)
+        xb = gl.convert_layout(gl.permute(_fragments(xv, BT, KB), [1, 0]), dot_b, True)
+        if FP8:
+            m_lo = _mult(words.slice(0, BR).load(rl), ref_lo, ql, 0)
+            w_lo = q.to(gl.float8e4nv, bitcast=True).to(gl.float16) * gl.expand_dims(m_lo, 2)
+            w_lo = gl.convert_layout(_fragments(gl.reshape(w_lo, [BR, KB]), BR, KB), dot_a, True)
+            acc_lo = mma_v2(w_lo, xb, acc_lo)
+        else:
+            lo8, hi8 = gl.inline_asm_elementwise(
+                _PAIRS_E4M3, "=r,=r,r", [q], dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True,
+                pack=4,
+            )  # fmt: skip
+            m_lo = _mult(words.slice(0, BR).load(rl), ref_lo, ql, 6)
+            m_hi = _mult(words.slice(BR, BR).load(rl), ref_hi, ql, 6)
+            w_lo = lo8.to(gl.float16) * gl.expand_dims(m_lo, 2)
+            w_hi = hi8.to(gl.float16) * gl.expand_dims(m_hi, 2)
+            w_lo = gl.convert_layout(_fragments(gl.reshape(w_lo, [BR, KB]), BR, KB), dot_a,
+                                     True)  # fmt: skip
+            w_hi = gl.convert_layout(_fragments(gl.reshape(w_hi, [BR, KB]), BR, KB), dot_a,
+                                     True)  # fmt: skip
+            acc_lo = mma_v2(w_lo, xb, acc_lo)
+            acc_hi = mma_v2(w_hi, xb, acc_hi)
     async_copy.wait_group(0)
 
     # rows x tokens -> out[token row, column]; the row factor 2^(R - 127 + 4)
     rm = n0 + gl.arange(0, BR, layout=gl.SliceLayout(1, mma))
     f_lo = ((gl.load(r_ptr + e * sre + rm) + 4) << 23).to(gl.float32, bitcast=True)
-    f_hi = ((gl.load(r_ptr + e * sre + N + rm) + 4) << 23).to(gl.float32, bitcast=True)
     acc_lo = acc_lo * f_lo[:, None]
-    acc_hi = acc_hi * f_hi[:, None]
     tp = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
     o_ptrs = out_ptr + pid_k * sos + tp.to(gl.int64)[None, :] * som + rm[:, None]
-    if FUSE_SWIGLU:
+    if FP8:
+        gl.store(o_ptrs, acc_lo.to(out_ptr.dtype.element_ty))
+    elif FUSE_SWIGLU:
+        f_hi = ((gl.load(r_ptr + e * sre + N + rm) + 4) << 23).to(gl.float32, bitcast=True)
+        acc_hi = acc_hi * f_hi[:, None]
         if HAS_LIMIT:
             acc_lo = gl.minimum(acc_lo, limit)
             acc_hi = gl.minimum(gl.maximum(acc_hi, -limit), limit)
         h = acc_lo / (1.0 + gl.exp(-acc_lo)) * acc_hi
         gl.store(o_ptrs, (h * 0.0625).to(gl.float16))
     else:
+        f_hi = ((gl.load(r_ptr + e * sre + N + rm) + 4) << 23).to(gl.float32, bitcast=True)
+        acc_hi = acc_hi * f_hi[:, None]
         gl.store(o_ptrs, acc_lo.to(out_ptr.dtype.element_ty))
         gl.store(o_ptrs + N, acc_hi.to(out_ptr.dtype.element_ty))
 
@@ -327,4 +362,46 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
         n_slots, topk, n, k, per, limit, A_GATHER=gather, FUSE_SWIGLU=fuse_swiglu,
         HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages, num_warps=4,
         **({"maxnreg": maxnreg} if maxnreg else {}),
+    )  # fmt: skip
+
+
+def fp8_refs(codes: torch.Tensor, b0: int, n: int) -> tuple[torch.Tensor, bool]:
+    """Per-row reference exponents of fp8 weights (:data:`HEAD_FP8`) from e8m0 ``codes``
+    [ceil(n / b0), groups] (uint8, one per 32 columns): int32 [n], and whether the kernel is
+    exact on them (each block row's codes span at most :data:`SPREAD_FP8` binades, and its
+    largest keeps the fp32 row factor 2^(R - 123) a normal number)."""
+    c = codes.to(torch.int32)
+    hi, lo = c.amax(-1), c.amin(-1)
+    ok = bool(((hi - lo) <= SPREAD_FP8).all()) and bool((hi >= HEAD_FP8 - 3).all())
+    return (hi - HEAD_FP8).repeat_interleave(b0)[:n].contiguous(), ok
+
+
+def rebased_fp8_weights(w: torch.Tensor, codes: torch.Tensor, refs: torch.Tensor,
+                        b0: int) -> torch.Tensor:  # fmt: skip
+    """The dense kernel's fp16 weights: e4m3 ``w`` [N, K] (``cvt``, exact) times the fp16
+    2^(c - R) of its 32-column group (``codes`` uint8 [ceil(N / b0), K / 32] e8m0, ``refs``
+    [N] from :func:`fp8_refs`), one fp16 rounding as HMUL2: W x 2^(127 - R) when exact."""
+    n, k = w.shape
+    c = codes.to(torch.int32).repeat_interleave(b0, dim=0)[:n].repeat_interleave(32, dim=1)
+    mult = torch.exp2((c - refs[:, None]).double()).to(torch.float16)
+    return w.to(torch.float16) * mult
+
+
+def launch_dense(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Tensor,
+                 rows: torch.Tensor, tile_e: torch.Tensor, out: torch.Tensor, m: int,
+                 split: int, bt: int, b0: int, stages: int = STAGES) -> None:  # fmt: skip
+    """One dense fp8 GEMM ``out[s, :m] (+)= x @ W^T``: ``x`` bf16 / fp16 [m, K] (contiguous
+    rows), ``w`` e4m3 [N, K], ``words`` int32 [ceil(N / b0), K / 128] (four e8m0 codes per
+    128 columns), ``refs`` int32 [N] (:func:`fp8_refs`), ``rows`` / ``tile_e`` the one-group
+    row map (0 .. tiles * bt - 1) and tile experts (0), ``out`` [split, tiles * bt, N]: x's
+    dtype when ``split`` is 1, else fp32 partials. K a multiple of KB, N of BR."""
+    n, k = w.shape
+    if k % KB or n % BR or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dense decode GEMM: K={k} (x {KB}), N={n} (x {BR}), x {x.dtype}")
+    per = -(-(k // KB) // split) * KB
+    _moe_dec_kernel[(tile_e.numel(), n // BR, split)](
+        x, x.stride(0), rows, tile_e, w.view(torch.uint8), 0, w.stride(0), words, 0,
+        words.stride(0), refs, 0, out, out.stride(0), out.stride(1), m, 1, n, k, per, 0.0,
+        A_GATHER=False, FUSE_SWIGLU=False, HAS_LIMIT=False, BR=BR, BT=bt, KB=KB,
+        STAGES=stages, FP8=True, SB_N=b0, num_warps=4,
     )  # fmt: skip

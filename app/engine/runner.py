@@ -29,6 +29,7 @@ import torch
 from app.cache.manager import CacheManager
 from app.engine.batch import BatchBuilder, StepSpec
 from app.engine.scheduler import Scheduled
+from app.model.layers import prepare_fp8_linears
 from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts, stack_dense_experts
 
@@ -91,6 +92,7 @@ class ModelRunner:
         self.sampled = torch.zeros(max(1, cache.kv.max_slots), dtype=torch.int64, device=device)
         self.graphs = None
         stack_dense_experts(model)  # the stacked weights exist before any graph capture
+        prepare_fp8_linears(model)  # and the fp8 projections' decode plans
         if cuda_graphs and device.type == "cuda":
             if capturable(model):
                 from app.engine.graphs import CudaGraphRunner

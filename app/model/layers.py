@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.linear import fp8_linear
+from kernels.linear import Fp8DecodePlan, fp8_decode_plan, fp8_linear
 from kernels.norm import rms_norm
 
 
@@ -35,9 +35,14 @@ class RMSNorm(nn.Module):
 
 class Fp8Linear(nn.Module):
     """``y = x @ dequant(W)^T`` with the checkpoint's bytes: ``weight`` e4m3 [out, in] and
-    ``scale`` (e8m0, or fp32) [ceil(out/b0), ceil(in/b1)] per ``block``; the Triton kernel
-    streams the fp8 weight (half the bytes of bf16), the CPU reference dequantizes per call.
-    The loader puts one in place of a :class:`Linear` when ``packed_dense`` is on."""
+    ``scale`` (e8m0, or fp32) [ceil(out/b0), ceil(in/b1)] per ``block``; the Triton kernels
+    stream the fp8 weight (half the bytes of bf16), the CPU reference dequantizes per call.
+    The loader puts one in place of a :class:`Linear` when ``packed_dense`` is on.
+
+    On CUDA, :meth:`prepare` (before any CUDA-graph capture: it synchronizes once) makes the
+    decode kernel's plan (``kernels.linear.fp8_decode_plan``), which decode-sized calls then
+    take; a projection without one (not prepared, or outside the kernel's exact range) keeps
+    the MegaMoE GEMM."""
 
     def __init__(
         self,
@@ -50,9 +55,28 @@ class Fp8Linear(nn.Module):
         self.block = block
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("scale", scale)
+        self.plan: Fp8DecodePlan | None = None
+
+    def prepare(self) -> bool:
+        """Make the decode kernel's plan for the weight's device (CUDA) -> whether it has
+        one. Call it again after moving the module."""
+        self.plan = None
+        if self.weight.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("prepare fp8 projections before a CUDA-graph capture "
+                                   "(prepare_fp8_linears)")  # fmt: skip
+            self.plan = fp8_decode_plan(self.weight, self.scale, self.block)
+        return self.plan is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.scale, self.block)
+        plan = self.plan if self.plan is not None and self.plan.refs.device == x.device else None
+        return fp8_linear(x, self.weight, self.scale, self.block, plan)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, fp8 block {self.block}"
+
+
+def prepare_fp8_linears(model: nn.Module) -> int:
+    """:meth:`Fp8Linear.prepare` every fp8 projection of ``model`` now (before any CUDA-graph
+    capture) -> how many take the decode kernel."""
+    return sum(m.prepare() for m in model.modules() if isinstance(m, Fp8Linear))

@@ -392,11 +392,12 @@ def test_gate(t: int) -> None:
     assert _rel(wts[same], ref_w[same]) < 1e-3
 
 
-@pytest.mark.parametrize("form", ["auto", "tile"])
+@pytest.mark.parametrize("form", ["auto", "loop"])
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_mhc(t: int, form: str) -> None:
     """The fused mHC kernels against the reference at V4.1-Flash widths, in both finish forms
-    ("tile" applies up to one wave of tokens; 4096 tokens take the loop in either)."""
+    ("auto": the one-tile finish up to one wave of tokens; 4096 tokens take the loop in
+    either)."""
     from kernels import mhc
 
     with mhc.finish_choice(form):

@@ -84,3 +84,90 @@ def test_a_row_of_tiny_scales_is_not_taken() -> None:
     assert row_refs(c)[1]
     c[0, 1] = 5
     assert not row_refs(c)[1]
+
+
+# ---- the dense fp8 projections (FP8: kernels.linear.fp8_decode_plan + launch_dense) ----------
+def _fp8_weight(n: int, k: int, block: tuple[int, int], spread: int, seed: int):
+    """e4m3 weights + e8m0 scales whose blocks' magnitudes differ by up to ``spread`` binades."""
+    from kernels.quant import quantize_fp8_block
+
+    g = torch.Generator().manual_seed(seed)
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    binade = torch.randint(0, spread + 1, (nb, kb), generator=g).float()
+    mag = torch.exp2(binade - spread // 2).repeat_interleave(block[0], 0)
+    w = torch.randn(n, k, generator=g) * mag.repeat_interleave(block[1], 1)[:n, :k]
+    return quantize_fp8_block(w, block)
+
+
+@pytest.mark.parametrize("block", [(32, 32), (128, 128), (32, 128)])
+def test_fp8_plan_rebases_the_weights_exactly(block) -> None:
+    """The plan's codes are the checkpoint's (one per 32 columns: 128-column blocks widened),
+    its per-row references are each block row's largest code - HEAD_FP8, and the kernel's
+    fp16 weights (e4m3 cvt x fp16 2^(c - R)) are the dequantized weights x 2^(127 - R)
+    exactly; what the kernel then computes equals the reference."""
+    from kernels import moe_decode as md
+    from kernels.linear import fp8_decode_plan, fp8_linear_ref
+    from kernels.quant import dequantize_fp8_block
+
+    n, k = 256, 512
+    q, s = _fp8_weight(n, k, block, 14, seed=block[1])
+    plan = fp8_decode_plan(q, s, block)
+    assert plan is not None and plan.b0 == block[0]
+    codes = plan.words.view(torch.uint8).view(-1, k // 32)
+    assert torch.equal(codes, s.view(torch.uint8).repeat_interleave(block[1] // 32, dim=1))
+    hi = s.view(torch.uint8).int().amax(1).repeat_interleave(block[0])
+    assert torch.equal(plan.refs, hi - md.HEAD_FP8)
+    w16 = md.rebased_fp8_weights(q, codes, plan.refs, block[0])
+    exact = dequantize_fp8_block(q, s, block, torch.float64)
+    assert torch.equal(w16.double(), exact * torch.exp2(127 - plan.refs.double())[:, None])
+    # the kernel's arithmetic: x as fp16 x 2^-4, fp32-exact products, the row factor after K
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x16 = (x.float() * 0.0625).half()
+    got = (x16.double() @ w16.double().T) * torch.exp2(plan.refs.double() - 127 + 4)
+    ref = fp8_linear_ref(x.double(), q, s, block)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-6
+
+
+def test_fp8_plan_refuses_what_the_kernel_cannot_take() -> None:
+    """No plan for a block row whose codes span SPREAD_FP8 + 1 binades (its smallest
+    subnormal product would round in fp16: shown here), fp32 scales, K not a multiple of
+    128, N not a multiple of 64; one at exactly SPREAD_FP8."""
+    from kernels import moe_decode as md
+    from kernels.linear import fp8_decode_plan
+    from kernels.quant import dequantize_fp8_block
+
+    n, k = 64, 256
+    q = torch.ones(n, k).to(torch.float8_e4m3fn)
+    q[0, 32] = 2.0**-9  # e4m3's smallest subnormal, in column block 1
+    for span, planned in ((md.SPREAD_FP8, True), (md.SPREAD_FP8 + 1, False)):
+        codes = torch.full((2, k // 32), 127, dtype=torch.uint8)
+        codes[0, 1] = 127 - span
+        s = codes.view(torch.float8_e8m0fnu)
+        assert (fp8_decode_plan(q, s, (32, 32)) is not None) == planned
+        refs, _ = md.fp8_refs(codes, 32, n)
+        w16 = md.rebased_fp8_weights(q, codes, refs, 32)
+        exact = dequantize_fp8_block(q, s, (32, 32), torch.float64)
+        same = torch.equal(w16.double(), exact * torch.exp2(127 - refs.double())[:, None])
+        assert same == planned
+    s = torch.full((2, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert fp8_decode_plan(q, s.float(), (32, 32)) is None
+    assert fp8_decode_plan(q[:, :224], s[:, :7], (32, 32)) is None
+    assert fp8_decode_plan(q[:32], s[:1], (32, 32)) is None
+
+
+def test_fp8_projection_plan_is_prepared_on_cuda_only() -> None:
+    """``Fp8Linear.prepare`` makes no plan for CPU weights (the reference runs there), and a
+    call that pins the decode kernel where it cannot run is an error, not a silent fallback."""
+    from app.model.layers import Fp8Linear, prepare_fp8_linears
+    from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref, fp8_linear_triton
+
+    q, s = _fp8_weight(64, 256, (32, 32), 4, seed=2)
+    lin = Fp8Linear(q, s, (32, 32))
+    assert prepare_fp8_linears(torch.nn.Sequential(lin)) == 0 and lin.plan is None
+    x = torch.randn(2, 256)
+    assert torch.equal(lin(x), fp8_linear_ref(x, q, s, (32, 32)))
+    plan = fp8_decode_plan(q, s, (32, 32))
+    with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
+        fp8_linear_triton(x.bfloat16(), q, s, (32, 32), plan)
+    with pytest.raises(ValueError, match="fp8_linear kernel must be"), fp8_kernel_choice("x"):
+        pass

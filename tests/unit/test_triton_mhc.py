@@ -78,12 +78,14 @@ def test_hc_post_pre(v41: bool) -> None:
         assert rel(o, r) < 1e-5
 
 
+@pytest.mark.parametrize("form", ["auto", "loop"])
 @pytest.mark.parametrize("d", [96, 192])  # 2 and 3 d-splits of the mix (3: a masked split)
 @pytest.mark.parametrize("v41", [False, True])
-def test_one_tile_finish_matches_reference(v41: bool, d: int, monkeypatch) -> None:
-    """The opt-in one-tile finish ("tile": streams loaded once) on a decode wave (3 tokens,
-    within the interpreter's 4 "SMs"), for hc_pre and hc_post_pre: the fp64 reference's
-    outputs, and the form really taken; 5 tokens (more than a wave) take the loop."""
+def test_finish_forms_match_reference(v41: bool, d: int, form: str, monkeypatch) -> None:
+    """Both finish forms on a decode wave (3 tokens, within the interpreter's 4 "SMs"), for
+    hc_pre and hc_post_pre: the fp64 reference's outputs, and the form really taken ("auto":
+    the one-tile finish, streams loaded once; 5 tokens, more than a wave, take the loop;
+    "loop" pinned: the two-pass form everywhere)."""
     forms: list[str] = []
     real = mhc._finish_form
     monkeypatch.setattr(mhc, "_finish_form", lambda *a: forms.append(real(*a)) or forms[-1])
@@ -98,11 +100,11 @@ def test_one_tile_finish_matches_reference(v41: bool, d: int, monkeypatch) -> No
     ref_pre = mhc.hc_pre_ref(x.double(), *_f64(params), *eps, pre_in)
     ref_pp = mhc.hc_post_pre_ref(out.double(), x.double(), post, comb, *_f64(params), *eps,
                                  pre_in)  # fmt: skip
-    with mhc.finish_choice("tile"):
+    with mhc.finish_choice(form):
         got_pre = mhc.hc_pre_triton(x, *params, *eps, pre_in)
         got_pp = mhc.hc_post_pre_triton(out, x, post, comb, *params, *eps, pre_in)
         mhc.hc_pre_triton(torch.randn(5, N, d, generator=g), *params, *eps)
-    assert forms == ["tile", "tile", "loop"]
+    assert forms == (["tile", "tile", "loop"] if form == "auto" else ["loop"] * 3)
     for o, r in zip((*got_pre, *got_pp), (*ref_pre, *ref_pp), strict=True):
         assert rel(o, r) < 1e-5
     with pytest.raises(ValueError, match="mhc_finish kernel must be"), mhc.finish_choice("x"):

@@ -1,0 +1,105 @@
+"""Dense fp8 projections at decode sizes (CUDA only): the Gluon decode kernel
+(``kernels.moe_decode``, FP8) that planned ``Fp8Linear`` projections take up to 64 rows,
+against the fp64 torch reference and the previous path (the MegaMoE GEMM, ``tl``).
+
+Shapes are V4.1-Flash's dense projections (``bench/decode_plumbing.py``'s DENSE), which
+cover one K split with a bf16 store and several with the fp32 partials' sum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SHAPES = ((1280, 5120), (32768, 1280), (5120, 8192), (4608, 5120), (5120, 2304))
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _weight(n: int, k: int, block: tuple[int, int], seed: int):
+    """e4m3 + e8m0 weights whose blocks span 12 binades (as trained weights' scales do)."""
+    from kernels.quant import quantize_fp8_block
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    mag = torch.exp2(torch.randint(-6, 7, (nb, kb), device="cuda", generator=g).float())
+    mag = mag.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+    return quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) * mag / k**0.5, block)
+
+
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
+def test_fp8_decode_kernel(m: int, dtype: torch.dtype, block) -> None:
+    """Every V4.1-Flash dense shape at 1-64 rows (8-, 16- and 32-row token tiles, pad rows,
+    one and several K splits): the fp64 reference to one rounding of the output, and the
+    tl path; the pinned "gluon" run is the "auto" one bit for bit."""
+    from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    from kernels.linear import fp8_linear_triton as fp8_linear
+
+    for i, (n, k) in enumerate(SHAPES):
+        q, s = _weight(n, k, block, seed=i)
+        plan = fp8_decode_plan(q, s, block)
+        assert plan is not None
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        ref = fp8_linear_ref(x.double(), q, s, block)
+        out = fp8_linear(x, q, s, block, plan)
+        with fp8_kernel_choice("tl"):
+            old = fp8_linear(x, q, s, block, plan)
+        with fp8_kernel_choice("gluon"):
+            pinned = fp8_linear(x, q, s, block, plan)
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert _rel(out, ref) < 4e-3, (n, k)  # bf16: 2^-9 per value
+        assert _rel(out, old) < 4e-3, (n, k)
+        assert _rel(out, ref) <= 1.5 * _rel(old, ref) + 1e-4, (n, k)
+        assert torch.equal(out, pinned)
+
+
+def test_fp8_decode_kernel_writes_every_row_and_stays_out_of_prefill() -> None:
+    """Output rows are all written (the buffer is fresh each call, so a missed row would be
+    garbage: every row matches the reference), 65 rows take the tl path ("gluon" pinned
+    there is an error), and an unplanned projection keeps the tl path."""
+    from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    from kernels.linear import fp8_linear_triton as fp8_linear
+
+    q, s = _weight(1280, 5120, (32, 32), seed=7)
+    plan = fp8_decode_plan(q, s, (32, 32))
+    for m in (3, 64):
+        x = torch.randn(m, 5120, device="cuda").bfloat16()
+        out = fp8_linear(x, q, s, (32, 32), plan).double()
+        ref = fp8_linear_ref(x.double(), q, s, (32, 32))
+        err = (out - ref).norm(dim=1) / ref.norm(dim=1)
+        assert bool((err < 4e-3).all()), err
+    x = torch.randn(65, 5120, device="cuda").bfloat16()
+    assert _rel(fp8_linear(x, q, s, (32, 32), plan), fp8_linear_ref(x.double(), q, s,
+                                                                      (32, 32))) < 4e-3
+    with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
+        fp8_linear(x, q, s, (32, 32), plan)
+    with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
+        fp8_linear(x[:4], q, s, (32, 32), None)
+
+
+def test_fp8_projection_takes_its_plan_in_a_cuda_graph() -> None:
+    """``Fp8Linear`` prepared on CUDA (``prepare_fp8_linears``) runs the decode kernel inside
+    a captured CUDA graph and replays it on new inputs; preparing inside a capture is an
+    error."""
+    from app.model.layers import Fp8Linear, prepare_fp8_linears
+    from kernels.linear import fp8_linear_ref
+
+    q, s = _weight(4608, 5120, (32, 32), seed=9)
+    lin = Fp8Linear(q, s, (32, 32))
+    assert prepare_fp8_linears(torch.nn.Sequential(lin)) == 1
+    x = torch.randn(8, 5120, device="cuda").bfloat16()
+    lin(x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = lin(x)
+    x.copy_(torch.randn(8, 5120, device="cuda").bfloat16())
+    graph.replay()
+    assert _rel(y, fp8_linear_ref(x.double(), q, s, (32, 32))) < 4e-3
+    with torch.cuda.graph(torch.cuda.CUDAGraph()), pytest.raises(RuntimeError, match="prepare"):
+        lin.prepare()
