@@ -178,11 +178,61 @@ CASES = {"mhc": mhc_case, "mhc_loop": lambda t, g: mhc_case(t, g, "loop"), "gate
          "dense_bf16": lambda t, g: dense_case(t, g, "bf16")}  # fmt: skip
 
 
+def dense_sweep(tokens: list[int]) -> list[dict]:
+    """The fp8 decode kernel's launch choices over the layer's dense projections (all six in
+    one timed call, as ``dense_fp8``): token tile, K-split rule and ring depth. Split rules:
+    "moe" = ``moe_decode.pick_split`` (the default), "cap" = at most the splits whose fp32
+    partials (written and read) stay within 1/8 of the weight bytes, "one" = no split."""
+    import math
+
+    from kernels import moe_decode as md
+    from kernels.linear import _fp8_decode, fp8_decode_plan
+    from kernels.quant import quantize_fp8_block
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) / k**0.5, (32, 32))
+          for n, k in DENSE]  # fmt: skip
+    plans = [fp8_decode_plan(q, s, (32, 32)) for q, s in ws]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def split_of(rule: str, bt: int, t: int, n: int, k: int) -> int:
+        tiles = math.ceil(t / bt)
+        moe = md.pick_split(tiles, n, k, sms)
+        if rule == "moe":
+            return moe
+        if rule == "one":
+            return 1
+        cap = max(1, k // (8 * 8 * tiles * bt))  # split x rows x N x 8 B <= N x K / 8
+        return max(1, min(moe, cap))
+
+    recs = []
+    for t in tokens:
+        x = {k: torch.randn(t, k, device="cuda", generator=g).bfloat16() for _, k in DENSE}
+        for bt in (8, 16, 32):
+            if bt > max(8, triton.next_power_of_2(t)):
+                continue
+            for rule in ("moe", "cap", "one"):
+                for st in (2, 3):
+                    def run(bt=bt, rule=rule, st=st, t=t, x=x):
+                        for (q, _), (n, k), p in zip(ws, DENSE, plans, strict=True):
+                            _fp8_decode(x[k], q, p, t, n, k, bt, split_of(rule, bt, t, n, k), st)
+
+                    us = _us(run)
+                    splits = [split_of(rule, bt, t, n, k) for n, k in DENSE]
+                    print(f"dense sweep T={t:<3} bt={bt:2d} split={rule:4s} {splits} stages={st}"
+                          f" {us:7.2f} us", flush=True)  # fmt: skip
+                    recs.append({"op": "dense_sweep", "tokens": t, "bt": bt, "rule": rule,
+                                 "splits": splits, "stages": st, "us": us})  # fmt: skip
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="current")
     ap.add_argument("--tokens", default="1,8,64")
     ap.add_argument("--ops", default=",".join(CASES), help="cases to time (comma-separated)")
+    ap.add_argument("--sweep-dense", action="store_true",
+                    help="time the fp8 decode kernel's launch choices instead")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args()
     import kernels
@@ -193,7 +243,10 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     recs = []
     with torch.inference_mode():
-        for name in args.ops.split(","):
+        if args.sweep_dense:
+            recs += dense_sweep([int(v) for v in args.tokens.split(",")])
+            args.ops = ""
+        for name in filter(None, args.ops.split(",")):
             case = CASES[name]
             for t in (int(v) for v in args.tokens.split(",")):
                 fn, err, byt = case(t, g)

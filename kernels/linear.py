@@ -213,18 +213,22 @@ def fp8_linear_triton(
 
 
 def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N: int,
-                K: int) -> torch.Tensor:  # fmt: skip
-    """[M, N] in x's dtype through ``moe_decode.launch_dense`` (+ the split-K sum)."""
+                K: int, bt: int | None = None, split: int | None = None,
+                stages: int | None = None) -> torch.Tensor:  # fmt: skip
+    """[M, N] in x's dtype through ``moe_decode.launch_dense`` (+ the split-K sum); the
+    token tile, K splits and ring depth default to the measured choice (a sweep passes its
+    own)."""
     from kernels import moe_decode as md
 
-    bt = 8 if M <= 8 else 16 if M <= 16 else 32
+    bt = bt or (8 if M <= 8 else 16 if M <= 16 else 32)
     tiles = -(-M // bt)
-    split = md.pick_split(tiles, N, K, sm_count(x2.device))
+    split = split or md.pick_split(tiles, N, K, sm_count(x2.device))
+    stages = stages or md.pick_stages(bt, tiles)
     rows, tile_e = _one_group_rows(tiles * bt, tiles, x2.device)
     y = torch.empty(split, tiles * bt, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
     md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
-                    md.pick_stages(bt, tiles))  # fmt: skip
+                    stages)  # fmt: skip
     if split == 1:
         return y[0, :M]
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
