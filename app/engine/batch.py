@@ -1,8 +1,11 @@
 """Step inputs: scheduled chunks (host numbers) -> one :class:`ForwardBatch` on the device.
 
-Everything is computed with vectorized numpy into one pinned int64 buffer (two, alternated,
-so step N+1 is written while step N's copy may be in flight) and moved in one
-``non_blocking`` copy; the batch's tensors are views of that device buffer. Input tokens
+Everything is computed with vectorized numpy into one pinned int64 buffer and moved in one
+``non_blocking`` copy; the batch's tensors are views of that device buffer. Each build takes
+its staging buffer from torch's caching host allocator, which hands a block out again only
+after the copies that read it have run: builds may run any number of steps ahead of the
+device (a fixed pair of buffers, alternated, was overwritten while the GPU -- running behind
+-- had yet to copy it, and a graph step then read another build's rows). Input tokens
 sampled by the previous step and not yet seen by the host are -1 on the host and filled on
 the device from the sampler's output (``pending`` rows).
 
@@ -103,10 +106,9 @@ class BatchBuilder:
     def __init__(self, pools: PagedKV, device: torch.device) -> None:
         self.pools, self.device = pools, device
         self._pin = device.type == "cuda"
-        self._host = [self._alloc(1 << 16), self._alloc(1 << 16)]
-        self._turn = 0
 
-    def _alloc(self, n: int) -> torch.Tensor:
+    def _staging(self, n: int) -> torch.Tensor:
+        """A host buffer for one build (pinned on CUDA): never one whose copy may be pending."""
         return torch.empty(n, dtype=torch.int64, pin_memory=self._pin)
 
     def build(
@@ -137,10 +139,7 @@ class BatchBuilder:
         if dec is not None:
             for name, a in dec.items():
                 pk.add("dec_" + name, a)
-        host = self._host[self._turn]
-        if host.numel() < pk.size:
-            host = self._host[self._turn] = self._alloc(2 * pk.size)
-        self._turn ^= 1
+        host = self._staging(pk.size)
         where = pk.write(host.numpy())
         if dst is None:
             dst = torch.empty(pk.size, dtype=torch.int64, device=self.device)

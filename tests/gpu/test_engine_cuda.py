@@ -145,3 +145,37 @@ def test_speculative_greedy_equals_cpu_reference(ckpts, arch, spec):
     assert eng.stats.spec_verifies > 0 and blocks
     assert eng.stats.graph_steps > 0  # verify steps replay graphs that return the features
     assert all(bool(torch.isfinite(b).all()) for b in blocks)
+
+
+def test_step_inputs_survive_builds_ahead_of_the_device(ckpts):
+    """Step builds that run ahead of the GPU: with the stream stalled, four builds of
+    different steps in a row (no sync in between) each land intact in their own device
+    buffer. The builder had alternated two pinned staging buffers, so the third build
+    overwrote the first's while its copy still waited behind the stall: the first batch read
+    the third's rows (the cause of a device-side index_copy_ assert in a graph step under
+    a loaded GPU)."""
+    from app.engine.batch import StepSpec
+
+    eng = EngineCore(EngineConfig.from_options(ckpts["v41"], device="cuda",
+                                               kv_cache_bytes=1 << 24))  # fmt: skip
+    builder = eng.runner.builder
+
+    def spec(k: int) -> StepSpec:
+        lens = np.array([3, 1], dtype=np.int64)
+        return StepSpec(
+            slots=np.array([k, k + 1]), starts=np.array([5 * k, 9 + k]), lens=lens,
+            floors=np.zeros(2, np.int64), cached=np.zeros(2, np.int64),
+            decoder_floors=np.zeros(2, np.int64), history=np.full((2, 0), -1, np.int64),
+            ids=np.arange(4, dtype=np.int64) + 100 * k, pending=np.full(4, -1, np.int64),
+            logit_rows=np.array([2, 3]), tables=np.full((2, 3), k, np.int64),
+        )  # fmt: skip
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 28)  # ~0.1-0.2 s of GPU time: the copies queue behind it
+    batches = [builder.build(spec(k)) for k in range(4)]
+    torch.cuda.synchronize()
+    for k, b in enumerate(batches):
+        assert b.input_ids.tolist() == [100 * k + i for i in range(4)], k
+        assert b.slots.tolist() == [k, k + 1], k
+        assert b.positions.tolist() == [5 * k, 5 * k + 1, 5 * k + 2, 9 + k], k
+        assert b.block_table.tolist() == [[k] * 3] * 2, k
