@@ -318,11 +318,13 @@ def moe_decode() -> None:
     for name, out, gather, fuse in (("W13", "*fp16", True, True), ("W2 split", "*fp32", False,
                                                                     False),
                                     ("W2", "*bf16", False, False), ("fp8", "*bf16", False, False),
-                                    ("fp8 split", "*fp32", False, False)):  # fmt: skip
-        fp8 = name.startswith("fp8")  # the dense fp8 projections (launch_dense)
+                                    ("fp8 split", "*fp32", False, False),
+                                    ("fp8 b128", "*bf16", False, False)):  # fmt: skip
+        fp8 = name.startswith("fp8")  # the dense fp8 projections (launch_dense; V4: 128 rows)
         for bt, st in ((8, 2), (8, 3), (16, 2), (32, 2)):
             consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=not fp8, BR=md.BR, BT=bt,
-                          KB=md.KB, STAGES=st, FP8=fp8, SB_N=32 if fp8 else 1)  # fmt: skip
+                          KB=md.KB, STAGES=st, FP8=fp8,
+                          SB_N=(128 if "b128" in name else 32) if fp8 else 1)  # fmt: skip
             types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else {}))
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             head = f"moe-decode {name:8s} BT={bt:2d} stages={st}"

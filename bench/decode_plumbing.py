@@ -47,7 +47,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def mhc_case(t: int, g: torch.Generator, form: str = "auto") -> tuple[callable, float, float]:
     from kernels import mhc
 
-    if form != "auto":  # an opt-in finish form (kernels.mhc.finish_choice) of this tree
+    if form != "auto":  # a pinned finish form (kernels.mhc.finish_choice) of this tree
         if not hasattr(mhc, "finish_choice"):
             return None, 0.0, 0.0
         run = mhc.hc_post_pre_triton
@@ -235,6 +235,9 @@ def main() -> None:
                     help="time the fp8 decode kernel's launch choices instead")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args()
+    unknown = set(filter(None, args.ops.split(","))) - set(CASES)
+    if unknown:
+        ap.error(f"unknown --ops {sorted(unknown)}; cases: {', '.join(CASES)}")
     import kernels
 
     rate = _copy_rate()

@@ -1,12 +1,18 @@
-"""bf16 x bf16 -> fp32 GEMM for the LM head: ``y = x @ w^T`` with fp32 accumulation and an
-fp32 result, reading ``w`` as stored (no fp32 copy of a 129280 x 5120 head per step).
+"""Dense GEMMs: the LM head and the fp8 dense projections.
 
+``linear_f32``: bf16 x bf16 -> fp32 for the LM head, ``y = x @ w^T`` with fp32 accumulation
+and an fp32 result, reading ``w`` as stored (no fp32 copy of a 129280 x 5120 head per step);
 bf16 products are exact in fp32, so this computes what the reference's fp32 head computes
 from bf16 weights and activations, up to the order of the sums.
+
+``fp8_linear``: ``x @ dequant(W)^T`` over the checkpoint's e4m3 weights and block scales --
+at decode sizes the Gluon decode kernel (``kernels.moe_decode``, planned once per weight by
+:func:`fp8_decode_plan`), else the one-group MegaMoE GEMM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -15,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count
+from kernels.quant import is_e8m0
 
 
 def linear_f32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -76,7 +83,7 @@ DECODE_MAX_TOKENS = 64  # rows up to which a planned projection takes the decode
 _KERNELS = ("auto", "gluon", "tl")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Fp8DecodePlan:
     """What the decode kernel (``kernels.moe_decode``, ``FP8``) reads beside the weight, made
     once per weight (:func:`fp8_decode_plan`): ``words`` int32 [ceil(N/b0), K/128], four e8m0
@@ -100,9 +107,12 @@ def fp8_decode_plan(
 
     n, k = w.shape
     b0, b1 = block
-    if (scale.dtype not in (torch.float8_e8m0fnu, torch.uint8) or w.dtype != torch.float8_e4m3fn
-            or k % md.KB or n % md.BR or b1 % 32 or scale.shape != (-(-n // b0), -(-k // b1))):
-        return None  # fmt: skip
+    fits = (is_e8m0(scale) and w.dtype == torch.float8_e4m3fn and w.stride(1) == 1
+            and w.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0 and not k % md.KB
+            and not n % md.BR and not b1 % 32
+            and scale.shape == (-(-n // b0), -(-k // b1)))  # fmt: skip
+    if not fits:
+        return None
     codes = scale.view(torch.uint8)
     if b1 > 32:
         codes = codes.repeat_interleave(b1 // 32, dim=1)[:, : k // 32]
@@ -112,7 +122,7 @@ def fp8_decode_plan(
     return Fp8DecodePlan(codes.contiguous().view(torch.int32), refs, b0)
 
 
-def fp8_kernel_choice(kernel: str):
+def fp8_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
     """The kernel planned fp8 projections take in this block ("auto": the decode kernel up to
     :data:`DECODE_MAX_TOKENS` rows, "gluon": the same but an error where it cannot run, "tl":
     the MegaMoE GEMM): before / after runs of the same step (set it before CUDA-graph
@@ -120,10 +130,18 @@ def fp8_kernel_choice(kernel: str):
     return pinned_variant("fp8_linear", kernel, _KERNELS)
 
 
-def _decode_kernel_runs(x: torch.Tensor) -> bool:
+def _decode_kernel_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, k: int,
+                        b0: int) -> bool:  # fmt: skip
+    """Whether the decode kernel takes ``x`` [M, K] with ``plan`` (made for this weight):
+    bf16 / fp16 rows on sm_89+ (the e4m3 cvt) that its 16-byte copies can read."""
     if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return capability(x.device) >= (8, 9) and x.dtype in (torch.bfloat16, torch.float16)
+    if plan.refs.numel() != n or plan.b0 != b0 or plan.words.shape[1] * 128 != k:
+        raise ValueError(f"an fp8 decode plan for another weight: refs {plan.refs.numel()}, "
+                         f"block rows {plan.b0}, words {tuple(plan.words.shape)}")  # fmt: skip
+    aligned = x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+    return aligned and capability(x.device) >= (8, 9) and x.dtype in (torch.bfloat16,
+                                                                       torch.float16)  # fmt: skip
 
 
 def fp8_linear_ref(
@@ -172,7 +190,8 @@ def fp8_linear_triton(
         return x.new_empty(*shape[:-1], N)
     kernel = pinned("fp8_linear")
     if kernel != "tl":
-        fits = plan is not None and M <= DECODE_MAX_TOKENS and _decode_kernel_runs(x2)
+        fits = (plan is not None and M <= DECODE_MAX_TOKENS
+                and _decode_kernel_runs(x2, plan, N, K, b0))  # fmt: skip
         if fits:
             return _fp8_decode(x2, w, plan, M, N, K).view(*shape[:-1], N)
         if kernel == "gluon":

@@ -348,9 +348,9 @@ def _mix_and_finish(
 
 
 def finish_choice(form: str) -> contextlib.AbstractContextManager[None]:
-    """The form of the mHC finish the calls in this block take ("auto", "tile": the token's
-    streams loaded once, "loop": two passes over d): before / after runs of the same step (set
-    it before CUDA-graph capture)."""
+    """The form of the mHC finish the calls in this block take ("auto" = "tile": the token's
+    streams loaded once, where a call fits; "loop": two passes over d everywhere): before /
+    after runs of the same step (set it before CUDA-graph capture)."""
     return pinned_variant("mhc_finish", form, _FINISH)
 
 

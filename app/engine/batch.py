@@ -145,7 +145,7 @@ class BatchBuilder:
             dst = torch.empty(pk.size, dtype=torch.int64, device=self.device)
         elif dst.numel() < pk.size:
             raise ValueError(f"static step buffer of {dst.numel()} < {pk.size} entries")
-        dst[: pk.size].copy_(host[: pk.size], non_blocking=True)
+        dst[: pk.size].copy_(host, non_blocking=True)
         v = {n: dst[o : o + int(np.prod(s))].view(s) for n, (o, s) in where.items()}
         ids = v["input_ids"]
         if (spec.pending >= 0).any():

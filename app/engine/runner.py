@@ -92,7 +92,12 @@ class ModelRunner:
         self.sampled = torch.zeros(max(1, cache.kv.max_slots), dtype=torch.int64, device=device)
         self.graphs = None
         stack_dense_experts(model)  # the stacked weights exist before any graph capture
-        prepare_fp8_linears(model)  # and the fp8 projections' decode plans
+        planned, refused = prepare_fp8_linears(model)  # and the fp8 projections' decode plans
+        if planned or refused:
+            logger.info("fp8 projections on the decode kernel: %d of %d%s", planned,
+                        planned + len(refused),
+                        f" (not: {', '.join(refused[:8])}{' ...' if len(refused) > 8 else ''})"
+                        if refused else "")  # fmt: skip
         if cuda_graphs and device.type == "cuda":
             if capturable(model):
                 from app.engine.graphs import CudaGraphRunner

@@ -70,7 +70,9 @@ class DSparkDrafter:
         """Per stage, the context KV [N, head_dim] of positions ``positions`` [N] from their
         target features [N, taps * hidden]."""
         first = self.stages[0]
-        x = first.main_norm(first.main_proj(features.to(first.main_proj.weight.dtype)))
+        # the projection casts to its own weights (a bf16 Linear) or keeps the activations'
+        # dtype (an fp8 one kept as stored: casting to its e4m3 weight dtype would clip)
+        x = first.main_norm(first.main_proj(features))
         out = []
         for stage in self.stages:
             att = stage.attn

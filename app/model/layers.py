@@ -56,16 +56,20 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("scale", scale)
         self.plan: Fp8DecodePlan | None = None
+        self._planned: tuple[torch.device, int] | None = None  # the weight the plan is for
 
     def prepare(self) -> bool:
-        """Make the decode kernel's plan for the weight's device (CUDA) -> whether it has
-        one. Call it again after moving the module."""
-        self.plan = None
-        if self.weight.is_cuda:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("prepare fp8 projections before a CUDA-graph capture "
-                                   "(prepare_fp8_linears)")  # fmt: skip
-            self.plan = fp8_decode_plan(self.weight, self.scale, self.block)
+        """Make the decode kernel's plan for the weight as it is now (CUDA) -> whether it
+        has one. A plan already made for this weight is kept (graphs captured by another
+        runner over the same model read it); call it again after moving the module."""
+        w = self.weight
+        if self.plan is not None and self._planned == (w.device, w.data_ptr()):
+            return True
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("prepare fp8 projections before a CUDA-graph capture "
+                               "(prepare_fp8_linears)")  # fmt: skip
+        self.plan = fp8_decode_plan(w, self.scale, self.block) if w.is_cuda else None
+        self._planned = (w.device, w.data_ptr())
         return self.plan is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +80,15 @@ class Fp8Linear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, fp8 block {self.block}"
 
 
-def prepare_fp8_linears(model: nn.Module) -> int:
+def prepare_fp8_linears(model: nn.Module) -> tuple[int, list[str]]:
     """:meth:`Fp8Linear.prepare` every fp8 projection of ``model`` now (before any CUDA-graph
-    capture) -> how many take the decode kernel."""
-    return sum(m.prepare() for m in model.modules() if isinstance(m, Fp8Linear))
+    capture) -> (how many take the decode kernel, the names of CUDA ones that cannot: fp32
+    scales, shapes off its grid, or scales spanning more binades than it holds exactly)."""
+    planned, refused = 0, []
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            if m.prepare():
+                planned += 1
+            elif m.weight.is_cuda:
+                refused.append(name)
+    return planned, refused

@@ -13,7 +13,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-SHAPES = ((1280, 5120), (32768, 1280), (5120, 8192), (4608, 5120), (5120, 2304))
+SHAPES = ((1280, 5120), (32768, 1280), (512, 5120), (5120, 8192), (4608, 5120), (5120, 2304))
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -41,11 +41,12 @@ def test_fp8_decode_kernel(m: int, dtype: torch.dtype, block) -> None:
     from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
     from kernels.linear import fp8_linear_triton as fp8_linear
 
+    g = torch.Generator(device="cuda").manual_seed(m)
     for i, (n, k) in enumerate(SHAPES):
         q, s = _weight(n, k, block, seed=i)
         plan = fp8_decode_plan(q, s, block)
         assert plan is not None
-        x = torch.randn(m, k, device="cuda").to(dtype)
+        x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
         ref = fp8_linear_ref(x.double(), q, s, block)
         out = fp8_linear(x, q, s, block, plan)
         with fp8_kernel_choice("tl"):
@@ -85,21 +86,26 @@ def test_fp8_decode_kernel_writes_every_row_and_stays_out_of_prefill() -> None:
 
 def test_fp8_projection_takes_its_plan_in_a_cuda_graph() -> None:
     """``Fp8Linear`` prepared on CUDA (``prepare_fp8_linears``) runs the decode kernel inside
-    a captured CUDA graph and replays it on new inputs; preparing inside a capture is an
+    a captured CUDA graph (pinned: no silent fallback) and replays it on new inputs;
+    preparing again keeps the plan the graph reads; making a plan inside a capture is an
     error."""
     from app.model.layers import Fp8Linear, prepare_fp8_linears
-    from kernels.linear import fp8_linear_ref
+    from kernels.linear import fp8_kernel_choice, fp8_linear_ref
 
     q, s = _weight(4608, 5120, (32, 32), seed=9)
     lin = Fp8Linear(q, s, (32, 32))
-    assert prepare_fp8_linears(torch.nn.Sequential(lin)) == 1
+    assert prepare_fp8_linears(torch.nn.Sequential(lin)) == (1, [])
+    plan = lin.plan
     x = torch.randn(8, 5120, device="cuda").bfloat16()
-    lin(x)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = lin(x)
+    with fp8_kernel_choice("gluon"):
+        lin(x)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = lin(x)
     x.copy_(torch.randn(8, 5120, device="cuda").bfloat16())
     graph.replay()
     assert _rel(y, fp8_linear_ref(x.double(), q, s, (32, 32))) < 4e-3
+    assert lin.prepare() and lin.plan is plan
+    fresh = Fp8Linear(q, s, (32, 32))
     with torch.cuda.graph(torch.cuda.CUDAGraph()), pytest.raises(RuntimeError, match="prepare"):
-        lin.prepare()
+        fresh.prepare()

@@ -170,10 +170,15 @@ def test_step_inputs_survive_builds_ahead_of_the_device(ckpts):
             logit_rows=np.array([2, 3]), tables=np.full((2, 3), k, np.int64),
         )  # fmt: skip
 
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1 << 28)  # ~0.1-0.2 s of GPU time: the copies queue behind it
-    batches = [builder.build(spec(k)) for k in range(4)]
-    torch.cuda.synchronize()
+    for _ in range(2):  # the second round: the host allocator holds four free blocks
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 28)  # ~0.1-0.2 s of GPU time: the copies queue behind it
+        stall = torch.cuda.Event()
+        stall.record()
+        batches = [builder.build(spec(k)) for k in range(4)]
+        ahead = not stall.query()  # the builds ran while the GPU was still stalled
+        torch.cuda.synchronize()
+    assert ahead
     for k, b in enumerate(batches):
         assert b.input_ids.tolist() == [100 * k + i for i in range(4)], k
         assert b.slots.tolist() == [k, k + 1], k

@@ -150,9 +150,17 @@ def test_fp8_plan_refuses_what_the_kernel_cannot_take() -> None:
         same = torch.equal(w16.double(), exact * torch.exp2(127 - refs.double())[:, None])
         assert same == planned
     s = torch.full((2, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    assert fp8_decode_plan(q, s.float(), (32, 32)) is None
-    assert fp8_decode_plan(q[:, :224], s[:, :7], (32, 32)) is None
-    assert fp8_decode_plan(q[:32], s[:1], (32, 32)) is None
+    assert fp8_decode_plan(q, s, (32, 32)) is not None
+    assert fp8_decode_plan(q, s.float(), (32, 32)) is None  # fp32 scales
+    assert fp8_decode_plan(q[:, :224], s[:, :7], (32, 32)) is None  # K = 224
+    assert fp8_decode_plan(q[:32], s[:1], (32, 32)) is None  # N = 32
+    assert fp8_decode_plan(q, s[:, :5], (32, 48)) is None  # 48-column blocks
+    assert fp8_decode_plan(q, s[:, :4], (32, 32)) is None  # a scale of another shape
+    # largest code 2 (scales <= 2^-125): the fp32 row factor 2^(R - 123) would be subnormal
+    tiny = torch.full((2, k // 32), 2, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert fp8_decode_plan(q, tiny, (32, 32)) is None
+    assert fp8_decode_plan(q, (tiny.view(torch.uint8) + 1).view(torch.float8_e8m0fnu),
+                           (32, 32)) is not None  # fmt: skip
 
 
 def test_fp8_projection_plan_is_prepared_on_cuda_only() -> None:
@@ -163,7 +171,7 @@ def test_fp8_projection_plan_is_prepared_on_cuda_only() -> None:
 
     q, s = _fp8_weight(64, 256, (32, 32), 4, seed=2)
     lin = Fp8Linear(q, s, (32, 32))
-    assert prepare_fp8_linears(torch.nn.Sequential(lin)) == 0 and lin.plan is None
+    assert prepare_fp8_linears(torch.nn.Sequential(lin)) == (0, []) and lin.plan is None
     x = torch.randn(2, 256)
     assert torch.equal(lin(x), fp8_linear_ref(x, q, s, (32, 32)))
     plan = fp8_decode_plan(q, s, (32, 32))
