@@ -83,11 +83,22 @@ def _holders(min_blocks: int = 16) -> set[str]:
     return {k for k, v in _index()["ranks"].items() if v["blocks"] >= min_blocks}
 
 
+async def _reported(n: int) -> None:
+    """Until the ranks' reports (every 0.5 s) count ``n`` received requests: the Router counts
+    a request in its rank's load until a report shows it arrived, so requests that finished
+    before the next report still weigh on the bound (fast ones on an idle machine)."""
+    deadline = time.monotonic() + 10
+    while sum(v.get("received_requests", 0) for v in (await _aranks()).values()) < n:
+        assert time.monotonic() < deadline, f"the ranks never reported {n} requests"
+        await asyncio.sleep(0.1)
+
+
 def test_shared_prefix_lands_on_the_rank_holding_it(base):
     async def main() -> tuple[dict, list[dict], list[dict]]:
         async with httpx.AsyncClient(timeout=120) as c:
             first = await _complete(c, base, PREFIX + [11, 12, 13])
             seq = [await _complete(c, base, PREFIX + [20 + i, 7]) for i in range(4)]
+            await _reported(5)  # the burst is routed on the ranks' real load
             together = await asyncio.gather(
                 *(_complete(c, base, PREFIX + [40 + i, 9]) for i in range(6))
             )
