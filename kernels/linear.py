@@ -222,13 +222,7 @@ def fp8_linear_triton(
         A_FP8=False, A_Q=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
         num_stages=t.stages, **scale_kw,
     )  # fmt: skip
-    if t.split == 1:
-        return y[0, :M].view(*shape[:-1], N)
-    out = torch.empty(M, N, dtype=x2.dtype, device=x.device)
-    n_elem, blk = M * N, 1024
-    _split_sum_cast[(triton.cdiv(n_elem, blk),)](y, y.stride(0), out, n_elem, SPLIT=t.split,
-                                                 BLOCK=blk)  # fmt: skip
-    return out.view(*shape[:-1], N)
+    return _sum_splits(y, M, N, x2.dtype).view(*shape[:-1], N)
 
 
 def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N: int,
@@ -248,10 +242,16 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
     md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
                     stages)  # fmt: skip
-    if split == 1:
+    return _sum_splits(y, M, N, x2.dtype)
+
+
+def _sum_splits(y: torch.Tensor, M: int, N: int, dtype: torch.dtype) -> torch.Tensor:
+    """The [M, N] result of a GEMM's K splits ``y`` [split, rows >= M, N]: the first split
+    as stored (already ``dtype``) when there is one, else their sum cast in one launch."""
+    if y.shape[0] == 1:
         return y[0, :M]
-    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    _split_sum_cast[(triton.cdiv(M * N, 1024),)](y, y.stride(0), out, M * N, SPLIT=split,
+    out = torch.empty(M, N, dtype=dtype, device=y.device)
+    _split_sum_cast[(triton.cdiv(M * N, 1024),)](y, y.stride(0), out, M * N, SPLIT=y.shape[0],
                                                  BLOCK=1024)  # fmt: skip
     return out
 

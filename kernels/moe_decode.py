@@ -81,15 +81,16 @@ and.b32 u, $2, 0x80808080;  or.b32 $1, a, u;
 _PAIRS_E4M3 = gl.constexpr(FP4_TO_E4M3_PTX)
 
 
-def row_refs(scales: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Per-row reference exponents R = max(c) - HEAD of e8m0 scale codes [E, rows, groups]
-    (int32 [E, rows]) and whether the kernel is exact on them: every row's codes span at most
-    SPREAD binades (the fp16 products) and its largest is at least 2^-121 (the fp32 row
-    factor 2^(R - 123) stays a normal number)."""
+def row_refs(scales: torch.Tensor, head: int = HEAD, spread: int = SPREAD
+             ) -> tuple[torch.Tensor, bool]:  # fmt: skip
+    """Per-row reference exponents R = max(c) - ``head`` of e8m0 scale codes [E, rows,
+    groups] (int32 [E, rows]) and whether the kernel is exact on them: every row's codes span
+    at most ``spread`` binades (the fp16 products) and its largest is at least head - 3 (the
+    fp32 row factor 2^(R - 123) stays a normal number). Defaults: the fp4 pairs."""
     c = scales.view(torch.uint8).to(torch.int32)
     hi, lo = c.amax(-1), c.amin(-1)
-    ok = bool(((hi - lo) <= SPREAD).all()) and bool((hi >= HEAD - 3).all())
-    return (hi - HEAD).contiguous(), ok
+    ok = bool(((hi - lo) <= spread).all()) and bool((hi >= head - 3).all())
+    return (hi - head).contiguous(), ok
 
 
 def k_perm(kb: int) -> torch.Tensor:
@@ -373,10 +374,8 @@ def fp8_refs(codes: torch.Tensor, b0: int, n: int) -> tuple[torch.Tensor, bool]:
     [ceil(n / b0), groups] (uint8, one per 32 columns): int32 [n], and whether the kernel is
     exact on them (each block row's codes span at most :data:`SPREAD_FP8` binades, and its
     largest keeps the fp32 row factor 2^(R - 123) a normal number)."""
-    c = codes.to(torch.int32)
-    hi, lo = c.amax(-1), c.amin(-1)
-    ok = bool(((hi - lo) <= SPREAD_FP8).all()) and bool((hi >= HEAD_FP8 - 3).all())
-    return (hi - HEAD_FP8).repeat_interleave(b0)[:n].contiguous(), ok
+    refs, ok = row_refs(codes, HEAD_FP8, SPREAD_FP8)  # per block row
+    return refs.repeat_interleave(b0)[:n].contiguous(), ok
 
 
 def rebased_fp8_weights(w: torch.Tensor, codes: torch.Tensor, refs: torch.Tensor,
