@@ -133,9 +133,11 @@ DENSE = ((1280, D), (64 * 512, 1280), (512, D), (D, 8 * 1024), (2 * INTER, D), (
 
 def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, float]:
     """The layer's dense projections at t tokens: the checkpoint's e4m3 weights with 32 x 32
-    e8m0 blocks through ``fp8_linear`` ("fp8": the decode kernel, planned as ``Fp8Linear``
-    plans it; "fp8_tl": the MegaMoE GEMM, the previous path), or bf16 through cuBLAS ("bf16",
-    the peer)."""
+    e8m0 blocks through ``fp8_linear``, planned as ``Fp8Linear`` plans them ("fp8": the
+    mma.sync decode kernel, up to 64 tokens; "fp8_wg": the wgmma kernel, sm_90; "fp8_auto":
+    the dispatch's choice; "fp8_tl": the MegaMoE GEMM, the previous path), or bf16 through
+    cuBLAS ("bf16", the peer). (None, 0, 0) where the pinned kernel does not take t tokens
+    or this tree lacks it."""
     from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
     from kernels.linear import fp8_linear_triton as fp8_linear
     from kernels.quant import dequantize_fp8_block, quantize_fp8_block
@@ -144,7 +146,14 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
     ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) / k**0.5, (32, 32))
           for n, k in DENSE]  # fmt: skip
     if fmt.startswith("fp8"):
-        kernel = "tl" if fmt == "fp8_tl" else "gluon"
+        kernel = {"fp8": "gluon", "fp8_wg": "wgmma", "fp8_auto": "auto", "fp8_tl": "tl"}[fmt]
+        try:
+            with fp8_kernel_choice(kernel):
+                pass
+        except ValueError:  # an older tree without this kernel
+            return None, 0.0, 0.0
+        if (kernel == "gluon" and t > 64) or (kernel == "wgmma" and t > 256):
+            return None, 0.0, 0.0
         plans = [fp8_decode_plan(q, s, (32, 32)) for q, s in ws]
 
         def one(q, s, k, p):
@@ -174,6 +183,8 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
 CASES = {"mhc": mhc_case, "mhc_loop": lambda t, g: mhc_case(t, g, "loop"), "gate": gate_case,
          "kv_write": kv_case, "shared_expert": shared_case,
          "dense_fp8": lambda t, g: dense_case(t, g, "fp8"),
+         "dense_fp8_wg": lambda t, g: dense_case(t, g, "fp8_wg"),
+         "dense_fp8_auto": lambda t, g: dense_case(t, g, "fp8_auto"),
          "dense_fp8_tl": lambda t, g: dense_case(t, g, "fp8_tl"),
          "dense_bf16": lambda t, g: dense_case(t, g, "bf16")}  # fmt: skip
 
@@ -226,6 +237,45 @@ def dense_sweep(tokens: list[int]) -> list[dict]:
     return recs
 
 
+def wg_sweep(tokens: list[int]) -> list[dict]:
+    """The wgmma kernel's launch choices, one projection at a time (each of the layer's six
+    shapes alone, graph replay): warpgroups per CTA (4 or 8 warps), ring slots (3, 4) and
+    K splits ("pick" = ``dense_wgmma.pick_split``, "x2" / "half" of it, "one"); cuBLAS bf16
+    on the same shape beside it (the peer)."""
+    from kernels import dense_wgmma as dw
+    from kernels.linear import _fp8_wgmma, fp8_decode_plan
+    from kernels.quant import dequantize_fp8_block, quantize_fp8_block
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) / k**0.5, (32, 32))
+          for n, k in DENSE]  # fmt: skip
+    plans = [fp8_decode_plan(q, s, (32, 32)) for q, s in ws]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    recs = []
+    for t in tokens:
+        x = {k: torch.randn(t, k, device="cuda", generator=g).bfloat16() for _, k in DENSE}
+        for (q, s), (n, k), p in zip(ws, DENSE, plans, strict=True):
+            wb = dequantize_fp8_block(q, s, (32, 32)).bfloat16()
+            xk = x[k]
+            peer = _us(lambda wb=wb, xk=xk: torch.nn.functional.linear(xk, wb))
+            for warps in (4, 8):
+                base = dw.pick_split(n, k, t, sms, 16 * warps)
+                rules = {"pick": base, "x2": min(k // dw.KB, 2 * base),
+                         "half": max(1, base // 2), "one": 1}  # fmt: skip
+                for st in (3, 4):
+                    for rule, split in rules.items():
+                        us = _us(lambda xk=xk, q=q, p=p, t=t, n=n, k=k, split=split, st=st,
+                                 warps=warps: _fp8_wgmma(xk, q, p, t, n, k, None, split, st,
+                                                         warps))  # fmt: skip
+                        print(f"wg sweep T={t:<3} {n:>5}x{k:<5} warps={warps} stages={st} "
+                              f"split={rule:4s}({split:2d}) {us:7.2f} us  cuBLAS bf16 "
+                              f"{peer:7.2f} us", flush=True)  # fmt: skip
+                        recs.append({"op": "wg_sweep", "tokens": t, "n": n, "k": k,
+                                     "warps": warps, "stages": st, "rule": rule,
+                                     "split": split, "us": us, "bf16_us": peer})  # fmt: skip
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="current")
@@ -233,6 +283,8 @@ def main() -> None:
     ap.add_argument("--ops", default=",".join(CASES), help="cases to time (comma-separated)")
     ap.add_argument("--sweep-dense", action="store_true",
                     help="time the fp8 decode kernel's launch choices instead")  # fmt: skip
+    ap.add_argument("--sweep-wg", action="store_true",
+                    help="time the wgmma kernel's launch choices per projection instead")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args()
     unknown = set(filter(None, args.ops.split(","))) - set(CASES)
@@ -248,6 +300,9 @@ def main() -> None:
     with torch.inference_mode():
         if args.sweep_dense:
             recs += dense_sweep([int(v) for v in args.tokens.split(",")])
+            args.ops = ""
+        if args.sweep_wg:
+            recs += wg_sweep([int(v) for v in args.tokens.split(",")])
             args.ops = ""
         for name in filter(None, args.ops.split(",")):
             case = CASES[name]

@@ -6,8 +6,10 @@ bf16 products are exact in fp32, so this computes what the reference's fp32 head
 from bf16 weights and activations, up to the order of the sums.
 
 ``fp8_linear``: ``x @ dequant(W)^T`` over the checkpoint's e4m3 weights and block scales --
-at decode sizes the Gluon decode kernel (``kernels.moe_decode``, planned once per weight by
-:func:`fp8_decode_plan`), else the one-group MegaMoE GEMM.
+at decode sizes a Gluon kernel planned once per weight (:func:`fp8_decode_plan`): on sm_90
+from :data:`WG_MIN_TOKENS` rows the wgmma kernel (``kernels.dense_wgmma``), else the
+``mma.sync`` decode kernel (``kernels.moe_decode``); larger calls take the one-group
+MegaMoE GEMM.
 """
 
 from __future__ import annotations
@@ -79,8 +81,10 @@ linear_f32 = op(linear_f32_ref, lambda x, w: linear_f32_triton(x.contiguous(), w
 
 
 # ---- fp8 dense projections with the checkpoint's block scales ----------------------------------
-DECODE_MAX_TOKENS = 64  # rows up to which a planned projection takes the decode kernel
-_KERNELS = ("auto", "gluon", "tl")
+DECODE_MAX_TOKENS = 64  # rows up to which a planned projection takes the mma.sync kernel
+WG_MAX_TOKENS = 256  # ... the wgmma kernel (sm_90; two 128-token tiles)
+WG_MIN_TOKENS = 17  # "auto" takes the wgmma kernel from here (measured: docs/performance.md)
+_KERNELS = ("auto", "gluon", "wgmma", "tl")
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,10 +127,11 @@ def fp8_decode_plan(
 
 
 def fp8_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
-    """The kernel planned fp8 projections take in this block ("auto": the decode kernel up to
-    :data:`DECODE_MAX_TOKENS` rows, "gluon": the same but an error where it cannot run, "tl":
-    the MegaMoE GEMM): before / after runs of the same step (set it before CUDA-graph
-    capture)."""
+    """The kernel planned fp8 projections take in this block ("auto": the wgmma kernel from
+    :data:`WG_MIN_TOKENS` to :data:`WG_MAX_TOKENS` rows on sm_90, else the mma.sync decode
+    kernel up to :data:`DECODE_MAX_TOKENS` rows; "gluon" / "wgmma": that one kernel, an error
+    where it cannot run; "tl": the MegaMoE GEMM): before / after runs of the same step (set it
+    before CUDA-graph capture)."""
     return pinned_variant("fp8_linear", kernel, _KERNELS)
 
 
@@ -142,6 +147,14 @@ def _decode_kernel_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, k: int,
     aligned = x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     return aligned and capability(x.device) >= (8, 9) and x.dtype in (torch.bfloat16,
                                                                        torch.float16)  # fmt: skip
+
+
+def _wgmma_runs(x: torch.Tensor, n: int, m: int) -> bool:
+    """Whether the wgmma kernel also takes a call the decode kernel takes: sm_90 (wgmma),
+    ``n`` a multiple of its 128-row tiles, at most :data:`WG_MAX_TOKENS` rows."""
+    from kernels import dense_wgmma as dw
+
+    return capability(x.device) == (9, 0) and not n % (16 * dw.WARPS) and m <= WG_MAX_TOKENS
 
 
 def fp8_linear_ref(
@@ -166,9 +179,11 @@ def fp8_linear_triton(
     block: tuple[int, int],
     plan: Fp8DecodePlan | None = None,
 ) -> torch.Tensor:
-    """Triton :func:`fp8_linear_ref`. With a ``plan``, up to :data:`DECODE_MAX_TOKENS` rows
-    on sm_89+: the decode kernel (``kernels.moe_decode``: weights as the MMA's A, each
-    32-column scale re-based onto the fp16 weights, one accumulation over all of K). Else
+    """Triton :func:`fp8_linear_ref`. With a ``plan``: on sm_90 from :data:`WG_MIN_TOKENS` to
+    :data:`WG_MAX_TOKENS` rows the wgmma kernel (``kernels.dense_wgmma``: bf16 weights in
+    registers, all the rows as the MMA's N); else up to :data:`DECODE_MAX_TOKENS` rows on
+    sm_89+ the decode kernel (``kernels.moe_decode``: weights as the MMA's A, each 32-column
+    scale re-based onto the fp16 weights, one accumulation over all of K). Else
     the MegaMoE GEMM (``kernels.moe._moe_gemm``) with one group, weights streamed as e4m3 and
     multiplied after the in-register conversion, each 32-column group's fp32 partial times
     its scale; split-K at decode sizes."""
@@ -190,14 +205,16 @@ def fp8_linear_triton(
         return x.new_empty(*shape[:-1], N)
     kernel = pinned("fp8_linear")
     if kernel != "tl":
-        fits = (plan is not None and M <= DECODE_MAX_TOKENS
-                and _decode_kernel_runs(x2, plan, N, K, b0))  # fmt: skip
-        if fits:
+        runs = plan is not None and _decode_kernel_runs(x2, plan, N, K, b0)
+        wg = runs and _wgmma_runs(x2, N, M)
+        if wg and (kernel == "wgmma" or (kernel == "auto" and M >= WG_MIN_TOKENS)):
+            return _fp8_wgmma(x2, w, plan, M, N, K).view(*shape[:-1], N)
+        if runs and kernel != "wgmma" and M <= DECODE_MAX_TOKENS:
             return _fp8_decode(x2, w, plan, M, N, K).view(*shape[:-1], N)
-        if kernel == "gluon":
-            has = plan is not None
-            raise ValueError(f"the fp8 decode kernel cannot take this call (plan: {has}, "
-                             f"rows {M}, {x2.dtype} on {x2.device})")  # fmt: skip
+        if kernel != "auto":
+            raise ValueError(f"the fp8 decode kernel ({kernel}) cannot take this call (plan: "
+                             f"{plan is not None}, rows {M}, N {N}, {x2.dtype} on "
+                             f"{x2.device})")  # fmt: skip
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
     n_tiles = -(-M // bm)
     # any K step that is a multiple of 32 works (each 32-column group takes its block's
@@ -242,6 +259,22 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
     md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
                     stages)  # fmt: skip
+    return _sum_splits(y, M, N, x2.dtype)
+
+
+def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N: int,
+               K: int, bt: int | None = None, split: int | None = None,
+               stages: int | None = None, warps: int | None = None) -> torch.Tensor:  # fmt: skip
+    """[M, N] in x's dtype through ``dense_wgmma.launch`` (+ the split-K sum); the launch
+    choices default to the measured ones (a sweep passes its own)."""
+    from kernels import dense_wgmma as dw
+
+    warps = warps or dw.WARPS
+    bt = bt or dw.token_tile(M)
+    split = split or dw.pick_split(N, K, M, sm_count(x2.device), 16 * warps)
+    y = torch.empty(split, M, N, device=x2.device,
+                    dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
+    dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages or dw.STAGES, warps)
     return _sum_splits(y, M, N, x2.dtype)
 
 

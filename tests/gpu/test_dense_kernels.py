@@ -1,5 +1,6 @@
-"""Dense fp8 projections at decode sizes (CUDA only): the Gluon decode kernel
-(``kernels.moe_decode``, FP8) that planned ``Fp8Linear`` projections take up to 64 rows,
+"""Dense fp8 projections at decode sizes (CUDA only): the Gluon kernels that planned
+``Fp8Linear`` projections take -- the mma.sync decode kernel (``kernels.moe_decode``, FP8)
+up to 64 rows and the wgmma kernel (``kernels.dense_wgmma``, sm_90) from 17 to 256 rows --
 against the fp64 torch reference and the previous path (the MegaMoE GEMM, ``tl``).
 
 Shapes are V4.1-Flash's dense projections (``bench/decode_plumbing.py``'s DENSE), which
@@ -60,10 +61,70 @@ def test_fp8_decode_kernel(m: int, dtype: torch.dtype, block) -> None:
         assert torch.equal(out, pinned)
 
 
+needs_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the wgmma kernel needs sm_90")
+
+
+@needs_sm90
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [17, 33, 64, 100, 256])
+def test_fp8_wgmma_kernel(m: int, dtype: torch.dtype, block) -> None:
+    """The wgmma kernel at every V4.1-Flash dense shape (16-128-token tiles, pad rows, two
+    token tiles at 256 rows, one and several K splits): the fp64 reference to one rounding of
+    the output and the tl path; "auto" takes it (bit for bit the pinned run) from 17 rows."""
+    from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    from kernels.linear import fp8_linear_triton as fp8_linear
+
+    g = torch.Generator(device="cuda").manual_seed(100 + m)
+    for i, (n, k) in enumerate(SHAPES):
+        q, s = _weight(n, k, block, seed=i)
+        plan = fp8_decode_plan(q, s, block)
+        x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+        ref = fp8_linear_ref(x.double(), q, s, block)
+        with fp8_kernel_choice("wgmma"):
+            out = fp8_linear(x, q, s, block, plan)
+        with fp8_kernel_choice("tl"):
+            old = fp8_linear(x, q, s, block, plan)
+        assert out.dtype == dtype and out.shape == (m, n)
+        rows = (out.double() - ref).norm(dim=1) / ref.norm(dim=1)  # every row written
+        assert bool((rows < 4e-3).all()), (n, k, rows.max())
+        assert _rel(out, old) < 4e-3, (n, k)
+        assert _rel(out, ref) <= 1.5 * _rel(old, ref) + 1e-4, (n, k)
+        assert torch.equal(fp8_linear(x, q, s, block, plan), out)
+
+
+@needs_sm90
+def test_fp8_wgmma_kernel_edges() -> None:
+    """Launch choices the defaults do not take (3 and 4 ring slots, one warpgroup, a split
+    that leaves the last split one block, 128-token tiles for 40 rows) against the
+    reference; 257 rows and N off the 128-row tiles are refused when pinned."""
+    from kernels.linear import _fp8_wgmma, fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    from kernels.linear import fp8_linear_triton as fp8_linear
+
+    q, s = _weight(1280, 5120, (32, 32), seed=11)
+    plan = fp8_decode_plan(q, s, (32, 32))
+    x = torch.randn(40, 5120, device="cuda").bfloat16()
+    ref = fp8_linear_ref(x.double(), q, s, (32, 32))
+    for bt, split, stages, warps in ((64, 1, 3, 8), (64, 7, 4, 4), (128, 3, 4, 8),
+                                     (64, 39, 3, 8), (32, 2, 4, 4)):  # fmt: skip
+        out = _fp8_wgmma(x, q, plan, 40, 1280, 5120, bt, split, stages, warps)
+        assert _rel(out, ref) < 4e-3, (bt, split, stages, warps)
+    big = torch.randn(257, 5120, device="cuda").bfloat16()
+    with fp8_kernel_choice("wgmma"), pytest.raises(ValueError, match="fp8 decode kernel"):
+        fp8_linear(big, q, s, (32, 32), plan)
+    q2, s2 = _weight(64 * 3, 5120, (32, 32), seed=12)  # N = 192: not whole 128-row tiles
+    with fp8_kernel_choice("wgmma"), pytest.raises(ValueError, match="fp8 decode kernel"):
+        fp8_linear(x, q2, s2, (32, 32), fp8_decode_plan(q2, s2, (32, 32)))
+    assert _rel(fp8_linear(big, q, s, (32, 32), plan), fp8_linear_ref(big.double(), q, s,
+                                                                        (32, 32))) < 4e-3
+
+
 def test_fp8_decode_kernel_writes_every_row_and_stays_out_of_prefill() -> None:
     """Output rows are all written (the buffer is fresh each call, so a missed row would be
-    garbage: every row matches the reference), 65 rows take the tl path ("gluon" pinned
-    there is an error), and an unplanned projection keeps the tl path."""
+    garbage: every row matches the reference), 257 rows take the tl path ("gluon" pinned
+    there is an error, as at 65), and an unplanned projection keeps the tl path."""
     from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
     from kernels.linear import fp8_linear_triton as fp8_linear
 
@@ -75,34 +136,39 @@ def test_fp8_decode_kernel_writes_every_row_and_stays_out_of_prefill() -> None:
         ref = fp8_linear_ref(x.double(), q, s, (32, 32))
         err = (out - ref).norm(dim=1) / ref.norm(dim=1)
         assert bool((err < 4e-3).all()), err
-    x = torch.randn(65, 5120, device="cuda").bfloat16()
+    x = torch.randn(257, 5120, device="cuda").bfloat16()
     assert _rel(fp8_linear(x, q, s, (32, 32), plan), fp8_linear_ref(x.double(), q, s,
                                                                       (32, 32))) < 4e-3
     with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
         fp8_linear(x, q, s, (32, 32), plan)
     with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
+        fp8_linear(x[:65], q, s, (32, 32), plan)
+    with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
         fp8_linear(x[:4], q, s, (32, 32), None)
 
 
-def test_fp8_projection_takes_its_plan_in_a_cuda_graph() -> None:
-    """``Fp8Linear`` prepared on CUDA (``prepare_fp8_linears``) runs the decode kernel inside
+@pytest.mark.parametrize("kernel,m", [("gluon", 8), ("wgmma", 48)])
+def test_fp8_projection_takes_its_plan_in_a_cuda_graph(kernel: str, m: int) -> None:
+    """``Fp8Linear`` prepared on CUDA (``prepare_fp8_linears``) runs each decode kernel inside
     a captured CUDA graph (pinned: no silent fallback) and replays it on new inputs;
     preparing again keeps the plan the graph reads; making a plan inside a capture is an
     error."""
     from app.model.layers import Fp8Linear, prepare_fp8_linears
     from kernels.linear import fp8_kernel_choice, fp8_linear_ref
 
+    if kernel == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
     q, s = _weight(4608, 5120, (32, 32), seed=9)
     lin = Fp8Linear(q, s, (32, 32))
     assert prepare_fp8_linears(torch.nn.Sequential(lin)) == (1, [])
     plan = lin.plan
-    x = torch.randn(8, 5120, device="cuda").bfloat16()
-    with fp8_kernel_choice("gluon"):
+    x = torch.randn(m, 5120, device="cuda").bfloat16()
+    with fp8_kernel_choice(kernel):
         lin(x)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = lin(x)
-    x.copy_(torch.randn(8, 5120, device="cuda").bfloat16())
+    x.copy_(torch.randn(m, 5120, device="cuda").bfloat16())
     graph.replay()
     assert _rel(y, fp8_linear_ref(x.double(), q, s, (32, 32))) < 4e-3
     assert lin.prepare() and lin.plan is plan

@@ -128,6 +128,35 @@ def test_fp8_plan_rebases_the_weights_exactly(block) -> None:
     assert ((got - ref).norm() / ref.norm()).item() < 1e-6
 
 
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+def test_fp8_plan_rebases_the_wgmma_kernels_bf16_weights_exactly(block) -> None:
+    """The same plan serves the wgmma kernel (``kernels.dense_wgmma``): its bf16 weights
+    (e4m3 -> bf16, x bf16 2^(c - R)) are the dequantized weights x 2^(127 - R) exactly,
+    also for e4m3 subnormals at the widest spread the plan admits, and the kernel's
+    arithmetic (bf16 activations as stored, fp32-exact products over the permuted columns
+    of both operands, the row factor after K) equals the reference."""
+    from kernels import dense_wgmma as dw
+    from kernels import moe_decode as md
+    from kernels.linear import fp8_decode_plan, fp8_linear_ref
+    from kernels.quant import dequantize_fp8_block
+
+    n, k = 256, 512
+    q, s = _fp8_weight(n, k, block, md.SPREAD_FP8 - 1, seed=block[1] + 1)
+    q[5, 40] = 2.0**-9  # e4m3's smallest subnormal
+    plan = fp8_decode_plan(q, s, block)
+    assert plan is not None
+    codes = plan.words.view(torch.uint8).view(-1, k // 32)
+    wb = dw.rebased_bf16_weights(q, codes, plan.refs, block[0])
+    assert wb.dtype == torch.bfloat16
+    exact = dequantize_fp8_block(q, s, block, torch.float64)
+    assert torch.equal(wb.double(), exact * torch.exp2(127 - plan.refs.double())[:, None])
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    perm = (torch.arange(k) // dw.KB) * dw.KB + md.k_perm(dw.KB).repeat(k // dw.KB)
+    got = (x[:, perm].double() @ wb[:, perm].double().T) * torch.exp2(plan.refs.double() - 127)
+    ref = fp8_linear_ref(x.double(), q, s, block)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-12
+
+
 def test_fp8_plan_refuses_what_the_kernel_cannot_take() -> None:
     """No plan for a block row whose codes span SPREAD_FP8 + 1 binades (its smallest
     subnormal product would round in fp16: shown here), fp32 scales, K not a multiple of

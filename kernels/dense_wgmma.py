@@ -1,0 +1,228 @@
+"""fp8 dense projections at 9-64 token rows on Hopper (Gluon, sm_90): the weights as the
+register A operand of a bf16 ``wgmma``, all the tokens of a call as its N.
+
+The ``mma.sync`` decode kernel (``kernels.moe_decode``, ``FP8``) takes the tokens in 8-32-row
+tiles: at 33-64 rows it reads and converts every weight block twice and converts the
+activations in every warp, and loses to cuBLAS bf16 (docs/performance.md, eighth session).
+Here one CTA takes BM = 64 x WARPS/4 weight rows and BT (16 / 32 / 64) token rows, so each
+stored byte is read and converted once per call:
+
+- a ring of STAGES shared-memory slots takes, by cp.async, the weight bytes [BM, KB], the
+  rows' scale words (four e8m0 codes per 128 columns, one per 32) and the activations
+  [BT, KB] -- bf16 as the model holds them, the B operand of the wgmma as they land;
+- each thread loads its weight fragments from the slot (two 16-byte loads per row and
+  block: the K permutation of ``kernels.moe_decode``, so the activation columns are copied
+  in that same permuted order), converts them e4m3 -> bf16 and multiplies each 32-column
+  group by 2^(c - R) (bf16: exact, the plan bounds c - R to [-15, 6]);
+- ``wgmma`` m64nBTk16 per warpgroup, A from registers, B from the slot, fp32 accumulation
+  over all of K; the row factor 2^(R - 127) once after the loop.
+
+The plan (``kernels.linear.fp8_decode_plan``: scale words, per-row R) is the decode
+kernel's, so a planned projection takes either kernel. Output as ``launch_dense`` writes it:
+[split, rows, N], x's dtype for one K split, else fp32 partials summed by the caller.
+
+Gluon does not run under the interpreter: ``tests/gpu/test_dense_kernels.py`` checks this
+kernel against the fp64 reference and the other paths at every V4.1-Flash dense shape; the
+CPU tests check the permuted activation columns (``k_perm``) and the bf16 re-basing
+(:func:`rebased_bf16_weights`), which are what this kernel adds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.runtime.jit import constexpr_function
+
+KB = 128  # K columns per ring slot; a thread's quarter of a row is one 32-column scale group
+STAGES = 4  # ring slots: the copies run up to STAGES - 2 blocks ahead of the MMAs
+WARPS = 8  # two warpgroups: 128 weight rows per CTA share one activation tile
+TOKEN_TILES = (16, 32, 64, 128)  # BT: the wgmma N
+
+
+@constexpr_function
+def _w_layout(BM, KB, WARPS):
+    """Register layout of a stored weight tile [BM, KB]: thread (g, t) of warp w holds rows
+    16w + g and 16w + g + 8 (+ 16 x WARPS per repetition) and the KB/4 contiguous stored
+    columns of quarter t: after :func:`_fragments` it is the wgmma's A-fragment layout."""
+    q = KB // 4
+    reg = [[0, 1 << i] for i in range(q.bit_length() - 1)] + [[8, 0]]
+    reg += [[16 * WARPS << i, 0] for i in range((BM // (16 * WARPS)).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=reg, lane_bases=[[0, q], [0, 2 * q], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(WARPS.bit_length() - 1)], block_bases=[],
+        shape=[BM, KB],
+    )  # fmt: skip
+
+
+@constexpr_function
+def _wq_layout(BM, KB, WARPS):
+    """:func:`_w_layout` viewed as [BM, 4, KB/4] (the column quarter as its own dimension)."""
+    lay = _w_layout(BM, KB, WARPS)
+    q = KB // 4
+
+    def split(b):
+        return [b[0], b[1] // q, b[1] % q]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=[split(b) for b in lay.reg_bases],
+        lane_bases=[split(b) for b in lay.lane_bases],
+        warp_bases=[split(b) for b in lay.warp_bases], block_bases=[], shape=[BM, 4, q],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _fragments(v, R: gl.constexpr, KB: gl.constexpr):
+    """[R, KB] in stored column order -> [R, KB] in logical MMA order (a relabelling of each
+    thread's registers: stored column (KB/4) t + 4 s + 2 h + b is logical k = 16 s + 8 h + 2 t
+    + b)."""
+    v = gl.reshape(v, [R, 4, KB // 16, 2, 2])
+    v = gl.permute(v, [0, 2, 3, 1, 4])
+    return gl.reshape(v, [R, KB])
+
+
+@gluon.jit
+def _issue(w_slot, x_slot, s_slot, w_ptrs, x_ptrs, x_mask, s_ptrs, k, k_hi, KB: gl.constexpr):
+    """cp.async the K block at ``k`` into one ring slot, unless it lies at or past ``k_hi``
+    (the group is committed either way, so the waits count blocks): the weight bytes
+    [BM, KB], the activations [BT, KB] (``x_ptrs`` maps logical column k of the slot to
+    stored column ``k_perm[k]`` of the block: column pairs stay adjacent, 4-byte copies) and
+    the rows' scale words."""
+    if k < k_hi:
+        async_copy.async_copy_global_to_shared(w_slot, w_ptrs + k)
+        async_copy.async_copy_global_to_shared(x_slot, x_ptrs + k, mask=x_mask)
+        async_copy.async_copy_global_to_shared(s_slot, s_ptrs + k // KB)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _dense_wg_kernel(
+    x_ptr, sxm, w_ptr, swn, s_ptr, ssn, r_ptr, out_ptr, sos, som, M, N, K, k_per_split,
+    BM: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
+    SB_N: gl.constexpr, WARPS: gl.constexpr,
+):  # fmt: skip
+    """One (BM weight rows, K split, BT token rows): out[split, t, n] = sum over the split's
+    K of x[t, k] W[n, k] (see the module docstring)."""
+    pid_n, pid_k, pid_t = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, BT, 16])  # fmt: skip
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    wl: gl.constexpr = _w_layout(BM, KB, WARPS)
+    wq: gl.constexpr = _wq_layout(BM, KB, WARPS)
+    ql: gl.constexpr = gl.SliceLayout(2, wq)  # [BM, 4]: one scale group per thread and row
+    rl: gl.constexpr = gl.SliceLayout(1, ql)
+
+    n0 = pid_n * BM
+    # the copies' addresses at k = 0 (loop invariant; each block adds its k)
+    cw_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // KB, KB // 16], [WARPS, 1], [1, 0])
+    rw = n0 + gl.arange(0, BM, layout=gl.SliceLayout(1, cw_l))
+    cw = gl.arange(0, KB, layout=gl.SliceLayout(0, cw_l))
+    w_ptrs = w_ptr + rw.to(gl.int64)[:, None] * swn + cw[None, :]
+    cx_l: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [WARPS, 1], [1, 0])
+    tok = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, cx_l))
+    kk = gl.arange(0, KB, layout=gl.SliceLayout(0, cx_l))  # logical column -> stored column
+    col = (KB // 4) * ((kk // 2) % 4) + 4 * (kk // 16) + 2 * ((kk // 8) % 2) + kk % 2
+    x_ptrs = x_ptr + tok.to(gl.int64)[:, None] * sxm + col[None, :]
+    x_mask = (tok < M)[:, None] & (col < KB)[None, :]
+    cs_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    s_ptrs = s_ptr + ((n0 + gl.arange(0, BM, layout=cs_l)) // SB_N).to(gl.int64) * ssn
+    ref = gl.load(r_ptr + n0 + gl.arange(0, BM, layout=rl))
+
+    w_bufs = gl.allocate_shared_memory(
+        gl.uint8, [STAGES, BM, KB], gl.SwizzledSharedLayout(16, 1, KB // 16, [1, 0]))
+    x_bufs = gl.allocate_shared_memory(
+        x_ptr.dtype.element_ty, [STAGES, BT, KB],
+        gl.NVMMASharedLayout.get_default_for([BT, KB], x_ptr.dtype.element_ty))
+    s_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BM],
+                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))  # fmt: skip
+
+    k_lo = pid_k * k_per_split
+    k_hi = gl.minimum(k_lo + k_per_split, K)
+    n_it = gl.cdiv(k_hi - k_lo, KB)
+    AHEAD: gl.constexpr = STAGES - 2  # the slot of block i - 1 may still feed its wgmma
+    for j in gl.static_range(AHEAD):
+        _issue(w_bufs.index(j), x_bufs.index(j), s_bufs.index(j), w_ptrs, x_ptrs, x_mask, s_ptrs,
+               k_lo + j * KB, k_hi, KB)  # fmt: skip
+    acc = gl.zeros([BM, BT], gl.float32, mma)
+    t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, ql))
+    for i in range(n_it):
+        async_copy.wait_group(AHEAD - 1)  # block i has landed (this thread's copies) ...
+        fence_async_shared()  # ... and is visible to the wgmma's reads
+        gl.thread_barrier()  # ... everyone's; every wgmma before block i - 1 has finished
+        nxt = (i + AHEAD) % STAGES
+        _issue(w_bufs.index(nxt), x_bufs.index(nxt), s_bufs.index(nxt), w_ptrs, x_ptrs, x_mask,
+               s_ptrs, k_lo + (i + AHEAD) * KB, k_hi, KB)  # fmt: skip
+        cur = i % STAGES
+        q = gl.convert_layout(gl.reshape(w_bufs.index(cur).load(wl), [BM, 4, KB // 4]), wq,
+                              assert_trivial=True)  # fmt: skip
+        words = s_bufs.index(cur).load(rl)
+        c = (words[:, None] >> (8 * t4)[None, :]) & 0xFF
+        mult = ((c + 127 - ref[:, None]) << 23).to(gl.float32, bitcast=True).to(gl.bfloat16)
+        w = q.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16) * gl.expand_dims(mult, 2)
+        a = gl.convert_layout(_fragments(gl.reshape(w, [BM, KB]), BM, KB), dot_a, True)
+        acc = warpgroup_mma(a, x_bufs.index(cur).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
+
+    # rows x tokens -> out[split, token, row]; the row factor 2^(R - 127) as 2^(R - 63) 2^-64
+    rm = n0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    f = ((gl.load(r_ptr + rm) + 64) << 23).to(gl.float32, bitcast=True)
+    acc = acc * f[:, None] * 5.421010862427522e-20
+    tp = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+    o_ptrs = out_ptr + pid_k * sos + tp.to(gl.int64)[None, :] * som + rm[:, None]
+    gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(tp < M)[None, :])
+
+
+def token_tile(m: int) -> int:
+    """BT for ``m`` token rows: the smallest of :data:`TOKEN_TILES` that holds them."""
+    return next((bt for bt in TOKEN_TILES if m <= bt), TOKEN_TILES[-1])
+
+
+def pick_split(n: int, k: int, m: int, sms: int, bm: int = 16 * WARPS) -> int:
+    """K splits: about one CTA per SM over the row tiles, each split keeping at least two K
+    blocks, and the fp32 partials (written and read back) at most a quarter of the weight
+    bytes."""
+    blocks = n // bm
+    cap = max(1, k // (32 * max(m, 1)))  # split x m x N x 8 B <= N x K / 4
+    return max(1, min(k // KB // 2, math.ceil(sms / blocks), cap))
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Tensor,
+           out: torch.Tensor, m: int, split: int, bt: int, b0: int, stages: int = STAGES,
+           warps: int = WARPS) -> None:  # fmt: skip
+    """``out[s, :m] (+)= x @ W^T`` over K split s: ``x`` bf16 / fp16 [m, K] (16-byte aligned
+    rows), ``w`` e4m3 [N, K], ``words`` int32 [ceil(N / b0), K / 128] (four e8m0 codes per
+    128 columns), ``refs`` int32 [N] (``moe_decode.fp8_refs``), ``out`` [split, >= m, N]: x's
+    dtype when ``split`` is 1, else fp32. K a multiple of KB, N of 16 x ``warps``."""
+    n, k = w.shape
+    bm = 16 * warps
+    if k % KB or n % bm or x.dtype not in (torch.bfloat16, torch.float16) or bt not in TOKEN_TILES:
+        raise ValueError(f"dense wgmma GEMM: K={k} (x {KB}), N={n} (x {bm}), x {x.dtype}, "
+                         f"token tile {bt}")  # fmt: skip
+    per = -(-(k // KB) // split) * KB
+    grid = (n // bm, split, -(-m // bt))
+    _dense_wg_kernel[grid](
+        x, x.stride(0), w.view(torch.uint8), w.stride(0), words, words.stride(0), refs, out,
+        out.stride(0), out.stride(1), m, n, k, per, BM=bm, BT=bt, KB=KB, STAGES=stages,
+        SB_N=b0, WARPS=warps, num_warps=warps,
+    )  # fmt: skip
+
+
+def rebased_bf16_weights(w: torch.Tensor, codes: torch.Tensor, refs: torch.Tensor,
+                         b0: int) -> torch.Tensor:  # fmt: skip
+    """The kernel's bf16 weights: e4m3 ``w`` [N, K] converted, times the bf16 2^(c - R) of its
+    32-column group (``codes`` uint8 [ceil(N / b0), K / 32], ``refs`` [N]), rounded once to
+    bf16 as the kernel's multiply: W x 2^(127 - R), exact where the plan holds."""
+    n, k = w.shape
+    c = codes.to(torch.int32).repeat_interleave(b0, dim=0)[:n].repeat_interleave(32, dim=1)
+    mult = torch.exp2((c - refs[:, None]).double()).to(torch.bfloat16)
+    return (w.to(torch.bfloat16) * mult).to(torch.bfloat16)
