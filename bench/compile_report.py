@@ -321,7 +321,7 @@ def moe_decode() -> None:
                                     ("fp8 split", "*fp32", False, False),
                                     ("fp8 b128", "*bf16", False, False)):  # fmt: skip
         fp8 = name.startswith("fp8")  # the dense fp8 projections (launch_dense; V4: 128 rows)
-        for bt, st in ((8, 2), (8, 3), (16, 2), (32, 2)):
+        for bt, st in ((8, 2), (8, 3), (16, 2), (32, 2), (64, 2)):
             consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=not fp8, BR=md.BR, BT=bt,
                           KB=md.KB, STAGES=st, FP8=fp8,
                           SB_N=(128 if "b128" in name else 32) if fp8 else 1)  # fmt: skip

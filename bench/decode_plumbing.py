@@ -219,7 +219,7 @@ def dense_sweep(tokens: list[int]) -> list[dict]:
     recs = []
     for t in tokens:
         x = {k: torch.randn(t, k, device="cuda", generator=g).bfloat16() for _, k in DENSE}
-        for bt in (8, 16, 32):
+        for bt in (8, 16, 32, 64):
             if bt > max(8, triton.next_power_of_2(t)):
                 continue
             for rule in ("moe", "cap", "one"):
@@ -239,9 +239,9 @@ def dense_sweep(tokens: list[int]) -> list[dict]:
 
 def wg_sweep(tokens: list[int]) -> list[dict]:
     """The wgmma kernel's launch choices, one projection at a time (each of the layer's six
-    shapes alone, graph replay): warpgroups per CTA (4 or 8 warps), ring slots (3, 4) and
-    K splits ("pick" = ``dense_wgmma.pick_split``, "x2" / "half" of it, "one"); cuBLAS bf16
-    on the same shape beside it (the peer)."""
+    shapes alone, graph replay): warpgroups per CTA (4 or 8 warps), ring slots (3, 4 and the
+    deepest that fits, ``pick_stages``) and K splits ("pick" = ``dense_wgmma.pick_split``,
+    "x2" / "half" of it, "one"); cuBLAS bf16 on the same shape beside it (the peer)."""
     from kernels import dense_wgmma as dw
     from kernels.linear import _fp8_wgmma, fp8_decode_plan
     from kernels.quant import dequantize_fp8_block, quantize_fp8_block
@@ -259,10 +259,13 @@ def wg_sweep(tokens: list[int]) -> list[dict]:
             xk = x[k]
             peer = _us(lambda wb=wb, xk=xk: torch.nn.functional.linear(xk, wb))
             for warps in (4, 8):
-                base = dw.pick_split(n, k, t, sms, 16 * warps)
+                base = dw.pick_split(n, k, sms, 16 * warps)
                 rules = {"pick": base, "x2": min(k // dw.KB, 2 * base),
                          "half": max(1, base // 2), "one": 1}  # fmt: skip
-                for st in (3, 4):
+                deepest = dw.pick_stages(dw.token_tile(t), 16 * warps)
+                for st in sorted({3, 4, deepest}):
+                    if st > deepest:
+                        continue
                     for rule, split in rules.items():
                         us = _us(lambda xk=xk, q=q, p=p, t=t, n=n, k=k, split=split, st=st,
                                  warps=warps: _fp8_wgmma(xk, q, p, t, n, k, None, split, st,

@@ -43,7 +43,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.runtime.jit import constexpr_function
 
 KB = 128  # K columns per ring slot; a thread's quarter of a row is one 32-column scale group
-STAGES = 4  # ring slots: the copies run up to STAGES - 2 blocks ahead of the MMAs
 WARPS = 8  # two warpgroups: 128 weight rows per CTA share one activation tile
 TOKEN_TILES = (16, 32, 64, 128)  # BT: the wgmma N
 
@@ -147,7 +146,7 @@ def _dense_wg_kernel(
     k_lo = pid_k * k_per_split
     k_hi = gl.minimum(k_lo + k_per_split, K)
     n_it = gl.cdiv(k_hi - k_lo, KB)
-    AHEAD: gl.constexpr = STAGES - 2  # the slot of block i - 1 may still feed its wgmma
+    AHEAD: gl.constexpr = STAGES - 1  # blocks in flight while block i is multiplied
     for j in gl.static_range(AHEAD):
         _issue(w_bufs.index(j), x_bufs.index(j), s_bufs.index(j), w_ptrs, x_ptrs, x_mask, s_ptrs,
                k_lo + j * KB, k_hi, KB)  # fmt: skip
@@ -156,7 +155,7 @@ def _dense_wg_kernel(
     for i in range(n_it):
         async_copy.wait_group(AHEAD - 1)  # block i has landed (this thread's copies) ...
         fence_async_shared()  # ... and is visible to the wgmma's reads
-        gl.thread_barrier()  # ... everyone's; every wgmma before block i - 1 has finished
+        gl.thread_barrier()  # ... everyone's; block i - 1 (its slot is refilled next) is done
         nxt = (i + AHEAD) % STAGES
         _issue(w_bufs.index(nxt), x_bufs.index(nxt), s_bufs.index(nxt), w_ptrs, x_ptrs, x_mask,
                s_ptrs, k_lo + (i + AHEAD) * KB, k_hi, KB)  # fmt: skip
@@ -165,12 +164,15 @@ def _dense_wg_kernel(
                               assert_trivial=True)  # fmt: skip
         words = s_bufs.index(cur).load(rl)
         c = (words[:, None] >> (8 * t4)[None, :]) & 0xFF
-        mult = ((c + 127 - ref[:, None]) << 23).to(gl.float32, bitcast=True).to(gl.bfloat16)
-        w = q.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16) * gl.expand_dims(mult, 2)
+        dt: gl.constexpr = x_ptr.dtype.element_ty  # the MMA's type: the activations' own
+        mult = ((c + 127 - ref[:, None]) << 23).to(gl.float32, bitcast=True).to(dt)
+        w = q.to(gl.float8e4nv, bitcast=True).to(dt) * gl.expand_dims(mult, 2)
         a = gl.convert_layout(_fragments(gl.reshape(w, [BM, KB]), BM, KB), dot_a, True)
+        # retired before the next block's conversion: an async wgmma reads its register A
+        # operand while it runs, and ptxas reused those registers for the next block's
+        # values (sm_90 SASS; NaNs on the H200 with a 3-slot ring)
         acc = warpgroup_mma(a, x_bufs.index(cur).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
 
     # rows x tokens -> out[split, token, row]; the row factor 2^(R - 127) as 2^(R - 63) 2^-64
@@ -187,17 +189,22 @@ def token_tile(m: int) -> int:
     return next((bt for bt in TOKEN_TILES if m <= bt), TOKEN_TILES[-1])
 
 
-def pick_split(n: int, k: int, m: int, sms: int, bm: int = 16 * WARPS) -> int:
-    """K splits: about one CTA per SM over the row tiles, each split keeping at least two K
-    blocks, and the fp32 partials (written and read back) at most a quarter of the weight
-    bytes."""
-    blocks = n // bm
-    cap = max(1, k // (32 * max(m, 1)))  # split x m x N x 8 B <= N x K / 4
-    return max(1, min(k // KB // 2, math.ceil(sms / blocks), cap))
+def pick_split(n: int, k: int, sms: int, bm: int = 16 * WARPS) -> int:
+    """K splits: about two CTAs per SM over the row tiles (a CTA streams its split with
+    STAGES - 1 blocks in flight; one resident per SM at 64+ tokens), each split keeping at
+    least two K blocks. The fp32 partials stay in L2 for the split sum."""
+    return max(1, min(k // KB // 2, math.ceil(2 * sms / (n // bm))))
+
+
+def pick_stages(bt: int, bm: int = 16 * WARPS, smem: int = 200 * 1024) -> int:
+    """Ring slots: as many as fit in ``smem`` (weights, activations and scale words per
+    slot), at most 8 -- the deeper the ring, the more weight bytes in flight per SM."""
+    per = bm * KB + bt * KB * 2 + bm * 4
+    return max(2, min(8, smem // per))
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Tensor,
-           out: torch.Tensor, m: int, split: int, bt: int, b0: int, stages: int = STAGES,
+           out: torch.Tensor, m: int, split: int, bt: int, b0: int, stages: int,
            warps: int = WARPS) -> None:  # fmt: skip
     """``out[s, :m] (+)= x @ W^T`` over K split s: ``x`` bf16 / fp16 [m, K] (16-byte aligned
     rows), ``w`` e4m3 [N, K], ``words`` int32 [ceil(N / b0), K / 128] (four e8m0 codes per

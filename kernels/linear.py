@@ -271,10 +271,11 @@ def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N
 
     warps = warps or dw.WARPS
     bt = bt or dw.token_tile(M)
-    split = split or dw.pick_split(N, K, M, sm_count(x2.device), 16 * warps)
+    split = split or dw.pick_split(N, K, sm_count(x2.device), 16 * warps)
+    stages = stages or dw.pick_stages(bt, 16 * warps)
     y = torch.empty(split, M, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
-    dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages or dw.STAGES, warps)
+    dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps)
     return _sum_splits(y, M, N, x2.dtype)
 
 
