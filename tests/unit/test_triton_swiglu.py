@@ -59,3 +59,42 @@ def test_expert_stacks_w1_w3_once_and_follows_replaced_weights():
     e.w3.weight.data = torch.randn(96, 64)  # a loader replacing a weight: stacked again
     torch.testing.assert_close(e(x), unfused(), rtol=1e-5, atol=1e-5)
     assert e.stacked_w13().data_ptr() != w13.data_ptr()
+
+
+@pytest.mark.parametrize("inter,block,stacked", [(96, (32, 32), True), (96, (64, 32), False)])
+def test_expert_stacks_fp8_w1_w3_into_one_projection(inter, block, stacked):
+    """fp8 W1 / W3 kept as stored (``packed_dense``) run as one :class:`Fp8Linear` over the
+    stacked bytes and scale rows when the scale blocks end at the seam (views, no copy, the
+    state dict unchanged, stacked again after a loader replaces a weight); a block that
+    straddles the seam keeps two projections. Both compute the unstacked result."""
+    from app.model.layers import Fp8Linear
+    from kernels.quant import quantize_fp8_block
+
+    torch.manual_seed(1)
+    e = Expert(64, inter, 10.0)
+    for name in ("w1", "w3"):
+        setattr(e, name, Fp8Linear(*quantize_fp8_block(torch.randn(inter, 64) * 0.3, block),
+                                   block))  # fmt: skip
+    torch.nn.init.normal_(e.w2.weight, std=0.3)
+    x = torch.randn(5, 64)
+
+    def unfused() -> torch.Tensor:
+        return e.w2(swiglu_clamp(e.w1(x), e.w3(x), 10.0))
+
+    keys = sorted(e.state_dict())
+    torch.testing.assert_close(e(x), unfused(), rtol=1e-5, atol=1e-5)
+    assert e.stackable == stacked
+    assert sorted(e.state_dict()) == keys
+    if not stacked:
+        assert "_w13_fp8" not in e.__dict__
+        return
+    lin = e.stacked_fp8_w13()
+    assert lin.weight.shape == (2 * inter, 64) and lin.scale.shape == (2 * inter // 32, 2)
+    assert e.w1.weight.data_ptr() == lin.weight.data_ptr()  # views of the stack
+    assert e.w3.weight.data_ptr() == lin.weight[inter:].data_ptr()
+    assert e.w3.scale.data_ptr() == lin.scale[inter // 32:].data_ptr()
+    assert e.stacked_fp8_w13() is lin  # stacked once
+    q, s = quantize_fp8_block(torch.randn(inter, 64), block)
+    e.w3.weight.data, e.w3.scale = q, s  # a loader replacing a weight: stacked again
+    torch.testing.assert_close(e(x), unfused(), rtol=1e-5, atol=1e-5)
+    assert e.stacked_fp8_w13() is not lin
