@@ -4,8 +4,8 @@ register A operand of a bf16 ``wgmma``, all the tokens of a call as its N.
 The ``mma.sync`` decode kernel (``kernels.moe_decode``, ``FP8``) takes the tokens in 8-32-row
 tiles: at 33-64 rows it reads and converts every weight block twice and converts the
 activations in every warp, and loses to cuBLAS bf16 (docs/performance.md, eighth session).
-Here one CTA takes BM = 64 x WARPS/4 weight rows and BT (16 / 32 / 64) token rows, so each
-stored byte is read and converted once per call:
+Here one CTA takes BM = 16 x warps weight rows (one or two warpgroups) and BT (16 / 32 / 64
+/ 128) token rows, so each stored byte is read and converted once per call:
 
 - a ring of STAGES shared-memory slots takes, by cp.async, the weight bytes [BM, KB], the
   rows' scale words (four e8m0 codes per 128 columns, one per 32) and the activations
@@ -15,7 +15,14 @@ stored byte is read and converted once per call:
   in that same permuted order), converts them e4m3 -> bf16 and multiplies each 32-column
   group by 2^(c - R) (bf16: exact, the plan bounds c - R to [-15, 6]);
 - ``wgmma`` m64nBTk16 per warpgroup, A from registers, B from the slot, fp32 accumulation
-  over all of K; the row factor 2^(R - 127) once after the loop.
+  over all of K; the row factor 2^(R - 127) once after the loop. Each wgmma is retired
+  before the next block's conversion: ptxas reuses the registers of an in-flight wgmma's A
+  operand (seen in the sm_90 SASS; NaNs on the H200 with a 3-slot ring).
+
+Measured (H200, docs/performance.md "ninth session"): faster than the mma.sync kernel from
+32 rows, but not than cuBLAS on the same weights in bf16 at 64 and 128 rows -- about 30% of
+the copy rate: one or two warpgroups per CTA convert every byte (e4m3 -> f16 -> bf16, scale)
+on the path between the copy and the MMA, and do not hide that latency.
 
 The plan (``kernels.linear.fp8_decode_plan``: scale words, per-row R) is the decode
 kernel's, so a planned projection takes either kernel. Output as ``launch_dense`` writes it:
@@ -43,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.runtime.jit import constexpr_function
 
 KB = 128  # K columns per ring slot; a thread's quarter of a row is one 32-column scale group
-WARPS = 8  # two warpgroups: 128 weight rows per CTA share one activation tile
+WARPS = 4  # one warpgroup, 64 weight rows per CTA (pick_launch: two at 128-token tiles)
 TOKEN_TILES = (16, 32, 64, 128)  # BT: the wgmma N
 
 
@@ -190,15 +197,25 @@ def token_tile(m: int) -> int:
 
 
 def pick_split(n: int, k: int, sms: int, bm: int = 16 * WARPS) -> int:
-    """K splits: about two CTAs per SM over the row tiles (a CTA streams its split with
-    STAGES - 1 blocks in flight; one resident per SM at 64+ tokens), each split keeping at
-    least two K blocks. The fp32 partials stay in L2 for the split sum."""
-    return max(1, min(k // KB // 2, math.ceil(2 * sms / (n // bm))))
+    """K splits: about two CTAs per SM over the row tiles with one warpgroup per CTA, one with
+    two (H200 sweep: twice that lost 10-40% at 128 tokens), each split keeping at least two
+    K blocks (the fp32 partials stay in L2 for the split sum)."""
+    per_sm = 2 if bm <= 64 else 1
+    return max(1, min(k // KB // 2, math.ceil(per_sm * sms / (n // bm))))
+
+
+def pick_launch(bt: int) -> tuple[int, int]:
+    """(warps, ring slots) for a token tile. H200 sweep (``decode_plumbing.py --sweep-wg``,
+    each V4.1-Flash dense shape alone): at 32 and 64 tokens one warpgroup with 3 slots is
+    within 5% of each shape's best (sum of the six: 93.5 / 124.9 us against 91.1 / 121.5
+    for the best per shape); 8 or 6 slots lose up to 1.6x, 8 warps lose on the big shapes.
+    At 128 tokens two warpgroups with 4 slots win on five of the six."""
+    return (8, 4) if bt >= 128 else (4, 3)
 
 
 def pick_stages(bt: int, bm: int = 16 * WARPS, smem: int = 200 * 1024) -> int:
-    """Ring slots: as many as fit in ``smem`` (weights, activations and scale words per
-    slot), at most 8 -- the deeper the ring, the more weight bytes in flight per SM."""
+    """The deepest ring that fits in ``smem`` (weights, activations and scale words per
+    slot), at most 8: the sweep's upper end (deeper lost)."""
     per = bm * KB + bt * KB * 2 + bm * 4
     return max(2, min(8, smem // per))
 

@@ -151,10 +151,12 @@ def _decode_kernel_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, k: int,
 
 def _wgmma_runs(x: torch.Tensor, n: int, m: int) -> bool:
     """Whether the wgmma kernel also takes a call the decode kernel takes: sm_90 (wgmma),
-    ``n`` a multiple of its 128-row tiles, at most :data:`WG_MAX_TOKENS` rows."""
+    ``n`` a multiple of its row tiles (64, or 128 for 128-token tiles), at most
+    :data:`WG_MAX_TOKENS` rows."""
     from kernels import dense_wgmma as dw
 
-    return capability(x.device) == (9, 0) and not n % (16 * dw.WARPS) and m <= WG_MAX_TOKENS
+    bm = 16 * dw.pick_launch(dw.token_tile(m))[0]
+    return capability(x.device) == (9, 0) and not n % bm and m <= WG_MAX_TOKENS
 
 
 def fp8_linear_ref(
@@ -250,7 +252,7 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
     own)."""
     from kernels import moe_decode as md
 
-    bt = bt or (8 if M <= 8 else 16 if M <= 16 else 32)
+    bt = bt or (8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64)
     tiles = -(-M // bt)
     split = split or md.pick_split(tiles, N, K, sm_count(x2.device))
     stages = stages or md.pick_stages(bt, tiles)
@@ -269,10 +271,10 @@ def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N
     choices default to the measured ones (a sweep passes its own)."""
     from kernels import dense_wgmma as dw
 
-    warps = warps or dw.WARPS
     bt = bt or dw.token_tile(M)
+    warps_, stages_ = dw.pick_launch(bt)
+    warps, stages = warps or warps_, stages or stages_
     split = split or dw.pick_split(N, K, sm_count(x2.device), 16 * warps)
-    stages = stages or dw.pick_stages(bt, 16 * warps)
     y = torch.empty(split, M, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
     dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps)

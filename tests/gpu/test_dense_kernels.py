@@ -103,7 +103,7 @@ def test_fp8_wgmma_kernel(m: int, dtype: torch.dtype, block) -> None:
 def test_fp8_wgmma_kernel_edges() -> None:
     """Launch choices the defaults do not take (2-8 ring slots, one warpgroup, splits that
     leave later splits empty, 128-token tiles for 40 rows, three 16-row tiles) against the
-    reference; 257 rows and N off the 128-row tiles are refused when pinned."""
+    reference; 257 rows and N off the row tiles are refused when pinned."""
     from kernels.linear import _fp8_wgmma, fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
     from kernels.linear import fp8_linear_triton as fp8_linear
 
@@ -119,9 +119,15 @@ def test_fp8_wgmma_kernel_edges() -> None:
     big = torch.randn(257, 5120, device="cuda").bfloat16()
     with fp8_kernel_choice("wgmma"), pytest.raises(ValueError, match="fp8 decode kernel"):
         fp8_linear(big, q, s, (32, 32), plan)
-    q2, s2 = _weight(64 * 3, 5120, (32, 32), seed=12)  # N = 192: not whole 128-row tiles
+    # N = 192: whole 64-row tiles (one warpgroup, up to 64 tokens), not 128-row ones (two
+    # warpgroups at 128-token tiles)
+    q2, s2 = _weight(64 * 3, 5120, (32, 32), seed=12)
+    plan2 = fp8_decode_plan(q2, s2, (32, 32))
+    with fp8_kernel_choice("wgmma"):
+        assert _rel(fp8_linear(x, q2, s2, (32, 32), plan2),
+                    fp8_linear_ref(x.double(), q2, s2, (32, 32))) < 4e-3  # fmt: skip
     with fp8_kernel_choice("wgmma"), pytest.raises(ValueError, match="fp8 decode kernel"):
-        fp8_linear(x, q2, s2, (32, 32), fp8_decode_plan(q2, s2, (32, 32)))
+        fp8_linear(big[:100], q2, s2, (32, 32), plan2)
     assert _rel(fp8_linear(big, q, s, (32, 32), plan), fp8_linear_ref(big.double(), q, s,
                                                                         (32, 32))) < 4e-3
 
