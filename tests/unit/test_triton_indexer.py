@@ -169,3 +169,84 @@ def test_grid_topk_fused_one_program_per_row():
     grid_topk(s, 100, out := torch.empty(2, 100, dtype=torch.int64), fused=True, programs=1,
               block=1024)  # fmt: skip
     assert out[0].tolist() == list(range(0, 300, 3)) and out[1, :2].tolist() == [0, 1]
+
+
+def _bucket_rows(C: int = 3000) -> torch.Tensor:
+    """Two rows whose top 200 scores share one 16-bit prefix (4 + r * 2^-15, r = 0..19, ten
+    ties per value, at scattered ids) over -1 elsewhere; row 1 adds 300 scores of 2.5, in the
+    same level-0 bin but below the cluster. With k = 105 the cut falls inside the ten ties of
+    r = 9: byte 2 of the cluster is r // 4 (40 keys per bin), byte 3 tells the r apart."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.full((2, C), -1.0)
+    r = (torch.arange(200) % 20).float()
+    for row in range(2):
+        ids = torch.randperm(C, generator=g)
+        s[row, ids[:200]] = 4.0 + r * 2**-15
+        if row == 1:
+            s[row, ids[200:500]] = 2.5
+    return s
+
+
+@pytest.mark.parametrize(
+    ("cap", "sub", "ends"),
+    [
+        (8192, 256, 5),  # level 1 buckets the 200 (row 1: of 500 in the bin); picks there
+        (8192, 64, 6),  # 200 > 64 slots: level 2 buckets again, its bin of 40 picks
+        (300, 64, 6),  # row 1's 500 > cap: level 1 counts only, level 2 buckets the 200
+        (100, 64, 3),  # never few enough to bucket: all four levels
+        (8192, 16, 3),  # buckets overflow at levels 1 and 2: level 3 ends it
+    ],
+)
+@pytest.mark.parametrize(("fused", "programs", "block"), [(False, 3, 1024), (True, 1, 4096)])
+def test_grid_topk_buckets(cap, sub, ends, fused, programs, block):
+    """The bucket ends (kernels.topk_grid): a level buckets the keys of tau's bin by their byte
+    when the bin holds at most ``cap``; the select ends at the next barrier when tau's bucket
+    holds at most ``sub`` (its entries ranked in full, ties by id), else it goes on as a
+    radix level. ``ends`` says where it ended (level, +4 at a bucket); the ids are exact
+    every way, cut inside a run of ties, with the spans (3 programs) splitting the ties."""
+    s = _bucket_rows()
+    for k in (105, 100, 1):
+        out = torch.full((2, k), -7, dtype=torch.int64)
+        where = torch.full((2,), -1, dtype=torch.int32)
+        grid_topk(s, k, out, fused=fused, programs=programs, block=block, cap=cap, sub=sub,
+                  ends=where)  # fmt: skip
+        assert torch.equal(out, ix.topk_ref(s, k)), k
+        if k == 105:
+            assert where.tolist() == [ends, ends]
+    top = ix.topk_ref(s, 105)[0]
+    nine = (s[0] == 4.0 + 9 * 2**-15).nonzero().flatten()
+    assert torch.equal(top, torch.cat(((s[0] >= 4.0 + 10 * 2**-15).nonzero().flatten(),
+                                       nine[:5])).sort().values)  # fmt: skip
+
+
+def test_grid_topk_massive_ties_fall_back():
+    """~1000 equal scores at tau: few enough to bucket (cap), too many for one bucket (sub), at
+    levels 1 and 2, so the select runs all four levels and cuts the ties by id; the same with
+    no bucketing at all (cap 1) and with 16-slot buckets."""
+    g = torch.Generator().manual_seed(2)
+    s = torch.randint(0, 3, (1, 3000), generator=g).float()
+    for k, cap, sub, ends in ((300, 8192, 256, 3), (300, 1, 256, 3), (7, 8192, 16, 3)):
+        out = torch.full((1, k), -7, dtype=torch.int64)
+        where = torch.full((1,), -1, dtype=torch.int32)
+        grid_topk(s, k, out, fused=False, programs=3, block=1024, cap=cap, sub=sub, ends=where)
+        assert torch.equal(out, ix.topk_ref(s, k)), (k, cap, sub)
+        assert where.tolist() == [ends], (k, cap, sub)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_grid_topk_bucket_overflow_beside_tau(fused):
+    """The bucket just below tau's overflows: 1000 scores of 3.99 (byte 1 = 127) beside the 30
+    of 4 + t * 2^-15 (byte 1 = 128) that hold the top 20. Its extra keys must not land in
+    tau's bucket (they would, past its 256 slots, without the room check); tau's bucket of 30
+    ends the select at level 1."""
+    g = torch.Generator().manual_seed(4)
+    s = torch.full((1, 3000), -1.0)
+    ids = torch.randperm(3000, generator=g)
+    s[0, ids[:30]] = 4.0 + torch.arange(30).float() * 2**-15
+    s[0, ids[30:1030]] = 3.99
+    out = torch.full((1, 20), -7, dtype=torch.int64)
+    where = torch.full((1,), -1, dtype=torch.int32)
+    grid_topk(s, 20, out, fused=fused, programs=1 if fused else 3, block=4096 if fused else 1024,
+              sub=256, ends=where)  # fmt: skip
+    assert torch.equal(out, ix.topk_ref(s, 20))
+    assert where.tolist() == [5]
