@@ -292,7 +292,10 @@ def _grid_topk_kernel(
                         h += _level_tile(hist_ptr + p * 256, bk_ptr, j, ok, u, shift, tau_u, bkt,
                                          p > 0, (p > 0) and (p < 3), SUB, EARLY)  # fmt: skip
                 hv = tl.where(bkt, 0, h)  # a bucketing level counted its keys one by one
-                tl.atomic_add(hist_ptr + p * 256 + bins, hv, mask=hv > 0)
+                # relaxed: the barrier orders them (bar.sync, then one release), as it does
+                # the plain stores below; acq_rel cost each thread a fence and a round trip
+                tl.atomic_add(hist_ptr + p * 256 + bins, hv, mask=hv > 0, sem="relaxed",
+                              scope="gpu")  # fmt: skip
                 if (p > 0) or (P1 == P0 + 1):  # level 0 of a fused launch never ends it
                     tl.store(above_ptr + p * G + g, above)
                     tl.store(c_ptr + (p * G + g) * 256 + bins, tl.cumsum(h, 0, reverse=True))
