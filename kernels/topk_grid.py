@@ -191,10 +191,11 @@ def _bucket_pick(bk_ptr, n, need, lo, SUB: tl.constexpr, BJ: tl.constexpr):
     and only the steps up to ``n`` (a thread holds one entry and compares it with the step's
     BJ). Plain loads: the barrier before this phase is an acquire, which invalidates the SM's
     L1 (CCTL.IVALL), and a phase launched alone starts after the phase that wrote the
-    bucket; the steps after the first then read the bucket from L1."""
+    bucket; the steps then read the bucket from L1, where the first load put it."""
     i = tl.arange(0, SUB)
     ok = i < n
-    e = tl.load(bk_ptr + i, mask=ok, other=-9223372036854775808)
+    # all SUB slots, unmasked (past n they are stale): the load need not wait for n's
+    e = tl.where(ok, tl.load(bk_ptr + i), -9223372036854775808)
     rank = tl.zeros([SUB], tl.int32)
     for j0 in range(0, n, BJ):
         jj = j0 + tl.arange(0, BJ)
