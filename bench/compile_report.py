@@ -381,7 +381,8 @@ def topk() -> None:
     for block, warps in ((2048, 8), (4096, 8)):
         consts = dict(P0=0, P1=tg._PHASES, BLOCK=block, GP2=128, SINGLE=True, TAIL=512,
                       ZB=triton.next_power_of_2(triton.cdiv(tg._HIST, 128)), CAP=tg._CAP,
-                      SUB=tg._SUB, BJ=tg._BJ, TRACE=False)  # fmt: skip
+                      SUB=tg._SUB, BJ=tg._BJ, TRACE=False,
+                      EARLY=block <= 256 * warps)  # fmt: skip
         types = {n: ptrs.get(n, "i32") for n in fn.arg_names}
         print(f"_grid_topk_kernel BLOCK={block} w{warps}: "
               f"{compile_one(fn, types, consts, warps, 1, f'grid_topk_b{block}')}")  # fmt: skip
