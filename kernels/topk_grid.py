@@ -439,9 +439,10 @@ def grid_topk_plan(T: int, C: int, sms: int) -> tuple[int, int] | None:
 
 
 def bucket_slots(C: int) -> int:
-    """Slots per bucket for rows of ``C`` scores: about C / 256 (a bucket of tau's prefix
-    rarely holds more than a few hundred keys; a fuller one falls back to the next level), so
-    the buckets of a launch stay near 2 MB however its rows and programs split the SMs."""
+    """Slots per bucket for rows of ``C`` scores: about C / 256, 16 to 256 (tau's bucket
+    rarely holds more than a few dozen keys; a fuller one falls back to the next level). The
+    buckets take 256 * slots int64 a row: 8 bytes a score, at most 512 KB a row, so about
+    2 MB for a fused launch of 2048-score tiles on 132 SMs, however its rows split them."""
     return max(16, min(_SUB, triton.next_power_of_2(triton.cdiv(C, 256))))
 
 

@@ -173,9 +173,10 @@ def test_grid_topk_fused_one_program_per_row():
 
 def _bucket_rows(C: int = 3000) -> torch.Tensor:
     """Two rows whose top 200 scores share one 16-bit prefix (4 + r * 2^-15, r = 0..19, ten
-    ties per value, at scattered ids) over -1 elsewhere; row 1 adds 300 scores of 2.5, in the
-    same level-0 bin but below the cluster. With k = 105 the cut falls inside the ten ties of
-    r = 9: byte 2 of the cluster is r // 4 (40 keys per bin), byte 3 tells the r apart."""
+    ties per value, at scattered ids, and at ids 1024 and 2048, where spans start) over -1
+    elsewhere; row 1 adds 300 scores of 2.5, in the same level-0 bin but below the cluster.
+    With k = 105 the cut falls inside the ties of r = 9: byte 2 of the cluster is r // 4
+    (about 40 keys per bin), byte 3 tells the r apart."""
     g = torch.Generator().manual_seed(3)
     s = torch.full((2, C), -1.0)
     r = (torch.arange(200) % 20).float()
@@ -184,6 +185,8 @@ def _bucket_rows(C: int = 3000) -> torch.Tensor:
         s[row, ids[:200]] = 4.0 + r * 2**-15
         if row == 1:
             s[row, ids[200:500]] = 2.5
+        s[row, 1024] = 4.0 + 9 * 2**-15  # a tie at tau and a key above it, each the first
+        s[row, 2048] = 4.0 + 19 * 2**-15  # id of a span (1024-score tiles)
     return s
 
 
@@ -213,10 +216,11 @@ def test_grid_topk_buckets(cap, sub, ends, fused, programs, block):
         assert torch.equal(out, ix.topk_ref(s, k)), k
         if k == 105:
             assert where.tolist() == [ends, ends]
-    top = ix.topk_ref(s, 105)[0]
-    nine = (s[0] == 4.0 + 9 * 2**-15).nonzero().flatten()
-    assert torch.equal(top, torch.cat(((s[0] >= 4.0 + 10 * 2**-15).nonzero().flatten(),
-                                       nine[:5])).sort().values)  # fmt: skip
+    above = (s[0] >= 4.0 + 10 * 2**-15).nonzero().flatten()
+    nine = (s[0] == 4.0 + 9 * 2**-15).nonzero().flatten()  # the ties at tau, 1024 among them
+    assert len(above) < 105 < len(above) + len(nine) and 1024 in nine and 2048 in above
+    want = torch.cat((above, nine[: 105 - len(above)])).sort().values
+    assert torch.equal(ix.topk_ref(s, 105)[0], want)
 
 
 def test_grid_topk_massive_ties_fall_back():
@@ -250,3 +254,28 @@ def test_grid_topk_bucket_overflow_beside_tau(fused):
               sub=256, ends=where)  # fmt: skip
     assert torch.equal(out, ix.topk_ref(s, 20))
     assert where.tolist() == [5]
+
+
+def test_grid_topk_random_rows_caps():
+    """Random rows (normal, 5 values, a narrow cluster, mostly -inf, +inf and -0 sprinkled)
+    under random k, cap and slots, as phase launches over 3 spans: every end (exact bin,
+    short row, a bucket at level 1 or 2, all four levels) must give the reference's ids."""
+    g = torch.Generator().manual_seed(21)
+    C = 700
+    seen = set()
+    for it in range(12):
+        s = torch.randn(4, C, generator=g)
+        s[1] = torch.randint(0, 5, (C,), generator=g).float()
+        s[2] = 3.0 + torch.randint(0, 64, (C,), generator=g).float() * 2**-16
+        s[3, torch.rand(C, generator=g) < 0.9] = float("-inf")
+        s[0, torch.randint(0, C, (3,), generator=g)] = float("inf")
+        s[0, torch.randint(0, C, (3,), generator=g)] = -0.0
+        k = int(torch.randint(1, C + 1, (1,), generator=g))
+        cap = int(torch.randint(1, 2 * C, (1,), generator=g))
+        sub = 2 ** int(torch.randint(4, 9, (1,), generator=g))
+        out = torch.full((4, k), -7, dtype=torch.int64)
+        where = torch.full((4,), -1, dtype=torch.int32)
+        grid_topk(s, k, out, fused=False, programs=3, block=256, cap=cap, sub=sub, ends=where)
+        assert torch.equal(out, ix.topk_ref(s, k)), (it, k, cap, sub, where.tolist())
+        seen.update(where.tolist())
+    assert {5, 6} <= seen and seen & {1, 2, 3}  # both bucket ends and radix ends were taken
