@@ -126,10 +126,14 @@ def fp8_decode_plan(
     return Fp8DecodePlan(codes.contiguous().view(torch.int32), refs, b0)
 
 
+SPLIT_MERGE = "merge"  # what "auto" takes (see fp8_split_merge)
+
+
 def fp8_split_merge(mode: str) -> contextlib.AbstractContextManager[None]:
-    """How the decode kernels' K splits are summed in this block: "auto" / "merge" by the last
-    split of each tile in the GEMM's own launch, "launch" by a second launch (the previous
-    path, for before / after runs; set it before CUDA-graph capture). Same values."""
+    """How the decode kernels' K splits are summed in this block: "merge" by the last split
+    of each tile in the GEMM's own launch, "launch" by a second launch (the previous path),
+    "auto" = :data:`SPLIT_MERGE`; for before / after runs (set it before CUDA-graph capture).
+    Same values either way."""
     return pinned_variant("fp8_merge", mode, ("auto", "merge", "launch"))
 
 
@@ -275,7 +279,8 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
 def _merged_output(x2: torch.Tensor, M: int, N: int, split: int) -> torch.Tensor | None:
     """The [M, N] output the GEMM's last splits write (the in-kernel merge), or None where
     the splits are summed by a second launch (one split, or "launch" pinned)."""
-    if split == 1 or pinned("fp8_merge") == "launch":
+    mode = pinned("fp8_merge")
+    if split == 1 or (SPLIT_MERGE if mode == "auto" else mode) == "launch":
         return None
     return torch.empty(M, N, dtype=x2.dtype, device=x2.device)
 
