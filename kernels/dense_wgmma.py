@@ -47,54 +47,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.runtime.jit import constexpr_function
 
-from kernels.moe_decode import finish_splits, split_counters
+from kernels.moe_decode import (
+    _fragments,
+    _quarters_layout,
+    _tile_layout,
+    finish_splits,
+    split_counters,
+)
 
 KB = 128  # K columns per ring slot; a thread's quarter of a row is one 32-column scale group
 WARPS = 4  # one warpgroup, 64 weight rows per CTA (pick_launch: two at 128-token tiles)
 TOKEN_TILES = (16, 32, 64, 128)  # BT: the wgmma N
-
-
-@constexpr_function
-def _w_layout(BM, KB, WARPS):
-    """Register layout of a stored weight tile [BM, KB]: thread (g, t) of warp w holds rows
-    16w + g and 16w + g + 8 (+ 16 x WARPS per repetition) and the KB/4 contiguous stored
-    columns of quarter t: after :func:`_fragments` it is the wgmma's A-fragment layout."""
-    q = KB // 4
-    reg = [[0, 1 << i] for i in range(q.bit_length() - 1)] + [[8, 0]]
-    reg += [[16 * WARPS << i, 0] for i in range((BM // (16 * WARPS)).bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        reg_bases=reg, lane_bases=[[0, q], [0, 2 * q], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 << i, 0] for i in range(WARPS.bit_length() - 1)], block_bases=[],
-        shape=[BM, KB],
-    )  # fmt: skip
-
-
-@constexpr_function
-def _wq_layout(BM, KB, WARPS):
-    """:func:`_w_layout` viewed as [BM, 4, KB/4] (the column quarter as its own dimension)."""
-    lay = _w_layout(BM, KB, WARPS)
-    q = KB // 4
-
-    def split(b):
-        return [b[0], b[1] // q, b[1] % q]
-
-    return gl.DistributedLinearLayout(
-        reg_bases=[split(b) for b in lay.reg_bases],
-        lane_bases=[split(b) for b in lay.lane_bases],
-        warp_bases=[split(b) for b in lay.warp_bases], block_bases=[], shape=[BM, 4, q],
-    )  # fmt: skip
-
-
-@gluon.jit
-def _fragments(v, R: gl.constexpr, KB: gl.constexpr):
-    """[R, KB] in stored column order -> [R, KB] in logical MMA order (a relabelling of each
-    thread's registers: stored column (KB/4) t + 4 s + 2 h + b is logical k = 16 s + 8 h + 2 t
-    + b)."""
-    v = gl.reshape(v, [R, 4, KB // 16, 2, 2])
-    v = gl.permute(v, [0, 2, 3, 1, 4])
-    return gl.reshape(v, [R, KB])
 
 
 @gluon.jit
@@ -125,8 +89,8 @@ def _dense_wg_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BT, 16])  # fmt: skip
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    wl: gl.constexpr = _w_layout(BM, KB, WARPS)
-    wq: gl.constexpr = _wq_layout(BM, KB, WARPS)
+    wl: gl.constexpr = _tile_layout(BM, KB, "w", WARPS)  # after _fragments: the A fragments
+    wq: gl.constexpr = _quarters_layout(BM, KB, "w", WARPS)
     ql: gl.constexpr = gl.SliceLayout(2, wq)  # [BM, 4]: one scale group per thread and row
     rl: gl.constexpr = gl.SliceLayout(1, ql)
 

@@ -126,30 +126,33 @@ def emulate(x16: torch.Tensor, codes: torch.Tensor, c: torch.Tensor, ref: torch.
 
 
 @constexpr_function
-def _tile_layout(R, KB, rows):
+def _tile_layout(R, KB, rows, warps=4):
     """Register layout of a stored tile [R, KB] (weight bytes, or fp16 activations): thread
     (g, t) of a warp holds the KB/4 contiguous stored columns of quarter t, which are all its
     fragment values of the K block. ``rows`` "w": rows g and g + 8 of each 16-row block,
-    warps split the rows into 16-row blocks repeated every 64 (the mma layout's A rows);
-    "x": token rows g (+ 8 per repetition) and every warp holds the whole tile (B)."""
+    ``warps`` split the rows into 16-row blocks repeated every 16 x warps (the A rows of the
+    mma.sync layout, and of the wgmma's register operand: ``kernels.dense_wgmma``); "x":
+    token rows g (+ 8 per repetition) and every warp holds the whole tile (B)."""
     q = KB // 4
     reg = [[0, 1 << i] for i in range(q.bit_length() - 1)]
+    n_w = warps.bit_length() - 1
     if rows == "w":
-        reg += [[8, 0]] + [[64 << i, 0] for i in range((R // 64).bit_length() - 1)]
-        warps = [[16, 0], [32, 0]]
+        reg += [[8, 0]] + [[16 * warps << i, 0]
+                           for i in range((R // (16 * warps)).bit_length() - 1)]  # fmt: skip
+        wb = [[16 << i, 0] for i in range(n_w)]
     else:
         reg += [[8 << i, 0] for i in range((R // 8).bit_length() - 1)]
-        warps = [[0, 0], [0, 0]]
+        wb = [[0, 0]] * n_w
     return gl.DistributedLinearLayout(
         reg_bases=reg, lane_bases=[[0, q], [0, 2 * q], [1, 0], [2, 0], [4, 0]],
-        warp_bases=warps, block_bases=[], shape=[R, KB],
+        warp_bases=wb, block_bases=[], shape=[R, KB],
     )  # fmt: skip
 
 
 @constexpr_function
-def _quarters_layout(R, KB, rows):
+def _quarters_layout(R, KB, rows, warps=4):
     """:func:`_tile_layout` viewed as [R, 4, KB/4] (the quarter t as its own dimension)."""
-    lay = _tile_layout(R, KB, rows)
+    lay = _tile_layout(R, KB, rows, warps)
     q = KB // 4
 
     def split(b):
