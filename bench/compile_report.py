@@ -319,17 +319,13 @@ def moe_decode() -> None:
                                                                     False),
                                     ("W2", "*bf16", False, False), ("fp8", "*bf16", False, False),
                                     ("fp8 split", "*fp32", False, False),
-                                    ("fp8 merge", "*fp32", False, False),
                                     ("fp8 b128", "*bf16", False, False)):  # fmt: skip
         fp8 = name.startswith("fp8")  # the dense fp8 projections (launch_dense; V4: 128 rows)
         for bt, st in ((8, 2), (8, 3), (16, 2), (32, 2), (64, 2)):
-            merge = "merge" in name  # the K splits summed in the launch (finish_splits)
             consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=not fp8, BR=md.BR, BT=bt,
-                          KB=md.KB, STAGES=st, FP8=fp8, MERGE=merge,
-                          SB_N=(128 if "b128" in name else 32) if fp8 else 1,
-                          **({} if merge else {"fin_ptr": None, "sfm": 0, "cnt_ptr": None}))
-            types = dict(base, out_ptr=out, fin_ptr="*bf16", cnt_ptr="*i32",
-                         **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else {}))  # fmt: skip
+                          KB=md.KB, STAGES=st, FP8=fp8,
+                          SB_N=(128 if "b128" in name else 32) if fp8 else 1)  # fmt: skip
+            types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else {}))
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             head = f"moe-decode {name:8s} BT={bt:2d} stages={st}"
             try:
@@ -355,27 +351,24 @@ def moe_decode() -> None:
 def dense_wg() -> None:
     """The wgmma kernel for fp8 dense projections (``kernels.dense_wgmma``) at the launches
     ``pick_launch`` takes (16-64-token tiles: one warpgroup, 3 slots; 128: two, 4 slots), one
-    split (bf16 store) and the in-launch split merge. Per line: registers, local memory,
+    split (bf16 store) and several (fp32 partials). Per line: registers, local memory,
     shared memory, and the main loop per K block: SASS instructions, HGMMAs, LDS, LDGSTS and
     the conversion's F2FP / F2F / HMUL2."""
     from kernels import dense_wgmma as dw
 
     fn = dw._dense_wg_kernel
     base = {n: "i32" for n in fn.arg_names}
-    base.update(x_ptr="*bf16", w_ptr="*u8", s_ptr="*i32", r_ptr="*i32", out_ptr="*bf16",
-                fin_ptr="*bf16", cnt_ptr="*i32")  # fmt: skip
+    base.update(x_ptr="*bf16", w_ptr="*u8", s_ptr="*i32", r_ptr="*i32")
     aligned = [n for n in fn.arg_names if n.endswith("_ptr")
-               or n in ("sxm", "swn", "ssn", "sos", "som", "sfm", "N", "K", "k_per_split")]
+               or n in ("sxm", "swn", "ssn", "sos", "som", "N", "K", "k_per_split")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     for bt in dw.TOKEN_TILES:
         warps, st = dw.pick_launch(bt)
-        for merge in (False, True):
-            consts = dict(BM=16 * warps, BT=bt, KB=dw.KB, STAGES=st, SB_N=32, WARPS=warps,
-                          MERGE=merge,
-                          **({} if merge else {"fin_ptr": None, "sfm": 0, "cnt_ptr": None}))
-            types = dict(base, out_ptr="*fp32" if merge else "*bf16")
+        for out in ("*bf16", "*fp32"):
+            consts = dict(BM=16 * warps, BT=bt, KB=dw.KB, STAGES=st, SB_N=32, WARPS=warps)
+            types = dict(base, out_ptr=out)
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-            head = f"dense-wg BT={bt:3d} warps={warps} stages={st} merge={merge:d}"
+            head = f"dense-wg BT={bt:3d} warps={warps} stages={st} out={out[1:]}"
             try:
                 k, res, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": warps})
             except Exception as e:

@@ -135,8 +135,7 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
     """The layer's dense projections at t tokens: the checkpoint's e4m3 weights with 32 x 32
     e8m0 blocks through ``fp8_linear``, planned as ``Fp8Linear`` plans them ("fp8": the
     mma.sync decode kernel, up to 64 tokens; "fp8_wg": the wgmma kernel, sm_90; "fp8_auto":
-    the dispatch's choice; "fp8_launch": the same with the K splits summed by a second launch
-    instead of in the GEMM; "fp8_tl": the MegaMoE GEMM, the previous path), or bf16 through
+    the dispatch's choice; "fp8_tl": the MegaMoE GEMM, the previous path), or bf16 through
     cuBLAS ("bf16", the peer). (None, 0, 0) where the pinned kernel does not take t tokens
     or this tree lacks it."""
     from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
@@ -147,22 +146,18 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
     ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) / k**0.5, (32, 32))
           for n, k in DENSE]  # fmt: skip
     if fmt.startswith("fp8"):
-        kernel = {"fp8": "gluon", "fp8_wg": "wgmma", "fp8_auto": "auto", "fp8_launch": "auto",
-                  "fp8_tl": "tl"}[fmt]  # fmt: skip
-        merge = "launch" if fmt == "fp8_launch" else "auto"
+        kernel = {"fp8": "gluon", "fp8_wg": "wgmma", "fp8_auto": "auto", "fp8_tl": "tl"}[fmt]
         try:
-            from kernels.linear import fp8_split_merge
-
-            with fp8_kernel_choice(kernel), fp8_split_merge(merge):
+            with fp8_kernel_choice(kernel):
                 pass
-        except (ValueError, ImportError):  # an older tree without this kernel
+        except ValueError:  # an older tree without this kernel
             return None, 0.0, 0.0
         if (kernel == "gluon" and t > 64) or (kernel == "wgmma" and t > 256):
             return None, 0.0, 0.0
         plans = [fp8_decode_plan(q, s, (32, 32)) for q, s in ws]
 
         def one(q, s, k, p):
-            with fp8_kernel_choice(kernel), fp8_split_merge(merge):
+            with fp8_kernel_choice(kernel):
                 return fp8_linear(x[k], q, s, (32, 32), p)
 
         calls = [(lambda q=q, s=s, k=k, p=p: one(q, s, k, p))
@@ -190,7 +185,6 @@ CASES = {"mhc": mhc_case, "mhc_loop": lambda t, g: mhc_case(t, g, "loop"), "gate
          "dense_fp8": lambda t, g: dense_case(t, g, "fp8"),
          "dense_fp8_wg": lambda t, g: dense_case(t, g, "fp8_wg"),
          "dense_fp8_auto": lambda t, g: dense_case(t, g, "fp8_auto"),
-         "dense_fp8_launch": lambda t, g: dense_case(t, g, "fp8_launch"),
          "dense_fp8_tl": lambda t, g: dense_case(t, g, "fp8_tl"),
          "dense_bf16": lambda t, g: dense_case(t, g, "bf16")}  # fmt: skip
 

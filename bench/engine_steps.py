@@ -489,16 +489,13 @@ def main() -> None:
                          "after A/B: tl = the MegaMoE GEMM, gluon = the mma.sync decode kernel "
                          "up to 64 rows, auto = the wgmma kernel from 17 rows on sm_90, else "
                          "the decode kernel)")  # fmt: skip
-    ap.add_argument("--split-merge", default="auto", choices=("auto", "launch"),
-                    help="with --dense fp8: the decode kernels' K splits summed in the GEMM "
-                         "(auto) or by a second launch (before / after A/B)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
-    from kernels.linear import fp8_kernel_choice, fp8_split_merge
+    from kernels.linear import fp8_kernel_choice
     from kernels.mhc import finish_choice
 
     with (kernel_choice(args.attention), finish_choice(args.mhc_finish),
-          fp8_kernel_choice(args.dense_kernel), fp8_split_merge(args.split_merge)):  # fmt: skip
+          fp8_kernel_choice(args.dense_kernel)):  # fmt: skip
         _run(args)
 
 

@@ -48,13 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.moe_decode import (
-    _fragments,
-    _quarters_layout,
-    _tile_layout,
-    finish_splits,
-    split_counters,
-)
+from kernels.moe_decode import _fragments, _quarters_layout, _tile_layout
 
 KB = 128  # K columns per ring slot; a thread's quarter of a row is one 32-column scale group
 WARPS = 4  # one warpgroup, 64 weight rows per CTA (pick_launch: two at 128-token tiles)
@@ -79,12 +73,10 @@ def _issue(w_slot, x_slot, s_slot, w_ptrs, x_ptrs, x_mask, s_ptrs, k, k_hi, KB: 
 def _dense_wg_kernel(
     x_ptr, sxm, w_ptr, swn, s_ptr, ssn, r_ptr, out_ptr, sos, som, M, N, K, k_per_split,
     BM: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-    SB_N: gl.constexpr, WARPS: gl.constexpr, MERGE: gl.constexpr = False, fin_ptr=None,
-    sfm=0, cnt_ptr=None,
+    SB_N: gl.constexpr, WARPS: gl.constexpr,
 ):  # fmt: skip
     """One (BM weight rows, K split, BT token rows): out[split, t, n] = sum over the split's
-    K of x[t, k] W[n, k] (see the module docstring); ``MERGE``: the tile's last split sums
-    the partials into ``fin`` (``moe_decode.finish_splits``)."""
+    K of x[t, k] W[n, k] (see the module docstring)."""
     pid_n, pid_k, pid_t = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BT, 16])  # fmt: skip
@@ -155,12 +147,8 @@ def _dense_wg_kernel(
     f = ((gl.load(r_ptr + rm) + 64) << 23).to(gl.float32, bitcast=True)
     acc = acc * f[:, None] * 5.421010862427522e-20
     tp = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
-    if MERGE:
-        finish_splits(acc, tp, rm, tp < M, out_ptr, sos, som, fin_ptr, sfm, cnt_ptr,
-                      pid_t * gl.num_programs(0) + pid_n, gl.num_programs(1), pid_k)  # fmt: skip
-    else:
-        o_ptrs = out_ptr + pid_k * sos + tp.to(gl.int64)[None, :] * som + rm[:, None]
-        gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(tp < M)[None, :])
+    o_ptrs = out_ptr + pid_k * sos + tp.to(gl.int64)[None, :] * som + rm[:, None]
+    gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(tp < M)[None, :])
 
 
 def token_tile(m: int) -> int:
@@ -194,13 +182,11 @@ def pick_stages(bt: int, bm: int = 16 * WARPS, smem: int = 200 * 1024) -> int:
 
 def launch(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Tensor,
            out: torch.Tensor, m: int, split: int, bt: int, b0: int, stages: int,
-           warps: int = WARPS, fin: torch.Tensor | None = None) -> None:  # fmt: skip
+           warps: int = WARPS) -> None:  # fmt: skip
     """``out[s, :m] (+)= x @ W^T`` over K split s: ``x`` bf16 / fp16 [m, K] (16-byte aligned
     rows), ``w`` e4m3 [N, K], ``words`` int32 [ceil(N / b0), K / 128] (four e8m0 codes per
     128 columns), ``refs`` int32 [N] (``moe_decode.fp8_refs``), ``out`` [split, >= m, N]: x's
-    dtype when ``split`` is 1, else fp32. With ``fin`` [m, N] (x's dtype) and several splits,
-    the last split of each tile sums them into ``fin`` in the same launch. K a multiple of
-    KB, N of 16 x ``warps``."""
+    dtype when ``split`` is 1, else fp32. K a multiple of KB, N of 16 x ``warps``."""
     n, k = w.shape
     bm = 16 * warps
     if k % KB or n % bm or x.dtype not in (torch.bfloat16, torch.float16) or bt not in TOKEN_TILES:
@@ -208,13 +194,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Te
                          f"token tile {bt}")  # fmt: skip
     per = -(-(k // KB) // split) * KB
     grid = (n // bm, split, -(-m // bt))
-    merge = fin is not None and split > 1
-    extra = ({"fin_ptr": fin, "sfm": fin.stride(0), "cnt_ptr": split_counters(
-        x.device, grid[0] * grid[2])} if merge else {})  # fmt: skip
     _dense_wg_kernel[grid](
         x, x.stride(0), w.view(torch.uint8), w.stride(0), words, words.stride(0), refs, out,
         out.stride(0), out.stride(1), m, n, k, per, BM=bm, BT=bt, KB=KB, STAGES=stages,
-        SB_N=b0, WARPS=warps, num_warps=warps, MERGE=merge, **extra,
+        SB_N=b0, WARPS=warps, num_warps=warps,
     )  # fmt: skip
 
 

@@ -126,17 +126,6 @@ def fp8_decode_plan(
     return Fp8DecodePlan(codes.contiguous().view(torch.int32), refs, b0)
 
 
-SPLIT_MERGE = "merge"  # what "auto" takes (see fp8_split_merge)
-
-
-def fp8_split_merge(mode: str) -> contextlib.AbstractContextManager[None]:
-    """How the decode kernels' K splits are summed in this block: "merge" by the last split
-    of each tile in the GEMM's own launch, "launch" by a second launch (the previous path),
-    "auto" = :data:`SPLIT_MERGE`; for before / after runs (set it before CUDA-graph capture).
-    Same values either way."""
-    return pinned_variant("fp8_merge", mode, ("auto", "merge", "launch"))
-
-
 def fp8_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
     """The kernel planned fp8 projections take in this block ("auto": the wgmma kernel from
     :data:`WG_MIN_TOKENS` to :data:`WG_MAX_TOKENS` rows on sm_90, else the mma.sync decode
@@ -270,19 +259,9 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
     rows, tile_e = _one_group_rows(tiles * bt, tiles, x2.device)
     y = torch.empty(split, tiles * bt, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
-    fin = _merged_output(x2, M, N, split)
     md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
-                    stages, fin)  # fmt: skip
-    return fin if fin is not None else _sum_splits(y, M, N, x2.dtype)
-
-
-def _merged_output(x2: torch.Tensor, M: int, N: int, split: int) -> torch.Tensor | None:
-    """The [M, N] output the GEMM's last splits write (the in-kernel merge), or None where
-    the splits are summed by a second launch (one split, or "launch" pinned)."""
-    mode = pinned("fp8_merge")
-    if split == 1 or (SPLIT_MERGE if mode == "auto" else mode) == "launch":
-        return None
-    return torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+                    stages)  # fmt: skip
+    return _sum_splits(y, M, N, x2.dtype)
 
 
 def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N: int,
@@ -298,9 +277,8 @@ def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N
     split = split or dw.pick_split(N, K, sm_count(x2.device), 16 * warps)
     y = torch.empty(split, M, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
-    fin = _merged_output(x2, M, N, split)
-    dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps, fin)
-    return fin if fin is not None else _sum_splits(y, M, N, x2.dtype)
+    dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps)
+    return _sum_splits(y, M, N, x2.dtype)
 
 
 def _sum_splits(y: torch.Tensor, M: int, N: int, dtype: torch.dtype) -> torch.Tensor:

@@ -211,42 +211,18 @@ def _mult(words, ref, layout: gl.constexpr, OFF: gl.constexpr):
 
 
 @gluon.jit
-def finish_splits(acc, tp, rm, tmask, part_ptr, sps, spm, fin_ptr, sfm, cnt_ptr, tile, n_split,
-                  pid_k):  # fmt: skip
-    """Store this K split's fp32 partial ``acc`` [rows, tokens] (token ``tp``, column ``rm``)
-    at ``part[pid_k]``; the tile's last split to arrive (an acq_rel count on ``cnt[tile]``,
-    after the CTA's stores) sums every split's partial in split order -- what the separate
-    split-sum launch computes, bit for bit -- stores x's dtype at ``fin`` (rows ``tmask``)
-    and sets the count back to 0 for the next launch."""
-    offs = tp.to(gl.int64)[None, :] * spm + rm[:, None]
-    gl.store(part_ptr + pid_k * sps + offs, acc)
-    gl.thread_barrier()  # the CTA's partial is stored before its arrival (release)
-    old = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if old == n_split - 1:
-        tot = gl.load(part_ptr + offs, cache_modifier=".cg")  # L2: other SMs' partials
-        for sp in range(1, n_split):
-            tot += gl.load(part_ptr + sp * sps + offs, cache_modifier=".cg")
-        f_ptrs = fin_ptr + tp.to(gl.int64)[None, :] * sfm + rm[:, None]
-        gl.store(f_ptrs, tot.to(fin_ptr.dtype.element_ty), mask=tmask[None, :])
-        gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
 def _moe_dec_kernel(
     a_ptr, sam, rows_ptr, tile_e_ptr, w_ptr, swe, swn, s_ptr, sse, ssn, r_ptr, sre,
     out_ptr, sos, som, n_slots, topk, N, K, k_per_split, limit,
     A_GATHER: gl.constexpr, FUSE_SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
     BR: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-    FP8: gl.constexpr = False, SB_N: gl.constexpr = 1, MERGE: gl.constexpr = False,
-    fin_ptr=None, sfm=0, cnt_ptr=None,
+    FP8: gl.constexpr = False, SB_N: gl.constexpr = 1,
 ):  # fmt: skip
     """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x 2^-4;
     ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations bf16 /
     fp16 as the model holds them, converted here to fp16 x 2^-4 (exact for normalized
     activations: it overflows from |x| ~ 1e6 and drops low bits below ~2^-13), no gather,
-    no SwiGLU; ``MERGE``: the K splits' partials are summed by the tile's last split into
-    ``fin`` (:func:`finish_splits`). The scale ring still copies a second half of words that
-    FP8 never reads."""
+    no SwiGLU. The scale ring still copies a second half of words that FP8 never reads."""
     pid_m, pid_n, pid_k = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     e = gl.load(tile_e_ptr + pid_m)
     if e < 0:
@@ -341,10 +317,7 @@ def _moe_dec_kernel(
     acc_lo = acc_lo * f_lo[:, None]
     tp = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
     o_ptrs = out_ptr + pid_k * sos + tp.to(gl.int64)[None, :] * som + rm[:, None]
-    if FP8 and MERGE:
-        finish_splits(acc_lo, tp, rm, tp < n_slots, out_ptr, sos, som, fin_ptr, sfm, cnt_ptr,
-                      pid_m * gl.num_programs(1) + pid_n, gl.num_programs(2), pid_k)  # fmt: skip
-    elif FP8:
+    if FP8:
         gl.store(o_ptrs, acc_lo.to(out_ptr.dtype.element_ty))
     elif FUSE_SWIGLU:
         f_hi = ((gl.load(r_ptr + e * sre + N + rm) + 4) << 23).to(gl.float32, bitcast=True)
@@ -421,46 +394,19 @@ def rebased_fp8_weights(w: torch.Tensor, codes: torch.Tensor, refs: torch.Tensor
 
 def launch_dense(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Tensor,
                  rows: torch.Tensor, tile_e: torch.Tensor, out: torch.Tensor, m: int,
-                 split: int, bt: int, b0: int, stages: int = STAGES,
-                 fin: torch.Tensor | None = None) -> None:  # fmt: skip
+                 split: int, bt: int, b0: int, stages: int = STAGES) -> None:  # fmt: skip
     """One dense fp8 GEMM ``out[s, :m] (+)= x @ W^T``: ``x`` bf16 / fp16 [m, K] (contiguous
     rows), ``w`` e4m3 [N, K], ``words`` int32 [ceil(N / b0), K / 128] (four e8m0 codes per
     128 columns), ``refs`` int32 [N] (:func:`fp8_refs`), ``rows`` / ``tile_e`` the one-group
     row map (0 .. tiles * bt - 1) and tile experts (0), ``out`` [split, tiles * bt, N]: x's
-    dtype when ``split`` is 1, else fp32 partials. With ``fin`` [m, N] (x's dtype) and
-    several splits, the last split of each tile sums them into ``fin`` in the same launch
-    (:func:`finish_splits`). K a multiple of KB, N of BR."""
+    dtype when ``split`` is 1, else fp32 partials. K a multiple of KB, N of BR."""
     n, k = w.shape
     if k % KB or n % BR or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dense decode GEMM: K={k} (x {KB}), N={n} (x {BR}), x {x.dtype}")
     per = -(-(k // KB) // split) * KB
-    grid = (tile_e.numel(), n // BR, split)
-    merge = fin is not None and split > 1
-    extra = ({"fin_ptr": fin, "sfm": fin.stride(0), "cnt_ptr": split_counters(
-        x.device, grid[0] * grid[1])} if merge else {})  # fmt: skip
-    _moe_dec_kernel[grid](
+    _moe_dec_kernel[(tile_e.numel(), n // BR, split)](
         x, x.stride(0), rows, tile_e, w.view(torch.uint8), 0, w.stride(0), words, 0,
         words.stride(0), refs, 0, out, out.stride(0), out.stride(1), m, 1, n, k, per, 0.0,
         A_GATHER=False, FUSE_SWIGLU=False, HAS_LIMIT=False, BR=BR, BT=bt, KB=KB,
-        STAGES=stages, FP8=True, SB_N=b0, num_warps=4, MERGE=merge, **extra,
+        STAGES=stages, FP8=True, SB_N=b0, num_warps=4,
     )  # fmt: skip
-
-
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-COUNTERS = 1 << 14  # tiles per launch the merge's counts cover
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The in-kernel split merge's per-tile arrival counts (int32, zero between launches: the
-    last split of a tile sets its count back), one buffer per device and stream, so launches
-    that may overlap never share one. Kept only when made outside a CUDA-graph capture (a
-    zero fill captured in a graph runs at each replay; the buffer is then the graph's)."""
-    if tiles > COUNTERS:
-        raise ValueError(f"{tiles} tiles: the split merge counts at most {COUNTERS}")
-    key = (device, torch.cuda.current_stream(device).stream_id)
-    cnt = _COUNTERS.get(key)
-    if cnt is None:
-        cnt = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-        if not torch.cuda.is_current_stream_capturing():
-            _COUNTERS[key] = cnt
-    return cnt

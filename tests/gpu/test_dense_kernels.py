@@ -186,35 +186,3 @@ def test_fp8_projection_takes_its_plan_in_a_cuda_graph(kernel: str, m: int) -> N
     fresh = Fp8Linear(q, s, (32, 32))
     with torch.cuda.graph(torch.cuda.CUDAGraph()), pytest.raises(RuntimeError, match="prepare"):
         fresh.prepare()
-
-
-@pytest.mark.parametrize("kernel,m", [("gluon", 1), ("gluon", 8), ("gluon", 64), ("wgmma", 33),
-                                      ("wgmma", 128)])  # fmt: skip
-def test_split_merge_equals_the_split_sum_launch(kernel: str, m: int) -> None:
-    """The decode kernels' in-kernel split merge (the last split of a tile sums the fp32
-    partials) is the separate split-sum launch bit for bit, at every V4.1-Flash dense shape
-    (one split: the plain store); again and again on the same counters, and replayed in a
-    CUDA graph (the counts are back at 0 after every launch)."""
-    from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_split_merge
-    from kernels.linear import fp8_linear_triton as fp8_linear
-
-    if kernel == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel needs sm_90")
-    g = torch.Generator(device="cuda").manual_seed(300 + m)
-    for i, (n, k) in enumerate(SHAPES):
-        q, s = _weight(n, k, (32, 32), seed=20 + i)
-        plan = fp8_decode_plan(q, s, (32, 32))
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        with fp8_kernel_choice(kernel):
-            with fp8_split_merge("launch"):
-                want = fp8_linear(x, q, s, (32, 32), plan)
-            with fp8_split_merge("merge"):
-                for _ in range(3):
-                    assert torch.equal(fp8_linear(x, q, s, (32, 32), plan), want), (n, k)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    y = fp8_linear(x, q, s, (32, 32), plan)
-        for _ in range(3):
-            y.zero_()
-            graph.replay()
-            assert torch.equal(y, want), (n, k)
