@@ -299,6 +299,27 @@ def attention_ws() -> None:
                   f"cp.async {len(re.findall(r'LDGSTS', sass))}", flush=True)  # fmt: skip
 
 
+def _loop_report(head: str, fn: Any, sig: dict, consts: dict, attrs: dict, warps: int,
+                 ops: tuple[str, ...]) -> None:  # fmt: skip
+    """Compile one Gluon launch for sm_90 and print ``head``: registers, stack, local memory,
+    shared memory, the main loop's SASS instructions and how many of them are each of
+    ``ops`` (or the compile error)."""
+    try:
+        k, res, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": warps})
+    except Exception as e:
+        print(f"{head}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return
+    use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    regs, stack, _, local = use.groups() if use else ("?",) * 4
+    ins, spans = _mma_loops(sass)
+    lo, hi = max(spans, key=lambda sp: sp[1] - sp[0]) if spans else (0, -1)
+    body = [o for a, o in ins if lo <= a <= hi]
+    n_op = {op: sum(1 for o in body if re.search(rf"\b{op}\b", o)) for op in ops}
+    counts = " ".join(f"{op} {n}" for op, n in n_op.items())
+    print(f"{head}: regs {regs} stack {stack} local {local} smem {k.metadata.shared} "
+          f"loop instrs {len(body)} {counts}", flush=True)  # fmt: skip
+
+
 def moe_decode() -> None:
     """The Gluon decode GEMMs (``kernels.moe_decode``) at the launches the layer picks: W13
     (gathered rows, fused SwiGLU -> fp16 H) and W2 (fp32 split-K partials / bf16 Y), 8-, 16-
@@ -327,25 +348,8 @@ def moe_decode() -> None:
                           SB_N=(128 if "b128" in name else 32) if fp8 else 1)  # fmt: skip
             types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else {}))
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-            head = f"moe-decode {name:8s} BT={bt:2d} stages={st}"
-            try:
-                k, res, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": 4})
-            except Exception as e:
-                print(f"{head}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
-            regs, stack, _, local = use.groups() if use else ("?",) * 4
-            ins, spans = _mma_loops(sass)
-            lo, hi = max(spans, key=lambda sp: sp[1] - sp[0]) if spans else (0, -1)
-            body = [o for a, o in ins if lo <= a <= hi]
-
-            def count(op: str, body: list[str] = body) -> int:
-                return sum(1 for o in body if re.search(rf"\b{op}\b", o))
-
-            print(f"{head}: regs {regs} stack {stack} local {local} smem {k.metadata.shared} "
-                  f"loop instrs {len(body)} HMMA {count('HMMA')} LDS {count('LDS')} "
-                  f"LDGSTS {count('LDGSTS')} F2FP {count('F2FP')} HMUL2 {count('HMUL2')} "
-                  f"LOP3 {count('LOP3')} BAR {count('BAR')}", flush=True)  # fmt: skip
+            _loop_report(f"moe-decode {name:8s} BT={bt:2d} stages={st}", fn, sig, consts, attrs, 4,
+                         ("HMMA", "LDS", "LDGSTS", "F2FP", "HMUL2", "LOP3", "BAR"))  # fmt: skip
 
 
 def dense_wg() -> None:
@@ -368,25 +372,9 @@ def dense_wg() -> None:
             consts = dict(BM=16 * warps, BT=bt, KB=dw.KB, STAGES=st, SB_N=32, WARPS=warps)
             types = dict(base, out_ptr=out)
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-            head = f"dense-wg BT={bt:3d} warps={warps} stages={st} out={out[1:]}"
-            try:
-                k, res, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": warps})
-            except Exception as e:
-                print(f"{head}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
-            regs, stack, _, local = use.groups() if use else ("?",) * 4
-            ins, spans = _mma_loops(sass)
-            lo, hi = max(spans, key=lambda sp: sp[1] - sp[0]) if spans else (0, -1)
-            body = [o for a, o in ins if lo <= a <= hi]
-
-            def count(op: str, body: list[str] = body) -> int:
-                return sum(1 for o in body if re.search(rf"\b{op}\b", o))
-
-            print(f"{head}: regs {regs} stack {stack} local {local} smem {k.metadata.shared} "
-                  f"loop instrs {len(body)} HGMMA {count('HGMMA')} LDS {count('LDS')} "
-                  f"LDGSTS {count('LDGSTS')} F2FP {count('F2FP')} F2F {count('F2F')} "
-                  f"HMUL2 {count('HMUL2')}", flush=True)  # fmt: skip
+            _loop_report(f"dense-wg BT={bt:3d} warps={warps} stages={st} out={out[1:]}", fn,
+                         sig, consts, attrs, warps,
+                         ("HGMMA", "LDS", "LDGSTS", "F2FP", "F2F", "HMUL2"))  # fmt: skip
 
 
 def indexer() -> None:
