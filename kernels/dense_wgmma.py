@@ -1,9 +1,11 @@
-"""fp8 dense projections at 9-64 token rows on Hopper (Gluon, sm_90): the weights as the
-register A operand of a bf16 ``wgmma``, all the tokens of a call as its N.
+"""fp8 dense projections at 17-256 token rows on Hopper (Gluon, sm_90): the weights as the
+register A operand of a ``wgmma`` in the activations' dtype, all the tokens of a call as its
+N.
 
-The ``mma.sync`` decode kernel (``kernels.moe_decode``, ``FP8``) takes the tokens in 8-32-row
-tiles: at 33-64 rows it reads and converts every weight block twice and converts the
-activations in every warp, and loses to cuBLAS bf16 (docs/performance.md, eighth session).
+The ``mma.sync`` decode kernel (``kernels.moe_decode``, ``FP8``) takes the tokens in 8-64-row
+tiles and converts the activations to fp16 in every warp: at 64-row tiles that is most of
+its 905 SASS instructions per block, and it loses to cuBLAS bf16 (docs/performance.md,
+eighth and ninth sessions).
 Here one CTA takes BM = 16 x warps weight rows (one or two warpgroups) and BT (16 / 32 / 64
 / 128) token rows, so each stored byte is read and converted once per call:
 
@@ -12,8 +14,9 @@ Here one CTA takes BM = 16 x warps weight rows (one or two warpgroups) and BT (1
   [BT, KB] -- bf16 as the model holds them, the B operand of the wgmma as they land;
 - each thread loads its weight fragments from the slot (two 16-byte loads per row and
   block: the K permutation of ``kernels.moe_decode``, so the activation columns are copied
-  in that same permuted order), converts them e4m3 -> bf16 and multiplies each 32-column
-  group by 2^(c - R) (bf16: exact, the plan bounds c - R to [-15, 6]);
+  in that same permuted order), converts them e4m3 -> the activations' dtype and multiplies
+  each 32-column group by 2^(c - R) (exact in bf16 and fp16: the plan bounds c - R to
+  [-15, 6]);
 - ``wgmma`` m64nBTk16 per warpgroup, A from registers, B from the slot, fp32 accumulation
   over all of K; the row factor 2^(R - 127) once after the loop. Each wgmma is retired
   before the next block's conversion: ptxas reuses the registers of an in-flight wgmma's A
@@ -167,7 +170,7 @@ def pick_split(n: int, k: int, sms: int, bm: int = 16 * WARPS) -> int:
 def pick_launch(bt: int) -> tuple[int, int]:
     """(warps, ring slots) for a token tile. H200 sweep (``decode_plumbing.py --sweep-wg``,
     each V4.1-Flash dense shape alone): at 32 and 64 tokens one warpgroup with 3 slots is
-    within 5% of each shape's best (sum of the six: 93.5 / 124.9 us against 91.1 / 121.5
+    within 5% of each shape's best (sum of the six: 93.5 / 124.9 us against 90.7 / 121.5
     for the best per shape); 8 or 6 slots lose up to 1.6x, 8 warps lose on the big shapes.
     At 128 tokens two warpgroups with 4 slots win on five of the six."""
     return (8, 4) if bt >= 128 else (4, 3)
