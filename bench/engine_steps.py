@@ -486,9 +486,10 @@ def main() -> None:
                          "tile = one tile at decode waves, loop = two passes over d)")  # fmt: skip
     ap.add_argument("--dense-kernel", default="auto", choices=("auto", "gluon", "tl"),
                     help="with --dense fp8: the projections' kernel at decode sizes (before / "
-                         "after A/B: tl = the MegaMoE GEMM, gluon = the mma.sync decode kernel "
-                         "up to 64 rows, auto = the wgmma kernel from 17 rows on sm_90, else "
-                         "the decode kernel)")  # fmt: skip
+                         "after A/B: tl = the MegaMoE GEMM, gluon = the mma.sync decode kernel, "
+                         "an error over 64 rows: keep --batches and --verify-batches at <= 64 "
+                         "rows; auto = the wgmma kernel from 17 rows on sm_90, else the decode "
+                         "kernel)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
     from kernels.linear import fp8_kernel_choice

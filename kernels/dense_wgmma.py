@@ -7,7 +7,8 @@ tiles and converts the activations to fp16 in every warp: at 64-row tiles that i
 its 905 SASS instructions per block, and it loses to cuBLAS bf16 (docs/performance.md,
 eighth and ninth sessions).
 Here one CTA takes BM = 16 x warps weight rows (one or two warpgroups) and BT (16 / 32 / 64
-/ 128) token rows, so each stored byte is read and converted once per call:
+/ 128) token rows, so up to 128 rows each stored byte is read and converted once per call
+(twice at 129-256 rows: two token tiles):
 
 - a ring of STAGES shared-memory slots takes, by cp.async, the weight bytes [BM, KB], the
   rows' scale words (four e8m0 codes per 128 columns, one per 32) and the activations
@@ -33,8 +34,9 @@ kernel's, so a planned projection takes either kernel. Output as ``launch_dense`
 
 Gluon does not run under the interpreter: ``tests/gpu/test_dense_kernels.py`` checks this
 kernel against the fp64 reference and the other paths at every V4.1-Flash dense shape; the
-CPU tests check the permuted activation columns (``k_perm``) and the bf16 re-basing
-(:func:`rebased_bf16_weights`), which are what this kernel adds.
+CPU tests check that the activation columns are copied in the weight fragments' order
+(:func:`_stored_cols` against ``k_perm``) and the re-basing in bf16
+(:func:`rebased_bf16_weights`, the kernel's arithmetic in torch).
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ from kernels.moe_decode import _fragments, _quarters_layout, _tile_layout
 KB = 128  # K columns per ring slot; a thread's quarter of a row is one 32-column scale group
 WARPS = 4  # one warpgroup, 64 weight rows per CTA (pick_launch: two at 128-token tiles)
 TOKEN_TILES = (16, 32, 64, 128)  # BT: the wgmma N
+
+
+@gluon.jit
+def _stored_cols(kk, KB: gl.constexpr):
+    """The stored column of each logical MMA column ``kk`` of a KB-column block: what the
+    weight fragments hold there (``moe_decode.k_perm``), so the activation tile is copied in
+    the same order. Pairs of columns stay adjacent (4-byte copies). Plain integer arithmetic:
+    the CPU tests call it on torch tensors (``_stored_cols.fn``)."""
+    return (KB // 4) * ((kk // 2) % 4) + 4 * (kk // 16) + 2 * ((kk // 8) % 2) + kk % 2
 
 
 @gluon.jit
@@ -97,8 +108,7 @@ def _dense_wg_kernel(
     w_ptrs = w_ptr + rw.to(gl.int64)[:, None] * swn + cw[None, :]
     cx_l: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [WARPS, 1], [1, 0])
     tok = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, cx_l))
-    kk = gl.arange(0, KB, layout=gl.SliceLayout(0, cx_l))  # logical column -> stored column
-    col = (KB // 4) * ((kk // 2) % 4) + 4 * (kk // 16) + 2 * ((kk // 8) % 2) + kk % 2
+    col = _stored_cols(gl.arange(0, KB, layout=gl.SliceLayout(0, cx_l)), KB)
     x_ptrs = x_ptr + tok.to(gl.int64)[:, None] * sxm + col[None, :]
     x_mask = (tok < M)[:, None] & (col < KB)[None, :]
     cs_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -161,8 +171,9 @@ def token_tile(m: int) -> int:
 
 def pick_split(n: int, k: int, sms: int, bm: int = 16 * WARPS) -> int:
     """K splits: about two CTAs per SM over the row tiles with one warpgroup per CTA, one with
-    two (H200 sweep: twice that lost 10-40% at 128 tokens), each split keeping at least two
-    K blocks (the fp32 partials stay in L2 for the split sum)."""
+    two (H200 sweep: twice that lost 10-40% at 128 tokens), at most half the K blocks (after
+    rounding the last split may hold one block, trailing ones none: they store zeros). The
+    fp32 partials stay in L2 for the split sum."""
     per_sm = 2 if bm <= 64 else 1
     return max(1, min(k // KB // 2, math.ceil(per_sm * sms / (n // bm))))
 

@@ -84,6 +84,7 @@ linear_f32 = op(linear_f32_ref, lambda x, w: linear_f32_triton(x.contiguous(), w
 DECODE_MAX_TOKENS = 64  # rows up to which a planned projection takes the mma.sync kernel
 WG_MAX_TOKENS = 256  # ... the wgmma kernel (sm_90; two 128-token tiles)
 WG_MIN_TOKENS = 17  # "auto" takes the wgmma kernel from here (measured: docs/performance.md)
+WG_MAX_REF = 190  # its row factor 2^(R - 127) is built as fp32 bits (R + 64) << 23
 _KERNELS = ("auto", "gluon", "wgmma", "tl")
 
 
@@ -91,11 +92,13 @@ _KERNELS = ("auto", "gluon", "wgmma", "tl")
 class Fp8DecodePlan:
     """What the decode kernel (``kernels.moe_decode``, ``FP8``) reads beside the weight, made
     once per weight (:func:`fp8_decode_plan`): ``words`` int32 [ceil(N/b0), K/128], four e8m0
-    codes per 128 columns (one per 32); ``refs`` int32 [N], each row's reference exponent."""
+    codes per 128 columns (one per 32); ``refs`` int32 [N], each row's reference exponent;
+    ``r_max`` the largest of them (the wgmma kernel's row factor needs <= ``WG_MAX_REF``)."""
 
     words: torch.Tensor
     refs: torch.Tensor
     b0: int
+    r_max: int
 
 
 def fp8_decode_plan(
@@ -123,7 +126,7 @@ def fp8_decode_plan(
     refs, exact = md.fp8_refs(codes, b0, n)
     if not exact:
         return None
-    return Fp8DecodePlan(codes.contiguous().view(torch.int32), refs, b0)
+    return Fp8DecodePlan(codes.contiguous().view(torch.int32), refs, b0, int(refs.max()))
 
 
 def fp8_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
@@ -144,19 +147,22 @@ def _decode_kernel_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, k: int,
     if plan.refs.numel() != n or plan.b0 != b0 or plan.words.shape[1] * 128 != k:
         raise ValueError(f"an fp8 decode plan for another weight: refs {plan.refs.numel()}, "
                          f"block rows {plan.b0}, words {tuple(plan.words.shape)}")  # fmt: skip
-    aligned = x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+    # the kernels' cp.async need aligned rows, which Triton proves from a row stride that is
+    # a multiple of 16 (its integer specialization); others compile to 2-byte copies: refused
+    aligned = x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0
     return aligned and capability(x.device) >= (8, 9) and x.dtype in (torch.bfloat16,
                                                                        torch.float16)  # fmt: skip
 
 
-def _wgmma_runs(x: torch.Tensor, n: int, m: int) -> bool:
-    """Whether the wgmma kernel also takes a call the decode kernel takes: sm_90 (wgmma),
-    ``n`` a multiple of its row tiles (64, or 128 for 128-token tiles), at most
-    :data:`WG_MAX_TOKENS` rows."""
+def _wgmma_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, m: int) -> bool:
+    """Whether the wgmma kernel also takes a call the decode kernel takes: sm_90 (wgmma), at
+    most :data:`WG_MAX_TOKENS` rows, ``n`` a multiple of its row tiles (64 weight rows up to
+    64 tokens, 128 beyond), row references up to :data:`WG_MAX_REF`."""
+    if capability(x.device) != (9, 0) or m > WG_MAX_TOKENS or plan.r_max > WG_MAX_REF:
+        return False
     from kernels import dense_wgmma as dw
 
-    bm = 16 * dw.pick_launch(dw.token_tile(m))[0]
-    return capability(x.device) == (9, 0) and not n % bm and m <= WG_MAX_TOKENS
+    return not n % (16 * dw.pick_launch(dw.token_tile(m))[0])
 
 
 def fp8_linear_ref(
@@ -182,8 +188,9 @@ def fp8_linear_triton(
     plan: Fp8DecodePlan | None = None,
 ) -> torch.Tensor:
     """Triton :func:`fp8_linear_ref`. With a ``plan``: on sm_90 from :data:`WG_MIN_TOKENS` to
-    :data:`WG_MAX_TOKENS` rows the wgmma kernel (``kernels.dense_wgmma``: bf16 weights in
-    registers, all the rows as the MMA's N); else up to :data:`DECODE_MAX_TOKENS` rows on
+    :data:`WG_MAX_TOKENS` rows the wgmma kernel (``kernels.dense_wgmma``: the weights in
+    registers, all the rows as the MMA's N; N a multiple of 64, of 128 past 64 rows); else
+    up to :data:`DECODE_MAX_TOKENS` rows on
     sm_89+ the decode kernel (``kernels.moe_decode``: weights as the MMA's A, each 32-column
     scale re-based onto the fp16 weights, one accumulation over all of K). Else
     the MegaMoE GEMM (``kernels.moe._moe_gemm``) with one group, weights streamed as e4m3 and
@@ -208,7 +215,7 @@ def fp8_linear_triton(
     kernel = pinned("fp8_linear")
     if kernel != "tl":
         runs = plan is not None and _decode_kernel_runs(x2, plan, N, K, b0)
-        wg = runs and _wgmma_runs(x2, N, M)
+        wg = runs and (kernel == "wgmma" or M >= WG_MIN_TOKENS) and _wgmma_runs(x2, plan, N, M)
         if wg and (kernel == "wgmma" or (kernel == "auto" and M >= WG_MIN_TOKENS)):
             return _fp8_wgmma(x2, w, plan, M, N, K).view(*shape[:-1], N)
         if runs and kernel != "wgmma" and M <= DECODE_MAX_TOKENS:

@@ -83,12 +83,22 @@ class Fp8Linear(nn.Module):
 def prepare_fp8_linears(model: nn.Module) -> tuple[int, list[str]]:
     """:meth:`Fp8Linear.prepare` every fp8 projection of ``model`` now (before any CUDA-graph
     capture) -> (how many take the decode kernel, the names of CUDA ones that cannot: fp32
-    scales, shapes off its grid, or scales spanning more binades than it holds exactly)."""
-    planned, refused = 0, []
+    scales, shapes off its grid, or scales spanning more binades than it holds exactly).
+    Projections stacked into one (``stacked_into``: the shared expert's W1 / W3, whose
+    weights are views of it) count as that one, under the first one's name + "+"."""
+    planned, refused, seen = 0, [], set()
     for name, m in model.named_modules():
-        if isinstance(m, Fp8Linear):
-            if m.prepare():
-                planned += 1
-            elif m.weight.is_cuda:
-                refused.append(name)
+        if not isinstance(m, Fp8Linear):
+            continue
+        into = m.__dict__.get("stacked_into")
+        if into is not None and m.weight.untyped_storage().data_ptr() == \
+                into.weight.untyped_storage().data_ptr():  # fmt: skip
+            m, name = into, name + "+"
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+        if m.prepare():
+            planned += 1
+        elif m.weight.is_cuda:
+            refused.append(name)
     return planned, refused

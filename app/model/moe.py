@@ -137,6 +137,8 @@ class Expert(nn.Module):
             w1.weight.data, w3.weight.data = lin.weight.data[:inter], lin.weight.data[inter:]
             w1.scale, w3.scale = lin.scale[:rows], lin.scale[rows:]
             self.__dict__["_w13_fp8"] = lin  # not a submodule: not in the state dict
+            for part in (w1, w3):  # prepare_fp8_linears plans (and counts) the stack instead
+                part.__dict__["stacked_into"] = lin
             if lin.weight.is_cuda:
                 lin.prepare()
         return lin

@@ -34,9 +34,9 @@ def _weight(n: int, k: int, block: tuple[int, int], seed: int):
 
 @pytest.mark.parametrize("block", [(32, 32), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 32, 40, 64])
 def test_fp8_decode_kernel(m: int, dtype: torch.dtype, block) -> None:
-    """Every V4.1-Flash dense shape at 1-64 rows (8-, 16- and 32-row token tiles, pad rows,
+    """Every V4.1-Flash dense shape at 1-64 rows (8-, 16-, 32- and 64-row token tiles, pad rows,
     one and several K splits): the fp64 reference to one rounding of the output, and the
     tl path; "auto" is the pinned run of the kernel it takes bit for bit."""
     from kernels.linear import WG_MIN_TOKENS, fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
@@ -71,12 +71,12 @@ needs_sm90 = pytest.mark.skipif(
 @needs_sm90
 @pytest.mark.parametrize("block", [(32, 32), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [17, 33, 64, 100, 256])
+@pytest.mark.parametrize("m", [17, 33, 64, 100, 129, 256])
 def test_fp8_wgmma_kernel(m: int, dtype: torch.dtype, block) -> None:
-    """The wgmma kernel at every V4.1-Flash dense shape (16-128-token tiles, pad rows, two
-    token tiles at 256 rows, one and several K splits): the fp64 reference to one rounding of
-    the output and the tl path; "auto" takes it (bit for bit the pinned run) from
-    WG_MIN_TOKENS rows."""
+    """The wgmma kernel at every V4.1-Flash dense shape (32-128-token tiles, pad rows, two
+    token tiles at 129 and 256 rows, one and several K splits): the fp64 reference to one
+    rounding of the output and the tl path; "auto" takes it (bit for bit the pinned run)
+    from WG_MIN_TOKENS rows."""
     from kernels.linear import WG_MIN_TOKENS, fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
     from kernels.linear import fp8_linear_triton as fp8_linear
 

@@ -132,9 +132,10 @@ def test_fp8_plan_rebases_the_weights_exactly(block) -> None:
 def test_fp8_plan_rebases_the_wgmma_kernels_bf16_weights_exactly(block) -> None:
     """The same plan serves the wgmma kernel (``kernels.dense_wgmma``): its bf16 weights
     (e4m3 -> bf16, x bf16 2^(c - R)) are the dequantized weights x 2^(127 - R) exactly,
-    also for e4m3 subnormals at the widest spread the plan admits, and the kernel's
-    arithmetic (bf16 activations as stored, fp32-exact products over the permuted columns
-    of both operands, the row factor after K) equals the reference."""
+    also for e4m3 subnormals at the widest spread the plan admits; the kernel copies the
+    activation columns in the weight fragments' order; and its arithmetic (bf16 activations
+    as stored, fp32-exact products over those columns, the row factor after K) equals the
+    reference."""
     from kernels import dense_wgmma as dw
     from kernels import moe_decode as md
     from kernels.linear import fp8_decode_plan, fp8_linear_ref
@@ -150,8 +151,13 @@ def test_fp8_plan_rebases_the_wgmma_kernels_bf16_weights_exactly(block) -> None:
     assert wb.dtype == torch.bfloat16
     exact = dequantize_fp8_block(q, s, block, torch.float64)
     assert torch.equal(wb.double(), exact * torch.exp2(127 - plan.refs.double())[:, None])
+    assert plan.r_max == int(plan.refs.max())
+    # the kernel copies logical activation column k of a block from its stored column
+    # _stored_cols(k): the weight fragments' order (k_perm), pairs adjacent
+    cols = dw._stored_cols.fn(torch.arange(dw.KB), dw.KB)
+    assert torch.equal(cols, md.k_perm(dw.KB)) and torch.equal(cols[1::2], cols[::2] + 1)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).bfloat16()
-    perm = (torch.arange(k) // dw.KB) * dw.KB + md.k_perm(dw.KB).repeat(k // dw.KB)
+    perm = (torch.arange(k) // dw.KB) * dw.KB + cols.repeat(k // dw.KB)
     got = (x[:, perm].double() @ wb[:, perm].double().T) * torch.exp2(plan.refs.double() - 127)
     ref = fp8_linear_ref(x.double(), q, s, block)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-12

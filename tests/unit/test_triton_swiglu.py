@@ -67,7 +67,7 @@ def test_expert_stacks_fp8_w1_w3_into_one_projection(inter, block, stacked):
     stacked bytes and scale rows when the scale blocks end at the seam (views, no copy, the
     state dict unchanged, stacked again after a loader replaces a weight); a block that
     straddles the seam keeps two projections. Both compute the unstacked result."""
-    from app.model.layers import Fp8Linear
+    from app.model.layers import Fp8Linear, prepare_fp8_linears
     from kernels.quant import quantize_fp8_block
 
     torch.manual_seed(1)
@@ -94,6 +94,17 @@ def test_expert_stacks_fp8_w1_w3_into_one_projection(inter, block, stacked):
     assert e.w3.weight.data_ptr() == lin.weight[inter:].data_ptr()
     assert e.w3.scale.data_ptr() == lin.scale[inter // 32:].data_ptr()
     assert e.stacked_fp8_w13() is lin  # stacked once
+    # the runner's prepare_fp8_linears plans the stack once, not the views W1 / W3
+    prepared = []
+
+    def prepare(self: Fp8Linear) -> bool:
+        prepared.append(self)
+        return True
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Fp8Linear, "prepare", prepare)
+        assert prepare_fp8_linears(e) == (1, [])
+    assert prepared == [lin]
     q, s = quantize_fp8_block(torch.randn(inter, 64), block)
     e.w3.weight.data, e.w3.scale = q, s  # a loader replacing a weight: stacked again
     torch.testing.assert_close(e(x), unfused(), rtol=1e-5, atol=1e-5)
