@@ -32,6 +32,28 @@ def _weight(n: int, k: int, block: tuple[int, int], seed: int):
     return quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) * mag / k**0.5, block)
 
 
+def _cases(m: int, dtype: torch.dtype, block, seed: int):
+    """Each V4.1-Flash dense shape: (n, k, e4m3 weight, scale, plan, x [m, k], the fp64
+    reference)."""
+    from kernels.linear import fp8_decode_plan, fp8_linear_ref
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for i, (n, k) in enumerate(SHAPES):
+        q, s = _weight(n, k, block, seed=i)
+        plan = fp8_decode_plan(q, s, block)
+        x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+        yield n, k, q, s, plan, x, fp8_linear_ref(x.double(), q, s, block)
+
+
+def _pinned(kernel: str, x, q, s, block, plan) -> torch.Tensor:
+    """``fp8_linear`` with ``kernel`` pinned."""
+    from kernels.linear import fp8_kernel_choice
+    from kernels.linear import fp8_linear_triton as fp8_linear
+
+    with fp8_kernel_choice(kernel):
+        return fp8_linear(x, q, s, block, plan)
+
+
 @pytest.mark.parametrize("block", [(32, 32), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 32, 40, 64])
@@ -39,23 +61,15 @@ def test_fp8_decode_kernel(m: int, dtype: torch.dtype, block) -> None:
     """Every V4.1-Flash dense shape at 1-64 rows (8-, 16-, 32- and 64-row token tiles, pad rows,
     one and several K splits): the fp64 reference to one rounding of the output, and the
     tl path; "auto" is the pinned run of the kernel it takes bit for bit."""
-    from kernels.linear import WG_MIN_TOKENS, fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    from kernels.linear import WG_MIN_TOKENS
     from kernels.linear import fp8_linear_triton as fp8_linear
 
-    g = torch.Generator(device="cuda").manual_seed(m)
     wg = torch.cuda.get_device_capability() == (9, 0) and m >= WG_MIN_TOKENS
-    for i, (n, k) in enumerate(SHAPES):
-        q, s = _weight(n, k, block, seed=i)
-        plan = fp8_decode_plan(q, s, block)
+    for n, k, q, s, plan, x, ref in _cases(m, dtype, block, seed=m):
         assert plan is not None
-        x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-        ref = fp8_linear_ref(x.double(), q, s, block)
-        with fp8_kernel_choice("gluon"):
-            out = fp8_linear(x, q, s, block, plan)
-        with fp8_kernel_choice("tl"):
-            old = fp8_linear(x, q, s, block, plan)
-        with fp8_kernel_choice("wgmma" if wg else "gluon"):  # what "auto" takes here
-            picked = fp8_linear(x, q, s, block, plan)
+        out = _pinned("gluon", x, q, s, block, plan)
+        old = _pinned("tl", x, q, s, block, plan)
+        picked = _pinned("wgmma" if wg else "gluon", x, q, s, block, plan)  # what auto takes
         assert out.dtype == dtype and out.shape == (m, n)
         assert _rel(out, ref) < 4e-3, (n, k)  # bf16: 2^-9 per value
         assert _rel(out, old) < 4e-3, (n, k)
@@ -77,19 +91,12 @@ def test_fp8_wgmma_kernel(m: int, dtype: torch.dtype, block) -> None:
     token tiles at 129 and 256 rows, one and several K splits): the fp64 reference to one
     rounding of the output and the tl path; "auto" takes it (bit for bit the pinned run)
     from WG_MIN_TOKENS rows."""
-    from kernels.linear import WG_MIN_TOKENS, fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    from kernels.linear import WG_MIN_TOKENS
     from kernels.linear import fp8_linear_triton as fp8_linear
 
-    g = torch.Generator(device="cuda").manual_seed(100 + m)
-    for i, (n, k) in enumerate(SHAPES):
-        q, s = _weight(n, k, block, seed=i)
-        plan = fp8_decode_plan(q, s, block)
-        x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-        ref = fp8_linear_ref(x.double(), q, s, block)
-        with fp8_kernel_choice("wgmma"):
-            out = fp8_linear(x, q, s, block, plan)
-        with fp8_kernel_choice("tl"):
-            old = fp8_linear(x, q, s, block, plan)
+    for n, k, q, s, plan, x, ref in _cases(m, dtype, block, seed=100 + m):
+        out = _pinned("wgmma", x, q, s, block, plan)
+        old = _pinned("tl", x, q, s, block, plan)
         assert out.dtype == dtype and out.shape == (m, n)
         rows = (out.double() - ref).norm(dim=1) / ref.norm(dim=1)  # every row written
         assert bool((rows < 4e-3).all()), (n, k, rows.max())
@@ -158,7 +165,7 @@ def test_fp8_decode_kernel_writes_every_row_and_stays_out_of_prefill() -> None:
         fp8_linear(x[:4], q, s, (32, 32), None)
 
 
-@pytest.mark.parametrize("kernel,m", [("gluon", 8), ("wgmma", 48)])
+@pytest.mark.parametrize("kernel,m", [("gluon", 8), pytest.param("wgmma", 48, marks=needs_sm90)])
 def test_fp8_projection_takes_its_plan_in_a_cuda_graph(kernel: str, m: int) -> None:
     """``Fp8Linear`` prepared on CUDA (``prepare_fp8_linears``) runs each decode kernel inside
     a captured CUDA graph (pinned: no silent fallback) and replays it on new inputs;
@@ -167,8 +174,6 @@ def test_fp8_projection_takes_its_plan_in_a_cuda_graph(kernel: str, m: int) -> N
     from app.model.layers import Fp8Linear, prepare_fp8_linears
     from kernels.linear import fp8_kernel_choice, fp8_linear_ref
 
-    if kernel == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel needs sm_90")
     q, s = _weight(4608, 5120, (32, 32), seed=9)
     lin = Fp8Linear(q, s, (32, 32))
     assert prepare_fp8_linears(torch.nn.Sequential(lin)) == (1, [])
