@@ -350,6 +350,7 @@ def profile(rank: Rank, args) -> list[dict]:
             with prof(activities=[ProfilerActivity.CUDA]) as p:
                 rank.runner.forward(inp).argmax(-1)
                 torch.cuda.synchronize()
+            wall = _time(lambda inp=inp: rank.runner.forward(inp), args.reps)
         rank.free(rids)
         fam: dict[str, float] = {}
         kern: list[tuple[float, int, str]] = []
@@ -362,12 +363,13 @@ def profile(rank: Rank, args) -> list[dict]:
             fam[_family(e.key)] = fam.get(_family(e.key), 0.0) + us
             kern.append((us, e.count, e.key))
         print(f"decode step B={B} ctx={ctx} (graph): {total / 1e3:.2f} ms of kernels, "
-              f"{sum(c for _, c, _ in kern)} launches", flush=True)  # fmt: skip
+              f"{sum(c for _, c, _ in kern)} launches; step {wall * 1e3:.2f} ms "
+              f"(idle {100 * (1 - total / 1e6 / wall):.0f} %)", flush=True)  # fmt: skip
         for name, us in sorted(fam.items(), key=lambda kv: -kv[1]):
             print(f"  {name:<28} {us / 1e3:8.3f} ms  {100 * us / total:5.1f} %")
             records.append(record("engine.decode_ops", us / 1e3, "ms",
                                   {"family": name, "batch": B, "context": ctx,
-                                   "share": us / total}))  # fmt: skip
+                                   "share": us / total, "step_ms": wall * 1e3}))  # fmt: skip
         for us, n, key in sorted(kern, reverse=True)[:25]:
             print(f"    {us / 1e3:8.3f} ms {n:5d}x  {key[:110]}")
     return records
@@ -375,8 +377,14 @@ def profile(rank: Rank, args) -> list[dict]:
 
 def _family(kernel: str) -> str:
     k = kernel.lower()
-    for key, fam in (("_moe_gemm", "moe gemm"), ("_swiglu", "moe gemm"), ("_moe_", "moe other"),
-                     ("sparse_attn", "attention"), ("_combine_kernel", "attention"),
+    for key, fam in (("_moe_gemm", "moe gemm"), ("_moe_dec", "moe gemm"),
+                     ("_swiglu_reduce", "moe gemm"), ("_swiglu_halves", "shared expert swiglu"),
+                     ("_moe_", "moe other"), ("_quant_act", "moe other"),
+                     ("_dense_wg", "dense gemm (fp8)"), ("_split_sum_cast", "dense gemm (fp8)"),
+                     ("_f32out", "lm head"), ("_grid_topk", "top-k"),
+                     ("_attn_ws", "attention"), ("sparse_attn", "attention"),
+                     ("_combine_kernel", "attention"), ("_kv_pack", "kv writes"),
+                     ("_norm_rope", "norm / rope"),
                      ("paged_scores", "indexer scores"), ("scores", "indexer scores"),
                      ("select", "top-k"), ("prefix", "top-k"), ("rank_kernel", "top-k"),
                      ("slot_sort", "top-k"), ("_hc_", "mhc"), ("gate", "router"),
