@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64,512")
     ap.add_argument("--stages", default="0",
                     help="ring depths of the gluon GEMMs-only rows (0: the layer's pick)")
+    ap.add_argument("--wg", action="store_true",
+                    help="also time the GEMMs in their wgmma form (sm_90)")  # fmt: skip
     ap.add_argument("--sweep", default="", help="tokens at which to sweep the gluon GEMMs' "
                     "launch (rows per CTA x stages x register cap) and stop")  # fmt: skip
     ap.add_argument("--sweep-br", default="64,128")
@@ -166,11 +168,12 @@ def main() -> None:
             lines.append(f"{name:28s} T={t:4d} {us:8.1f} us  x floor {us / floor:5.2f}  "
                          f"err {err:.1e}")  # fmt: skip
         for st in (int(v) for v in args.stages.split(",")):
-            us = _us(_gemms_only(ex, refs, sets, stages=st))
-            par = {"tokens": t, "stages": st, "experts_touched": touched}
-            recs.append(record("moe.decode.gluon.gemms", us, "us", par, floor))
-            label = "moe.decode.gluon.gemms " + (f"st{st}" if st else "pick")
-            lines.append(f"{label:28s} T={t:4d} {us:8.1f} us  x floor {us / floor:5.2f}")
+            for wg in (False, True) if args.wg else (False,):
+                us = _us(_gemms_only(ex, refs, sets, stages=st, wg=wg))
+                par = {"tokens": t, "stages": st, "experts_touched": touched, "wgmma": wg}
+                recs.append(record("moe.decode.gluon.gemms" + ".wg" * wg, us, "us", par, floor))
+                label = "moe.decode.gluon.gemms " + ("wg " * wg) + (f"st{st}" if st else "pick")
+                lines.append(f"{label:28s} T={t:4d} {us:8.1f} us  x floor {us / floor:5.2f}")
         prepared, scaled, _ = _grouped_peers(sets, ex)
         us = _us(_rotating(lambda p, f=scaled: f(p, True), prepared))
         par = {"tokens": t, "note": "two GEMM launches only, on the fp8 rows copy"}
@@ -180,7 +183,7 @@ def main() -> None:
         gain = timed["moe.decode.tl.pairs"] / timed["moe.decode.gluon"]
         lines.append(f"{'':28s} T={t:4d} floor {floor:6.1f} us ({touched:.1f} experts), "
                      f"gluon vs tl.pairs {gain:.2f}x")  # fmt: skip
-        print("\n".join(lines[-7:]), flush=True)
+        print("\n".join(lines[-(7 + args.wg):]), flush=True)
         path = write(args.out, recs)
     print("\n".join(lines))
     print(f"-> {path}")

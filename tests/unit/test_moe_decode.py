@@ -214,3 +214,50 @@ def test_fp8_projection_plan_is_prepared_on_cuda_only() -> None:
         fp8_linear_triton(x.bfloat16(), q, s, (32, 32), plan)
     with pytest.raises(ValueError, match="fp8_linear kernel must be"), fp8_kernel_choice("x"):
         pass
+
+
+def _coords(lay, reg: int, lane: int) -> tuple[int, int]:
+    """Element (row, column) that register ``reg`` of ``lane`` (warp 0) holds in a linear
+    layout: the XOR of the bases of the set bits."""
+    r = c = 0
+    for bits, bases in ((reg, lay.reg_bases), (lane, lay.lane_bases)):
+        for i, (br, bc) in enumerate(bases):
+            if bits >> i & 1:
+                r, c = r ^ br, c ^ bc
+    return r, c
+
+
+def _phase_bank_groups(lay, row_elems: int) -> list[list[int]]:
+    """For every 16-byte fragment load (8 consecutive fp16 registers) and 8-lane phase of a
+    warp: the bank group (16-byte chunk mod 8) each lane reads under the slots' swizzle
+    (``SwizzledSharedLayout(8, 1, 8)``: chunk ^ row % 8)."""
+    out = []
+    for load in range(0, 1 << len(lay.reg_bases), 8):
+        for phase in range(4):
+            groups = []
+            for lane in range(8 * phase, 8 * phase + 8):
+                r, c = _coords(lay, load, lane)
+                assert c % 8 == 0  # each load starts a 16-byte chunk
+                addr = r * row_elems * 2 + ((c // 8) ^ (r % 8)) * 16
+                groups.append(addr // 16 % 8)
+            out.append(groups)
+    return out
+
+
+@pytest.mark.parametrize("bt", [8, 16, 32])
+def test_activation_halves_view_is_the_fragment_layout_without_bank_conflicts(bt: int) -> None:
+    """The mma.sync kernel's activation slot is [2 BT, KB/2] (token row t's halves in rows 2t,
+    2t + 1): every register of every lane holds the element the [BT, KB] fragment layout
+    puts there (the relabel the kernel asserts trivial), and each 8-lane phase of a 16-byte
+    fragment load reads 8 different bank groups. The [BT, KB] slot of 256-byte rows had two
+    lanes per bank group in every phase (ncu: 38% of the shared-load wavefronts)."""
+    from kernels import moe_decode as md
+
+    kb = md.KB
+    halves, tile = md._x_halves(bt, kb), md._tile_layout(bt, kb, "x")
+    for reg in range(1 << len(tile.reg_bases)):
+        for lane in range(32):
+            r, c = _coords(halves, reg, lane)
+            assert (r // 2, (r % 2) * (kb // 2) + c) == _coords(tile, reg, lane)
+    assert all(len(set(g)) == 8 for g in _phase_bank_groups(halves, kb // 2))
+    assert all(len(set(g)) == 4 for g in _phase_bank_groups(tile, kb))
