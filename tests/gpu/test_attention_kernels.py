@@ -162,8 +162,11 @@ def test_grid_topk_fused(T, C):
     for k in (512, 2048):
         ref = ix.topk_ref(s, k)
         out = torch.full_like(ref, -7)
-        grid_topk(s, k, out)
+        ends = torch.full((T,), -1, device=DEV, dtype=torch.int32)
+        grid_topk(s, k, out, ends=ends)
         assert torch.equal(out, ref), k
+        if C == 262144:  # randn ends at a level-1 bucket; 50 values' ties run all 4 levels
+            assert ends[:2].tolist() == [5, 3][:T], (k, ends.tolist())
         for _ in range(20):
             out.fill_(-7)
             grid_topk(s, k, out)
@@ -171,6 +174,41 @@ def test_grid_topk_fused(T, C):
         assert torch.equal(ix.topk_triton(s, k), ref)
         split = torch.full_like(ref, -7)
         assert torch.equal(grid_topk(s, k, split, fused=False), ref)
+
+
+def _cluster_rows(sizes: tuple[int, ...], C: int = 262144) -> torch.Tensor:
+    """Rows of -5 + 0.1 randn with ``n`` scores of 4 + (r % 20) * 2^-15 (r < n) at random
+    ids: one 16-bit prefix holds them all, byte 2 is (r % 20) // 4, ties of ~n / 20."""
+    g = torch.Generator(device=DEV).manual_seed(len(sizes))
+    s = torch.randn(len(sizes), C, device=DEV, generator=g) * 0.1 - 5
+    for row, n in enumerate(sizes):
+        ids = torch.randperm(C, device=DEV, generator=g)[:n]
+        s[row, ids] = 4.0 + (torch.arange(n, device=DEV) % 20).float() * 2**-15
+    return s
+
+
+@pytest.mark.parametrize("programs", [None, 4])
+@pytest.mark.parametrize(
+    ("cap", "sub", "ends"),
+    [(8192, 256, [5, 6]), (1, 256, [3, 3]), (8192, 16, [3, 3])],
+)
+def test_grid_topk_bucket_edges(programs, cap, sub, ends):
+    """Tau's bucket at exactly its 256 slots (row 0: the select ends at the level-1 bucket)
+    and one key over (row 1: it falls back, and ends at the level-2 bucket of 52), in one
+    launch; with the buckets off (cap 1) and too small (16 slots) both run all four levels.
+    k = 105 cuts inside a run of 13 ties. Exact, and the same on 20 replays of the one
+    zero-ready workspace (stale bucket counts would move the result). ``programs`` 4: spans
+    of 32 tiles (the multi-tile path)."""
+    from kernels.topk_grid import grid_topk
+
+    s = _cluster_rows((256, 257))
+    ref = ix.topk_ref(s, 105)
+    for _ in range(20):
+        out = torch.full_like(ref, -7)
+        where = torch.full((2,), -1, device=DEV, dtype=torch.int32)
+        grid_topk(s, 105, out, programs=programs, cap=cap, sub=sub, ends=where)
+        assert torch.equal(out, ref)
+        assert where.tolist() == ends
 
 
 def test_grid_topk_few_programs_long_spans():
