@@ -279,3 +279,20 @@ def test_grid_topk_random_rows_caps():
         assert torch.equal(out, ix.topk_ref(s, k)), (it, k, cap, sub, where.tolist())
         seen.update(where.tolist())
     assert {5, 6} <= seen and seen & {1, 2, 3}  # both bucket ends and radix ends were taken
+
+
+def test_grid_topk_256k_rows_end_where_the_gpu_test_expects():
+    """The ends the GPU test test_grid_topk_fused checks at 256K, over 32 spans: a randn row ends
+    at level 1, at its bucket (5) or its exact 16-bit bin (1: seed 5's k = 512 here); the row
+    of 50 values (~5000 ties at tau: too many for a bucket) runs all four levels (3). That test's
+    row 0 at T = 1 is the 50-value row (``s[1 % T]``), so 3 is its right end there, not 5."""
+    C = 262144
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(2, C, generator=g)
+    s[1] = torch.randint(0, 50, (C,), generator=g).float()
+    for k, randn_end in ((512, 1), (2048, 5)):
+        out = torch.full((2, k), -7, dtype=torch.int64)
+        where = torch.full((2,), -1, dtype=torch.int32)
+        grid_topk(s, k, out, fused=False, programs=32, ends=where)
+        assert torch.equal(out, ix.topk_ref(s, k)), k
+        assert where.tolist() == [randn_end, 3], (k, where.tolist())
