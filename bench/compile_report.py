@@ -3,7 +3,7 @@ and shared memory (ptxas bundled with Triton), so that launch shapes can be chec
 spending device time.
 
     python -m bench.compile_report moe|moe-all|moe-rows|moe-decode|dense-wg|attention|attention-ws|
-        indexer [DUMP_DIR]
+        indexer|topk [DUMP_DIR]
 
 Besides registers/stack/smem/MMA counts each line gives ``async`` (TTGIR
 ``ttg.async_copy_global_to_local`` ops: loads the software pipeliner made cp.async), ``LDGSTS``
@@ -408,7 +408,26 @@ def indexer() -> None:
         print(f"{fn.__name__} {consts}: {rep}")
 
 
+def topk() -> None:
+    """The one-launch grid top-k (kernels.topk_grid) at the fused shapes the dispatch takes:
+    one tile per program (2048 or 4096 scores, 8 warps), 128 programs per row."""
+    import kernels.topk_grid as tg
+
+    fn = tg._grid_topk_kernel
+    ptrs = dict(s_ptr="*fp32", ws_ptr="*i32", bars_ptr="*i64", cs_ptr="*i32", bk_ptr="*i64",
+                out_ptr="*i64", ends_ptr="*i32")  # fmt: skip
+    for block, warps in ((2048, 8), (4096, 8)):
+        consts = dict(P0=0, P1=tg._PHASES, BLOCK=block, GP2=128, SINGLE=True, TAIL=512,
+                      ZB=triton.next_power_of_2(triton.cdiv(tg._HIST, 128)), CAP=tg._CAP,
+                      SUB=tg._SUB, BJ=tg._BJ, TRACE=False,
+                      EARLY=block <= 256 * warps)  # fmt: skip
+        types = {n: ptrs.get(n, "i32") for n in fn.arg_names}
+        print(f"_grid_topk_kernel BLOCK={block} w{warps}: "
+              f"{compile_one(fn, types, consts, warps, 1, f'grid_topk_b{block}')}")  # fmt: skip
+
+
 if __name__ == "__main__":
     {"moe": moe, "moe-all": moe_all, "moe-rows": moe_rows, "moe-decode": moe_decode,
      "dense-wg": dense_wg,
-     "attention": attention, "attention-ws": attention_ws, "indexer": indexer}[sys.argv[1]]()
+     "attention": attention, "attention-ws": attention_ws, "indexer": indexer,
+     "topk": topk}[sys.argv[1]]()

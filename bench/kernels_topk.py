@@ -2,13 +2,18 @@
 coarse-histogram path and torch's own top-k, timed in the same process.
 
     python -m bench.kernels_topk [--rows 1,8,32] [--cols 65536,262144] [--k 512,2048]
+        [--inputs randn,ties]
 
 CUDA-graph replay (``do_bench_cudagraph``) with the inputs rotating inside the graph (cold
 L2), as the engine's captured decode step pays. Every path is checked exact against
-``topk_ref`` before it is timed. Peer: ``torch.topk`` (values + ids, unsorted) followed by an
-id sort, the same contract (ascending ids). Floor: one read of the scores at the measured
-copy bandwidth (the select itself is latency-bound at these sizes). Writes
-``bench/results/kernels_topk.json``.
+``topk_ref`` before it is timed. The fused grid paths also say where each row's select ended
+(``ends``: last level, +4 at a bucket), and ``radix only (cap 1)`` times the same launch with
+the buckets off (the levels alone, as before them), in the same run. Inputs: ``randn`` (a
+-inf tail of 1/8), ``ties`` (integers 0..49: ~C/50 ties at tau, too many for a bucket, whose
+atomics then share one counter: the fallback's cost). Peer: ``torch.topk`` (values + ids,
+unsorted) followed by an id sort, the same contract (ascending ids). Floor: one read of the
+scores at the measured copy bandwidth (the select itself is latency-bound at these sizes).
+Writes ``bench/results/kernels_topk.json``.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ def _copy_bw() -> float:
     return 2 * x.numel() * 4 / (bench_us(lambda: y.copy_(x)) * 1e-6)
 
 
-def _scores(T: int, C: int, i: int) -> torch.Tensor:
+def _scores(T: int, C: int, i: int, kind: str = "randn") -> torch.Tensor:
     g = torch.Generator(device=DEV).manual_seed(1000 * T + i)
+    if kind == "ties":
+        return torch.randint(0, 50, (T, C), device=DEV, generator=g).float()
     s = torch.randn(T, C, device=DEV, generator=g)
     s[:, C - C // 8 :] = float("-inf")  # the not-yet-visible tail of a row
     return s
@@ -54,10 +61,11 @@ def _paths(T: int, k: int, s_cols) -> dict[str, Any]:
         out = torch.empty((s.shape[0], k), device=DEV, dtype=torch.int64)
         return ix._topk_coarse(s, k, out)
 
-    def grid(block: int, warps: int, fused: bool = True, stop=None):
-        def run(s):
+    def grid(block: int, warps: int, fused: bool = True, stop=None, cap: int = tg._CAP):
+        def run(s, ends=None):
             out = torch.empty((s.shape[0], k), device=DEV, dtype=torch.int64)
-            return tg.grid_topk(s, k, out, fused=fused, block=block, num_warps=warps, stop=stop)
+            return tg.grid_topk(s, k, out, fused=fused, block=block, num_warps=warps, stop=stop,
+                                cap=cap, ends=ends)  # fmt: skip
 
         return run
 
@@ -70,6 +78,7 @@ def _paths(T: int, k: int, s_cols) -> dict[str, Any]:
         if T * triton.cdiv(s_cols(), block) <= sms:
             paths[f"grid fused b{block} w{warps}"] = grid(block, warps)
     if T * triton.cdiv(s_cols(), 2048) <= sms:
+        paths["grid fused b2048 w8 radix only (cap 1)"] = grid(2048, 8, cap=1)
         for stop in range(1, 5):  # the first phases alone (no valid output: timing only)
             paths[f"phases [0, {stop}) only"] = grid(2048, 8, stop=stop)
     paths["grid split b2048 w8"] = grid(2048, 8, fused=False)
@@ -98,33 +107,45 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--cols", default="65536,262144")
     ap.add_argument("--k", default="512,2048")
+    ap.add_argument("--inputs", default="randn", help="randn and/or ties")
     args = ap.parse_args()
     bw = _copy_bw()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     recs = []
     rows = []
-    for C in map(int, args.cols.split(",")):
-        for T in map(int, args.rows.split(",")):
-            for k in map(int, args.k.split(",")):
-                nxt = rotating(lambda i, T=T, C=C: _scores(T, C, i), T * C * 4)
-                s0 = nxt()
-                ref = ix.topk_ref(s0, k)
-                floor = T * C * 4 / bw * 1e6
-                for name, fn in _paths(T, k, lambda C=C: C).items():
-                    ok = None if name.startswith("phases") else torch.equal(fn(s0), ref)
-                    us = graph_us(lambda fn=fn, nxt=nxt: fn(nxt()))
-                    p = {"rows": T, "candidates": C, "k": k, "path": name, "exact": ok}
-                    recs.append(record("indexer.topk.graph", us, "us", p, floor))
-                    rows.append((C, T, k, name, us, floor, ok))
+    for kind in args.inputs.split(","):
+        for C in map(int, args.cols.split(",")):
+            for T in map(int, args.rows.split(",")):
+                for k in map(int, args.k.split(",")):
+                    nxt = rotating(lambda i, T=T, C=C, kind=kind: _scores(T, C, i, kind),
+                                   T * C * 4)  # fmt: skip
+                    s0 = nxt()
+                    ref = ix.topk_ref(s0, k)
+                    floor = T * C * 4 / bw * 1e6
+                    for name, fn in _paths(T, k, lambda C=C: C).items():
+                        ok, ends = None, None
+                        if name.startswith("grid fused"):
+                            where = torch.full((T,), -1, device=DEV, dtype=torch.int32)
+                            ok = torch.equal(fn(s0, ends=where), ref)
+                            ends = sorted(set(where.tolist()))
+                        elif not name.startswith("phases"):
+                            ok = torch.equal(fn(s0), ref)
+                        us = graph_us(lambda fn=fn, nxt=nxt: fn(nxt()))
+                        p = {"rows": T, "candidates": C, "k": k, "inputs": kind, "path": name,
+                             "exact": ok, "ends": ends}  # fmt: skip
+                        recs.append(record("indexer.topk.graph", us, "us", p, floor))
+                        rows.append((kind, C, T, k, name, us, floor, ok, ends))
     for n in (0, 1, 4):
         for programs in (32, 64, 128):
             us = barrier_us(programs, n)
             recs.append(record("grid_barrier.graph", us, "us", {"programs": programs, "n": n}))
             print(f"launch of {programs} programs with {n} grid barriers: {us:.2f} us")
     write("kernels_topk", recs)
-    print(f"{'C':>7} {'T':>3} {'k':>5}  {'path':<24} {'graph us':>9} {'floor':>6}  exact")
-    for C, T, k, name, us, floor, ok in rows:
-        print(f"{C:>7} {T:>3} {k:>5}  {name:<24} {us:>9.1f} {floor:>6.2f}  {ok}")
+    print(f"{'inputs':<6} {'C':>7} {'T':>3} {'k':>5}  {'path':<38} {'graph us':>9} {'floor':>6}"
+          "  exact  ends")  # fmt: skip
+    for kind, C, T, k, name, us, floor, ok, ends in rows:
+        print(f"{kind:<6} {C:>7} {T:>3} {k:>5}  {name:<38} {us:>9.1f} {floor:>6.2f}  {ok}"
+              f"  {ends if ends is not None else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":

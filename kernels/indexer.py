@@ -13,7 +13,8 @@ Triton designs:
   key above it plus the lowest-index ties, and compacts them in index order (a cumsum).
 - Longer rows (256K candidates at 1M context) when rows x tiles of 2048-4096 scores fit one
   program per SM: ``kernels.topk_grid``, an exact radix select in one launch (programs meet
-  at grid barriers between its phases).
+  at grid barriers between its phases; real-valued rows end after two levels, at a bucket
+  holding every key of the k-th's 16-bit prefix).
 - Otherwise, and under the interpreter: (1) every 2048-chunk adds a 256-bin histogram
   of its keys' top byte to the row's (integer atomics), then (2) of the second byte of the keys
   in the top-byte bin holding the k-th largest; (3) each chunk appends its scores whose 16-bit

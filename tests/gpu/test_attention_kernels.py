@@ -162,8 +162,14 @@ def test_grid_topk_fused(T, C):
     for k in (512, 2048):
         ref = ix.topk_ref(s, k)
         out = torch.full_like(ref, -7)
-        grid_topk(s, k, out)
+        ends = torch.full((T,), -1, device=DEV, dtype=torch.int32)
+        grid_topk(s, k, out, ends=ends)
         assert torch.equal(out, ref), k
+        if C == 262144:  # randn ends at level 1: its bucket (5), or its exact bin (1, ~1/30
+            # of rows); the 50 values' ties run all 4 levels (3). They are row 1 % T: row 0
+            # itself when T == 1 (the batch-1 randn row: test_grid_topk_randn_row_bucket)
+            got = ends[:2].tolist()
+            assert got[0] in ({3} if T == 1 else {1, 5}) and got[1:] in ([], [3]), (k, got)
         for _ in range(20):
             out.fill_(-7)
             grid_topk(s, k, out)
@@ -171,6 +177,60 @@ def test_grid_topk_fused(T, C):
         assert torch.equal(ix.topk_triton(s, k), ref)
         split = torch.full_like(ref, -7)
         assert torch.equal(grid_topk(s, k, split, fused=False), ref)
+
+
+def test_grid_topk_randn_row_bucket():
+    """Batch 1 at 256K (the serving case): a randn row ends at level 1 in one launch of ~128
+    programs, at tau's bucket (5) or, when tau's 16-bit bin holds exactly the keys still
+    needed, at that bin (1); over 2 rows x 2 k the bucket ends at least once. Exact."""
+    from kernels.topk_grid import grid_topk
+
+    g = torch.Generator(device=DEV).manual_seed(11)
+    seen = []
+    for _ in range(2):
+        s = torch.randn(1, 262144, device=DEV, generator=g)
+        for k in (512, 2048):
+            out = torch.full((1, k), -7, device=DEV, dtype=torch.int64)
+            ends = torch.full((1,), -1, device=DEV, dtype=torch.int32)
+            grid_topk(s, k, out, ends=ends)
+            assert torch.equal(out, ix.topk_ref(s, k)), k
+            seen += ends.tolist()
+    assert set(seen) <= {1, 5} and 5 in seen, seen
+
+
+def _cluster_rows(sizes: tuple[int, ...], C: int = 262144) -> torch.Tensor:
+    """Rows of -5 + 0.1 randn with ``n`` scores of 4 + (r % 20) * 2^-15 (r < n) at random
+    ids: one 16-bit prefix holds them all, byte 2 is (r % 20) // 4, ties of ~n / 20."""
+    g = torch.Generator(device=DEV).manual_seed(len(sizes))
+    s = torch.randn(len(sizes), C, device=DEV, generator=g) * 0.1 - 5
+    for row, n in enumerate(sizes):
+        ids = torch.randperm(C, device=DEV, generator=g)[:n]
+        s[row, ids] = 4.0 + (torch.arange(n, device=DEV) % 20).float() * 2**-15
+    return s
+
+
+@pytest.mark.parametrize("programs", [None, 4])
+@pytest.mark.parametrize(
+    ("cap", "sub", "ends"),
+    [(8192, 256, [5, 6]), (1, 256, [3, 3]), (8192, 16, [3, 3])],
+)
+def test_grid_topk_bucket_edges(programs, cap, sub, ends):
+    """Tau's bucket at exactly its 256 slots (row 0: the select ends at the level-1 bucket)
+    and one key over (row 1: it falls back, and ends at the level-2 bucket of 52), in one
+    launch; with the buckets off (cap 1) and too small (16 slots) both run all four levels.
+    k = 105 cuts inside a run of 13 ties. Exact, and the same on 20 replays of the one
+    zero-ready workspace (stale bucket counts would move the result). ``programs`` 4: spans
+    of 32 tiles (the multi-tile path)."""
+    from kernels.topk_grid import grid_topk
+
+    s = _cluster_rows((256, 257))
+    ref = ix.topk_ref(s, 105)
+    for _ in range(20):
+        out = torch.full_like(ref, -7)
+        where = torch.full((2,), -1, device=DEV, dtype=torch.int32)
+        grid_topk(s, 105, out, programs=programs, cap=cap, sub=sub, ends=where)
+        assert torch.equal(out, ref)
+        assert where.tolist() == ends
 
 
 def test_grid_topk_few_programs_long_spans():

@@ -169,3 +169,130 @@ def test_grid_topk_fused_one_program_per_row():
     grid_topk(s, 100, out := torch.empty(2, 100, dtype=torch.int64), fused=True, programs=1,
               block=1024)  # fmt: skip
     assert out[0].tolist() == list(range(0, 300, 3)) and out[1, :2].tolist() == [0, 1]
+
+
+def _bucket_rows(C: int = 3000) -> torch.Tensor:
+    """Two rows whose top 200 scores share one 16-bit prefix (4 + r * 2^-15, r = 0..19, ten
+    ties per value, at scattered ids, and at ids 1024 and 2048, where spans start) over -1
+    elsewhere; row 1 adds 300 scores of 2.5, in the same level-0 bin but below the cluster.
+    With k = 105 the cut falls inside the ties of r = 9: byte 2 of the cluster is r // 4
+    (about 40 keys per bin), byte 3 tells the r apart."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.full((2, C), -1.0)
+    r = (torch.arange(200) % 20).float()
+    for row in range(2):
+        ids = torch.randperm(C, generator=g)
+        s[row, ids[:200]] = 4.0 + r * 2**-15
+        if row == 1:
+            s[row, ids[200:500]] = 2.5
+        s[row, 1024] = 4.0 + 9 * 2**-15  # a tie at tau and a key above it, each the first
+        s[row, 2048] = 4.0 + 19 * 2**-15  # id of a span (1024-score tiles)
+    return s
+
+
+@pytest.mark.parametrize(
+    ("cap", "sub", "ends"),
+    [
+        (8192, 256, 5),  # level 1 buckets the 200 (row 1: of 500 in the bin); picks there
+        (8192, 64, 6),  # 200 > 64 slots: level 2 buckets again, its bin of 40 picks
+        (300, 64, 6),  # row 1's 500 > cap: level 1 counts only, level 2 buckets the 200
+        (100, 64, 3),  # never few enough to bucket: all four levels
+        (8192, 16, 3),  # buckets overflow at levels 1 and 2: level 3 ends it
+    ],
+)
+@pytest.mark.parametrize(("fused", "programs", "block"), [(False, 3, 1024), (True, 1, 4096)])
+def test_grid_topk_buckets(cap, sub, ends, fused, programs, block):
+    """The bucket ends (kernels.topk_grid): a level buckets the keys of tau's bin by their byte
+    when the bin holds at most ``cap``; the select ends at the next barrier when tau's bucket
+    holds at most ``sub`` (its entries ranked in full, ties by id), else it goes on as a
+    radix level. ``ends`` says where it ended (level, +4 at a bucket); the ids are exact
+    every way, cut inside a run of ties, with the spans (3 programs) splitting the ties."""
+    s = _bucket_rows()
+    for k in (105, 100, 1):
+        out = torch.full((2, k), -7, dtype=torch.int64)
+        where = torch.full((2,), -1, dtype=torch.int32)
+        grid_topk(s, k, out, fused=fused, programs=programs, block=block, cap=cap, sub=sub,
+                  ends=where)  # fmt: skip
+        assert torch.equal(out, ix.topk_ref(s, k)), k
+        if k == 105:
+            assert where.tolist() == [ends, ends]
+    above = (s[0] >= 4.0 + 10 * 2**-15).nonzero().flatten()
+    nine = (s[0] == 4.0 + 9 * 2**-15).nonzero().flatten()  # the ties at tau, 1024 among them
+    assert len(above) < 105 < len(above) + len(nine) and 1024 in nine and 2048 in above
+    want = torch.cat((above, nine[: 105 - len(above)])).sort().values
+    assert torch.equal(ix.topk_ref(s, 105)[0], want)
+
+
+def test_grid_topk_massive_ties_fall_back():
+    """~1000 equal scores at tau: few enough to bucket (cap), too many for one bucket (sub), at
+    levels 1 and 2, so the select runs all four levels and cuts the ties by id; the same with
+    no bucketing at all (cap 1) and with 16-slot buckets."""
+    g = torch.Generator().manual_seed(2)
+    s = torch.randint(0, 3, (1, 3000), generator=g).float()
+    for k, cap, sub, ends in ((300, 8192, 256, 3), (300, 1, 256, 3), (7, 8192, 16, 3)):
+        out = torch.full((1, k), -7, dtype=torch.int64)
+        where = torch.full((1,), -1, dtype=torch.int32)
+        grid_topk(s, k, out, fused=False, programs=3, block=1024, cap=cap, sub=sub, ends=where)
+        assert torch.equal(out, ix.topk_ref(s, k)), (k, cap, sub)
+        assert where.tolist() == [ends], (k, cap, sub)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_grid_topk_bucket_overflow_beside_tau(fused):
+    """The bucket just below tau's overflows: 1000 scores of 3.99 (byte 1 = 127) beside the 30
+    of 4 + t * 2^-15 (byte 1 = 128) that hold the top 20. Its extra keys must not land in
+    tau's bucket (they would, past its 256 slots, without the room check); tau's bucket of 30
+    ends the select at level 1."""
+    g = torch.Generator().manual_seed(4)
+    s = torch.full((1, 3000), -1.0)
+    ids = torch.randperm(3000, generator=g)
+    s[0, ids[:30]] = 4.0 + torch.arange(30).float() * 2**-15
+    s[0, ids[30:1030]] = 3.99
+    out = torch.full((1, 20), -7, dtype=torch.int64)
+    where = torch.full((1,), -1, dtype=torch.int32)
+    grid_topk(s, 20, out, fused=fused, programs=1 if fused else 3, block=4096 if fused else 1024,
+              sub=256, ends=where)  # fmt: skip
+    assert torch.equal(out, ix.topk_ref(s, 20))
+    assert where.tolist() == [5]
+
+
+def test_grid_topk_random_rows_caps():
+    """Random rows (normal, 5 values, a narrow cluster, mostly -inf, +inf and -0 sprinkled)
+    under random k, cap and slots, as phase launches over 3 spans: every end (exact bin,
+    short row, a bucket at level 1 or 2, all four levels) must give the reference's ids."""
+    g = torch.Generator().manual_seed(21)
+    C = 700
+    seen = set()
+    for it in range(12):
+        s = torch.randn(4, C, generator=g)
+        s[1] = torch.randint(0, 5, (C,), generator=g).float()
+        s[2] = 3.0 + torch.randint(0, 64, (C,), generator=g).float() * 2**-16
+        s[3, torch.rand(C, generator=g) < 0.9] = float("-inf")
+        s[0, torch.randint(0, C, (3,), generator=g)] = float("inf")
+        s[0, torch.randint(0, C, (3,), generator=g)] = -0.0
+        k = int(torch.randint(1, C + 1, (1,), generator=g))
+        cap = int(torch.randint(1, 2 * C, (1,), generator=g))
+        sub = 2 ** int(torch.randint(4, 9, (1,), generator=g))
+        out = torch.full((4, k), -7, dtype=torch.int64)
+        where = torch.full((4,), -1, dtype=torch.int32)
+        grid_topk(s, k, out, fused=False, programs=3, block=256, cap=cap, sub=sub, ends=where)
+        assert torch.equal(out, ix.topk_ref(s, k)), (it, k, cap, sub, where.tolist())
+        seen.update(where.tolist())
+    assert {5, 6} <= seen and seen & {1, 2, 3}  # both bucket ends and radix ends were taken
+
+
+def test_grid_topk_256k_rows_end_where_the_gpu_test_expects():
+    """The ends the GPU test test_grid_topk_fused checks at 256K, over 32 spans: a randn row ends
+    at level 1, at its bucket (5) or its exact 16-bit bin (1: seed 5's k = 512 here); the row
+    of 50 values (~5000 ties at tau: too many for a bucket) runs all four levels (3). That test's
+    row 0 at T = 1 is the 50-value row (``s[1 % T]``), so 3 is its right end there, not 5."""
+    C = 262144
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(2, C, generator=g)
+    s[1] = torch.randint(0, 50, (C,), generator=g).float()
+    for k, randn_end in ((512, 1), (2048, 5)):
+        out = torch.full((2, k), -7, dtype=torch.int64)
+        where = torch.full((2,), -1, dtype=torch.int32)
+        grid_topk(s, k, out, fused=False, programs=32, ends=where)
+        assert torch.equal(out, ix.topk_ref(s, k)), k
+        assert where.tolist() == [randn_end, 3], (k, where.tolist())
