@@ -66,9 +66,12 @@ def _gemms_only(ex: dict[str, Any], refs: tuple, sets: list, **launch: Any) -> C
         h = torch.empty(rows.numel(), INTER, dtype=torch.float16, device=x.device)
         part = torch.empty(s1, rows.numel(), 2 * INTER, device=x.device)
         y = torch.empty(s2, rows.numel(), D, device=x.device)
-        if not launch.get("stages"):
-            launch = dict(launch, stages=moe_decode.pick_stages(bt, tiles))
-        prepared.append((xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots, launch))
+        lk = dict(launch)
+        if not lk.get("stages"):
+            lk["stages"] = moe_decode.pick_stages(bt, tiles)
+        if "halves" not in lk:  # the layer's forms
+            lk.update(moe_decode.pick_form(bt, lk["stages"]))
+        prepared.append((xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots, lk))
 
     def run(p: tuple) -> None:
         xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots, lk = p
@@ -94,8 +97,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64,512")
     ap.add_argument("--stages", default="0",
                     help="ring depths of the gluon GEMMs-only rows (0: the layer's pick)")
-    ap.add_argument("--wg", action="store_true",
-                    help="also time the GEMMs in their wgmma form (sm_90)")  # fmt: skip
+    ap.add_argument("--sweep-form", default="", help="tokens at which to time the GEMMs in "
+                    "each kernel form (halves x tiles_last x 2 / 3 slots) and stop")  # fmt: skip
     ap.add_argument("--sweep", default="", help="tokens at which to sweep the gluon GEMMs' "
                     "launch (rows per CTA x stages x register cap) and stop")  # fmt: skip
     ap.add_argument("--sweep-br", default="64,128")
@@ -114,6 +117,19 @@ def main() -> None:
     assert ok13 and ok2
     refs = (r13, r2)
     rows = ex["rows"]
+    if args.sweep_form:
+        for t in (int(v) for v in args.sweep_form.split(",")):
+            sets = _inputs(t, False)
+            touched = sum(len(torch.unique(s[1][s[1] < E_LOCAL])) for s in sets) / len(sets)
+            floor = touched * FP4_BYTES / bw * 1e6
+            for st, halves, last in itertools.product((2, 3), (False, True), (False, True)):
+                us = _us(_gemms_only(ex, refs, sets, stages=st, halves=halves, tiles_last=last))
+                par = {"tokens": t, "stages": st, "halves": halves, "tiles_last": last}
+                recs.append(record("moe.decode.gluon.gemms.form", us, "us", par, floor))
+                print(f"form T={t:4d} stages={st} halves={halves:d} tiles_last={last:d}: "
+                      f"{us:8.1f} us  x floor {us / floor:5.2f}", flush=True)  # fmt: skip
+        print("->", write(args.out, recs))
+        return
     if args.sweep:
         for t in (int(v) for v in args.sweep.split(",")):
             sets = _inputs(t, False)
@@ -168,12 +184,11 @@ def main() -> None:
             lines.append(f"{name:28s} T={t:4d} {us:8.1f} us  x floor {us / floor:5.2f}  "
                          f"err {err:.1e}")  # fmt: skip
         for st in (int(v) for v in args.stages.split(",")):
-            for wg in (False, True) if args.wg else (False,):
-                us = _us(_gemms_only(ex, refs, sets, stages=st, wg=wg))
-                par = {"tokens": t, "stages": st, "experts_touched": touched, "wgmma": wg}
-                recs.append(record("moe.decode.gluon.gemms" + ".wg" * wg, us, "us", par, floor))
-                label = "moe.decode.gluon.gemms " + ("wg " * wg) + (f"st{st}" if st else "pick")
-                lines.append(f"{label:28s} T={t:4d} {us:8.1f} us  x floor {us / floor:5.2f}")
+            us = _us(_gemms_only(ex, refs, sets, stages=st))
+            par = {"tokens": t, "stages": st, "experts_touched": touched}
+            recs.append(record("moe.decode.gluon.gemms", us, "us", par, floor))
+            label = "moe.decode.gluon.gemms " + (f"st{st}" if st else "pick")
+            lines.append(f"{label:28s} T={t:4d} {us:8.1f} us  x floor {us / floor:5.2f}")
         prepared, scaled, _ = _grouped_peers(sets, ex)
         us = _us(_rotating(lambda p, f=scaled: f(p, True), prepared))
         par = {"tokens": t, "note": "two GEMM launches only, on the fp8 rows copy"}
@@ -183,7 +198,7 @@ def main() -> None:
         gain = timed["moe.decode.tl.pairs"] / timed["moe.decode.gluon"]
         lines.append(f"{'':28s} T={t:4d} floor {floor:6.1f} us ({touched:.1f} experts), "
                      f"gluon vs tl.pairs {gain:.2f}x")  # fmt: skip
-        print("\n".join(lines[-(7 + args.wg):]), flush=True)
+        print("\n".join(lines[-7:]), flush=True)
         path = write(args.out, recs)
     print("\n".join(lines))
     print(f"-> {path}")

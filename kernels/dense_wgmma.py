@@ -53,11 +53,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.moe_decode import _fragments, _quarters_layout, _stored_cols, _tile_layout
+from kernels.moe_decode import _fragments, _quarters_layout, _tile_layout
 
 KB = 128  # K columns per ring slot; a thread's quarter of a row is one 32-column scale group
 WARPS = 4  # one warpgroup, 64 weight rows per CTA (pick_launch: two at 128-token tiles)
 TOKEN_TILES = (16, 32, 64, 128)  # BT: the wgmma N
+
+
+@gluon.jit
+def _stored_cols(kk, KB: gl.constexpr):
+    """The stored column of each logical MMA column ``kk`` of a KB-column block: what the
+    weight fragments hold there (``moe_decode.k_perm``), so the activation tile is copied in
+    the same order. Pairs of columns stay adjacent (4-byte copies). Plain integer arithmetic:
+    the CPU tests call it on torch tensors (``_stored_cols.fn``)."""
+    return (KB // 4) * ((kk // 2) % 4) + 4 * (kk // 16) + 2 * ((kk // 8) % 2) + kk % 2
 
 
 @gluon.jit

@@ -53,11 +53,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
 from triton.runtime.jit import constexpr_function
 
 WARPS = gl.constexpr(4)
@@ -171,28 +166,9 @@ def _quarters_layout(R, KB, rows, warps=4):
 
 
 @constexpr_function
-def _mma_layout(WG, BT):
-    """The accumulator layout: ``mma.sync`` m16n8k16 per warp, or (``WG``) the warpgroup's
-    ``wgmma`` m64nBTk16 (the same rows per thread: both A operands take the tile layout)."""
-    if WG:
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, BT, 16])  # fmt: skip
-    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-
-
-@constexpr_function
-def _x_rows(WG, BT):
-    """Rows of an activation slot: BT, or (``mma.sync``) 2 BT half rows (:func:`_x_halves`)."""
-    return BT if WG else 2 * BT
-
-
-@constexpr_function
-def _x_smem_layout(WG, BT, KB, dtype):
-    """The activation slots: the wgmma's B operand as stored (NVMMA swizzle, logical column
-    order), or each warp's 16-byte fragment loads (stored column order, :func:`_x_halves`)."""
-    if WG:
-        return gl.NVMMASharedLayout.get_default_for([BT, KB], dtype)
-    return gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+def _x_rows(HALVES, BT):
+    """Rows of an activation slot: 2 BT half rows (:func:`_x_halves`), or BT."""
+    return 2 * BT if HALVES else BT
 
 
 @constexpr_function
@@ -217,15 +193,6 @@ def _x_halves(BT, KB):
 
 
 @gluon.jit
-def _stored_cols(kk, KB: gl.constexpr):
-    """The stored column of each logical MMA column ``kk`` of a KB-column block (what the
-    weight fragments hold there: :func:`k_perm`), so that a wgmma's activation tile is
-    copied in that order. Pairs of columns stay adjacent (4-byte copies). Plain integer
-    arithmetic: the CPU tests call it on torch tensors (``_stored_cols.fn``)."""
-    return (KB // 4) * ((kk // 2) % 4) + 4 * (kk // 16) + 2 * ((kk // 8) % 2) + kk % 2
-
-
-@gluon.jit
 def _fragments(v, R: gl.constexpr, KB: gl.constexpr):
     """[R, KB] in stored column order -> [R, KB] in logical MMA order (a relabelling of each
     thread's registers: no data moves)."""
@@ -236,31 +203,24 @@ def _fragments(v, R: gl.constexpr, KB: gl.constexpr):
 
 @gluon.jit
 def _issue(w_slot, x_slot, s_slot, w_rows, a_rows, amask, s_rows, k, K, BR: gl.constexpr,
-           BT: gl.constexpr, KB: gl.constexpr, WG: gl.constexpr = False):  # fmt: skip
+           BT: gl.constexpr, KB: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
     """cp.async the weight bytes [BR, KB], the token rows' activations [BT, KB] and the rows'
     scale words (four e8m0 codes: the block's 32-column groups; lo rows then hi rows) of the
-    K block at ``k`` into one ring slot (at or past K: masked, zero-filled). ``WG``: the
-    activations land in the logical MMA column order (:func:`_stored_cols`, 4-byte copies)."""
+    K block at ``k`` into one ring slot (at or past K: masked, zero-filled). ``HALVES``: the
+    activation slot is [2 BT, KB/2] and ``a_rows`` points at each half row's first column."""
     wl: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // KB, KB // 16], [WARPS, 1], [1, 0])
     cw = k + gl.arange(0, KB, layout=gl.SliceLayout(0, wl))
     async_copy.async_copy_global_to_shared(
         w_slot, gl.convert_layout(w_rows, gl.SliceLayout(1, wl))[:, None] + cw[None, :],
         mask=(cw < K)[None, :],
     )  # fmt: skip
-    if WG:
-        xl: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [WARPS, 1], [1, 0])
-        kk = gl.arange(0, KB, layout=gl.SliceLayout(0, xl))
-        cx = k + _stored_cols(kk, KB)
-        inside = (k + kk) < K
-    else:  # [2 BT, KB/2]: a_rows already points at each half row's first column
-        xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 16 // KB, KB // 16], [WARPS, 1],
-                                            [1, 0])  # fmt: skip
-        cx = k + gl.arange(0, KB // 2, layout=gl.SliceLayout(0, xl))
-        inside = cx < K
+    XC: gl.constexpr = KB // 2 if HALVES else KB  # columns of a slot row
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // XC, XC // 8], [WARPS, 1], [1, 0])
+    cx = k + gl.arange(0, XC, layout=gl.SliceLayout(0, xl))
     ar = gl.convert_layout(a_rows, gl.SliceLayout(1, xl))
     am = gl.convert_layout(amask, gl.SliceLayout(1, xl))
     async_copy.async_copy_global_to_shared(
-        x_slot, ar[:, None] + cx[None, :], mask=am[:, None] & inside[None, :]
+        x_slot, ar[:, None] + cx[None, :], mask=am[:, None] & (cx < K)[None, :]
     )
     async_copy.async_copy_global_to_shared(s_slot, s_rows + k // KB,
                                            mask=gl.full(s_rows.shape, k, gl.int32,
@@ -270,11 +230,14 @@ def _issue(w_slot, x_slot, s_slot, w_rows, a_rows, amask, s_rows, k, K, BR: gl.c
 
 @gluon.jit
 def _x_operand(x_slot, xl: gl.constexpr, dot_b: gl.constexpr, BT: gl.constexpr,
-               KB: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+               KB: gl.constexpr, FP8: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
     """A warp's ``mma.sync`` B fragments from an activation slot (stored column order); FP8:
     the model's activations -> fp16 x 2^-4."""
-    xv = gl.convert_layout(gl.reshape(x_slot.load(_x_halves(BT, KB)), [BT, KB]), xl,
-                           assert_trivial=True)  # fmt: skip
+    if HALVES:
+        xv = gl.convert_layout(gl.reshape(x_slot.load(_x_halves(BT, KB)), [BT, KB]), xl,
+                               assert_trivial=True)  # fmt: skip
+    else:
+        xv = x_slot.load(xl)
     if FP8:
         xv = (xv.to(gl.float32) * 0.0625).to(gl.float16)
     return gl.convert_layout(gl.permute(_fragments(xv, BT, KB), [1, 0]), dot_b, True)
@@ -297,25 +260,29 @@ def _moe_dec_kernel(
     out_ptr, sos, som, n_slots, topk, N, K, k_per_split, limit,
     A_GATHER: gl.constexpr, FUSE_SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
     BR: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-    FP8: gl.constexpr = False, SB_N: gl.constexpr = 1, WG: gl.constexpr = False,
+    FP8: gl.constexpr = False, SB_N: gl.constexpr = 1, HALVES: gl.constexpr = True,
+    TILES_LAST: gl.constexpr = True,
 ):  # fmt: skip
-    """One (BR weight rows, K split, token tile): the grid's slowest dimension is the token
-    tile, so the idle tiles past the last expert's (``tile_e`` -1: the graph-static grid
-    holds the most tiles a call can need) are scheduled after every working CTA and exit.
-    fp4 pairs (default): activations fp16 x 2^-4; ``WG`` (sm_90): the MMAs are the
-    warpgroup's ``wgmma`` with the converted weights as the register A operand and the
-    activation slot as B, read by the tensor cores once per warpgroup instead of loaded by
-    every warp. ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``,
-    activations bf16 / fp16 as the model holds them, converted here to fp16 x 2^-4 (exact for
-    normalized activations: it overflows from |x| ~ 1e6 and drops low bits below ~2^-13), no
-    gather, no SwiGLU. The scale ring still copies a second half of words that FP8 never
-    reads."""
-    pid_n, pid_k, pid_m = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x
+    2^-4; ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations
+    bf16 / fp16 as the model holds them, converted here to fp16 x 2^-4 (exact for normalized
+    activations: it overflows from |x| ~ 1e6 and drops low bits below ~2^-13), no gather, no
+    SwiGLU. The scale ring still copies a second half of words that FP8 never reads.
+    ``HALVES``: the activation slots are [2 BT, KB/2] (:func:`_x_halves`: no bank conflicts
+    in the fragment loads), else [BT, KB]. ``TILES_LAST``: the grid is (row blocks, splits,
+    token tiles), so the idle tiles past the last expert's (``tile_e`` -1: the graph-static
+    grid holds the most tiles a call can need) are scheduled after every working CTA; else
+    (token tiles, row blocks, splits)."""
+    if TILES_LAST:
+        pid_n, pid_k, pid_m = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    else:
+        pid_m, pid_n, pid_k = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     e = gl.load(tile_e_ptr + pid_m)
     if e < 0:
         return
     e = e.to(gl.int64)
-    mma: gl.constexpr = _mma_layout(WG, BT)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, 8])  # fmt: skip
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     wl: gl.constexpr = _tile_layout(BR, KB, "w")
@@ -326,14 +293,14 @@ def _moe_dec_kernel(
 
     # token rows of this tile (pad rows: slot n_slots, masked)
     tl_: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    XR: gl.constexpr = _x_rows(WG, BT)  # rows of an activation slot
+    XR: gl.constexpr = _x_rows(HALVES, BT)  # rows of an activation slot
     xr = gl.arange(0, XR, layout=tl_)
-    pos = pid_m * BT + (xr if WG else xr // 2)
+    pos = pid_m * BT + (xr // 2 if HALVES else xr)
     slot = gl.load(rows_ptr + pos)
     amask = slot < n_slots
     arow = (slot // topk) if A_GATHER else pos
     a_rows = a_ptr + arow.to(gl.int64) * sam
-    if not WG:
+    if HALVES:
         a_rows += (xr % 2) * (KB // 2)
 
     n0 = pid_n * BR
@@ -354,7 +321,7 @@ def _moe_dec_kernel(
         gl.uint8, [STAGES, BR, KB], gl.SwizzledSharedLayout(16, 1, KB // 16, [1, 0]))
     x_bufs = gl.allocate_shared_memory(
         a_ptr.dtype.element_ty, [STAGES, XR, KB * BT // XR],
-        _x_smem_layout(WG, BT, KB, a_ptr.dtype.element_ty))
+        gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     s_bufs = gl.allocate_shared_memory(
         gl.int32, [STAGES, 2 * BR], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
@@ -363,23 +330,20 @@ def _moe_dec_kernel(
     n_it = gl.cdiv(k_hi - k_lo, KB)
     for j in gl.static_range(STAGES - 1):
         _issue(w_bufs.index(j), x_bufs.index(j), s_bufs.index(j), w_rows, a_rows, amask,
-               s_rows, k_lo + j * KB, k_hi, BR, BT, KB, WG)  # fmt: skip
+               s_rows, k_lo + j * KB, k_hi, BR, BT, KB, HALVES)  # fmt: skip
     acc_lo = gl.zeros([BR, BT], gl.float32, mma)
     acc_hi = gl.zeros([BR, BT], gl.float32, mma)
     for i in range(n_it):
         async_copy.wait_group(STAGES - 2)  # block i has landed (this thread's copies)
-        if WG:
-            fence_async_shared()  # ... and is visible to the wgmma's reads
         gl.thread_barrier()  # ... everyone's, and slot (i - 1) % STAGES is free again
         nxt = (i + STAGES - 1) % STAGES
         _issue(w_bufs.index(nxt), x_bufs.index(nxt), s_bufs.index(nxt), w_rows, a_rows, amask,
-               s_rows, k_lo + (i + STAGES - 1) * KB, k_hi, BR, BT, KB, WG)  # fmt: skip
+               s_rows, k_lo + (i + STAGES - 1) * KB, k_hi, BR, BT, KB, HALVES)  # fmt: skip
         cur = i % STAGES
         words = s_bufs.index(cur)
         q = gl.convert_layout(gl.reshape(w_bufs.index(cur).load(wl), [BR, 4, KB // 4]), wq,
                               assert_trivial=True)  # fmt: skip
-        if not WG:  # every warp's B fragments: the whole activation tile
-            xb = _x_operand(x_bufs.index(cur), xl, dot_b, BT, KB, FP8)
+        xb = _x_operand(x_bufs.index(cur), xl, dot_b, BT, KB, FP8, HALVES)
         if FP8:
             m_lo = _mult(words.slice(0, BR).load(rl), ref_lo, ql, 0)
             w_lo = q.to(gl.float8e4nv, bitcast=True).to(gl.float16) * gl.expand_dims(m_lo, 2)
@@ -398,16 +362,8 @@ def _moe_dec_kernel(
                                      True)  # fmt: skip
             w_hi = gl.convert_layout(_fragments(gl.reshape(w_hi, [BR, KB]), BR, KB), dot_a,
                                      True)  # fmt: skip
-            if WG:
-                xs = x_bufs.index(cur).permute((1, 0))
-                # both retired before the next block's conversion: an async wgmma reads its
-                # register A operand while it runs (kernels.dense_wgmma: ptxas reused them)
-                acc_lo = warpgroup_mma(w_lo, xs, acc_lo, is_async=True)
-                acc_hi = warpgroup_mma(w_hi, xs, acc_hi, is_async=True)
-                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
-            else:
-                acc_lo = mma_v2(w_lo, xb, acc_lo)
-                acc_hi = mma_v2(w_hi, xb, acc_hi)
+            acc_lo = mma_v2(w_lo, xb, acc_lo)
+            acc_hi = mma_v2(w_hi, xb, acc_hi)
     async_copy.wait_group(0)
 
     # rows x tokens -> out[token row, column]; the row factor 2^(R - 127 + 4)
@@ -441,6 +397,16 @@ def pick_stages(bt: int, tiles: float) -> int:
     return 3 if bt == 8 and tiles >= 16 else 2
 
 
+def pick_form(bt: int, stages: int) -> dict[str, bool]:
+    """The kernel's forms for a launch (``launch``'s ``halves`` / ``tiles_last``). H200, tenth
+    session (``bench.moe_decode``, the two GEMMs, this tree against the previous one in
+    separate processes): with both, 8 tokens (8-row tiles, 2 slots) 39.6 against 42.8 us;
+    but 64 tokens (8-row tiles, 3 slots) 216.3 against 188.7 us and 512 tokens (16-row tiles,
+    2 slots) 323.3 against 316.7 us. Both stay on only where they were faster."""
+    on = bt == 8 and stages == 2
+    return {"halves": on, "tiles_last": on}
+
+
 def pick_split(tiles: float, n: int, k: int, sms: int, br: int = BR) -> int:
     """K splits of one GEMM: enough CTAs for about two waves of four per SM over the expected
     active tiles (x n / br row blocks), each split keeping at least four K blocks."""
@@ -452,24 +418,25 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
            s: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, n_slots: int, topk: int,
            n: int, k: int, split: int, limit: float, gather: bool, fuse_swiglu: bool,
            bt: int, br: int = BR, kb: int = KB, stages: int = STAGES,
-           maxnreg: int | None = None, wg: bool = False) -> None:  # fmt: skip
+           maxnreg: int | None = None, halves: bool = True,
+           tiles_last: bool = True) -> None:  # fmt: skip
     """One GEMM: ``a`` fp16 [rows, K] (x 2^-4), ``w`` pairs bytes [E, N, K] (row n: rows n
     and n + N of the row sets), ``s`` e8m0 codes [E, 2N, K/32] (uint8; read as one int32
     word per row and K block), ``ref`` int32 [E, 2N] (:func:`row_refs`), ``out`` as
-    ``_moe_gemm`` writes it. K a multiple of KB = 128, N of BR. ``wg``: the wgmma form
-    (sm_90, 64 rows per CTA: one warpgroup)."""
-    if kb != 128 or k % kb or n % br or (wg and br != 64):
-        raise ValueError(f"decode GEMM: K={k} must be a multiple of 128 and N={n} of {br}"
-                         + (" (wgmma: 64 rows per CTA)" if wg else ""))  # fmt: skip
+    ``_moe_gemm`` writes it. K a multiple of KB = 128, N of BR. ``halves`` / ``tiles_last``:
+    the kernel's forms (``_moe_dec_kernel``; :func:`pick_form`)."""
+    if kb != 128 or k % kb or n % br:
+        raise ValueError(f"decode GEMM: K={k} must be a multiple of 128 and N={n} of {br}")
     s = s.view(torch.uint8).contiguous().view(torch.int32)  # [E, 2N, K/128]
     per = -(-(k // kb) // split) * kb
-    grid = (n // br, split, tile_e.numel())
+    tiles = tile_e.numel()
+    grid = (n // br, split, tiles) if tiles_last else (tiles, n // br, split)
     _moe_dec_kernel[grid](
         a, a.stride(0), rows, tile_e, w, w.stride(0), w.stride(1), s, s.stride(0), s.stride(1),
         ref, ref.stride(0), out, out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
         n_slots, topk, n, k, per, limit, A_GATHER=gather, FUSE_SWIGLU=fuse_swiglu,
-        HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages, WG=wg, num_warps=4,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages, HALVES=halves,
+        TILES_LAST=tiles_last, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -505,9 +472,9 @@ def launch_dense(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: to
     if k % KB or n % BR or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dense decode GEMM: K={k} (x {KB}), N={n} (x {BR}), x {x.dtype}")
     per = -(-(k // KB) // split) * KB
-    _moe_dec_kernel[(n // BR, split, tile_e.numel())](
+    _moe_dec_kernel[(tile_e.numel(), n // BR, split)](
         x, x.stride(0), rows, tile_e, w.view(torch.uint8), 0, w.stride(0), words, 0,
         words.stride(0), refs, 0, out, out.stride(0), out.stride(1), m, 1, n, k, per, 0.0,
         A_GATHER=False, FUSE_SWIGLU=False, HAS_LIMIT=False, BR=BR, BT=bt, KB=KB,
-        STAGES=stages, FP8=True, SB_N=b0, num_warps=4,
+        STAGES=stages, FP8=True, SB_N=b0, HALVES=False, TILES_LAST=False, num_warps=4,
     )  # fmt: skip

@@ -174,16 +174,14 @@ def test_moe_decode_kernel_writes_every_row_and_refuses_prefill(
                        decode_kernel="gluon")  # fmt: skip
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="wgmma: sm_90 only")  # fmt: skip
 @pytest.mark.parametrize(("t", "bt", "split"), [(8, 8, 1), (40, 16, 1), (64, 8, 3), (512, 16, 1),
                                                 (200, 32, 2)])  # fmt: skip
-def test_moe_decode_wgmma_form_equals_mma_sync(fp4_experts: tuple[torch.Tensor, ...], t: int,
-                                               bt: int, split: int) -> None:  # fmt: skip
-    """The decode GEMMs' wgmma form (``wg=True``: the converted weights as the register A
-    operand, the activation slot as B in the MMA's column order) = the mma.sync form on the
-    same launch to accumulation order, W13 (gathered rows, fused SwiGLU, or fp32 split
-    partials) and W2; outputs poisoned first, every valid row written."""
+def test_moe_decode_kernel_forms_are_bit_identical(fp4_experts: tuple[torch.Tensor, ...], t: int,
+                                                   bt: int, split: int) -> None:  # fmt: skip
+    """The decode GEMMs' forms (``halves``: [2 BT, KB/2] activation slots; ``tiles_last``: the
+    token tiles on the grid's slowest dimension) change where values sit and which CTA runs
+    when, not the arithmetic: W13 (gathered rows, fused SwiGLU, or fp32 split partials) and
+    W2 are bit-identical across the four, on poisoned outputs, every valid row written."""
     from kernels import moe_decode
     from kernels.moe import _align, fp4_to_pairs
 
@@ -196,25 +194,24 @@ def test_moe_decode_wgmma_form_equals_mma_sync(fp4_experts: tuple[torch.Tensor, 
     rows, _, tile_e = _align(ids, E_LOCAL, 0, bt)
     valid = rows < t * TOPK
     outs = []
-    for wg in (False, True):
-        if split == 1:
-            h = torch.full((rows.numel(), INTER), float("nan"), dtype=torch.float16,
-                           device="cuda")  # fmt: skip
-        else:
-            h = torch.full((split, rows.numel(), 2 * INTER), float("nan"), device="cuda")
-        moe_decode.launch(x, rows, tile_e, h13, s13, r13, h, t * TOPK, TOPK, INTER, D, split,
-                          10.0, True, split == 1, bt, wg=wg)  # fmt: skip
-        hv = h[valid] if split == 1 else h[:, valid]
-        assert bool(torch.isfinite(hv).all()), wg
-        h16 = (h if split == 1 else h.sum(0)[:, :INTER]).half()
-        y = torch.full((1, rows.numel(), D), float("nan"), device="cuda")
-        moe_decode.launch(h16.nan_to_num(), rows, tile_e, h2, s2, r2, y, t * TOPK, TOPK, D // 2,
-                          INTER, 1, 10.0, False, False, bt, wg=wg)  # fmt: skip
-        assert bool(torch.isfinite(y[:, valid]).all()), wg
-        outs.append((hv.float(), y[:, valid]))
-    (h0, y0), (h1, y1) = outs
-    assert _rel(h1, h0) < 1e-3
-    assert _rel(y1, y0) < 1e-3
+    for halves in (False, True):
+        for last in (False, True):
+            form = dict(halves=halves, tiles_last=last)
+            shape = (rows.numel(), INTER) if split == 1 else (split, rows.numel(), 2 * INTER)
+            h = torch.full(shape, float("nan"), device="cuda",
+                           dtype=torch.float16 if split == 1 else torch.float32)  # fmt: skip
+            moe_decode.launch(x, rows, tile_e, h13, s13, r13, h, t * TOPK, TOPK, INTER, D, split,
+                              10.0, True, split == 1, bt, **form)  # fmt: skip
+            hv = h[valid] if split == 1 else h[:, valid]
+            assert bool(torch.isfinite(hv).all()), form
+            h16 = torch.where(valid[:, None], h if split == 1 else h.sum(0)[:, :INTER].half(), 0)
+            y = torch.full((1, rows.numel(), D), float("nan"), device="cuda")
+            moe_decode.launch(h16.half(), rows, tile_e, h2, s2, r2, y, t * TOPK, TOPK, D // 2,
+                              INTER, 1, 10.0, False, False, bt, **form)  # fmt: skip
+            assert bool(torch.isfinite(y[:, valid]).all()), form
+            outs.append((hv, y[:, valid]))
+    for hv, yv in outs[1:]:
+        assert torch.equal(hv, outs[0][0]) and torch.equal(yv, outs[0][1])
 
 
 @pytest.mark.parametrize(("t", "act_group"), [(1, None), (64, None), (2048, None), (2048, 128),
