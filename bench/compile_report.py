@@ -336,13 +336,10 @@ def moe_decode() -> None:
                or n in ("sam", "swe", "swn", "sse", "ssn", "sre", "sos", "som", "N", "K",
                         "k_per_split")]  # fmt: skip
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "W13,W13 halves"
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "W13,W2"
     for name, out, gather, fuse in (("W13", "*fp16", True, True), ("W2 split", "*fp32", False,
                                                                     False),
-                                    ("W2", "*bf16", False, False),
-                                    ("W13 halves", "*fp16", True, True),
-                                    ("W2 halves", "*fp32", False, False),
-                                    ("fp8", "*bf16", False, False),
+                                    ("W2", "*bf16", False, False), ("fp8", "*bf16", False, False),
                                     ("fp8 split", "*fp32", False, False),
                                     ("fp8 b128", "*bf16", False, False)):  # fmt: skip
         if only and name not in only:
@@ -352,11 +349,11 @@ def moe_decode() -> None:
             consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=not fp8, BR=md.BR, BT=bt,
                           KB=md.KB, STAGES=st, FP8=fp8,
                           SB_N=(128 if "b128" in name else 32) if fp8 else 1,
-                          HALVES=name.endswith("halves"), TILES_LAST=False)  # fmt: skip
+                          TILES_LAST=not fp8)  # fmt: skip
             types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else {}))
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-            _loop_report(f"moe-decode {name:10s} BT={bt:2d} stages={st}", fn, sig, consts, attrs,
-                         4, ("HMMA", "LDS", "LDGSTS", "F2FP", "HMUL2", "LOP3", "BAR"))  # fmt: skip
+            _loop_report(f"moe-decode {name:8s} BT={bt:2d} stages={st}", fn, sig, consts, attrs, 4,
+                         ("HMMA", "LDS", "LDGSTS", "F2FP", "HMUL2", "LOP3", "BAR"))  # fmt: skip
 
 
 def dense_wg() -> None:

@@ -69,8 +69,6 @@ def _gemms_only(ex: dict[str, Any], refs: tuple, sets: list, **launch: Any) -> C
         lk = dict(launch)
         if not lk.get("stages"):
             lk["stages"] = moe_decode.pick_stages(bt, tiles)
-        if "halves" not in lk:  # the layer's forms
-            lk.update(moe_decode.pick_form(bt, lk["stages"]))
         prepared.append((xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots, lk))
 
     def run(p: tuple) -> None:
@@ -98,7 +96,7 @@ def main() -> None:
     ap.add_argument("--stages", default="0",
                     help="ring depths of the gluon GEMMs-only rows (0: the layer's pick)")
     ap.add_argument("--sweep-form", default="", help="tokens at which to time the GEMMs in "
-                    "each kernel form (halves x tiles_last x 2 / 3 slots) and stop")  # fmt: skip
+                    "each grid order (tiles_last) x 2 / 3 slots and stop")  # fmt: skip
     ap.add_argument("--sweep", default="", help="tokens at which to sweep the gluon GEMMs' "
                     "launch (rows per CTA x stages x register cap) and stop")  # fmt: skip
     ap.add_argument("--sweep-br", default="64,128")
@@ -122,12 +120,12 @@ def main() -> None:
             sets = _inputs(t, False)
             touched = sum(len(torch.unique(s[1][s[1] < E_LOCAL])) for s in sets) / len(sets)
             floor = touched * FP4_BYTES / bw * 1e6
-            for st, halves, last in itertools.product((2, 3), (False, True), (False, True)):
-                us = _us(_gemms_only(ex, refs, sets, stages=st, halves=halves, tiles_last=last))
-                par = {"tokens": t, "stages": st, "halves": halves, "tiles_last": last}
+            for st, last in itertools.product((2, 3), (False, True)):
+                us = _us(_gemms_only(ex, refs, sets, stages=st, tiles_last=last))
+                par = {"tokens": t, "stages": st, "tiles_last": last}
                 recs.append(record("moe.decode.gluon.gemms.form", us, "us", par, floor))
-                print(f"form T={t:4d} stages={st} halves={halves:d} tiles_last={last:d}: "
-                      f"{us:8.1f} us  x floor {us / floor:5.2f}", flush=True)  # fmt: skip
+                print(f"form T={t:4d} stages={st} tiles_last={last:d}: {us:8.1f} us  "
+                      f"x floor {us / floor:5.2f}", flush=True)  # fmt: skip
         print("->", write(args.out, recs))
         return
     if args.sweep:

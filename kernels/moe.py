@@ -1217,18 +1217,17 @@ def _moe_run_decode(
     q13, q2 = s13.view(torch.uint8), s2.view(torch.uint8)
     h = torch.empty(n_rows, inter, dtype=torch.float16, device=x.device)
     st = moe_decode.pick_stages(bt, tiles)
-    form = moe_decode.pick_form(bt, st)
     if split1 == 1:
         moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], h, n_slots, topk, inter, d, 1,
-                          limit, True, True, bt, stages=st, **form)  # fmt: skip
+                          limit, True, True, bt, stages=st)  # fmt: skip
     else:
         part = torch.empty(split1, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
         moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter, d,
-                          split1, limit, True, False, bt, stages=st, **form)  # fmt: skip
+                          split1, limit, True, False, bt, stages=st)  # fmt: skip
         _reduce_swiglu(part, h, tile_e, inter, limit, bt, True)
     y = _y_buffer(x, split2, n_rows)
     moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
-                      limit, False, False, bt, stages=st, **form)  # fmt: skip
+                      limit, False, False, bt, stages=st)  # fmt: skip
     return _combine(y, inv, weights, out)
 
 

@@ -165,33 +165,6 @@ def _quarters_layout(R, KB, rows, warps=4):
     )  # fmt: skip
 
 
-@constexpr_function
-def _x_rows(HALVES, BT):
-    """Rows of an activation slot: 2 BT half rows (:func:`_x_halves`), or BT."""
-    return 2 * BT if HALVES else BT
-
-
-@constexpr_function
-def _x_halves(BT, KB):
-    """:func:`_tile_layout` (BT, KB, "x") on the slot's [2 BT, KB/2] view: token row t's
-    column halves are rows 2t and 2t + 1, so a 128-byte row of 64 fp16 columns is one bank
-    cycle. An 8-lane phase of a fragment load (quarters t = 0..3, rows g = 0, 1) then reads
-    rows 2g + t // 2, chunks 4 (t % 2) + j, which the row swizzle (chunk ^ row % 8) sends to 8
-    different bank groups; on [BT, KB] rows of 256 bytes quarters 0 and 2 (1 and 3) met in
-    one bank group: the 2-way conflict ncu counted (38% of the shared-load wavefronts)."""
-    h = KB // 2
-    lay = _tile_layout(BT, KB, "x")
-
-    def half(b):
-        return [2 * b[0] + b[1] // h, b[1] % h]
-
-    return gl.DistributedLinearLayout(
-        reg_bases=[half(b) for b in lay.reg_bases],
-        lane_bases=[half(b) for b in lay.lane_bases],
-        warp_bases=[half(b) for b in lay.warp_bases], block_bases=[], shape=[2 * BT, h],
-    )  # fmt: skip
-
-
 @gluon.jit
 def _fragments(v, R: gl.constexpr, KB: gl.constexpr):
     """[R, KB] in stored column order -> [R, KB] in logical MMA order (a relabelling of each
@@ -203,20 +176,18 @@ def _fragments(v, R: gl.constexpr, KB: gl.constexpr):
 
 @gluon.jit
 def _issue(w_slot, x_slot, s_slot, w_rows, a_rows, amask, s_rows, k, K, BR: gl.constexpr,
-           BT: gl.constexpr, KB: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
+           BT: gl.constexpr, KB: gl.constexpr):  # fmt: skip
     """cp.async the weight bytes [BR, KB], the token rows' activations [BT, KB] and the rows'
     scale words (four e8m0 codes: the block's 32-column groups; lo rows then hi rows) of the
-    K block at ``k`` into one ring slot (at or past K: masked, zero-filled). ``HALVES``: the
-    activation slot is [2 BT, KB/2] and ``a_rows`` points at each half row's first column."""
+    K block at ``k`` into one ring slot (at or past K: masked, zero-filled)."""
     wl: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // KB, KB // 16], [WARPS, 1], [1, 0])
     cw = k + gl.arange(0, KB, layout=gl.SliceLayout(0, wl))
     async_copy.async_copy_global_to_shared(
         w_slot, gl.convert_layout(w_rows, gl.SliceLayout(1, wl))[:, None] + cw[None, :],
         mask=(cw < K)[None, :],
     )  # fmt: skip
-    XC: gl.constexpr = KB // 2 if HALVES else KB  # columns of a slot row
-    xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // XC, XC // 8], [WARPS, 1], [1, 0])
-    cx = k + gl.arange(0, XC, layout=gl.SliceLayout(0, xl))
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // KB, KB // 8], [WARPS, 1], [1, 0])
+    cx = k + gl.arange(0, KB, layout=gl.SliceLayout(0, xl))
     ar = gl.convert_layout(a_rows, gl.SliceLayout(1, xl))
     am = gl.convert_layout(amask, gl.SliceLayout(1, xl))
     async_copy.async_copy_global_to_shared(
@@ -226,21 +197,6 @@ def _issue(w_slot, x_slot, s_slot, w_rows, a_rows, amask, s_rows, k, K, BR: gl.c
                                            mask=gl.full(s_rows.shape, k, gl.int32,
                                                         s_rows.type.layout) < K)  # fmt: skip
     async_copy.commit_group()
-
-
-@gluon.jit
-def _x_operand(x_slot, xl: gl.constexpr, dot_b: gl.constexpr, BT: gl.constexpr,
-               KB: gl.constexpr, FP8: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
-    """A warp's ``mma.sync`` B fragments from an activation slot (stored column order); FP8:
-    the model's activations -> fp16 x 2^-4."""
-    if HALVES:
-        xv = gl.convert_layout(gl.reshape(x_slot.load(_x_halves(BT, KB)), [BT, KB]), xl,
-                               assert_trivial=True)  # fmt: skip
-    else:
-        xv = x_slot.load(xl)
-    if FP8:
-        xv = (xv.to(gl.float32) * 0.0625).to(gl.float16)
-    return gl.convert_layout(gl.permute(_fragments(xv, BT, KB), [1, 0]), dot_b, True)
 
 
 @gluon.jit
@@ -260,19 +216,17 @@ def _moe_dec_kernel(
     out_ptr, sos, som, n_slots, topk, N, K, k_per_split, limit,
     A_GATHER: gl.constexpr, FUSE_SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
     BR: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-    FP8: gl.constexpr = False, SB_N: gl.constexpr = 1, HALVES: gl.constexpr = True,
-    TILES_LAST: gl.constexpr = True,
+    FP8: gl.constexpr = False, SB_N: gl.constexpr = 1, TILES_LAST: gl.constexpr = True,
 ):  # fmt: skip
     """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x
     2^-4; ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations
     bf16 / fp16 as the model holds them, converted here to fp16 x 2^-4 (exact for normalized
     activations: it overflows from |x| ~ 1e6 and drops low bits below ~2^-13), no gather, no
     SwiGLU. The scale ring still copies a second half of words that FP8 never reads.
-    ``HALVES``: the activation slots are [2 BT, KB/2] (:func:`_x_halves`: no bank conflicts
-    in the fragment loads), else [BT, KB]. ``TILES_LAST``: the grid is (row blocks, splits,
-    token tiles), so the idle tiles past the last expert's (``tile_e`` -1: the graph-static
-    grid holds the most tiles a call can need) are scheduled after every working CTA; else
-    (token tiles, row blocks, splits)."""
+    ``TILES_LAST``: the grid is (row blocks, splits, token tiles), so the CTAs of one token
+    tile run together and the idle tiles past the last expert's (``tile_e`` -1: the
+    graph-static grid holds the most tiles a call can need) are scheduled after every
+    working CTA; else (token tiles, row blocks, splits)."""
     if TILES_LAST:
         pid_n, pid_k, pid_m = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     else:
@@ -293,15 +247,11 @@ def _moe_dec_kernel(
 
     # token rows of this tile (pad rows: slot n_slots, masked)
     tl_: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    XR: gl.constexpr = _x_rows(HALVES, BT)  # rows of an activation slot
-    xr = gl.arange(0, XR, layout=tl_)
-    pos = pid_m * BT + (xr // 2 if HALVES else xr)
+    pos = pid_m * BT + gl.arange(0, BT, layout=tl_)
     slot = gl.load(rows_ptr + pos)
     amask = slot < n_slots
     arow = (slot // topk) if A_GATHER else pos
     a_rows = a_ptr + arow.to(gl.int64) * sam
-    if HALVES:
-        a_rows += (xr % 2) * (KB // 2)
 
     n0 = pid_n * BR
     cl: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -320,8 +270,7 @@ def _moe_dec_kernel(
     w_bufs = gl.allocate_shared_memory(
         gl.uint8, [STAGES, BR, KB], gl.SwizzledSharedLayout(16, 1, KB // 16, [1, 0]))
     x_bufs = gl.allocate_shared_memory(
-        a_ptr.dtype.element_ty, [STAGES, XR, KB * BT // XR],
-        gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+        a_ptr.dtype.element_ty, [STAGES, BT, KB], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     s_bufs = gl.allocate_shared_memory(
         gl.int32, [STAGES, 2 * BR], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
@@ -330,7 +279,7 @@ def _moe_dec_kernel(
     n_it = gl.cdiv(k_hi - k_lo, KB)
     for j in gl.static_range(STAGES - 1):
         _issue(w_bufs.index(j), x_bufs.index(j), s_bufs.index(j), w_rows, a_rows, amask,
-               s_rows, k_lo + j * KB, k_hi, BR, BT, KB, HALVES)  # fmt: skip
+               s_rows, k_lo + j * KB, k_hi, BR, BT, KB)  # fmt: skip
     acc_lo = gl.zeros([BR, BT], gl.float32, mma)
     acc_hi = gl.zeros([BR, BT], gl.float32, mma)
     for i in range(n_it):
@@ -338,12 +287,15 @@ def _moe_dec_kernel(
         gl.thread_barrier()  # ... everyone's, and slot (i - 1) % STAGES is free again
         nxt = (i + STAGES - 1) % STAGES
         _issue(w_bufs.index(nxt), x_bufs.index(nxt), s_bufs.index(nxt), w_rows, a_rows, amask,
-               s_rows, k_lo + (i + STAGES - 1) * KB, k_hi, BR, BT, KB, HALVES)  # fmt: skip
+               s_rows, k_lo + (i + STAGES - 1) * KB, k_hi, BR, BT, KB)  # fmt: skip
         cur = i % STAGES
         words = s_bufs.index(cur)
         q = gl.convert_layout(gl.reshape(w_bufs.index(cur).load(wl), [BR, 4, KB // 4]), wq,
                               assert_trivial=True)  # fmt: skip
-        xb = _x_operand(x_bufs.index(cur), xl, dot_b, BT, KB, FP8, HALVES)
+        xv = x_bufs.index(cur).load(xl)
+        if FP8:  # the model's activations -> fp16 x 2^-4
+            xv = (xv.to(gl.float32) * 0.0625).to(gl.float16)
+        xb = gl.convert_layout(gl.permute(_fragments(xv, BT, KB), [1, 0]), dot_b, True)
         if FP8:
             m_lo = _mult(words.slice(0, BR).load(rl), ref_lo, ql, 0)
             w_lo = q.to(gl.float8e4nv, bitcast=True).to(gl.float16) * gl.expand_dims(m_lo, 2)
@@ -397,16 +349,6 @@ def pick_stages(bt: int, tiles: float) -> int:
     return 3 if bt == 8 and tiles >= 16 else 2
 
 
-def pick_form(bt: int, stages: int) -> dict[str, bool]:
-    """The kernel's forms for a launch (``launch``'s ``halves`` / ``tiles_last``). H200, tenth
-    session (``bench.moe_decode``, the two GEMMs, this tree against the previous one in
-    separate processes): with both, 8 tokens (8-row tiles, 2 slots) 39.6 against 42.8 us;
-    but 64 tokens (8-row tiles, 3 slots) 216.3 against 188.7 us and 512 tokens (16-row tiles,
-    2 slots) 323.3 against 316.7 us. Both stay on only where they were faster."""
-    on = bt == 8 and stages == 2
-    return {"halves": on, "tiles_last": on}
-
-
 def pick_split(tiles: float, n: int, k: int, sms: int, br: int = BR) -> int:
     """K splits of one GEMM: enough CTAs for about two waves of four per SM over the expected
     active tiles (x n / br row blocks), each split keeping at least four K blocks."""
@@ -418,13 +360,14 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
            s: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, n_slots: int, topk: int,
            n: int, k: int, split: int, limit: float, gather: bool, fuse_swiglu: bool,
            bt: int, br: int = BR, kb: int = KB, stages: int = STAGES,
-           maxnreg: int | None = None, halves: bool = True,
-           tiles_last: bool = True) -> None:  # fmt: skip
+           maxnreg: int | None = None, tiles_last: bool = True) -> None:  # fmt: skip
     """One GEMM: ``a`` fp16 [rows, K] (x 2^-4), ``w`` pairs bytes [E, N, K] (row n: rows n
     and n + N of the row sets), ``s`` e8m0 codes [E, 2N, K/32] (uint8; read as one int32
     word per row and K block), ``ref`` int32 [E, 2N] (:func:`row_refs`), ``out`` as
-    ``_moe_gemm`` writes it. K a multiple of KB = 128, N of BR. ``halves`` / ``tiles_last``:
-    the kernel's forms (``_moe_dec_kernel``; :func:`pick_form`)."""
+    ``_moe_gemm`` writes it. K a multiple of KB = 128, N of BR. ``tiles_last``: the grid's
+    order (``_moe_dec_kernel``'s ``TILES_LAST``). H200, tenth session (``bench.moe_decode
+    --sweep-form``, the two GEMMs): on, 8 / 64 / 512 tokens 40.1 / 183.7 / 317.2 us against
+    43.1 / 188.8 / 327.9 off, each at its ring depth."""
     if kb != 128 or k % kb or n % br:
         raise ValueError(f"decode GEMM: K={k} must be a multiple of 128 and N={n} of {br}")
     s = s.view(torch.uint8).contiguous().view(torch.int32)  # [E, 2N, K/128]
@@ -435,8 +378,8 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
         a, a.stride(0), rows, tile_e, w, w.stride(0), w.stride(1), s, s.stride(0), s.stride(1),
         ref, ref.stride(0), out, out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
         n_slots, topk, n, k, per, limit, A_GATHER=gather, FUSE_SWIGLU=fuse_swiglu,
-        HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages, HALVES=halves,
-        TILES_LAST=tiles_last, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages, TILES_LAST=tiles_last,
+        num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -476,5 +419,5 @@ def launch_dense(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: to
         x, x.stride(0), rows, tile_e, w.view(torch.uint8), 0, w.stride(0), words, 0,
         words.stride(0), refs, 0, out, out.stride(0), out.stride(1), m, 1, n, k, per, 0.0,
         A_GATHER=False, FUSE_SWIGLU=False, HAS_LIMIT=False, BR=BR, BT=bt, KB=KB,
-        STAGES=stages, FP8=True, SB_N=b0, HALVES=False, TILES_LAST=False, num_warps=4,
+        STAGES=stages, FP8=True, SB_N=b0, TILES_LAST=False, num_warps=4,
     )  # fmt: skip

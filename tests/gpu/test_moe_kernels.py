@@ -176,12 +176,12 @@ def test_moe_decode_kernel_writes_every_row_and_refuses_prefill(
 
 @pytest.mark.parametrize(("t", "bt", "split"), [(8, 8, 1), (40, 16, 1), (64, 8, 3), (512, 16, 1),
                                                 (200, 32, 2)])  # fmt: skip
-def test_moe_decode_kernel_forms_are_bit_identical(fp4_experts: tuple[torch.Tensor, ...], t: int,
-                                                   bt: int, split: int) -> None:  # fmt: skip
-    """The decode GEMMs' forms (``halves``: [2 BT, KB/2] activation slots; ``tiles_last``: the
-    token tiles on the grid's slowest dimension) change where values sit and which CTA runs
-    when, not the arithmetic: W13 (gathered rows, fused SwiGLU, or fp32 split partials) and
-    W2 are bit-identical across the four, on poisoned outputs, every valid row written."""
+def test_moe_decode_grid_orders_are_bit_identical(fp4_experts: tuple[torch.Tensor, ...], t: int,
+                                                  bt: int, split: int) -> None:  # fmt: skip
+    """The decode GEMMs' grid order (``tiles_last``: the token tiles on the grid's slowest
+    dimension, the default) changes which CTA runs when, not the arithmetic: W13 (gathered
+    rows, fused SwiGLU, or fp32 split partials) and W2 are bit-identical in both orders, on
+    poisoned outputs, every valid row written."""
     from kernels import moe_decode
     from kernels.moe import _align, fp4_to_pairs
 
@@ -194,24 +194,21 @@ def test_moe_decode_kernel_forms_are_bit_identical(fp4_experts: tuple[torch.Tens
     rows, _, tile_e = _align(ids, E_LOCAL, 0, bt)
     valid = rows < t * TOPK
     outs = []
-    for halves in (False, True):
-        for last in (False, True):
-            form = dict(halves=halves, tiles_last=last)
-            shape = (rows.numel(), INTER) if split == 1 else (split, rows.numel(), 2 * INTER)
-            h = torch.full(shape, float("nan"), device="cuda",
-                           dtype=torch.float16 if split == 1 else torch.float32)  # fmt: skip
-            moe_decode.launch(x, rows, tile_e, h13, s13, r13, h, t * TOPK, TOPK, INTER, D, split,
-                              10.0, True, split == 1, bt, **form)  # fmt: skip
-            hv = h[valid] if split == 1 else h[:, valid]
-            assert bool(torch.isfinite(hv).all()), form
-            h16 = torch.where(valid[:, None], h if split == 1 else h.sum(0)[:, :INTER].half(), 0)
-            y = torch.full((1, rows.numel(), D), float("nan"), device="cuda")
-            moe_decode.launch(h16.half(), rows, tile_e, h2, s2, r2, y, t * TOPK, TOPK, D // 2,
-                              INTER, 1, 10.0, False, False, bt, **form)  # fmt: skip
-            assert bool(torch.isfinite(y[:, valid]).all()), form
-            outs.append((hv, y[:, valid]))
-    for hv, yv in outs[1:]:
-        assert torch.equal(hv, outs[0][0]) and torch.equal(yv, outs[0][1])
+    for last in (False, True):
+        shape = (rows.numel(), INTER) if split == 1 else (split, rows.numel(), 2 * INTER)
+        h = torch.full(shape, float("nan"), device="cuda",
+                       dtype=torch.float16 if split == 1 else torch.float32)  # fmt: skip
+        moe_decode.launch(x, rows, tile_e, h13, s13, r13, h, t * TOPK, TOPK, INTER, D, split,
+                          10.0, True, split == 1, bt, tiles_last=last)  # fmt: skip
+        hv = h[valid] if split == 1 else h[:, valid]
+        assert bool(torch.isfinite(hv).all()), last
+        h16 = torch.where(valid[:, None], h if split == 1 else h.sum(0)[:, :INTER].half(), 0)
+        y = torch.full((1, rows.numel(), D), float("nan"), device="cuda")
+        moe_decode.launch(h16.half(), rows, tile_e, h2, s2, r2, y, t * TOPK, TOPK, D // 2, INTER,
+                          1, 10.0, False, False, bt, tiles_last=last)  # fmt: skip
+        assert bool(torch.isfinite(y[:, valid]).all()), last
+        outs.append((hv, y[:, valid]))
+    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
 
 
 @pytest.mark.parametrize(("t", "act_group"), [(1, None), (64, None), (2048, None), (2048, 128),
