@@ -1,7 +1,7 @@
 """Engine-step benchmarks (PERFORMANCE.md W1, W2, W6).
 
     python -m bench.engine_steps [--device cpu|cuda] [--batches 1,32,256] [--steps 8]
-    python -m bench.engine_steps --model flash-rank [--what decode,prefill,gap,profile]
+    python -m bench.engine_steps --model flash-rank [--what decode,prefill,gap,profile,origins]
         [--batches 1,8,32,64,128,256] [--contexts 4096,32768] [--quick]
 
 ``--model tiny`` (default): the tiny V4.1 checkpoint through the whole EngineCore: host time
@@ -15,7 +15,9 @@ and on. ``--model flash-rank`` (CUDA): the scaled V4.1-Flash rank of ``bench.fla
   (4K-32K new tokens per GPU), with and without V4.1 decoder replay;
 - gap (``engine.idle_gap``): the EngineCore decoding B = 256 requests with overlap and graphs;
   the device's idle time between consecutive steps from a profiler trace, and host time;
-- profile (``engine.decode_ops``): device time per kernel family of one decode step.
+- profile (``engine.decode_ops``): device time per kernel family of one decode step;
+- origins (``engine.decode_aten_launches``): the eager step's aten kernel launches by the
+  code line (under app/ or kernels/) whose op launched them.
 """
 
 from __future__ import annotations
@@ -375,6 +377,68 @@ def profile(rank: Rank, args) -> list[dict]:
     return records
 
 
+def origins(rank: Rank, args) -> list[dict]:
+    """Where the aten launches of one decode step come from: the step run eagerly (no graph;
+    the first ``--profile-batches`` size, context 4096) under the profiler with Python
+    stacks. Each device kernel belongs to the aten op that launched it; the ops are grouped
+    by the innermost frame of ``app/`` or ``kernels/`` in their stack (Triton kernels have no
+    aten op and are left out: their launch sites are known). The small aten launches are
+    what a graph of a small batch spends its idle time between."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    from app.engine.runner import StepInputs
+
+    B, ctx = int(args.profile_batches.split(",")[0]), 4096
+    rids = rank.requests(B, ctx, 1)
+    inp = StepInputs([], rank.spec(rids, ctx, 1), [], graph=False)
+    with torch.inference_mode():
+        for _ in range(2):
+            rank.runner.forward(inp)
+        torch.cuda.synchronize()
+        verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # Python frames
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                  experimental_config=verbose) as p:  # fmt: skip
+            rank.runner.forward(inp)
+            torch.cuda.synchronize()
+    rank.free(rids)
+    rows = _origins_table(p.events())
+    total = sum(n for n, _, _, _ in rows)
+    print(f"decode step B={B} ctx={ctx} (eager): {total} aten kernel launches from "
+          f"{len(rows)} (op, site) pairs; the largest by launches:", flush=True)  # fmt: skip
+    records = []
+    for n, us, op, site in rows[:40]:
+        print(f"  {n:5d}x {us:9.1f} us  {op:<28} {site}")
+        records.append(record("engine.decode_aten_launches", n, "launches",
+                              {"op": op, "site": site, "device_us": us, "batch": B,
+                               "context": ctx}))  # fmt: skip
+    return records
+
+
+def _origins_table(events) -> list[tuple[int, float, str, str]]:
+    """(launches, device us, aten op, site) per (op, site), most launches first: ``events``
+    are the profiler's function events; an op's kernels are its ``kernels``, its site the
+    innermost stack frame under app/ or kernels/ (``path(line): function``; the profiler
+    gives a function's first line), else its innermost Python frame."""
+    agg: dict[tuple[str, str], list] = {}
+    for e in events:
+        ks = getattr(e, "kernels", None) or []
+        if not ks or not e.name.startswith("aten::"):
+            continue
+        stack = list(getattr(e, "stack", None) or [])
+        frame = next((f for f in stack if "/app/" in f or "/kernels/" in f),
+                     next((f for f in stack if not f.startswith("<built-in")),
+                          stack[0] if stack else "?"))  # fmt: skip
+        for root in ("/app/", "/kernels/"):
+            if root in frame:
+                frame = root[1:] + frame.split(root, 1)[1]
+                break
+        n_us = agg.setdefault((e.name, frame), [0, 0.0])
+        n_us[0] += len(ks)
+        n_us[1] += sum(k.duration for k in ks)
+    return sorted(((n, us, op, site) for (op, site), (n, us) in agg.items()), reverse=True)
+
+
 def _family(kernel: str) -> str:
     k = kernel.lower()
     for key, fam in (("_moe_gemm", "moe gemm"), ("_moe_dec", "moe gemm"),
@@ -530,6 +594,7 @@ def _run(args) -> None:
                     for r in decode(rank, args, bw)]  # fmt: skip
 
     parts = {"decode": decodes, "profile": lambda: profile(rank, args),
+             "origins": lambda: origins(rank, args),
              "gap": lambda: gap(args, rank.model),
              "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip
     for part, fn in parts.items():
