@@ -17,7 +17,7 @@ and on. ``--model flash-rank`` (CUDA): the scaled V4.1-Flash rank of ``bench.fla
   the device's idle time between consecutive steps from a profiler trace, and host time;
 - profile (``engine.decode_ops``): device time per kernel family of one decode step;
 - origins (``engine.decode_aten_launches``): the eager step's aten kernel launches by the
-  code line (under app/ or kernels/) whose op launched them.
+  function (under app/ or kernels/) whose op launched them.
 """
 
 from __future__ import annotations
