@@ -105,9 +105,8 @@ class ServeEngineClient:
             except _RETRIABLE as e:
                 await self._drop(target)
                 if sent:
-                    raise EngineUnavailableError(
-                        f"the engine rank serving this request failed mid-stream ({_why(e)}); "
-                        "retry the request"
+                    raise EngineUnavailableError(  # the API layer adds "retry the request"
+                        f"the engine rank serving this request failed mid-stream ({_why(e)})"
                     ) from None
                 logger.warning("rank %s failed before the first token (%s); retrying", target,
                                _why(e))  # fmt: skip

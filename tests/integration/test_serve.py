@@ -434,42 +434,71 @@ def test_killed_rank_streams_end_retriably_new_requests_succeed(app_urls):
     }
     assert len(actors) == 2 and _rank_labels(base) == set(actors)
     victim: dict = {}
+    n_tokens = 1200  # long enough that no stream finishes before the kill (checked below)
+    seen: list[dict] = [{"tokens": 0, "finish": None, "usage": None, "error": None, "done": False}
+                        for _ in range(4)]  # fmt: skip
 
-    async def stream(c: httpx.AsyncClient, i: int) -> str:
+    async def stream(c: httpx.AsyncClient, i: int) -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"s{i}"}],
-                "max_tokens": 300, "stream": True, **NO_THINK, **FULL}  # fmt: skip
+                "max_tokens": n_tokens, "stream": True, "stream_options": {"include_usage": True},
+                **NO_THINK, **FULL}  # fmt: skip
+        st = seen[i]
         async with c.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
-            last = ""
             async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    last = line
-        return last
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    st["done"] = True
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    st["error"] = ev["error"]
+                    continue
+                if ev.get("usage"):
+                    st["usage"] = ev["usage"]["completion_tokens"]
+                for ch in ev.get("choices", []):
+                    st["tokens"] += 1
+                    st["finish"] = ch.get("finish_reason") or st["finish"]
 
     async def one(c: httpx.AsyncClient, i: int) -> tuple[int, int]:
         body = {"model": MODEL, "prompt": [0, 7, i], "max_tokens": 4, "ignore_eos": True}
         r = await c.post(f"{base}/v1/completions", json=body)
         return r.status_code, r.json().get("usage", {}).get("completion_tokens", 0)
 
-    async def main() -> tuple[list[str], list[tuple[int, int]]]:
+    async def main() -> list[tuple[int, int]]:
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
             streams = [asyncio.create_task(stream(c, i)) for i in range(4)]
-            await asyncio.sleep(3)  # every stream has tokens out (and the ranks reported)
+            deadline = time.time() + 60
+            while not all(st["tokens"] for st in seen):  # every stream has tokens out
+                assert time.time() < deadline, seen
+                await asyncio.sleep(0.1)
+            # two of the ranks' 0.5 s reports after every stream started: the gauge is exact
+            await asyncio.sleep(1.2)
             busy = _rank_stat(base, "num_unfinished")
             rid = max(busy, key=busy.get)  # a rank serving some of the streams
-            victim.update(id=rid, streams=int(busy[rid]))
+            unfinished = [st["finish"] is None for st in seen]
+            victim.update(id=rid, streams=int(busy[rid]), unfinished_at_kill=unfinished)
             actor = actors[rid]
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
             after = await asyncio.gather(*(one(c, i) for i in range(10)))
-            return await asyncio.gather(*streams), after
+            await asyncio.gather(*streams)
+            return after
 
-    lasts, after = asyncio.run(main())
+    after = asyncio.run(main())
     assert after == [(200, 4)] * 10, after  # retried on the live rank, none failed
-    errors = [json.loads(x[6:]) for x in lasts if x.startswith("data: {") and '"error"' in x]
+    # the gauge counts the victim's streams only if none had finished when it was read
+    assert all(victim["unfinished_at_kill"]), (victim, seen)
+    errors = [st["error"] for st in seen if st["error"] is not None]
     n_victim = victim["streams"]
-    assert n_victim >= 1 and len(errors) == n_victim, (victim, lasts)
-    assert sum(x == "data: [DONE]" for x in lasts) == 4 - n_victim, lasts
-    for e in errors:
-        assert e["error"]["type"] == "service_unavailable" and "retry" in e["error"]["message"]
+    assert n_victim >= 1 and len(errors) == n_victim, (victim, seen)
+    for st in seen:
+        if st["error"] is None:  # the live rank's streams run to the end: nothing lost
+            assert st["done"] and st["finish"] == "length" and st["usage"] == n_tokens, st
+        else:  # the victim's: a retriable 503 event, no [DONE], no finish
+            e = st["error"]
+            assert e["type"] == "service_unavailable" and e["code"] == "engine_unavailable", st
+            assert e["message"].count("retry the request") == 1, e["message"]
+            assert not st["done"] and st["finish"] is None, st
     assert victim["id"] not in _rank_labels(base)  # dropped at once: its series are gone
     deadline = time.time() + 120
     while len(_rank_labels(base)) < 2:  # Serve restarts the rank
