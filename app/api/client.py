@@ -225,7 +225,7 @@ class EngineStream:
             busy = isinstance(e, EngineOverloadedError)
             wait = OVERLOAD_RETRY_S if busy else UNAVAILABLE_RETRY_S
             status, headers = (429 if busy else 503), {"Retry-After": str(wait)}
-            msg = f"{e}; retry the request"
+            msg = str(e) if "retry" in str(e) else f"{e}; retry the request"
             raise ApiError(status, msg, code="engine_unavailable", headers=headers) from None
         if out.engine_failed:  # the engine failed under this request (no rank to retry on)
             self.finished = True

@@ -105,8 +105,9 @@ class ServeEngineClient:
             except _RETRIABLE as e:
                 await self._drop(target)
                 if sent:
-                    raise EngineUnavailableError(  # the API layer adds "retry the request"
-                        f"the engine rank serving this request failed mid-stream ({_why(e)})"
+                    raise EngineUnavailableError(
+                        f"the engine rank serving this request failed mid-stream ({_why(e)}); "
+                        "retry the request"
                     ) from None
                 logger.warning("rank %s failed before the first token (%s); retrying", target,
                                _why(e))  # fmt: skip
