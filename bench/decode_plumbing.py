@@ -119,8 +119,7 @@ def shared_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
     for p in e.parameters():
         p.data.normal_(0, D**-0.5, generator=g)
     x = torch.randn(t, D, device="cuda", generator=g).bfloat16()
-    if hasattr(e, "stacked_w13"):
-        e.stacked_w13()  # as the runner does before capture
+    e.stack_projections()  # as the runner does before capture
     got = e(x)
     ref = e.w2(swiglu_clamp(e.w1(x), e.w3(x), 10.0))
     return (lambda: e(x)), _rel(got, ref), 3 * INTER * D * 2

@@ -113,7 +113,7 @@ def norm_rope_triton(
         raise ValueError(f"weight must be [{D}], got {tuple(weight.shape)}")
     BD = triton.next_power_of_2(D)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    BR = max(1, min(16, 4096 // BD)) if not interp else min(4, N)
+    BR = max(1, min(16, 4096 // BD)) if not interp else min(4, triton.next_power_of_2(N))
     w = weight.float().contiguous() if weight is not None else x2
     c = cos if cos is not None else x2
     s = sin if sin is not None else x2

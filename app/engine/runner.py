@@ -29,9 +29,9 @@ import torch
 from app.cache.manager import CacheManager
 from app.engine.batch import BatchBuilder, StepSpec
 from app.engine.scheduler import Scheduled
-from app.model.layers import prepare_fp8_linears
+from app.model.layers import prepare_fp8_linears, stack_projections
 from app.model.model import DeepseekModel
-from app.model.moe import MoE, PackedExperts, stack_dense_experts
+from app.model.moe import MoE, PackedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class ModelRunner:
         # tokens of the next step are read from here on the device.
         self.sampled = torch.zeros(max(1, cache.kv.max_slots), dtype=torch.int64, device=device)
         self.graphs = None
-        stack_dense_experts(model)  # the stacked weights exist before any graph capture
+        stack_projections(model)  # the stacked weights exist before any graph capture
         planned, refused = prepare_fp8_linears(model)  # and the fp8 projections' decode plans
         if planned or refused:
             logger.info("fp8 projections on the decode kernel: %d of %d%s", planned,

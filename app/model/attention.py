@@ -25,7 +25,7 @@ from app.model.config import LayerMode, LayerSpec, ModelConfig
 from app.model.forward_batch import ForwardBatch
 from app.model.indexer import Indexer, candidate_blocks
 from app.model.kv_store import KVRows
-from app.model.layers import Linear, RMSNorm
+from app.model.layers import Linear, RMSNorm, stacked_projection
 from app.model.rope import Rotary, apply_rope
 from kernels.attention import sparse_attention
 from kernels.indexer import indexer_scores_paged, topk
@@ -92,13 +92,27 @@ class Attention(nn.Module):
         return q, c_q, kv
 
     def qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """:meth:`qkv` with each norm + RoPE as one kernel (``kernels.norm.norm_rope``)."""
+        """:meth:`qkv` with wq_a and wkv as one GEMM over their stacked weights (both read
+        ``x``; :meth:`stack_projections`) and each norm + RoPE as one kernel
+        (``kernels.norm.norm_rope``, which reads the halves in place)."""
         T, H, D = x.shape[0], self.n_heads, self.head_dim
-        c_q = norm_rope(self.wq_a(x), self.q_norm.weight, self.q_norm.eps)
+        stack = stacked_projection(self, "_qkv_a", (self.wq_a, self.wkv))
+        if stack is not None:
+            y = stack(x)
+            cq_raw, kv_raw = y[:, : self.wq_a.out_features], y[:, self.wq_a.out_features :]
+        else:
+            cq_raw, kv_raw = self.wq_a(x), self.wkv(x)
+        c_q = norm_rope(cq_raw, self.q_norm.weight, self.q_norm.eps)
         eps = None if self.cfg.is_v41 else self.cfg.rms_norm_eps  # V4: weightless head norm
         q = norm_rope(self.wq_b(c_q).view(T, H, D), None, eps, cos, sin)
-        kv = norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
+        kv = norm_rope(kv_raw, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         return q, c_q, kv
+
+    def stack_projections(self) -> bool:
+        """Stack wq_a and wkv (:func:`~app.model.layers.stacked_projection`; made once, again
+        after a weight is replaced) -> whether they run as one GEMM (fp8 ones whose scale
+        blocks straddle the seam do not)."""
+        return stacked_projection(self, "_qkv_a", (self.wq_a, self.wkv)) is not None
 
     def qdq(self, x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
         """Round like the released format when ``kv_quant`` (else the identity)."""

@@ -3,7 +3,7 @@
 A compressor works in two steps so that chunked prefill and decode can keep the projections
 of not-yet-complete groups in a per-request tail ring:
 
-    project(x, pos) -> (kv, gate)      per token, fp32, ``width`` channels (gate includes ape)
+    project(x, pos) -> (kv, gate)      per token, ``width`` channels (gate includes ape)
     pool(kv, gate)  -> entries          per group, from the ``span`` tokens the group needs
 
 Entry w (first position ``w*ratio``) needs tokens ``[(w+1)*ratio - span, (w+1)*ratio)``:
@@ -19,7 +19,7 @@ import abc
 import torch
 from torch import nn
 
-from app.model.layers import Linear, RMSNorm
+from app.model.layers import Linear, RMSNorm, stacked_projection
 from kernels.compressor import compress_pool
 
 
@@ -32,7 +32,8 @@ class Compressor(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (kv, gate) projections [n, width] fp32 (gate includes ape)."""
+        """Per-token (kv, gate) projections [n, width] in the weights' dtype (V4's gate, with
+        ape, fp32)."""
 
     def pool(
         self,
@@ -54,6 +55,23 @@ class Compressor(nn.Module, abc.ABC):
             dim=self.norm.weight.shape[0],
             angles=angles,
         )
+
+    def kv_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(wkv x, wgate x) in the weights' dtype (gate None without ``wgate``: V4.1 ratio 1),
+        as one GEMM over the stacked weights where they stack (:meth:`stack_projections`)."""
+        if "wgate" not in self._modules:
+            return self.wkv(x), None
+        stack = stacked_projection(self, "_kv_gate", (self.wkv, self.wgate))
+        if stack is None:
+            return self.wkv(x), self.wgate(x)
+        y, w = stack(x), self.wkv.out_features
+        return y[..., :w], y[..., w:]
+
+    def stack_projections(self) -> bool:
+        """Stack wkv / wgate (``app.model.layers.stacked_projection``) -> whether they run as
+        one GEMM."""
+        return "wgate" in self._modules and \
+            stacked_projection(self, "_kv_gate", (self.wkv, self.wgate)) is not None  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every complete group of one sequence that starts at position 0: [L // ratio, dim]."""
@@ -79,9 +97,8 @@ class Compressor41(Compressor):
         self.norm = RMSNorm(dim, eps)
 
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.wkv(x.float())
-        gate = self.wgate(x.float()) if self.ratio > 1 else torch.zeros_like(kv)
-        return kv, gate
+        kv, gate = self.kv_gate(x)
+        return kv, gate if gate is not None else torch.zeros_like(kv)
 
 
 class CompressorV4(Compressor):
@@ -100,5 +117,5 @@ class CompressorV4(Compressor):
         self.norm = RMSNorm(dim, eps)
 
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate = self.wgate(x.float()) + self.ape.float()[pos % self.ratio]
-        return self.wkv(x.float()), gate
+        kv, gate = self.kv_gate(x)
+        return kv, gate + self.ape.float()[pos % self.ratio]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -78,6 +80,86 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, fp8 block {self.block}"
+
+
+def stack_problem(parts: Sequence[nn.Module], same_shape: bool = False) -> str | None:
+    """Why projections of one input cannot run as one GEMM over their stacked weights, or
+    None: plain :class:`Linear` weights, or fp8 ones of one block and scale dtype whose scale
+    blocks end at every seam (all but the last part a whole number of blocks tall); one
+    input width, dtype and device (and, with ``same_shape``, one output width)."""
+    if len(parts) < 2:
+        return "fewer than two projections"
+    kind = type(parts[0])
+    if kind not in (Linear, Fp8Linear) or any(type(p) is not kind for p in parts):
+        return "not all plain or all fp8 projections"
+    w0 = parts[0].weight
+    if any(p.in_features != parts[0].in_features or p.weight.dtype != w0.dtype
+           or p.weight.device != w0.device for p in parts):  # fmt: skip
+        return "input widths, dtypes or devices differ"
+    if same_shape and any(p.weight.shape != w0.shape for p in parts):
+        return "output widths differ"
+    if kind is Fp8Linear:
+        b, sdt = parts[0].block, parts[0].scale.dtype
+        if any(p.block != b or p.scale.dtype != sdt for p in parts):
+            return "fp8 blocks or scale dtypes differ"
+        if any(p.out_features % b[0] for p in parts[:-1]):
+            return f"a scale block of {b[0]} rows straddles a seam"
+    return None
+
+
+def _marks(parts: Sequence[nn.Module]) -> tuple:
+    """What a stack was made from: each part and the storage of its weight (and scale)."""
+    return tuple((p, p.weight.data_ptr(), p.scale.data_ptr() if isinstance(p, Fp8Linear)
+                  else 0) for p in parts)  # fmt: skip
+
+
+def stacked_projection(owner: nn.Module, key: str, parts: Sequence[nn.Module],
+                       same_shape: bool = False) -> nn.Module | None:  # fmt: skip
+    """``parts`` (projections of one input) as one projection over their stacked weights (and
+    fp8 scale rows), whose output is the parts' outputs side by side; None when they cannot
+    stack (:func:`stack_problem`). The parts' weights (and scales) become views of it, so
+    there is no second copy; it lives in ``owner.__dict__[key]`` (not a submodule: the state
+    dict keeps the parts). Made once -- a forward only compares pointers -- and again when a
+    part or its weight was replaced since (a loader, a device move). An fp8 stack on CUDA
+    gets its decode plan here, and :func:`prepare_fp8_linears` plans it, not its parts.
+    Stack before a CUDA-graph capture (:func:`stack_projections`)."""
+    made = owner.__dict__.get(key)
+    if made is not None and made[1] == _marks(parts):
+        return made[0]
+    w0 = parts[0].weight
+    if w0.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"stack {type(owner).__name__}'s projections before a CUDA-graph "
+                           "capture (stack_projections)")  # fmt: skip
+    stack = None
+    if stack_problem(parts, same_shape) is None:
+        weight = torch.cat([p.weight.data for p in parts])
+        if isinstance(parts[0], Fp8Linear):
+            stack = Fp8Linear(weight, torch.cat([p.scale for p in parts]), parts[0].block)
+        else:
+            stack = Linear(w0.shape[1], weight.shape[0], dtype=w0.dtype)
+            stack.weight = nn.Parameter(weight, requires_grad=False)
+        row = srow = 0
+        for p in parts:
+            n = p.weight.shape[0]
+            p.weight.data = stack.weight.data[row : row + n]
+            row += n
+            if isinstance(p, Fp8Linear):
+                p.scale = stack.scale[srow : srow + p.scale.shape[0]]
+                srow += p.scale.shape[0]
+                p.__dict__["stacked_into"] = stack
+        if isinstance(stack, Fp8Linear) and weight.is_cuda:
+            stack.prepare()
+    owner.__dict__[key] = (stack, _marks(parts))
+    return stack
+
+
+def stack_projections(model: nn.Module) -> int:
+    """Stack, now, the projections every module of ``model`` runs as one GEMM (modules with a
+    ``stack_projections()`` method: the dense experts' W1 / W3, attention's wq_a / wkv), on
+    the weights' device, rather than at a first forward that may be inside a CUDA-graph
+    capture -> how many modules run stacked."""
+    return sum(bool(m.stack_projections()) for m in model.modules()
+               if hasattr(type(m), "stack_projections"))  # fmt: skip
 
 
 def prepare_fp8_linears(model: nn.Module) -> tuple[int, list[str]]:

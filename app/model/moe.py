@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from app.model.ep import EPGroup, ExpertPlacement, ExpertShard, ep_moe, pair_slots
-from app.model.layers import Fp8Linear, Linear
+from app.model.layers import Linear, stack_problem, stacked_projection
 from kernels.gate import moe_gate_fused
 from kernels.moe import (
     fp4_from_pairs,
@@ -73,11 +73,12 @@ class Gate(nn.Module):
 class Expert(nn.Module):
     """``W2(silu(min(W1 x, L)) * clamp(W3 x, +-L))``.
 
-    W1 and W3 run as one GEMM: on first use their weights move into one stacked ``[W1; W3]``
-    tensor (the parameters become views of it, no second copy), and one kernel applies the
-    clamped SwiGLU to the two halves: two launches where there were six. fp8 projections
-    kept as stored (``packed_dense``) stack the same way -- bytes and scale rows -- into one
-    :class:`Fp8Linear` when their scale blocks do not straddle the seam; else two GEMMs."""
+    W1 and W3 run as one GEMM over their stacked weights ``[W1; W3]``
+    (:func:`~app.model.layers.stacked_projection`: the parameters become views of it, no
+    second copy), and one kernel applies the clamped SwiGLU to the two halves: two launches
+    where there were six. fp8 projections kept as stored (``packed_dense``) stack the same
+    way -- bytes and scale rows -- into one :class:`Fp8Linear` when their scale blocks do not
+    straddle the seam; else two GEMMs."""
 
     def __init__(self, d: int, inter: int, limit: float):
         super().__init__()
@@ -86,89 +87,24 @@ class Expert(nn.Module):
 
     @property
     def stackable(self) -> bool:
-        """W1 and W3 are plain :class:`Linear` weights, or fp8 ones of one format whose
-        scale blocks end at the seam."""
-        w1, w3 = self.w1, self.w3
-        if type(w1) is Linear and type(w3) is Linear:
-            return True
-        return (type(w1) is Fp8Linear and type(w3) is Fp8Linear and w1.block == w3.block
-                and w1.weight.shape == w3.weight.shape and w1.scale.dtype == w3.scale.dtype
-                and w1.weight.device == w3.weight.device
-                and not w1.out_features % w1.block[0])  # fmt: skip
+        """W1 and W3 have one shape and stack (:func:`stack_problem`)."""
+        return stack_problem((self.w1, self.w3), same_shape=True) is None
 
-    def stacked_w13(self) -> torch.Tensor:
-        """``[W1; W3]`` [2I, d], with ``w1.weight`` / ``w3.weight`` views of it (stacked once;
-        again only if a weight was replaced since, e.g. by a loader)."""
-        w1, w3 = self.w1.weight, self.w3.weight
-        base = self.__dict__.get("_w13")
-        inter = w1.shape[0]
-        if (
-            base is None
-            or w1.data_ptr() != base.data_ptr()
-            or w3.data_ptr() != base[inter:].data_ptr()
-            or base.shape != (2 * inter, w1.shape[1])
-            or base.dtype != w1.dtype
-        ):
-            if w1.dtype != w3.dtype or w1.device != w3.device or w1.shape != w3.shape:
-                raise ValueError("W1 and W3 of an expert differ in dtype, device or shape")
-            self._no_capture()
-            base = torch.cat((w1.data, w3.data))
-            w1.data, w3.data = base[:inter], base[inter:]
-            self.__dict__["_w13"] = base  # a plain attribute: not in the state dict
-        return base
+    def stacked_w13(self) -> nn.Module | None:
+        """``[W1; W3]`` as one projection (a :class:`Linear`, or :class:`Fp8Linear` for fp8
+        parts), None when they do not stack: made once, again only if a weight was replaced
+        since."""
+        return stacked_projection(self, "_w13", (self.w1, self.w3), same_shape=True)
 
-    def stacked_fp8_w13(self) -> Fp8Linear:
-        """fp8 W1 and W3 (``stackable``) as one :class:`Fp8Linear` over ``[W1; W3]`` bytes and
-        scale rows, prepared (its decode plan) on CUDA; ``w1`` / ``w3`` keep views of both.
-        Made once; again only if a weight or scale was replaced since."""
-        w1, w3 = self.w1, self.w3
-        lin = self.__dict__.get("_w13_fp8")
-        inter, rows = w1.out_features, w1.out_features // w1.block[0]
-        if (
-            lin is None
-            or w1.weight.data_ptr() != lin.weight.data_ptr()
-            or w3.weight.data_ptr() != lin.weight[inter:].data_ptr()
-            or w1.scale.data_ptr() != lin.scale.data_ptr()
-            or w3.scale.data_ptr() != lin.scale[rows:].data_ptr()
-        ):
-            self._no_capture()
-            lin = Fp8Linear(torch.cat((w1.weight.data, w3.weight.data)),
-                            torch.cat((w1.scale, w3.scale)), w1.block)  # fmt: skip
-            w1.weight.data, w3.weight.data = lin.weight.data[:inter], lin.weight.data[inter:]
-            w1.scale, w3.scale = lin.scale[:rows], lin.scale[rows:]
-            self.__dict__["_w13_fp8"] = lin  # not a submodule: not in the state dict
-            for part in (w1, w3):  # prepare_fp8_linears plans (and counts) the stack instead
-                part.__dict__["stacked_into"] = lin
-            if lin.weight.is_cuda:
-                lin.prepare()
-        return lin
-
-    def _no_capture(self) -> None:
-        if self.w1.weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("stack the experts' W1/W3 before a CUDA-graph capture "
-                               "(stack_dense_experts)")  # fmt: skip
+    def stack_projections(self) -> bool:
+        """Stack W1 / W3 now (:func:`~app.model.layers.stack_projections`) -> whether they run
+        stacked."""
+        return self.stacked_w13() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.stackable:  # fp8 projections whose scale blocks straddle: two GEMMs
-            h13 = torch.cat((self.w1(x), self.w3(x)), dim=-1)
-        elif type(self.w1) is Fp8Linear:
-            h13 = self.stacked_fp8_w13()(x)
-        else:
-            w13 = self.stacked_w13()
-            h13 = torch.nn.functional.linear(x.to(w13.dtype), w13)
+        w13 = self.stacked_w13()  # None: fp8 scale blocks straddle the seam, two GEMMs
+        h13 = w13(x) if w13 is not None else torch.cat((self.w1(x), self.w3(x)), dim=-1)
         return self.w2(swiglu_halves(h13, self.limit))
-
-
-def stack_dense_experts(model: nn.Module) -> int:
-    """Stack W1/W3 of every dense :class:`Expert` of ``model`` (shared experts, dequantized
-    routed ones) now, on the weights' device, rather than at a first forward that may be
-    inside a CUDA-graph capture -> how many were stacked."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, Expert) and m.stackable:
-            m.stacked_fp8_w13() if type(m.w1) is Fp8Linear else m.stacked_w13()
-            n += 1
-    return n
 
 
 def packing_problem(fmt: PackedFormat, d: int, inter: int, block: tuple[int, int]) -> str | None:

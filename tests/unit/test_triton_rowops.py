@@ -75,7 +75,7 @@ def test_kv_qdq_keeps_leading_dims():
 
 
 @pytest.mark.parametrize("shape,R", [((5, 64), 16), ((3, 4, 64), 16), ((6, 80), 0),
-                                     ((2, 3, 128), 64)])  # fmt: skip
+                                     ((2, 3, 128), 64), ((3, 64), 16)])  # fmt: skip
 @pytest.mark.parametrize("norm", ["weighted", "weightless", "none"])
 def test_norm_rope(shape, R, norm):
     g = torch.Generator().manual_seed(sum(shape) + R)
@@ -92,6 +92,20 @@ def test_norm_rope(shape, R, norm):
     if R and eps is None:  # precomputed cos/sin = the model's polar RoPE
         polar = apply_rope_ref(x, ang)
         assert ((ref - polar).abs().max() / polar.abs().max()).item() < 1e-6
+
+
+def test_norm_rope_reads_a_column_slice_in_place():
+    """The halves of a stacked projection's output (wq_a | wkv): a [T, a] column slice of a
+    [T, a + b] tensor is normalized as it lies (row stride a + b), like its copy."""
+    g = torch.Generator().manual_seed(7)
+    y = torch.randn(3, 96, generator=g)
+    w = torch.randn(32, generator=g)
+    ang = torch.rand(3, 8, generator=g) * 50
+    part = y[:, 64:]
+    assert not part.is_contiguous()
+    out = norm_rope_triton(part, w, 1e-6, ang.cos(), ang.sin())
+    ref = norm_rope_ref(part.contiguous(), w, 1e-6, ang.cos(), ang.sin())
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-6
 
 
 def test_linear_f32_head():

@@ -51,14 +51,14 @@ def test_expert_stacks_w1_w3_once_and_follows_replaced_weights():
     want = unfused()
     out = e(x)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    w13 = e.stacked_w13()
+    w13 = e.stacked_w13().weight
     assert e.w1.weight.data_ptr() == w13.data_ptr()  # views of the stack: no second copy
     assert e.w3.weight.data_ptr() == w13[96:].data_ptr()
-    assert e.stacked_w13().data_ptr() == w13.data_ptr()  # stacked once
+    assert e.stacked_w13().weight.data_ptr() == w13.data_ptr()  # stacked once
     assert sorted(e.state_dict()) == ["w1.weight", "w2.weight", "w3.weight"]
     e.w3.weight.data = torch.randn(96, 64)  # a loader replacing a weight: stacked again
     torch.testing.assert_close(e(x), unfused(), rtol=1e-5, atol=1e-5)
-    assert e.stacked_w13().data_ptr() != w13.data_ptr()
+    assert e.stacked_w13().weight.data_ptr() != w13.data_ptr()
 
 
 @pytest.mark.parametrize("inter,block,stacked", [(96, (32, 32), True), (96, (64, 32), False)])
@@ -86,14 +86,14 @@ def test_expert_stacks_fp8_w1_w3_into_one_projection(inter, block, stacked):
     assert e.stackable == stacked
     assert sorted(e.state_dict()) == keys
     if not stacked:
-        assert "_w13_fp8" not in e.__dict__
+        assert e.stacked_w13() is None and not e.stack_projections()
         return
-    lin = e.stacked_fp8_w13()
+    lin = e.stacked_w13()
     assert lin.weight.shape == (2 * inter, 64) and lin.scale.shape == (2 * inter // 32, 2)
     assert e.w1.weight.data_ptr() == lin.weight.data_ptr()  # views of the stack
     assert e.w3.weight.data_ptr() == lin.weight[inter:].data_ptr()
     assert e.w3.scale.data_ptr() == lin.scale[inter // 32:].data_ptr()
-    assert e.stacked_fp8_w13() is lin  # stacked once
+    assert e.stacked_w13() is lin  # stacked once
     # the runner's prepare_fp8_linears plans the stack once, not the views W1 / W3
     prepared = []
 
@@ -108,4 +108,4 @@ def test_expert_stacks_fp8_w1_w3_into_one_projection(inter, block, stacked):
     q, s = quantize_fp8_block(torch.randn(inter, 64), block)
     e.w3.weight.data, e.w3.scale = q, s  # a loader replacing a weight: stacked again
     torch.testing.assert_close(e(x), unfused(), rtol=1e-5, atol=1e-5)
-    assert e.stacked_fp8_w13() is not lin
+    assert e.stacked_w13() is not lin
