@@ -8,7 +8,8 @@ fills, index arithmetic) is one more launch. This harness runs the tiny checkpoi
 step through the engine on the CPU with every kernel op taking its Triton kernel for CPU
 tensors too (interpreted: ``TRITON_INTERPRET=1``, set here), and records the aten ops issued
 outside the kernels (a ``TorchDispatchMode``; views, allocations and ops inside the
-interpreter left out), grouped by their ``app/`` or ``kernels/`` call site.
+interpreter left out), grouped by their ``app/`` or ``kernels/`` call site, beside the Triton
+kernel launches (counted at the interpreter's grid call).
 
 What it is not: a timing; the device's own launches of a CUDA graph (the same ops, captured);
 the Gluon kernels (MoE decode GEMMs, warp-specialized attention, wgmma dense: their ``tl``
@@ -102,9 +103,24 @@ class _Launches(TorchDispatchMode):
         return out
 
 
-def count(arch: str, dtype: str) -> collections.Counter:
-    """(aten op, site) -> launches of one decode step of the tiny ``arch`` checkpoint."""
+def _count_triton(log: list[str]) -> None:
+    """Append every interpreted Triton launch's kernel name to ``log``."""
+    from triton.runtime import interpreter
+
+    run = interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        log.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    interpreter.GridExecutor.__call__ = counted
+
+
+def count(arch: str, dtype: str) -> tuple[collections.Counter, collections.Counter]:
+    """One decode step of the tiny ``arch`` checkpoint: ((aten op, site) -> launches outside
+    the kernels, Triton kernel -> launches)."""
     _triton_everywhere()
+    kernels: list[str] = []
     from app.config import EngineConfig
     from app.engine.core import EngineCore
     from app.engine.request import EngineRequest, SamplingParams
@@ -122,10 +138,11 @@ def count(arch: str, dtype: str) -> collections.Counter:
         for _ in range(4):  # prefill, then decode steps
             eng.step()
         rec = _Launches()
+        _count_triton(kernels)
         with torch.inference_mode(), rec:
             eng.step()
         eng.close()
-    return collections.Counter(rec.log)
+    return collections.Counter(rec.log), collections.Counter(kernels)
 
 
 def main() -> None:
@@ -135,13 +152,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default=None, help="also write bench/results/<out>.json")
     args = ap.parse_args()
-    got = count(args.arch, args.dtype)
-    total = sum(got.values())
+    got, triton_launches = count(args.arch, args.dtype)
+    total, n_triton = sum(got.values()), sum(triton_launches.values())
     by_fn: collections.Counter = collections.Counter()
     for (_, site), n in got.items():
         by_fn[site.split(":", 1)[0] + " " + site.rsplit(" ", 1)[-1]] += n
     print(f"tiny {args.arch} ({args.dtype}), one decode step, GPU code path on the CPU: "
-          f"{total} aten launches outside the kernels")  # fmt: skip
+          f"{total + n_triton} launches = {n_triton} Triton + {total} aten")  # fmt: skip
+    print("Triton kernels:", ", ".join(f"{k} {n}" for k, n in triton_launches.most_common()))
     print("by function:")
     for site, n in by_fn.most_common(args.top):
         print(f"  {n:5d}  {site}")
@@ -151,7 +169,8 @@ def main() -> None:
     if args.out:
         from bench.common import record, write
 
-        recs = [record("step.aten_launches", total, "launches", {"arch": args.arch})]
+        recs = [record("step.launches", total + n_triton, "launches", {"arch": args.arch}),
+                record("step.aten_launches", total, "launches", {"arch": args.arch})]
         recs += [record("step.aten_launches_at", n, "launches", {"arch": args.arch, "site": s})
                  for s, n in by_fn.items()]  # fmt: skip
         print("wrote", write(args.out, recs))

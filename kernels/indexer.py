@@ -30,6 +30,7 @@ Triton designs:
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -103,6 +104,7 @@ def indexer_scores_paged_ref(
     num_cols: int,
     *,
     seq_start: torch.Tensor | None = None,
+    blocks: TokenBlocks | None = None,
 ) -> torch.Tensor:
     """Scores of every token against its own sequence's index keys, read in place from the
     paged key pool: ``q`` [T, H, D], ``keys`` [N, D] float (or mxfp4 bytes [N, D/2] with
@@ -111,7 +113,8 @@ def indexer_scores_paged_ref(
 
     Entry w of a sequence lives at row ``table[w*r // P] * (P/r) + (w*r % P) // r``.
     (``seq_start``, the first token of each sequence, is what the Triton kernel's token
-    blocks need; the reference maps tokens through ``token_seq``.)"""
+    blocks need, and ``blocks`` those blocks made once per step by :func:`scores_token_blocks`;
+    the reference maps tokens through ``token_seq``.)"""
     rows = _entry_rows(block_table, ratio, block_size, num_cols)  # [B, C]
     k = _keys_float(keys, key_scale, rows)[token_seq]  # [T, C, D]
     qf = _wide(q).to(k.dtype)
@@ -287,6 +290,28 @@ def token_blocks(token_seq: torch.Tensor, seq_start: torch.Tensor, block_t: int)
     return out.scatter_(0, at, t)[:n]
 
 
+def _scores_block_t(n_heads: int) -> int:
+    """Tokens per program of :func:`indexer_scores_paged_triton` (``BLOCK_T``) for ``n_heads``
+    index heads."""
+    return max(1, 64 // max(16, triton.next_power_of_2(n_heads)))
+
+
+class TokenBlocks(NamedTuple):
+    """Token blocks of ``block_t`` tokens (:func:`token_blocks`) made for the scores kernel."""
+
+    block_t: int
+    first: torch.Tensor
+
+
+def scores_token_blocks(token_seq: torch.Tensor, seq_start: torch.Tensor,
+                        n_heads: int) -> TokenBlocks:  # fmt: skip
+    """The token blocks :func:`indexer_scores_paged_triton` takes for queries of ``n_heads``
+    heads (:func:`token_blocks`): the same for every index layer of a step, so a step makes
+    them once and passes them as ``blocks`` (ten small launches a layer fewer)."""
+    bt = _scores_block_t(n_heads)
+    return TokenBlocks(bt, token_blocks(token_seq, seq_start, bt))
+
+
 def indexer_scores_paged_triton(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -300,6 +325,7 @@ def indexer_scores_paged_triton(
     num_cols: int,
     *,
     seq_start: torch.Tensor,
+    blocks: TokenBlocks | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton :func:`indexer_scores_paged_ref` (``seq_start`` [B]: first token of each
@@ -319,8 +345,14 @@ def indexer_scores_paged_triton(
     if T == 0 or num_cols == 0:
         return out
     HP, DP = max(16, triton.next_power_of_2(HI)), max(32, triton.next_power_of_2(DI))
-    bt = max(1, 64 // HP)
-    tb = token_blocks(token_seq, seq_start, bt)
+    bt = _scores_block_t(HI)
+    if blocks is None:
+        tb = token_blocks(token_seq, seq_start, bt)
+    elif blocks.block_t != bt:
+        raise ValueError(f"token blocks of {blocks.block_t} tokens, the kernel takes {bt} for "
+                         f"{HI} heads (scores_token_blocks)")  # fmt: skip
+    else:
+        tb = blocks.first
     table = block_table.contiguous()
     ks = key_scale if mx else keys
 
@@ -623,6 +655,63 @@ def _topk_supported(scores: torch.Tensor, k: int, **_: object) -> bool:
     return scores.shape[-1] <= _ONE_CHUNK or 4 * triton.next_power_of_2(kk) <= _ONE_CHUNK
 
 
+# ---- pool rows of selected entries ---------------------------------------------------------
+
+
+def entry_rows_ref(entries: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
+                   ratio: int, block_size: int) -> torch.Tensor:  # fmt: skip
+    """Pool rows [T, k] of compressed entry ids ``entries`` [T, k] (-1 stays -1) of the
+    sequences ``seq`` [T]: entry w of sequence s lives in block ``block_table[s, w*r // P]``
+    (a column past the table: its last block) at row ``(w*r % P) // r`` of its P / r."""
+    P = block_size
+    w = entries.clamp_min(0)
+    col = torch.div(w * ratio, P, rounding_mode="floor")
+    col = col.clamp_max(block_table.shape[1] - 1)
+    blk = block_table[seq.unsqueeze(1).expand_as(col), col]
+    rows = blk * (P // ratio) + torch.div(w * ratio % P, ratio, rounding_mode="floor")
+    return torch.where(entries >= 0, rows, -1)
+
+
+@triton.jit
+def _entry_rows_kernel(e_ptr, seq_ptr, bt_ptr, out_ptr, K, NB, s_e, s_bt, s_o,
+                       RATIO: tl.constexpr, P: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = j < K
+    e = tl.load(e_ptr + t * s_e + j, mask=m, other=-1).to(tl.int64)
+    s = tl.load(seq_ptr + t).to(tl.int64)
+    w = tl.maximum(e, 0)
+    col = tl.minimum((w * RATIO) // P, NB - 1)
+    blk = tl.load(bt_ptr + s * s_bt + col, mask=m, other=0)
+    rows = blk * (P // RATIO) + ((w * RATIO) % P) // RATIO
+    tl.store(out_ptr + t * s_o + j, tl.where(e >= 0, rows, -1), mask=m)
+
+
+def entry_rows_triton(entries: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
+                      ratio: int, block_size: int) -> torch.Tensor:  # fmt: skip
+    """Triton :func:`entry_rows_ref` in one launch (the reference's ten small ones) for int64
+    block tables."""
+    T, K = entries.shape
+    out = torch.empty((T, K), dtype=torch.int64, device=entries.device)
+    if T == 0 or K == 0:
+        return out
+    e = entries if entries.stride(-1) == 1 else entries.contiguous()
+    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    bk = min(1024, triton.next_power_of_2(K))
+    _entry_rows_kernel[(T, triton.cdiv(K, bk))](
+        e, seq.contiguous(), table, out, K, table.shape[1], e.stride(0), table.stride(0),
+        out.stride(0), RATIO=ratio, P=block_size, BK=bk,
+    )  # fmt: skip
+    return out
+
+
+def _entry_rows_supported(entries: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
+                          *_: object) -> bool:  # fmt: skip
+    return (entries.dim() == 2 and block_table.dtype == torch.int64 and seq.dim() == 1
+            and block_table.shape[1] > 0 and not entries.is_floating_point())  # fmt: skip
+
+
 indexer_scores = op(indexer_scores_ref, indexer_scores_triton)
+entry_rows = op(entry_rows_ref, entry_rows_triton, when=_entry_rows_supported)
 indexer_scores_paged = op(indexer_scores_paged_ref, indexer_scores_paged_triton)
 topk = op(topk_ref, topk_triton, when=_topk_supported)

@@ -30,7 +30,7 @@ from app.model.rope import Rotary, apply_rope
 from kernels.attention import sparse_attention
 from kernels.indexer import indexer_scores_paged, topk
 from kernels.kv_quant import kv_qdq
-from kernels.norm import norm_rope, rms_norm_ref
+from kernels.norm import norm_rope, norm_rope_pair, rms_norm_ref
 
 
 @dataclass
@@ -93,19 +93,19 @@ class Attention(nn.Module):
 
     def qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """:meth:`qkv` with wq_a and wkv as one GEMM over their stacked weights (both read
-        ``x``; :meth:`stack_projections`) and each norm + RoPE as one kernel
-        (``kernels.norm.norm_rope``, which reads the halves in place)."""
+        ``x``; :meth:`stack_projections`), the two norms of its output's halves (and kv's
+        RoPE) as one kernel (``kernels.norm.norm_rope_pair``), and q's norm + RoPE as one."""
         T, H, D = x.shape[0], self.n_heads, self.head_dim
         stack = stacked_projection(self, "_qkv_a", (self.wq_a, self.wkv))
-        if stack is not None:
-            y = stack(x)
-            cq_raw, kv_raw = y[:, : self.wq_a.out_features], y[:, self.wq_a.out_features :]
+        qn, kvn = self.q_norm, self.kv_norm
+        if stack is not None:  # both norms (and kv's RoPE) in one launch over the halves
+            c_q, kv = norm_rope_pair(stack(x), self.wq_a.out_features, qn.weight, qn.eps,
+                                     kvn.weight, kvn.eps, cos, sin)  # fmt: skip
         else:
-            cq_raw, kv_raw = self.wq_a(x), self.wkv(x)
-        c_q = norm_rope(cq_raw, self.q_norm.weight, self.q_norm.eps)
+            c_q = norm_rope(self.wq_a(x), qn.weight, qn.eps)
+            kv = norm_rope(self.wkv(x), kvn.weight, kvn.eps, cos, sin)
         eps = None if self.cfg.is_v41 else self.cfg.rms_norm_eps  # V4: weightless head norm
         q = norm_rope(self.wq_b(c_q).view(T, H, D), None, eps, cos, sin)
-        kv = norm_rope(kv_raw, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         return q, c_q, kv
 
     def stack_projections(self) -> bool:
@@ -246,7 +246,7 @@ class Attention(nn.Module):
         scores = indexer_scores_paged(
             q.contiguous(), keys.data, keys.scale, w.contiguous(), visible, batch.token_seq,
             batch.block_table, r, batch.kv.block_size, meta.num_entries(r),
-            seq_start=batch.seq_start,
+            seq_start=batch.seq_start, blocks=meta.scores_blocks(q.shape[1]),
         )  # fmt: skip
         if spec.is_candidate_source:
             cand = candidate_blocks(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from app.model.forward_batch import ForwardBatch
+from kernels.indexer import TokenBlocks, entry_rows, scores_token_blocks
 
 
 @dataclass
@@ -70,6 +71,8 @@ class StepMeta:
         self._angles: dict[tuple, torch.Tensor] = {}
         self._cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hca: dict[int, torch.Tensor] = {}
+        self._visible: dict[int, torch.Tensor] = {}
+        self._blocks: dict[int, TokenBlocks] = {}
 
     # ---- window ---------------------------------------------------------------------------
     def window(self) -> WindowRows:
@@ -106,8 +109,18 @@ class StepMeta:
 
     # ---- compressed entries -----------------------------------------------------------------
     def visible(self, ratio: int) -> torch.Tensor:
-        """[T] entries each token sees: ``(p + 1) // ratio``."""
-        return torch.div(self.pos + 1, ratio, rounding_mode="floor")
+        """[T] entries each token sees: ``(p + 1) // ratio`` (cached)."""
+        if ratio not in self._visible:
+            self._visible[ratio] = torch.div(self.pos + 1, ratio, rounding_mode="floor")
+        return self._visible[ratio]
+
+    def scores_blocks(self, n_heads: int) -> TokenBlocks:
+        """The indexer scores kernel's token blocks for ``n_heads`` heads (cached: the same
+        for every index layer of the step)."""
+        if n_heads not in self._blocks:
+            b = self.batch
+            self._blocks[n_heads] = scores_token_blocks(b.token_seq, b.seq_start, n_heads)
+        return self._blocks[n_heads]
 
     def num_entries(self, ratio: int) -> int:
         """Entry columns of the step (block-table width x P / ratio)."""
@@ -115,14 +128,8 @@ class StepMeta:
 
     def entry_rows(self, entries: torch.Tensor, ratio: int, seq: torch.Tensor | None = None):
         """Pool rows of entry ids ``entries`` [T, k] of each token's sequence (-1 stays -1)."""
-        b, P = self.batch, self.batch.kv.block_size
         seq = self.seq if seq is None else seq
-        w = entries.clamp_min(0)
-        col = torch.div(w * ratio, P, rounding_mode="floor")
-        col = col.clamp_max(b.block_table.shape[1] - 1)
-        blk = b.block_table[seq.unsqueeze(1).expand_as(col), col]
-        rows = blk * (P // ratio) + torch.div(w * ratio % P, ratio, rounding_mode="floor")
-        return torch.where(entries >= 0, rows, -1)
+        return entry_rows(entries, seq, self.batch.block_table, ratio, self.batch.kv.block_size)
 
     def all_visible_rows(self, ratio: int) -> torch.Tensor:
         """[T, C] pool rows of every visible entry (V4 HCA attends to all of them)."""

@@ -331,6 +331,38 @@ def test_paged_indexer_scores(mx, B, n, C):
     assert _rel(out[fin], ref[fin]) < 1e-2
 
 
+@pytest.mark.parametrize("T,k", [(1, 512), (64, 512), (300, 1024)])
+def test_entry_rows_on_gpu(T, k):
+    """The step's pool rows of selected entries in one launch = the reference, exactly
+    (V4.1: ratio 2, 256-token blocks; -1 ids and ids past the table included)."""
+    g = torch.Generator(device=DEV).manual_seed(T)
+    B, nb, P, r = 8, 64, 256, 2
+    table = torch.randperm(B * nb + 5, device=DEV, generator=g)[: B * nb].view(B, nb)
+    seq = torch.randint(0, B, (T,), device=DEV, generator=g)
+    ids = torch.randint(-1, nb * P // r + 40, (T, k), device=DEV, generator=g)
+    got = ix.entry_rows_triton(ids, seq, table, r, P)
+    assert torch.equal(got, ix.entry_rows_ref(ids, seq, table, r, P))
+    assert torch.equal(ix.entry_rows(ids, seq, table, r, P), got)  # the dispatch takes it
+
+
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_norm_rope_pair_on_gpu(T):
+    """wq_a | wkv halves (V4.1-Flash: 1280 | 512, RoPE on kv's last 64) normed in one launch
+    = the two norm_rope launches bit for bit, and the reference."""
+    from kernels.norm import norm_rope_pair, norm_rope_pair_ref, norm_rope_triton
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T, 1792, device=DEV, generator=g).bfloat16()
+    w1 = torch.randn(1280, device=DEV, generator=g)
+    w2 = torch.randn(512, device=DEV, generator=g)
+    ang = torch.rand(T, 32, device=DEV, generator=g) * 100.0
+    a, b = norm_rope_pair(x, 1280, w1, 1e-6, w2, 1e-6, ang.cos(), ang.sin())
+    assert torch.equal(a, norm_rope_triton(x[:, :1280], w1, 1e-6))
+    assert torch.equal(b, norm_rope_triton(x[:, 1280:], w2, 1e-6, ang.cos(), ang.sin()))
+    ra, rb = norm_rope_pair_ref(x, 1280, w1, 1e-6, w2, 1e-6, ang.cos(), ang.sin())
+    assert _rel(a.float(), ra.float()) < 1e-2 and _rel(b.float(), rb.float()) < 1e-2
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
 def test_kv_pack_bit_exact_on_gpu(fmt):
     """The cache packers on the GPU = the torch references, bit for bit (V4.1 row widths)."""

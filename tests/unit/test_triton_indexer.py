@@ -296,3 +296,56 @@ def test_grid_topk_256k_rows_end_where_the_gpu_test_expects():
         grid_topk(s, k, out, fused=False, programs=32, ends=where)
         assert torch.equal(out, ix.topk_ref(s, k)), k
         assert where.tolist() == [randn_end, 3], (k, where.tolist())
+
+
+@pytest.mark.parametrize("ratio,P", [(2, 64), (1, 64), (4, 256), (128, 256)])
+@pytest.mark.parametrize("edtype", [torch.int64, torch.int32])
+def test_entry_rows_one_launch_equals_reference(ratio, P, edtype):
+    """Pool rows of selected entries (the top-k's ids, -1 padded) through each token's block
+    table row, in one launch: equal to the reference's arithmetic, with -1s kept, ids past
+    the table clamped to its last block, per-token sequences and a strided id tensor."""
+    g = torch.Generator().manual_seed(ratio + P)
+    T, B, nb, k = 7, 3, 5, 37
+    table = torch.randperm(40, generator=g)[: B * nb].view(B, nb)
+    seq = torch.randint(0, B, (T,), generator=g)
+    cap = nb * P // ratio + 6  # some ids past the table
+    ids = torch.randint(-1, cap, (T, 2 * k), generator=g).to(edtype)[:, ::2]
+    assert not ids.is_contiguous()
+    ids[0, :5] = -1
+    want = ix.entry_rows_ref(ids, seq, table, ratio, P)
+    got = ix.entry_rows_triton(ids, seq, table, ratio, P)
+    assert got.dtype == want.dtype == torch.int64
+    assert torch.equal(got, want)
+    assert (got[0, :5] == -1).all() and (got[ids >= 0] >= 0).all()
+    assert ix.entry_rows_triton(ids[:0], seq[:0], table, ratio, P).shape == (0, k)
+
+
+def test_paged_scores_take_the_step_token_blocks():
+    """The scores kernel with the step's precomputed token blocks (scores_token_blocks) equals
+    the kernel making its own; blocks made for another head count are an error, not a wrong
+    tiling."""
+    g = torch.Generator().manual_seed(5)
+    P, r, B, n, C, H, D = 16, 2, 2, 3, 32, 4, 32
+    nb = C * r // P
+    T = B * n
+    table = torch.randperm(B * nb + 2, generator=g)[: B * nb].view(B, nb)
+    keys = torch.randn((B * nb + 2) * (P // r), D, generator=g)
+    q, w = torch.randn(T, H, D, generator=g), torch.randn(T, H, generator=g)
+    seq = torch.arange(B).repeat_interleave(n)
+    start = torch.arange(B) * n
+    vis = torch.randint(1, C + 1, (T,), generator=g)
+    own = ix.indexer_scores_paged_triton(q, keys, None, w, vis, seq, table, r, P, C,
+                                         seq_start=start)  # fmt: skip
+    blocks = ix.scores_token_blocks(seq, start, H)
+    given = ix.indexer_scores_paged_triton(q, keys, None, w, vis, seq, table, r, P, C,
+                                           seq_start=start, blocks=blocks)  # fmt: skip
+    assert torch.equal(own, given)
+    ref = ix.indexer_scores_paged_ref(q, keys, None, w, vis, seq, table, r, P, C, blocks=blocks)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(given))
+    assert ((given[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item() < 1e-5
+    other = ix.scores_token_blocks(seq, start, 64)  # 64 heads: one token per block
+    assert other.block_t != blocks.block_t
+    with pytest.raises(ValueError, match="token blocks of"):
+        ix.indexer_scores_paged_triton(q, keys, None, w, vis, seq, table, r, P, C,
+                                       seq_start=start, blocks=other)  # fmt: skip

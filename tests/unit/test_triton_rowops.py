@@ -108,6 +108,29 @@ def test_norm_rope_reads_a_column_slice_in_place():
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-6
 
 
+@pytest.mark.parametrize("T,D1,D2,R", [(3, 32, 64, 16), (5, 48, 40, 0), (1, 64, 32, 32)])
+def test_norm_rope_pair_equals_the_two_norms(T, D1, D2, R):
+    """One launch over a stacked projection's output (wq_a | wkv): each range RMSNormed with
+    its own weight, RoPE on the second, equal to norm_rope on each range (bit for bit: the
+    same per-row arithmetic) and to the reference."""
+    from kernels.norm import norm_rope_pair_ref, norm_rope_pair_triton
+
+    g = torch.Generator().manual_seed(T + D1 + D2 + R)
+    x = torch.randn(T, D1 + D2, generator=g)
+    w1, w2 = torch.randn(D1, generator=g), torch.randn(D2, generator=g)
+    ang = torch.rand(T, R // 2, generator=g) * 50 if R else None
+    cs = (ang.cos(), ang.sin()) if R else (None, None)
+    a, b = norm_rope_pair_triton(x, D1, w1, 1e-6, w2, 1e-5, *cs)
+    assert a.shape == (T, D1) and b.shape == (T, D2) and a.is_contiguous() and b.is_contiguous()
+    assert torch.equal(a, norm_rope_triton(x[:, :D1], w1, 1e-6))
+    assert torch.equal(b, norm_rope_triton(x[:, D1:], w2, 1e-5, *cs))
+    ra, rb = norm_rope_pair_ref(x, D1, w1, 1e-6, w2, 1e-5, *cs)
+    for got, ref in ((a, ra), (b, rb)):
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    with pytest.raises(ValueError, match="split"):
+        norm_rope_pair_triton(x, D1 + D2, w1, 1e-6, w2, 1e-5)
+
+
 def test_linear_f32_head():
     """The LM head's bf16 x bf16 -> fp32 GEMM = the fp32 GEMM of the same bf16 values."""
     from kernels.linear import linear_f32_ref, linear_f32_triton
