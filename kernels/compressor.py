@@ -217,3 +217,168 @@ def compress_pool_triton(
 
 
 compress_pool = op(compress_pool_ref, compress_pool_triton)
+
+
+# ---- the step's compressor groups -----------------------------------------------------------
+
+
+def compressor_groups_ref(pos: torch.Tensor, seq: torch.Tensor, a: torch.Tensor, n: torch.Tensor,
+                          slot: torch.Tensor, cached_lens: torch.Tensor,
+                          block_table: torch.Tensor, ratio: int, span: int, rows: int,
+                          block_size: int, trash_block: int, trash_slot: int
+                          ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The compressor groups that may complete in one step (``app.model.attn_meta``: one
+    ``(ratio, span, tail rows)`` kind). Per token t: ``pos`` position, ``seq`` sequence, ``a``
+    / ``n`` / ``slot`` its sequence's chunk start, chunk length and cache slot; per sequence
+    ``cached_lens`` and the ``block_table`` [B, NB]. The token ending a group (``(p+1) % r ==
+    0``, not cached yet) is its candidate: one per token for r = 1, else ``G = min(T, T//r +
+    B)`` candidates compacted in token order (padding: token T, invalid).
+
+    -> (token [G], valid [G], entry [G], dest [G] pool row (the trash block's when invalid),
+    first [G] (entry 0), from_new [G, span], new_idx [G, span], tail_idx [G, span], tail_write
+    [T]): slot j of a group is position ``p - span + 1 + j``, this step's projection of token
+    ``new_idx`` where ``from_new``, else tail-ring row ``tail_idx``; ``tail_write`` is the
+    tail-ring row each token's projection goes to (the trash slot's unless it is among its
+    chunk's last ``rows``)."""
+    from kernels.indexer import entry_rows_ref
+
+    dev, T, B, r, P = pos.device, pos.numel(), block_table.shape[0], ratio, block_size
+    w_tok = torch.div(pos + 1, r, rounding_mode="floor") - 1
+    cached = torch.div(cached_lens[seq], r, rounding_mode="floor")
+    ends = ((pos + 1) % r == 0) & (w_tok >= cached)
+    if r == 1:
+        token = torch.arange(T, device=dev)
+        valid = ends
+    else:
+        G = min(T, T // r + B)
+        at = torch.where(ends, torch.cumsum(ends, 0) - 1, G)
+        buf = torch.full((G + 1,), T, dtype=torch.int64, device=dev)
+        buf.scatter_(0, at, torch.arange(T, device=dev))
+        token = buf[:G]
+        valid = token < T
+        token = token.clamp_max(max(T - 1, 0))
+    p = pos[token]
+    w = torch.div(p + 1, r, rounding_mode="floor") - 1
+    dest = entry_rows_ref(w.unsqueeze(1), seq[token], block_table, r, P).squeeze(1)
+    dest = torch.where(valid, dest, trash_block * (P // r))
+    q = p.unsqueeze(1) - span + 1 + torch.arange(span, device=dev)  # [G, span] positions
+    from_new = q >= a[token].unsqueeze(1)
+    new_idx = (token.unsqueeze(1) - (p.unsqueeze(1) - q)).clamp(0, max(T - 1, 0))
+    tail_idx = slot[token].unsqueeze(1) * rows + q.clamp_min(0).remainder(max(rows, 1))
+    if rows == 0:
+        tail_idx = torch.zeros_like(tail_idx)
+    last = pos >= a + n - rows
+    trash = trash_slot * rows + pos.remainder(max(rows, 1))
+    tail_write = torch.where(last, slot * rows + pos.remainder(max(rows, 1)), trash)
+    return token, valid, w, dest, w == 0, from_new, new_idx, tail_idx, tail_write
+
+
+@triton.jit
+def _groups_kernel(pos_ptr, seq_ptr, a_ptr, n_ptr, slot_ptr, cached_ptr, table_ptr, s_table,
+                   tok_ptr, valid_ptr, entry_ptr, dest_ptr, first_ptr, new_ptr, nidx_ptr,
+                   tidx_ptr, twrite_ptr, T, G, NB, rows, trash_block, trash_slot,
+                   R: tl.constexpr, P: tl.constexpr, SPAN: tl.constexpr, SPAN_P2: tl.constexpr,
+                   BLOCK: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
+    """One program: (r > 1) the candidates compacted into ``tok_ptr`` in token order, then
+    every candidate's rows (``BLOCK_G`` candidates at a time: their [BLOCK_G, span] slots),
+    then every token's tail-ring row."""
+    rr = tl.maximum(rows, 1)
+    if R > 1:  # compaction: padding T everywhere, then each group end at its rank
+        for g0 in range(0, G, BLOCK):
+            g = g0 + tl.arange(0, BLOCK)
+            tl.store(tok_ptr + g, tl.full([BLOCK], 0, tl.int64) + T, mask=g < G)
+        tl.debug_barrier()
+        base = 0
+        for t0 in range(0, T, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            tm = t < T
+            p = tl.load(pos_ptr + t, mask=tm, other=0).to(tl.int64)
+            s = tl.load(seq_ptr + t, mask=tm, other=0).to(tl.int64)
+            cached = tl.load(cached_ptr + s, mask=tm, other=0).to(tl.int64) // R
+            ends = tm & ((p + 1) % R == 0) & ((p + 1) // R - 1 >= cached)
+            rank = base + tl.cumsum(ends.to(tl.int32), 0) - 1
+            tl.store(tok_ptr + rank, t.to(tl.int64), mask=ends & (rank < G))
+            base += tl.sum(ends.to(tl.int32), 0)
+        tl.debug_barrier()
+    j = tl.arange(0, SPAN_P2)
+    jm = j < SPAN
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        gm = g < G
+        if R > 1:
+            tok = tl.load(tok_ptr + g, mask=gm, other=0)
+            valid = tok < T
+            tok = tl.minimum(tok, tl.maximum(T - 1, 0))
+        else:
+            tok = g.to(tl.int64)
+        p = tl.load(pos_ptr + tok, mask=gm, other=0).to(tl.int64)
+        s = tl.load(seq_ptr + tok, mask=gm, other=0).to(tl.int64)
+        w = (p + 1) // R - 1
+        if R == 1:
+            cached = tl.load(cached_ptr + s, mask=gm, other=0).to(tl.int64) // R
+            valid = ((p + 1) % R == 0) & (w >= cached)
+        wc = tl.maximum(w, 0)
+        col = tl.minimum((wc * R) // P, NB - 1)
+        blk = tl.load(table_ptr + s * s_table + col, mask=gm, other=0).to(tl.int64)
+        dest = tl.where(w >= 0, blk * (P // R) + ((wc * R) % P) // R, -1)
+        dest = tl.where(valid, dest, trash_block * (P // R))
+        tl.store(tok_ptr + g, tok, mask=gm)
+        tl.store(valid_ptr + g, valid, mask=gm)
+        tl.store(entry_ptr + g, w, mask=gm)
+        tl.store(dest_ptr + g, dest, mask=gm)
+        tl.store(first_ptr + g, w == 0, mask=gm)
+        q = p[:, None] - SPAN + 1 + j[None, :]  # [BLOCK, SPAN_P2] positions
+        a = tl.load(a_ptr + tok, mask=gm, other=0).to(tl.int64)
+        sl = tl.load(slot_ptr + tok, mask=gm, other=0).to(tl.int64)
+        m2 = gm[:, None] & jm[None, :]
+        o2 = g[:, None].to(tl.int64) * SPAN + j[None, :]
+        tl.store(new_ptr + o2, q >= a[:, None], mask=m2)
+        nidx = tl.minimum(tl.maximum(tok[:, None] - (p[:, None] - q), 0), tl.maximum(T - 1, 0))
+        tl.store(nidx_ptr + o2, nidx, mask=m2)
+        tl.store(tidx_ptr + o2, sl[:, None] * rows + tl.maximum(q, 0) % rr, mask=m2)
+    for t0 in range(0, T, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        tm = t < T
+        p = tl.load(pos_ptr + t, mask=tm, other=0).to(tl.int64)
+        a = tl.load(a_ptr + t, mask=tm, other=0).to(tl.int64)
+        n = tl.load(n_ptr + t, mask=tm, other=0).to(tl.int64)
+        sl = tl.load(slot_ptr + t, mask=tm, other=0).to(tl.int64)
+        last = p >= a + n - rows
+        tw = tl.where(last, sl * rows + p % rr, trash_slot * rows + p % rr)
+        tl.store(twrite_ptr + t, tw, mask=tm)
+
+
+def compressor_groups_triton(pos: torch.Tensor, seq: torch.Tensor, a: torch.Tensor,
+                             n: torch.Tensor, slot: torch.Tensor, cached_lens: torch.Tensor,
+                             block_table: torch.Tensor, ratio: int, span: int, rows: int,
+                             block_size: int, trash_block: int, trash_slot: int
+                             ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Triton :func:`compressor_groups_ref` in one launch (the reference's ~45 small ones)."""
+    dev, T, B = pos.device, pos.numel(), block_table.shape[0]
+    G = T if ratio == 1 else min(T, T // ratio + B)
+    i64 = dict(dtype=torch.int64, device=dev)
+    token, entry, dest = (torch.empty(G, **i64) for _ in range(3))
+    valid = torch.empty(G, dtype=torch.bool, device=dev)
+    first = torch.empty(G, dtype=torch.bool, device=dev)
+    from_new = torch.empty((G, span), dtype=torch.bool, device=dev)
+    new_idx, tail_idx = torch.empty((G, span), **i64), torch.empty((G, span), **i64)
+    tail_write = torch.empty(T, **i64)
+    if T == 0:
+        return token, valid, entry, dest, first, from_new, new_idx, tail_idx, tail_write
+    table = block_table.contiguous()
+    block = 16 if _INTERPRET else min(1024, triton.next_power_of_2(max(T, 1)))
+    span_p2 = triton.next_power_of_2(span)
+    block_g = max(1, min(block, 2048 // span_p2))  # [block_g, span] slot tiles
+    _groups_kernel[(1,)](
+        pos.contiguous(), seq.contiguous(), a.contiguous(), n.contiguous(), slot.contiguous(),
+        cached_lens.contiguous(), table, table.stride(0), token, valid, entry, dest, first,
+        from_new, new_idx, tail_idx, tail_write, T, G, table.shape[1], rows, trash_block,
+        trash_slot, R=ratio, P=block_size, SPAN=span, SPAN_P2=span_p2, BLOCK=block,
+        BLOCK_G=block_g, num_warps=4 if block <= 256 else 8,
+    )  # fmt: skip
+    return token, valid, entry, dest, first, from_new, new_idx, tail_idx, tail_write
+
+
+compressor_groups = op(compressor_groups_ref, compressor_groups_triton,
+                       when=lambda pos, seq, a, n, slot, cached, table, *_:
+                       table.dtype == torch.int64 and table.shape[1] > 0)  # fmt: skip

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from app.model.forward_batch import ForwardBatch
+from kernels.compressor import compressor_groups
 from kernels.indexer import TokenBlocks, entry_rows, scores_token_blocks
 
 
@@ -148,39 +149,10 @@ class StepMeta:
         return self._groups[key]
 
     def _build_groups(self, r: int, span: int, rows: int) -> GroupRows:
-        b, P = self.batch, self.batch.kv.block_size
-        dev, T, B = b.device, b.num_tokens, b.num_seqs
-        w_tok = torch.div(self.pos + 1, r, rounding_mode="floor") - 1
-        cached = torch.div(b.cached_lens[self.seq], r, rounding_mode="floor")
-        ends = ((self.pos + 1) % r == 0) & (w_tok >= cached)
-        if r == 1:
-            token = torch.arange(T, device=dev)
-            valid = ends
-        else:
-            G = min(T, T // r + B)
-            at = torch.where(ends, torch.cumsum(ends, 0) - 1, G)
-            slot = torch.full((G + 1,), T, dtype=torch.int64, device=dev)
-            slot.scatter_(0, at, torch.arange(T, device=dev))
-            token = slot[:G]
-            valid = token < T
-            token = token.clamp_max(max(T - 1, 0))
-        p = self.pos[token]
-        w = torch.div(p + 1, r, rounding_mode="floor") - 1
-        seq = self.seq[token]
-        dest = self.entry_rows(w.unsqueeze(1), r, seq).squeeze(1)
-        dest = torch.where(valid, dest, b.kv.trash_block * (P // r))
-        q = p.unsqueeze(1) - span + 1 + torch.arange(span, device=dev)  # [G, span] positions
-        a = self.a[token].unsqueeze(1)
-        from_new = q >= a
-        new_idx = (token.unsqueeze(1) - (p.unsqueeze(1) - q)).clamp(0, max(T - 1, 0))
-        slot_g = self.slot[token].unsqueeze(1)
-        tail_idx = slot_g * rows + q.clamp_min(0).remainder(max(rows, 1))
-        if rows == 0:
-            tail_idx = torch.zeros_like(tail_idx)
-        last = self.pos >= self.a + self.n - rows
-        trash = b.kv.trash_slot * rows + self.pos.remainder(max(rows, 1))
-        tail_write = torch.where(last, self.slot * rows + self.pos.remainder(max(rows, 1)), trash)
-        return GroupRows(token, valid, w, dest, w == 0, from_new, new_idx, tail_idx, tail_write)
+        b = self.batch
+        return GroupRows(*compressor_groups(
+            self.pos, self.seq, self.a, self.n, self.slot, b.cached_lens, b.block_table, r,
+            span, rows, b.kv.block_size, b.kv.trash_block, b.kv.trash_slot))  # fmt: skip
 
     # ---- rotary -----------------------------------------------------------------------------
     # Cached per rotary *kind* (``Rotary.key``: every layer of one type has an equal one), so

@@ -345,6 +345,30 @@ def test_entry_rows_on_gpu(T, k):
     assert torch.equal(ix.entry_rows(ids, seq, table, r, P), got)  # the dispatch takes it
 
 
+@pytest.mark.parametrize("ratio,span,rows", [(2, 2, 2), (1, 1, 0), (128, 128, 128), (4, 8, 8)])
+@pytest.mark.parametrize("B,n", [(64, 1), (2, 3000)])
+def test_compressor_groups_on_gpu(ratio, span, rows, B, n):
+    """The step's compressor groups in one launch = the reference, exactly: decode (one
+    token per sequence) and prefill chunks (many tokens, the compaction over several
+    blocks), with cached prefixes."""
+    from kernels.compressor import compressor_groups, compressor_groups_ref
+
+    g = torch.Generator(device=DEV).manual_seed(B + ratio)
+    start = torch.randint(0, 20000, (B,), device=DEV, generator=g)
+    cached = start // 64 * 32
+    lens = torch.full((B,), n, device=DEV)
+    seq = torch.arange(B, device=DEV).repeat_interleave(n)
+    pos = start[seq] + torch.arange(B * n, device=DEV) - (seq * n)
+    slots = torch.randperm(B + 8, device=DEV, generator=g)[:B]
+    table = torch.randperm(B * 128 + 9, device=DEV, generator=g)[: B * 128].view(B, 128)
+    args = (pos, seq, start[seq], lens[seq], slots[seq], cached, table, ratio, span, rows,
+            256, B * 128 + 8, B + 7)  # fmt: skip
+    got, want = compressor_groups(*args), compressor_groups_ref(*args)
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    assert want[1].any() or ratio == 128
+
+
 @pytest.mark.parametrize("T", [1, 64, 4096])
 def test_norm_rope_pair_on_gpu(T):
     """wq_a | wkv halves (V4.1-Flash: 1280 | 512, RoPE on kv's last 64) normed in one launch
