@@ -171,6 +171,8 @@ def norm_rope_pair_ref(
     """The two column ranges of ``x`` [T, D1 + D2] (a stacked projection's output, ``split``
     = D1) each RMSNormed with its weight, RoPE on the second's last channels:
     (``norm_rope(x[:, :D1], w1, eps1)``, ``norm_rope(x[:, D1:], w2, eps2, cos, sin)``)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
     return norm_rope_ref(x[:, :split], w1, eps1), norm_rope_ref(x[:, split:], w2, eps2, cos, sin)
 
 

@@ -25,7 +25,7 @@ from app.model.config import LayerMode, LayerSpec, ModelConfig
 from app.model.forward_batch import ForwardBatch
 from app.model.indexer import Indexer, candidate_blocks
 from app.model.kv_store import KVRows
-from app.model.layers import Linear, RMSNorm, stacked_projection
+from app.model.layers import Linear, RMSNorm, StackingModule, stacked_projection
 from app.model.rope import Rotary, apply_rope
 from kernels.attention import sparse_attention
 from kernels.indexer import indexer_scores_paged, topk
@@ -48,7 +48,7 @@ class CompressedState:
         )
 
 
-class Attention(nn.Module):
+class Attention(StackingModule):
     """MLA-style single-latent attention with sink, partial RoPE, grouped low-rank output."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, kv_quant: bool = False):

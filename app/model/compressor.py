@@ -19,11 +19,11 @@ import abc
 import torch
 from torch import nn
 
-from app.model.layers import Linear, RMSNorm, stacked_projection
+from app.model.layers import Linear, RMSNorm, StackingModule, stacked_projection
 from kernels.compressor import compress_pool
 
 
-class Compressor(nn.Module, abc.ABC):
+class Compressor(StackingModule, abc.ABC):
     """Base: ``wkv``/``wgate`` projections, RMSNorm ``norm`` of the pooled entry."""
 
     ratio: int

@@ -118,12 +118,14 @@ def stacked_projection(owner: nn.Module, key: str, parts: Sequence[nn.Module],
     """``parts`` (projections of one input) as one projection over their stacked weights (and
     fp8 scale rows), whose output is the parts' outputs side by side; None when they cannot
     stack (:func:`stack_problem`). The parts' weights (and scales) become views of it, so
-    there is no second copy; it lives in ``owner.__dict__[key]`` (not a submodule: the state
-    dict keeps the parts). Made once -- a forward only compares pointers -- and again when a
-    part or its weight was replaced since (a loader, a device move). An fp8 stack on CUDA
-    gets its decode plan here, and :func:`prepare_fp8_linears` plans it, not its parts.
-    Stack before a CUDA-graph capture (:func:`stack_projections`)."""
-    made = owner.__dict__.get(key)
+    there is no second copy; it lives in ``owner``'s stacks under ``key`` (not a submodule:
+    the state dict keeps the parts; a :class:`StackingModule` drops its stacks when moved).
+    Made once -- a forward only compares pointers -- and again when a part or its weight was
+    replaced since (a loader). An fp8 stack on CUDA gets its decode plan here, and
+    :func:`prepare_fp8_linears` plans it with its parts. Stack before a CUDA-graph capture
+    (:func:`stack_projections`)."""
+    stacks = owner.__dict__.setdefault("_stacks", {})
+    made = stacks.get(key)
     if made is not None and made[1] == _marks(parts):
         return made[0]
     w0 = parts[0].weight
@@ -149,8 +151,24 @@ def stacked_projection(owner: nn.Module, key: str, parts: Sequence[nn.Module],
                 p.__dict__["stacked_into"] = stack
         if isinstance(stack, Fp8Linear) and weight.is_cuda:
             stack.prepare()
-    owner.__dict__[key] = (stack, _marks(parts))
+    stacks[key] = (stack, _marks(parts))
     return stack
+
+
+class StackingModule(nn.Module):
+    """A module whose projections run stacked (:func:`stacked_projection`). Moving or casting
+    it (``to``, ``cuda``, ``half``, ...) drops its stacks: the parts get tensors of their own
+    and the old stacked storage is freed at once, not at the next forward, which stacks
+    again."""
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_stacks", None)
+        return super()._apply(fn, recurse)
+
+    def stack_of(self, key: str) -> nn.Module | None:
+        """The stack made under ``key`` (None: not made, or the parts do not stack)."""
+        made = self.__dict__.get("_stacks", {}).get(key)
+        return made[0] if made is not None else None
 
 
 def stack_projections(model: nn.Module) -> int:
@@ -166,21 +184,22 @@ def prepare_fp8_linears(model: nn.Module) -> tuple[int, list[str]]:
     """:meth:`Fp8Linear.prepare` every fp8 projection of ``model`` now (before any CUDA-graph
     capture) -> (how many take the decode kernel, the names of CUDA ones that cannot: fp32
     scales, shapes off its grid, or scales spanning more binades than it holds exactly).
-    Projections stacked into one (``stacked_into``: the shared expert's W1 / W3, whose
-    weights are views of it) count as that one, under the first one's name + "+"."""
+    Projections stacked into one (``stacked_into``: e.g. attention's wq_a / wkv, whose
+    weights are views of it) are planned as parts (a part may still run alone: the drafters'
+    wkv) and as the stack, which counts once, under its first part's name + "+"."""
     planned, refused, seen = 0, [], set()
     for name, m in model.named_modules():
         if not isinstance(m, Fp8Linear):
             continue
+        todo = [(m, name)]
         into = m.__dict__.get("stacked_into")
-        if into is not None and m.weight.untyped_storage().data_ptr() == \
-                into.weight.untyped_storage().data_ptr():  # fmt: skip
-            m, name = into, name + "+"
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-        if m.prepare():
-            planned += 1
-        elif m.weight.is_cuda:
-            refused.append(name)
+        if into is not None and id(into) not in seen and m.weight.untyped_storage().data_ptr() \
+                == into.weight.untyped_storage().data_ptr():  # fmt: skip
+            seen.add(id(into))
+            todo.append((into, name + "+"))
+        for lin, what in todo:
+            if lin.prepare():
+                planned += 1
+            elif lin.weight.is_cuda:
+                refused.append(what)
     return planned, refused

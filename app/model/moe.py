@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from app.model.ep import EPGroup, ExpertPlacement, ExpertShard, ep_moe, pair_slots
-from app.model.layers import Linear, stack_problem, stacked_projection
+from app.model.layers import Linear, StackingModule, stack_problem, stacked_projection
 from kernels.gate import moe_gate_fused
 from kernels.moe import (
     fp4_from_pairs,
@@ -70,7 +70,7 @@ class Gate(nn.Module):
         return moe_gate_fused(x, self.weight, self.bias, self.k, self.route_scale, hash_idx)
 
 
-class Expert(nn.Module):
+class Expert(StackingModule):
     """``W2(silu(min(W1 x, L)) * clamp(W3 x, +-L))``.
 
     W1 and W3 run as one GEMM over their stacked weights ``[W1; W3]``

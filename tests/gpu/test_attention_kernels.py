@@ -372,7 +372,8 @@ def test_compressor_groups_on_gpu(ratio, span, rows, B, n):
 @pytest.mark.parametrize("T", [1, 64, 4096])
 def test_norm_rope_pair_on_gpu(T):
     """wq_a | wkv halves (V4.1-Flash: 1280 | 512, RoPE on kv's last 64) normed in one launch
-    = the two norm_rope launches bit for bit, and the reference."""
+    = the two norm_rope launches (the same arithmetic; the row sum may add up in another order
+    with another launch shape: within a bf16 rounding) and the reference."""
     from kernels.norm import norm_rope_pair, norm_rope_pair_ref, norm_rope_triton
 
     g = torch.Generator(device=DEV).manual_seed(T)
@@ -381,8 +382,11 @@ def test_norm_rope_pair_on_gpu(T):
     w2 = torch.randn(512, device=DEV, generator=g)
     ang = torch.rand(T, 32, device=DEV, generator=g) * 100.0
     a, b = norm_rope_pair(x, 1280, w1, 1e-6, w2, 1e-6, ang.cos(), ang.sin())
-    assert torch.equal(a, norm_rope_triton(x[:, :1280], w1, 1e-6))
-    assert torch.equal(b, norm_rope_triton(x[:, 1280:], w2, 1e-6, ang.cos(), ang.sin()))
+    sa = norm_rope_triton(x[:, :1280], w1, 1e-6)
+    sb = norm_rope_triton(x[:, 1280:], w2, 1e-6, ang.cos(), ang.sin())
+    for got, sep in ((a, sa), (b, sb)):  # at most one bf16 step apart
+        step = (got.float() - sep.float()).abs() / sep.float().abs().clamp_min(1e-30)
+        assert step.max() <= 2**-7
     ra, rb = norm_rope_pair_ref(x, 1280, w1, 1e-6, w2, 1e-6, ang.cos(), ang.sin())
     assert _rel(a.float(), ra.float()) < 1e-2 and _rel(b.float(), rb.float()) < 1e-2
 

@@ -387,4 +387,4 @@ def test_packed_dense_keeps_fp8_projections(tiny_ckpt, arch):
     # W1 / W3 ran as one projection where their scale blocks end at the seam (V4.1's 32-row
     # blocks; V4's 128-row blocks hold the tiny model's 32 rows of each: two projections)
     seam = not shared.w1.out_features % shared.w1.block[0]
-    assert shared.stackable == seam == (shared.__dict__["_w13"][0] is not None) == (arch == "v41")
+    assert shared.stackable == seam == (shared.stack_of("_w13") is not None) == (arch == "v41")

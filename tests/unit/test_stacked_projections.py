@@ -51,7 +51,7 @@ def test_attention_runs_wq_a_and_wkv_as_one_gemm(tiny_ckpt, arch, packed):
     torch.manual_seed(0)
     for layer in model.layers:
         att = layer.attn
-        stack = att.__dict__["_qkv_a"][0]  # made by stack_projections (None: not stacked)
+        stack = att.stack_of("_qkv_a")  # made by stack_projections (None: not stacked)
         stacked = stack is not None
         fp8 = isinstance(att.wq_a, Fp8Linear)
         assert fp8 == packed
@@ -83,12 +83,12 @@ def test_attention_stack_follows_a_replaced_weight(tiny_ckpt):
     model = load_model(tiny_ckpt("v41"))
     stack_projections(model)
     att = model.layers[2].attn
-    old = att.__dict__["_qkv_a"][0]
+    old = att.stack_of("_qkv_a")
     x = torch.randn(2, model.cfg.hidden_size)
     angles = torch.randn(2, model.cfg.qk_rope_head_dim // 2)
     att.wkv.weight.data = torch.randn_like(att.wkv.weight) * 0.1
     _, _, kv = att.qkv_fused(x, angles.cos(), angles.sin())
-    assert att.__dict__["_qkv_a"][0] not in (None, old)
+    assert att.stack_of("_qkv_a") not in (None, old)
     _, _, kv_ref = att.qkv(x, angles)
     torch.testing.assert_close(kv, kv_ref, rtol=1e-5, atol=1e-5)
 
@@ -112,7 +112,7 @@ def test_compressors_run_wkv_and_wgate_as_one_gemm(tiny_ckpt, arch):
         _calls(c.wkv, log, "wkv")
         if c in gated:
             _calls(c.wgate, log, "wgate")
-            stack = c.__dict__["_kv_gate"][0]
+            stack = c.stack_of("_kv_gate")
             _calls(stack, log, "stack")
         kv, gate = c.project(x, pos)
         assert log == (["stack"] if c in gated else ["wkv"])
@@ -123,3 +123,22 @@ def test_compressors_run_wkv_and_wgate_as_one_gemm(tiny_ckpt, arch):
             torch.testing.assert_close(gate, c.wgate(x) + ape, rtol=1e-6, atol=1e-6)
         else:
             assert not gate.any()
+
+
+def test_moving_a_module_drops_its_stacks(tiny_ckpt):
+    """``to()`` (a device move or a cast) frees the stacked storage at once -- the parts get
+    tensors of their own -- and the next forward stacks again, in the new dtype."""
+    model = load_model(tiny_ckpt("v41"))
+    stack_projections(model)
+    att = model.layers[2].attn
+    old = att.stack_of("_qkv_a")
+    assert old is not None and att.wq_a.weight.data_ptr() == old.weight.data_ptr()
+    att.to(torch.float64)
+    assert att.stack_of("_qkv_a") is None
+    assert att.wq_a.weight.dtype == torch.float64
+    assert att.wq_a.weight.untyped_storage().data_ptr() != old.weight.untyped_storage().data_ptr()
+    x = torch.randn(2, model.cfg.hidden_size, dtype=torch.float64)
+    angles = torch.randn(2, model.cfg.qk_rope_head_dim // 2, dtype=torch.float64)
+    _, c_q, _ = att.qkv_fused(x, angles.cos(), angles.sin())
+    new = att.stack_of("_qkv_a")
+    assert new is not None and new.weight.dtype == torch.float64 and c_q.dtype == torch.float64

@@ -94,7 +94,8 @@ def test_expert_stacks_fp8_w1_w3_into_one_projection(inter, block, stacked):
     assert e.w3.weight.data_ptr() == lin.weight[inter:].data_ptr()
     assert e.w3.scale.data_ptr() == lin.scale[inter // 32:].data_ptr()
     assert e.stacked_w13() is lin  # stacked once
-    # the runner's prepare_fp8_linears plans the stack once, not the views W1 / W3
+    # the runner's prepare_fp8_linears plans the stack once, and its parts (a part may run
+    # alone: the drafters' wkv)
     prepared = []
 
     def prepare(self: Fp8Linear) -> bool:
@@ -103,8 +104,8 @@ def test_expert_stacks_fp8_w1_w3_into_one_projection(inter, block, stacked):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Fp8Linear, "prepare", prepare)
-        assert prepare_fp8_linears(e) == (1, [])
-    assert prepared == [lin]
+        assert prepare_fp8_linears(e) == (3, [])
+    assert prepared == [e.w1, lin, e.w3]  # the stack once, beside its parts
     q, s = quantize_fp8_block(torch.randn(inter, 64), block)
     e.w3.weight.data, e.w3.scale = q, s  # a loader replacing a weight: stacked again
     torch.testing.assert_close(e(x), unfused(), rtol=1e-5, atol=1e-5)
