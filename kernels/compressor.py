@@ -27,6 +27,7 @@ import triton.language as tl
 
 from kernels.attention import rope_pairs
 from kernels.dispatch import op
+from kernels.indexer import _pool_rows, entry_rows_ref
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -240,8 +241,6 @@ def compressor_groups_ref(pos: torch.Tensor, seq: torch.Tensor, a: torch.Tensor,
     ``new_idx`` where ``from_new``, else tail-ring row ``tail_idx``; ``tail_write`` is the
     tail-ring row each token's projection goes to (the trash slot's unless it is among its
     chunk's last ``rows``)."""
-    from kernels.indexer import entry_rows_ref
-
     dev, T, B, r, P = pos.device, pos.numel(), block_table.shape[0], ratio, block_size
     w_tok = torch.div(pos + 1, r, rounding_mode="floor") - 1
     cached = torch.div(cached_lens[seq], r, rounding_mode="floor")
@@ -317,10 +316,7 @@ def _groups_kernel(pos_ptr, seq_ptr, a_ptr, n_ptr, slot_ptr, cached_ptr, table_p
         if R == 1:
             cached = tl.load(cached_ptr + s, mask=gm, other=0).to(tl.int64) // R
             valid = ((p + 1) % R == 0) & (w >= cached)
-        wc = tl.maximum(w, 0)
-        col = tl.minimum((wc * R) // P, NB - 1)
-        blk = tl.load(table_ptr + s * s_table + col, mask=gm, other=0).to(tl.int64)
-        dest = tl.where(w >= 0, blk * (P // R) + ((wc * R) % P) // R, -1)
+        dest = _pool_rows(table_ptr, s_table, s, w, NB, gm, R, P)
         dest = tl.where(valid, dest, trash_block * (P // R))
         tl.store(tok_ptr + g, tok, mask=gm)
         tl.store(valid_ptr + g, valid, mask=gm)

@@ -673,6 +673,16 @@ def entry_rows_ref(entries: torch.Tensor, seq: torch.Tensor, block_table: torch.
 
 
 @triton.jit
+def _pool_rows(table_ptr, s_table, seq, w, NB, mask, RATIO: tl.constexpr, P: tl.constexpr):
+    """Pool rows of entries ``w`` (int64; -1 where w < 0) of sequences ``seq`` through the
+    block table (:func:`entry_rows_ref`'s arithmetic, for the Triton kernels)."""
+    wc = tl.maximum(w, 0)
+    col = tl.minimum((wc * RATIO) // P, NB - 1)
+    blk = tl.load(table_ptr + seq * s_table + col, mask=mask, other=0).to(tl.int64)
+    return tl.where(w >= 0, blk * (P // RATIO) + ((wc * RATIO) % P) // RATIO, -1)
+
+
+@triton.jit
 def _entry_rows_kernel(e_ptr, seq_ptr, bt_ptr, out_ptr, K, NB, s_e, s_bt, s_o,
                        RATIO: tl.constexpr, P: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -680,11 +690,7 @@ def _entry_rows_kernel(e_ptr, seq_ptr, bt_ptr, out_ptr, K, NB, s_e, s_bt, s_o,
     m = j < K
     e = tl.load(e_ptr + t * s_e + j, mask=m, other=-1).to(tl.int64)
     s = tl.load(seq_ptr + t).to(tl.int64)
-    w = tl.maximum(e, 0)
-    col = tl.minimum((w * RATIO) // P, NB - 1)
-    blk = tl.load(bt_ptr + s * s_bt + col, mask=m, other=0)
-    rows = blk * (P // RATIO) + ((w * RATIO) % P) // RATIO
-    tl.store(out_ptr + t * s_o + j, tl.where(e >= 0, rows, -1), mask=m)
+    tl.store(out_ptr + t * s_o + j, _pool_rows(bt_ptr, s_bt, s, e, NB, m, RATIO, P), mask=m)
 
 
 def entry_rows_triton(entries: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
