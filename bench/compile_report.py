@@ -331,16 +331,17 @@ def moe_decode() -> None:
     fn = md._moe_dec_kernel
     base = {n: "i32" for n in fn.arg_names}
     base.update(a_ptr="*fp16", rows_ptr="*i32", tile_e_ptr="*i32", w_ptr="*i8", s_ptr="*i32",
-                r_ptr="*i32", limit="fp32")  # fmt: skip
+                r_ptr="*i32", limit="fp32", cnt_ptr="*i32", fin_ptr="*bf16")  # fmt: skip
     aligned = [n for n in fn.arg_names if n.endswith("_ptr")
                or n in ("sam", "swe", "swn", "sse", "ssn", "sre", "sos", "som", "N", "K",
-                        "k_per_split")]  # fmt: skip
+                        "k_per_split", "sfm")]  # fmt: skip
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "W13,W2"
     for name, out, gather, fuse in (("W13", "*fp16", True, True), ("W2 split", "*fp32", False,
                                                                     False),
                                     ("W2", "*bf16", False, False), ("fp8", "*bf16", False, False),
                                     ("fp8 split", "*fp32", False, False),
+                                    ("fp8 sum", "*fp32", False, False),
                                     ("fp8 b128", "*bf16", False, False)):  # fmt: skip
         if only and name not in only:
             continue
@@ -349,7 +350,7 @@ def moe_decode() -> None:
             consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=not fp8, BR=md.BR, BT=bt,
                           KB=md.KB, STAGES=st, FP8=fp8,
                           SB_N=(128 if "b128" in name else 32) if fp8 else 1,
-                          TILES_LAST=not fp8)  # fmt: skip
+                          TILES_LAST=not fp8, REDUCE=name == "fp8 sum")  # fmt: skip
             types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else {}))
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             _loop_report(f"moe-decode {name:8s} BT={bt:2d} stages={st}", fn, sig, consts, attrs, 4,
@@ -366,15 +367,17 @@ def dense_wg() -> None:
 
     fn = dw._dense_wg_kernel
     base = {n: "i32" for n in fn.arg_names}
-    base.update(x_ptr="*bf16", w_ptr="*u8", s_ptr="*i32", r_ptr="*i32")
+    base.update(x_ptr="*bf16", w_ptr="*u8", s_ptr="*i32", r_ptr="*i32", cnt_ptr="*i32",
+                fin_ptr="*bf16")  # fmt: skip
     aligned = [n for n in fn.arg_names if n.endswith("_ptr")
-               or n in ("sxm", "swn", "ssn", "sos", "som", "N", "K", "k_per_split")]
+               or n in ("sxm", "swn", "ssn", "sos", "som", "N", "K", "k_per_split", "sfm")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     for bt in dw.TOKEN_TILES:
         warps, st = dw.pick_launch(bt)
-        for out in ("*bf16", "*fp32"):
-            consts = dict(BM=16 * warps, BT=bt, KB=dw.KB, STAGES=st, SB_N=32, WARPS=warps)
-            types = dict(base, out_ptr=out)
+        for out in ("*bf16", "*fp32", "*fp32 sum"):
+            consts = dict(BM=16 * warps, BT=bt, KB=dw.KB, STAGES=st, SB_N=32, WARPS=warps,
+                          REDUCE=out.endswith("sum"))  # fmt: skip
+            types = dict(base, out_ptr=out.split()[0])
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             _loop_report(f"dense-wg BT={bt:3d} warps={warps} stages={st} out={out[1:]}", fn,
                          sig, consts, attrs, warps,

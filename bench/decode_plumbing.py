@@ -134,7 +134,8 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
     """The layer's dense projections at t tokens: the checkpoint's e4m3 weights with 32 x 32
     e8m0 blocks through ``fp8_linear``, planned as ``Fp8Linear`` plans them ("fp8": the
     mma.sync decode kernel, up to 64 tokens; "fp8_wg": the wgmma kernel, sm_90; "fp8_auto":
-    the dispatch's choice; "fp8_tl": the MegaMoE GEMM, the previous path), or bf16 through
+    the dispatch's choice; "fp8_auto_launch": the same with the K splits summed by a second
+    launch, the earlier path; "fp8_tl": the MegaMoE GEMM), or bf16 through
     cuBLAS ("bf16", the peer). (None, 0, 0) where the pinned kernel does not take t tokens
     or this tree lacks it."""
     from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
@@ -145,18 +146,21 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
     ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) / k**0.5, (32, 32))
           for n, k in DENSE]  # fmt: skip
     if fmt.startswith("fp8"):
-        kernel = {"fp8": "gluon", "fp8_wg": "wgmma", "fp8_auto": "auto", "fp8_tl": "tl"}[fmt]
+        kernel = {"fp8": "gluon", "fp8_wg": "wgmma", "fp8_auto": "auto", "fp8_tl": "tl",
+                  "fp8_auto_launch": "auto"}[fmt]  # fmt: skip
         try:
             with fp8_kernel_choice(kernel):
                 pass
-        except ValueError:  # an older tree without this kernel
+            from kernels.linear import split_sum_choice
+        except (ValueError, ImportError):  # an older tree without this kernel
             return None, 0.0, 0.0
+        where = "launch" if fmt.endswith("_launch") else "auto"
         if (kernel == "gluon" and t > 64) or (kernel == "wgmma" and t > 256):
             return None, 0.0, 0.0
         plans = [fp8_decode_plan(q, s, (32, 32)) for q, s in ws]
 
         def one(q, s, k, p):
-            with fp8_kernel_choice(kernel):
+            with fp8_kernel_choice(kernel), split_sum_choice(where):
                 return fp8_linear(x[k], q, s, (32, 32), p)
 
         calls = [(lambda q=q, s=s, k=k, p=p: one(q, s, k, p))
@@ -185,6 +189,7 @@ CASES = {"mhc": mhc_case, "mhc_loop": lambda t, g: mhc_case(t, g, "loop"), "gate
          "dense_fp8_wg": lambda t, g: dense_case(t, g, "fp8_wg"),
          "dense_fp8_auto": lambda t, g: dense_case(t, g, "fp8_auto"),
          "dense_fp8_tl": lambda t, g: dense_case(t, g, "fp8_tl"),
+         "dense_fp8_auto_launch": lambda t, g: dense_case(t, g, "fp8_auto_launch"),
          "dense_bf16": lambda t, g: dense_case(t, g, "bf16")}  # fmt: skip
 
 

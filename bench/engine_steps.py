@@ -562,13 +562,16 @@ def main() -> None:
                          "an error over 64 rows: keep --batches and --verify-batches at <= 64 "
                          "rows; auto = the wgmma kernel from 17 rows on sm_90, else the decode "
                          "kernel)")  # fmt: skip
+    ap.add_argument("--split-sum", default="auto", choices=("auto", "launch", "kernel"),
+                    help="with --dense fp8: where the Gluon kernels' K splits are summed "
+                         "(kernels.linear.split_sum_choice)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
-    from kernels.linear import fp8_kernel_choice
+    from kernels.linear import fp8_kernel_choice, split_sum_choice
     from kernels.mhc import finish_choice
 
     with (kernel_choice(args.attention), finish_choice(args.mhc_finish),
-          fp8_kernel_choice(args.dense_kernel)):  # fmt: skip
+          fp8_kernel_choice(args.dense_kernel), split_sum_choice(args.split_sum)):  # fmt: skip
         _run(args)
 
 
@@ -601,7 +604,8 @@ def _run(args) -> None:
         if part in what:
             records += [dict(r, params={**r.get("params", {}), "attention": args.attention,
                                         "mhc_finish": args.mhc_finish,
-                                        "dense_kernel": args.dense_kernel})
+                                        "dense_kernel": args.dense_kernel,
+                                        "split_sum": args.split_sum})
                         for r in fn()]  # fmt: skip
             write(name, records)  # keep what finished if a later part runs out of time
             gc.collect()

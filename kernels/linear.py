@@ -138,6 +138,16 @@ def fp8_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
     return pinned_variant("fp8_linear", kernel, _KERNELS)
 
 
+def split_sum_choice(where: str) -> contextlib.AbstractContextManager[None]:
+    """Where the Gluon fp8 kernels' K splits are summed in this block: "kernel" (each
+    tile's last CTA), "launch" (a second launch, ``_split_sum_cast``; the earlier path) or
+    "auto": the kernel for the mma.sync decode kernel (1-16 rows), a launch for the wgmma
+    kernel (H200, twelfth session: 70.4 against 75.0 us for the six V4.1-Flash projections
+    at 1 token, but 199.5 against 131.2 at 64, where one CTA per tile reads up to 20
+    partials of 64 x 64 one after another). Set it before CUDA-graph capture."""
+    return pinned_variant("fp8_split_sum", where, ("auto", "launch", "kernel"))
+
+
 def _decode_kernel_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, k: int,
                         b0: int) -> bool:  # fmt: skip
     """Whether the decode kernel takes ``x`` [M, K] with ``plan`` (made for this weight):
@@ -253,10 +263,12 @@ def fp8_linear_triton(
 
 def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N: int,
                 K: int, bt: int | None = None, split: int | None = None,
-                stages: int | None = None) -> torch.Tensor:  # fmt: skip
-    """[M, N] in x's dtype through ``moe_decode.launch_dense`` (+ the split-K sum); the
-    token tile, K splits and ring depth default to the measured choice (a sweep passes its
-    own)."""
+                stages: int | None = None,
+                fused_sum: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """[M, N] in x's dtype through ``moe_decode.launch_dense``; with K splits the kernel's
+    last CTA of each tile sums them (``fused_sum``; by default unless
+    :func:`split_sum_choice` pins "launch"), else a second launch does. The token
+    tile, K splits and ring depth default to the measured choice (a sweep passes its own)."""
     from kernels import moe_decode as md
 
     bt = bt or (8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64)
@@ -266,6 +278,13 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
     rows, tile_e = _one_group_rows(tiles * bt, tiles, x2.device)
     y = torch.empty(split, tiles * bt, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
+    if fused_sum is None:
+        fused_sum = pinned("fp8_split_sum") != "launch"
+    if split > 1 and fused_sum:
+        fin = torch.empty(tiles * bt, N, device=x2.device, dtype=x2.dtype)
+        md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
+                        stages, fin, split_counters(tiles * (N // md.BR), x2.device))  # fmt: skip
+        return fin[:M]
     md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
                     stages)  # fmt: skip
     return _sum_splits(y, M, N, x2.dtype)
@@ -273,9 +292,12 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
 
 def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N: int,
                K: int, bt: int | None = None, split: int | None = None,
-               stages: int | None = None, warps: int | None = None) -> torch.Tensor:  # fmt: skip
-    """[M, N] in x's dtype through ``dense_wgmma.launch`` (+ the split-K sum); the launch
-    choices default to the measured ones (a sweep passes its own)."""
+               stages: int | None = None, warps: int | None = None,
+               fused_sum: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """[M, N] in x's dtype through ``dense_wgmma.launch``; K splits summed by a second
+    launch, or by the kernel's last CTA of each tile with ``fused_sum`` (by default only
+    where :func:`split_sum_choice` pins "kernel": slower here). The launch choices
+    default to the measured ones (a sweep passes its own)."""
     from kernels import dense_wgmma as dw
 
     bt = bt or dw.token_tile(M)
@@ -284,6 +306,14 @@ def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N
     split = split or dw.pick_split(N, K, sm_count(x2.device), 16 * warps)
     y = torch.empty(split, M, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
+    if fused_sum is None:
+        fused_sum = pinned("fp8_split_sum") == "kernel"
+    if split > 1 and fused_sum:
+        fin = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
+        n_cnt = (N // (16 * warps)) * -(-M // bt)
+        dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps, fin,
+                  split_counters(n_cnt, x2.device))  # fmt: skip
+        return fin
     dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps)
     return _sum_splits(y, M, N, x2.dtype)
 
@@ -316,6 +346,23 @@ def _one_group_rows(n_rows: int, n_tiles: int, device: torch.device):
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         kept.append((rows, tile_e))
     return rows[:n_rows], tile_e[:n_tiles]
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zeroed int32 counters for a launch that sums its K splits in the kernel (each
+    tile's last CTA sets its counter back to zero, so launches in stream order share them).
+    Kept per device like :func:`_one_group_rows`: only when made outside a CUDA-graph
+    capture, and never freed (a captured graph may hold an outgrown buffer)."""
+    kept = _COUNTERS.setdefault(device, [])
+    if kept and kept[-1].numel() >= n:
+        return kept[-1][:n]
+    c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        kept.append(c)
+    return c[:n]
 
 
 @triton.jit

@@ -213,10 +213,11 @@ def _mult(words, ref, layout: gl.constexpr, OFF: gl.constexpr):
 @gluon.jit
 def _moe_dec_kernel(
     a_ptr, sam, rows_ptr, tile_e_ptr, w_ptr, swe, swn, s_ptr, sse, ssn, r_ptr, sre,
-    out_ptr, sos, som, n_slots, topk, N, K, k_per_split, limit,
+    out_ptr, sos, som, n_slots, topk, N, K, k_per_split, limit, cnt_ptr, fin_ptr, sfm,
     A_GATHER: gl.constexpr, FUSE_SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
     BR: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     FP8: gl.constexpr = False, SB_N: gl.constexpr = 1, TILES_LAST: gl.constexpr = True,
+    REDUCE: gl.constexpr = False,
 ):  # fmt: skip
     """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x
     2^-4; ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations
@@ -226,7 +227,11 @@ def _moe_dec_kernel(
     ``TILES_LAST``: the grid is (row blocks, splits, token tiles), so the CTAs of one token
     tile run together and the idle tiles past the last expert's (``tile_e`` -1: the
     graph-static grid holds the most tiles a call can need) are scheduled after every
-    working CTA; else (token tiles, row blocks, splits)."""
+    working CTA; else (token tiles, row blocks, splits). ``REDUCE`` (``FP8`` with K splits):
+    the split-K sum in the epilogue -- each CTA stores its fp32 partial and counts itself in
+    at its (tile, row block) counter (``cnt_ptr``, zero between launches); the last to arrive
+    sums the partials in split order (as ``kernels.linear._split_sum_cast``), writes
+    ``fin_ptr`` in its dtype and sets the counter back to zero."""
     if TILES_LAST:
         pid_n, pid_k, pid_m = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     else:
@@ -326,6 +331,10 @@ def _moe_dec_kernel(
     o_ptrs = out_ptr + pid_k * sos + tp.to(gl.int64)[None, :] * som + rm[:, None]
     if FP8:
         gl.store(o_ptrs, acc_lo.to(out_ptr.dtype.element_ty))
+        if REDUCE:
+            _last_sums(o_ptrs - pid_k * sos, sos, fin_ptr + tp.to(gl.int64)[None, :] * sfm
+                       + rm[:, None], cnt_ptr + pid_m * (N // BR) + pid_n,
+                       gl.num_programs(1 if TILES_LAST else 2), None)  # fmt: skip
     elif FUSE_SWIGLU:
         f_hi = ((gl.load(r_ptr + e * sre + N + rm) + 4) << 23).to(gl.float32, bitcast=True)
         acc_hi = acc_hi * f_hi[:, None]
@@ -339,6 +348,25 @@ def _moe_dec_kernel(
         acc_hi = acc_hi * f_hi[:, None]
         gl.store(o_ptrs, acc_lo.to(out_ptr.dtype.element_ty))
         gl.store(o_ptrs + N, acc_hi.to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _last_sums(p_ptrs, sps, f_ptrs, c_ptr, n_split, mask):
+    """Split-K in the epilogue: after this CTA's partial is stored at ``p_ptrs + k * sps``,
+    count the CTA in at ``c_ptr``; the last of ``n_split`` sums the partials in split order
+    into ``f_ptrs`` (its dtype) and resets the counter. The barrier puts every thread's
+    store before the gpu-scope release of the count (CUDA's threadfence-reduction pattern),
+    and the partials are read from L2 (``.cg``): other SMs wrote them. ``mask``: the
+    elements stored (None: all)."""
+    gl.thread_barrier()
+    old = gl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == n_split - 1:
+        gl.thread_barrier()
+        tot = gl.load(p_ptrs, mask=mask, cache_modifier=".cg")
+        for k in range(1, n_split):
+            tot += gl.load(p_ptrs + k * sps, mask=mask, cache_modifier=".cg")
+        gl.store(f_ptrs, tot.to(f_ptrs.dtype.element_ty), mask=mask)
+        gl.store(c_ptr, 0)
 
 
 def pick_stages(bt: int, tiles: float) -> int:
@@ -377,7 +405,7 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
     _moe_dec_kernel[grid](
         a, a.stride(0), rows, tile_e, w, w.stride(0), w.stride(1), s, s.stride(0), s.stride(1),
         ref, ref.stride(0), out, out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
-        n_slots, topk, n, k, per, limit, A_GATHER=gather, FUSE_SWIGLU=fuse_swiglu,
+        n_slots, topk, n, k, per, limit, ref, out, 0, A_GATHER=gather, FUSE_SWIGLU=fuse_swiglu,
         HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages, TILES_LAST=tiles_last,
         num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
@@ -405,19 +433,29 @@ def rebased_fp8_weights(w: torch.Tensor, codes: torch.Tensor, refs: torch.Tensor
 
 def launch_dense(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Tensor,
                  rows: torch.Tensor, tile_e: torch.Tensor, out: torch.Tensor, m: int,
-                 split: int, bt: int, b0: int, stages: int = STAGES) -> None:  # fmt: skip
+                 split: int, bt: int, b0: int, stages: int = STAGES,
+                 fin: torch.Tensor | None = None,
+                 counters: torch.Tensor | None = None) -> None:  # fmt: skip
     """One dense fp8 GEMM ``out[s, :m] (+)= x @ W^T``: ``x`` bf16 / fp16 [m, K] (contiguous
     rows), ``w`` e4m3 [N, K], ``words`` int32 [ceil(N / b0), K / 128] (four e8m0 codes per
     128 columns), ``refs`` int32 [N] (:func:`fp8_refs`), ``rows`` / ``tile_e`` the one-group
     row map (0 .. tiles * bt - 1) and tile experts (0), ``out`` [split, tiles * bt, N]: x's
-    dtype when ``split`` is 1, else fp32 partials. K a multiple of KB, N of BR."""
+    dtype when ``split`` is 1, else fp32 partials. With ``fin`` [tiles * bt, N] (x's dtype)
+    and ``counters`` (int32, zero, at least tiles * N / BR) the launch also sums the splits
+    into ``fin`` (``_moe_dec_kernel``'s ``REDUCE``). K a multiple of KB, N of BR."""
     n, k = w.shape
     if k % KB or n % BR or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dense decode GEMM: K={k} (x {KB}), N={n} (x {BR}), x {x.dtype}")
+    reduce = fin is not None and split > 1
+    if reduce and (counters is None or counters.numel() < tile_e.numel() * (n // BR)
+                   or fin.shape != out.shape[1:] or fin.stride(1) != 1):  # fmt: skip
+        raise ValueError("dense decode GEMM: the in-kernel split sum needs fin [rows, N] and "
+                         f"{tile_e.numel() * (n // BR)} zeroed counters")  # fmt: skip
     per = -(-(k // KB) // split) * KB
     _moe_dec_kernel[(tile_e.numel(), n // BR, split)](
         x, x.stride(0), rows, tile_e, w.view(torch.uint8), 0, w.stride(0), words, 0,
         words.stride(0), refs, 0, out, out.stride(0), out.stride(1), m, 1, n, k, per, 0.0,
+        counters if reduce else refs, fin if reduce else out, fin.stride(0) if reduce else 0,
         A_GATHER=False, FUSE_SWIGLU=False, HAS_LIMIT=False, BR=BR, BT=bt, KB=KB,
-        STAGES=stages, FP8=True, SB_N=b0, TILES_LAST=False, num_warps=4,
+        STAGES=stages, FP8=True, SB_N=b0, TILES_LAST=False, REDUCE=reduce, num_warps=4,
     )  # fmt: skip

@@ -191,3 +191,41 @@ def test_fp8_projection_takes_its_plan_in_a_cuda_graph(kernel: str, m: int) -> N
     fresh = Fp8Linear(q, s, (32, 32))
     with torch.cuda.graph(torch.cuda.CUDAGraph()), pytest.raises(RuntimeError, match="prepare"):
         fresh.prepare()
+
+
+@pytest.mark.parametrize("path", ["decode", "wgmma"])
+def test_split_sum_in_the_kernel_equals_the_second_launch(path: str) -> None:
+    """The K splits summed by each tile's last CTA (``fused_sum``) equal, bit for bit, the
+    same partials summed by ``_split_sum_cast`` (``fused_sum=False``), at 2-40 splits, token
+    tiles with pad rows, and two token tiles; replayed in a CUDA graph with new inputs each
+    time (the counters must be back at zero after every launch, or a later launch would
+    sum too early or never); the counters are all zero afterwards."""
+    from kernels import moe_decode as md
+    from kernels.linear import _COUNTERS, _fp8_decode, _fp8_wgmma, fp8_decode_plan
+
+    if path == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+    run = _fp8_decode if path == "decode" else _fp8_wgmma
+    cases = ((1, 8, 2), (5, 8, 40), (16, 16, 3), (40, 32, 7)) if path == "decode" else \
+        ((17, 32, 2), (40, 64, 9), (100, 64, 5), (129, 128, 3))
+    for n, k in ((1280, 5120), (512, 5120), (5120, 2304)):
+        q, s = _weight(n, k, (32, 32), seed=n + k)
+        plan = fp8_decode_plan(q, s, (32, 32))
+        for m, bt, split in cases:
+            split = min(split, k // md.KB)
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            two = run(x, q, plan, m, n, k, bt, split, fused_sum=False)
+            one = run(x, q, plan, m, n, k, bt, split, fused_sum=True)
+            assert one.shape == (m, n) and torch.equal(one, two), (n, k, m, bt, split)
+            static = x.clone()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = run(static, q, plan, m, n, k, bt, split, fused_sum=True)
+            for _ in range(3):
+                static.copy_(torch.randn(m, k, device="cuda").bfloat16())
+                g.replay()
+                want = run(static, q, plan, m, n, k, bt, split, fused_sum=False)
+                assert torch.equal(out, want), (n, k, m, bt, split)
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for kept in _COUNTERS.values() for c in kept)

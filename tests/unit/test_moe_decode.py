@@ -214,3 +214,42 @@ def test_fp8_projection_plan_is_prepared_on_cuda_only() -> None:
         fp8_linear_triton(x.bfloat16(), q, s, (32, 32), plan)
     with pytest.raises(ValueError, match="fp8_linear kernel must be"), fp8_kernel_choice("x"):
         pass
+
+
+def test_split_sum_in_the_kernel_needs_its_counters_and_shares_them() -> None:
+    """The in-kernel split sum is refused without enough zeroed counters or with an output
+    of another shape (before any launch), and ``split_counters`` hands out views of one kept
+    zeroed buffer that grows when a launch needs more (launches in stream order share it:
+    each tile's last CTA sets its counter back to zero). The kernels' sums themselves are
+    checked bit for bit on the GPU (tests/gpu/test_dense_kernels.py)."""
+    from kernels import dense_wgmma as dw
+    from kernels import moe_decode as md
+    from kernels.linear import split_counters
+
+    n, k, m, bt = 128, 256, 3, 8
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    words = torch.zeros(n // 32, k // 128, dtype=torch.int32)
+    refs = torch.zeros(n, dtype=torch.int32)
+    rows, tile_e = torch.arange(bt, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    part = torch.empty(2, bt, n)
+    fin = torch.empty(bt, n, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="zeroed counters"):
+        md.launch_dense(x, w, words, refs, rows, tile_e, part, m, 2, bt, 32, fin=fin)
+    with pytest.raises(ValueError, match="zeroed counters"):  # one counter per row block
+        md.launch_dense(x, w, words, refs, rows, tile_e, part, m, 2, bt, 32, fin=fin,
+                        counters=torch.zeros(n // md.BR - 1, dtype=torch.int32))  # fmt: skip
+    half, eight = fin[:, : n // 2], torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fin"):
+        md.launch_dense(x, w, words, refs, rows, tile_e, part, m, 2, bt, 32, fin=half,
+                        counters=eight)  # fmt: skip
+    with pytest.raises(ValueError, match="zeroed counters"):
+        dw.launch(x, w, words, refs, part, m, 2, 32, 32, 3, 4, fin=fin)
+    dev = torch.device("cpu")
+    a = split_counters(10, dev)
+    assert a.dtype == torch.int32 and a.shape == (10,) and not bool(a.any())
+    b = split_counters(5, dev)
+    assert b.data_ptr() == a.data_ptr()  # the same kept buffer
+    big = split_counters(1 << 15, dev)
+    assert big.numel() == 1 << 15 and not bool(big.any())
+    assert split_counters(3, dev).data_ptr() == big.data_ptr()  # the grown buffer from now on
