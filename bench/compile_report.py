@@ -337,8 +337,9 @@ def moe_decode() -> None:
                         "k_per_split", "sfm")]  # fmt: skip
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "W13,W2"
-    for name, out, gather, fuse in (("W13", "*fp16", True, True), ("W2 split", "*fp32", False,
-                                                                    False),
+    for name, out, gather, fuse in (("W13", "*fp16", True, True),
+                                    ("W13 sum", "*fp32", True, False),
+                                    ("W2 split", "*fp32", False, False),
                                     ("W2", "*bf16", False, False), ("fp8", "*bf16", False, False),
                                     ("fp8 split", "*fp32", False, False),
                                     ("fp8 sum", "*fp32", False, False),
@@ -350,8 +351,9 @@ def moe_decode() -> None:
             consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=not fp8, BR=md.BR, BT=bt,
                           KB=md.KB, STAGES=st, FP8=fp8,
                           SB_N=(128 if "b128" in name else 32) if fp8 else 1,
-                          TILES_LAST=not fp8, REDUCE=name == "fp8 sum")  # fmt: skip
-            types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else {}))
+                          TILES_LAST=not fp8, REDUCE=name.endswith("sum"))  # fmt: skip
+            types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else
+                                               {"fin_ptr": "*fp16"}))  # fmt: skip
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             _loop_report(f"moe-decode {name:8s} BT={bt:2d} stages={st}", fn, sig, consts, attrs, 4,
                          ("HMMA", "LDS", "LDGSTS", "F2FP", "HMUL2", "LOP3", "BAR"))  # fmt: skip

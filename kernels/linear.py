@@ -139,13 +139,14 @@ def fp8_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
 
 
 def split_sum_choice(where: str) -> contextlib.AbstractContextManager[None]:
-    """Where the Gluon fp8 kernels' K splits are summed in this block: "kernel" (each
-    tile's last CTA), "launch" (a second launch, ``_split_sum_cast``; the earlier path) or
-    "auto": the kernel for the mma.sync decode kernel (1-16 rows), a launch for the wgmma
+    """Where the Gluon decode kernels' K splits are summed in this block: "kernel" (each
+    tile's last CTA), "launch" (a second launch: ``_split_sum_cast``, the MoE's
+    ``_swiglu_reduce``; the earlier path) or "auto": the kernel for the mma.sync decode
+    kernel (fp8 projections at 1-16 rows, the MoE's W13), a launch for the wgmma
     kernel (H200, twelfth session: 70.4 against 75.0 us for the six V4.1-Flash projections
     at 1 token, but 199.5 against 131.2 at 64, where one CTA per tile reads up to 20
     partials of 64 x 64 one after another). Set it before CUDA-graph capture."""
-    return pinned_variant("fp8_split_sum", where, ("auto", "launch", "kernel"))
+    return pinned_variant("split_sum", where, ("auto", "launch", "kernel"))
 
 
 def _decode_kernel_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, k: int,
@@ -279,11 +280,12 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
     y = torch.empty(split, tiles * bt, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
     if fused_sum is None:
-        fused_sum = pinned("fp8_split_sum") != "launch"
+        fused_sum = pinned("split_sum") != "launch"
     if split > 1 and fused_sum:
         fin = torch.empty(tiles * bt, N, device=x2.device, dtype=x2.dtype)
+        cnt = md.split_counters(tiles * (N // md.BR), x2.device)
         md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
-                        stages, fin, split_counters(tiles * (N // md.BR), x2.device))  # fmt: skip
+                        stages, fin, cnt)  # fmt: skip
         return fin[:M]
     md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
                     stages)  # fmt: skip
@@ -299,6 +301,7 @@ def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N
     where :func:`split_sum_choice` pins "kernel": slower here). The launch choices
     default to the measured ones (a sweep passes its own)."""
     from kernels import dense_wgmma as dw
+    from kernels import moe_decode as md
 
     bt = bt or dw.token_tile(M)
     warps_, stages_ = dw.pick_launch(bt)
@@ -307,12 +310,12 @@ def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N
     y = torch.empty(split, M, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
     if fused_sum is None:
-        fused_sum = pinned("fp8_split_sum") == "kernel"
+        fused_sum = pinned("split_sum") == "kernel"
     if split > 1 and fused_sum:
         fin = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
         n_cnt = (N // (16 * warps)) * -(-M // bt)
         dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps, fin,
-                  split_counters(n_cnt, x2.device))  # fmt: skip
+                  md.split_counters(n_cnt, x2.device))  # fmt: skip
         return fin
     dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps)
     return _sum_splits(y, M, N, x2.dtype)
@@ -346,23 +349,6 @@ def _one_group_rows(n_rows: int, n_tiles: int, device: torch.device):
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         kept.append((rows, tile_e))
     return rows[:n_rows], tile_e[:n_tiles]
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` zeroed int32 counters for a launch that sums its K splits in the kernel (each
-    tile's last CTA sets its counter back to zero, so launches in stream order share them).
-    Kept per device like :func:`_one_group_rows`: only when made outside a CUDA-graph
-    capture, and never freed (a captured graph may hold an outgrown buffer)."""
-    kept = _COUNTERS.setdefault(device, [])
-    if kept and kept[-1].numel() >= n:
-        return kept[-1][:n]
-    c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        kept.append(c)
-    return c[:n]
 
 
 @triton.jit

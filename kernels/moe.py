@@ -1200,7 +1200,9 @@ def _moe_run_decode(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """The MoE layer with :mod:`kernels.moe_decode`'s GEMMs (fp4 pairs, decode batches):
-    align, x -> fp16 x 2^-4, W13 (+ SwiGLU, or fp32 partials + reduce), W2, combine."""
+    align, x -> fp16 x 2^-4, W13 (+ SwiGLU; with K splits summed by the kernel's last CTA
+    of a tile, or by ``_swiglu_reduce`` where ``split_sum_choice`` pins "launch"), W2,
+    combine."""
     t, d = x.shape
     topk = ids.shape[1]
     n_local, n_slots = w13.shape[0], t * topk
@@ -1222,9 +1224,15 @@ def _moe_run_decode(
                           limit, True, True, bt, stages=st)  # fmt: skip
     else:
         part = torch.empty(split1, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
-        moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter, d,
-                          split1, limit, True, False, bt, stages=st)  # fmt: skip
-        _reduce_swiglu(part, h, tile_e, inter, limit, bt, True)
+        if pinned("split_sum") == "launch":
+            moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter,
+                              d, split1, limit, True, False, bt, stages=st)  # fmt: skip
+            _reduce_swiglu(part, h, tile_e, inter, limit, bt, True)
+        else:  # the last CTA of each tile's row block sums the splits and writes H
+            moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter,
+                              d, split1, limit, True, False, bt, stages=st, fin=h,
+                              counters=moe_decode.split_counters(
+                                  tile_e.numel() * (inter // moe_decode.BR), x.device))  # fmt: skip
     y = _y_buffer(x, split2, n_rows)
     moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
                       limit, False, False, bt, stages=st)  # fmt: skip

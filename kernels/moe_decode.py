@@ -227,11 +227,13 @@ def _moe_dec_kernel(
     ``TILES_LAST``: the grid is (row blocks, splits, token tiles), so the CTAs of one token
     tile run together and the idle tiles past the last expert's (``tile_e`` -1: the
     graph-static grid holds the most tiles a call can need) are scheduled after every
-    working CTA; else (token tiles, row blocks, splits). ``REDUCE`` (``FP8`` with K splits):
-    the split-K sum in the epilogue -- each CTA stores its fp32 partial and counts itself in
-    at its (tile, row block) counter (``cnt_ptr``, zero between launches); the last to arrive
-    sums the partials in split order (as ``kernels.linear._split_sum_cast``), writes
-    ``fin_ptr`` in its dtype and sets the counter back to zero."""
+    working CTA; else (token tiles, row blocks, splits). ``REDUCE`` (with K splits): the
+    split-K sum in the epilogue -- each CTA stores its fp32 partial and counts itself in at
+    its (tile, row block) counter (``cnt_ptr``, zero between launches); the last to arrive
+    sums the partials in split order and sets the counter back to zero. ``FP8``: it writes
+    the sum to ``fin_ptr`` in its dtype (as ``kernels.linear._split_sum_cast``); W13 (fp4
+    pairs): the clamped SwiGLU of the two sums as fp16 x 2^-4 H (as
+    ``kernels.moe._swiglu_reduce``)."""
     if TILES_LAST:
         pid_n, pid_k, pid_m = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     else:
@@ -348,6 +350,26 @@ def _moe_dec_kernel(
         acc_hi = acc_hi * f_hi[:, None]
         gl.store(o_ptrs, acc_lo.to(out_ptr.dtype.element_ty))
         gl.store(o_ptrs + N, acc_hi.to(out_ptr.dtype.element_ty))
+        if REDUCE:  # W13: the last CTA of the tile's row block sums both halves -> H
+            c_ptr = cnt_ptr + pid_m * (N // BR) + pid_n
+            gl.thread_barrier()
+            old = gl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
+            n_split = gl.num_programs(1 if TILES_LAST else 2)
+            if old == n_split - 1:
+                gl.thread_barrier()
+                p_ptrs = o_ptrs - pid_k * sos
+                h1 = gl.zeros([BR, BT], gl.float32, mma)
+                h3 = gl.zeros([BR, BT], gl.float32, mma)
+                for k in range(n_split):
+                    h1 += gl.load(p_ptrs + k * sos, cache_modifier=".cg")
+                    h3 += gl.load(p_ptrs + k * sos + N, cache_modifier=".cg")
+                if HAS_LIMIT:
+                    h1 = gl.minimum(h1, limit)
+                    h3 = gl.minimum(gl.maximum(h3, -limit), limit)
+                h = h1 * (1 / (1 + gl.exp(-h1))) * h3
+                f_ptrs = fin_ptr + tp.to(gl.int64)[None, :] * sfm + rm[:, None]
+                gl.store(f_ptrs, (h * 0.0625).to(gl.float16))
+                gl.store(c_ptr, 0)
 
 
 @gluon.jit
@@ -369,6 +391,23 @@ def _last_sums(p_ptrs, sps, f_ptrs, c_ptr, n_split, mask):
         gl.store(c_ptr, 0)
 
 
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zeroed int32 counters for a launch that sums its K splits in the kernel (each
+    tile's last CTA sets its counter back to zero, so launches in stream order share them).
+    Kept per device: only when made outside a CUDA-graph capture, and never freed (a
+    captured graph may hold an outgrown buffer)."""
+    kept = _COUNTERS.setdefault(device, [])
+    if kept and kept[-1].numel() >= n:
+        return kept[-1][:n]
+    c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        kept.append(c)
+    return c[:n]
+
+
 def pick_stages(bt: int, tiles: float) -> int:
     """Ring slots: 2, or 3 for many 8-row tiles. H200 sweep (``bench.moe_decode --sweep``,
     the two GEMMs, 48 of 384 experts local): 1 / 8 / 512 tokens 18.2 / 42.8 / 317 us with 2
@@ -388,16 +427,26 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
            s: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, n_slots: int, topk: int,
            n: int, k: int, split: int, limit: float, gather: bool, fuse_swiglu: bool,
            bt: int, br: int = BR, kb: int = KB, stages: int = STAGES,
-           maxnreg: int | None = None, tiles_last: bool = True) -> None:  # fmt: skip
+           maxnreg: int | None = None, tiles_last: bool = True, fin: torch.Tensor | None = None,
+           counters: torch.Tensor | None = None) -> None:  # fmt: skip
     """One GEMM: ``a`` fp16 [rows, K] (x 2^-4), ``w`` pairs bytes [E, N, K] (row n: rows n
     and n + N of the row sets), ``s`` e8m0 codes [E, 2N, K/32] (uint8; read as one int32
     word per row and K block), ``ref`` int32 [E, 2N] (:func:`row_refs`), ``out`` as
     ``_moe_gemm`` writes it. K a multiple of KB = 128, N of BR. ``tiles_last``: the grid's
     order (``_moe_dec_kernel``'s ``TILES_LAST``). H200, tenth session (``bench.moe_decode
     --sweep-form``, the two GEMMs): on, 8 / 64 / 512 tokens 40.1 / 183.7 / 317.2 us against
-    43.1 / 188.8 / 327.9 off, each at its ring depth."""
+    43.1 / 188.8 / 327.9 off, each at its ring depth. With ``fin`` (fp16 H [rows, N]) and
+    ``counters`` (int32, zero, at least tiles x N / br) a W13 launch with K splits also sums
+    them and writes H (``REDUCE``)."""
     if kb != 128 or k % kb or n % br:
         raise ValueError(f"decode GEMM: K={k} must be a multiple of 128 and N={n} of {br}")
+    reduce = fin is not None and split > 1
+    if reduce and (counters is None or counters.numel() < tile_e.numel() * (n // br)
+                   or fuse_swiglu or not gather or fin.dtype != torch.float16
+                   or fin.stride(1) != 1):  # fmt: skip
+        raise ValueError("decode GEMM: the in-kernel split sum is W13's (gathered rows, no "
+                         f"fused SwiGLU), into fp16 fin [rows, N] with "
+                         f"{tile_e.numel() * (n // br)} zeroed counters")  # fmt: skip
     s = s.view(torch.uint8).contiguous().view(torch.int32)  # [E, 2N, K/128]
     per = -(-(k // kb) // split) * kb
     tiles = tile_e.numel()
@@ -405,8 +454,10 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
     _moe_dec_kernel[grid](
         a, a.stride(0), rows, tile_e, w, w.stride(0), w.stride(1), s, s.stride(0), s.stride(1),
         ref, ref.stride(0), out, out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
-        n_slots, topk, n, k, per, limit, ref, out, 0, A_GATHER=gather, FUSE_SWIGLU=fuse_swiglu,
+        n_slots, topk, n, k, per, limit, counters if reduce else ref, fin if reduce else out,
+        fin.stride(0) if reduce else 0, A_GATHER=gather, FUSE_SWIGLU=fuse_swiglu,
         HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages, TILES_LAST=tiles_last,
+        REDUCE=reduce,
         num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 

@@ -518,3 +518,45 @@ def test_ep_layer_captures_in_a_cuda_graph(fp8_experts: tuple[torch.Tensor, ...]
         graph.replay()
         torch.cuda.synchronize()
     assert plain.abs().max() > 0 and torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("t", [1, 8, 24])
+def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor, ...],
+                                                t: int) -> None:  # fmt: skip
+    """W13's K splits summed by each tile's last CTA with the clamped SwiGLU (the default)
+    give the layer's output bit for bit as the partials + ``_swiglu_reduce`` launch
+    (``split_sum_choice("launch")``), also replayed in a CUDA graph with new inputs (the
+    counters must be back at zero after every launch); the counters are zero afterwards."""
+    from kernels import moe_decode
+    from kernels.dispatch import sm_count
+    from kernels.linear import split_sum_choice
+    from kernels.moe import fp4_to_pairs, moe_fp4_triton
+
+    # W13 takes K splits here (about one active tile per 1-4 tokens)
+    assert moe_decode.pick_split(max(1.0, t / 4), INTER, D, sm_count(0)) > 1
+    w13, s13, w2, s2 = fp4_experts
+    h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
+    refs = (moe_decode.row_refs(s13)[0], moe_decode.row_refs(s2)[0])
+    torch.manual_seed(t)
+    x = torch.randn(t, D, device="cuda").bfloat16()
+    ids, w = _routing(t)
+    kw = dict(n_experts=E_ALL, pairs=True, out_dtype=torch.float32, row_refs=refs,
+              decode_kernel="gluon")  # fmt: skip
+
+    def layer(xx: torch.Tensor, where: str) -> torch.Tensor:
+        with split_sum_choice(where):
+            return moe_fp4_triton(xx, ids, w, h13, s13, h2, s2, 10.0, **kw)
+
+    one, two = layer(x, "auto"), layer(x, "launch")
+    assert bool(torch.isfinite(one).all()) and torch.equal(one, two)
+    static = x.clone()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = layer(static, "auto")
+    for _ in range(3):
+        static.copy_(torch.randn(t, D, device="cuda").bfloat16())
+        g.replay()
+        assert torch.equal(out, layer(static, "launch"))
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for kept in moe_decode._COUNTERS.values() for c in kept)
