@@ -135,13 +135,16 @@ def _wait_for(pred, what: str, timeout: float = 30.0):
 
 
 def _trace_of(rcv: Receiver, pred) -> list[dict]:
-    """The one trace whose ingress.request span satisfies ``pred``, once its rank span is in."""
+    """The one trace whose ingress.request span satisfies ``pred``, once its rank span and its
+    root are in (Serve's request span ends last: after an aborted stream, when the server has
+    seen the client go, which can be after the rank's span was exported)."""
 
     def find():
         hits = [
             t for t in rcv.traces().values()
             if any(s["name"] == "ingress.request" and pred(s) for s in t)
             and any(s["name"] == "rank.generate" for s in t)
+            and any(s["parent"] == "" for s in t)
         ]  # fmt: skip
         return hits
 
