@@ -352,11 +352,8 @@ def _moe_dec_kernel(
         gl.store(o_ptrs + N, acc_hi.to(out_ptr.dtype.element_ty))
         if REDUCE:  # W13: the last CTA of the tile's row block sums both halves -> H
             c_ptr = cnt_ptr + pid_m * (N // BR) + pid_n
-            gl.thread_barrier()
-            old = gl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
             n_split = gl.num_programs(1 if TILES_LAST else 2)
-            if old == n_split - 1:
-                gl.thread_barrier()
+            if _arrived_last(c_ptr, n_split):
                 p_ptrs = o_ptrs - pid_k * sos
                 h1 = gl.zeros([BR, BT], gl.float32, mma)
                 h3 = gl.zeros([BR, BT], gl.float32, mma)
@@ -373,6 +370,17 @@ def _moe_dec_kernel(
 
 
 @gluon.jit
+def _arrived_last(c_ptr, n_split):
+    """Count this CTA in at ``c_ptr`` after its stores; -> whether it arrived last of
+    ``n_split`` (then it may read what the others stored; it resets the counter itself)."""
+    gl.thread_barrier()
+    old = gl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
+    last = old == n_split - 1
+    gl.thread_barrier()
+    return last
+
+
+@gluon.jit
 def _last_sums(p_ptrs, sps, f_ptrs, c_ptr, n_split, mask):
     """Split-K in the epilogue: after this CTA's partial is stored at ``p_ptrs + k * sps``,
     count the CTA in at ``c_ptr``; the last of ``n_split`` sums the partials in split order
@@ -380,10 +388,7 @@ def _last_sums(p_ptrs, sps, f_ptrs, c_ptr, n_split, mask):
     store before the gpu-scope release of the count (CUDA's threadfence-reduction pattern),
     and the partials are read from L2 (``.cg``): other SMs wrote them. ``mask``: the
     elements stored (None: all)."""
-    gl.thread_barrier()
-    old = gl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
-    if old == n_split - 1:
-        gl.thread_barrier()
+    if _arrived_last(c_ptr, n_split):
         tot = gl.load(p_ptrs, mask=mask, cache_modifier=".cg")
         for k in range(1, n_split):
             tot += gl.load(p_ptrs + k * sps, mask=mask, cache_modifier=".cg")
