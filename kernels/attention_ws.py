@@ -303,10 +303,14 @@ def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
             a, b = gl.split(gl.reshape(o, [64, DH // 2, 2]))
             pl: gl.constexpr = a.type.layout
             jj = gl.arange(0, DH // 2, layout=gl.SliceLayout(0, pl))
-            kk = (HALF * DH // 2 - (D // 2 - R // 2)) + jj
-            ang = gl.expand_dims(gl.load(ang_ptr + t * s_at + kk, mask=kk >= 0, other=0.0), 0)
-            c = gl.cos(ang)
-            sn = gl.sin(ang)
+            # cos / sin of the half's D/4 pair angles once each, one per thread (0 off the
+            # RoPE channels: cos 1, sin 0), then to the columns' layout through shared
+            # memory; in ``pl`` each thread would evaluate all of its 32 columns' angles
+            j1 = gl.arange(0, DH // 2, layout=gl.BlockedLayout([1], [32], [4], [0]))
+            k1 = (HALF * DH // 2 - (D // 2 - R // 2)) + j1
+            a1 = gl.load(ang_ptr + t * s_at + k1, mask=k1 >= 0, other=0.0)
+            c = gl.expand_dims(gl.convert_layout(gl.cos(a1), gl.SliceLayout(0, pl)), 0)
+            sn = gl.expand_dims(gl.convert_layout(gl.sin(a1), gl.SliceLayout(0, pl)), 0)
             hp = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, pl))
             pp = (out_ptr + t * s_ot + gl.expand_dims(hp, 1) * s_oh
                   + gl.expand_dims(HALF * DH + 2 * jj, 0))  # fmt: skip
