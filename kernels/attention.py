@@ -600,9 +600,11 @@ def sparse_attention_triton(
     kernel = kernel or pinned("attention")
     if kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
-    ws = ws_applies(q)
+    # (the ws kernel takes row ids as int32)
+    ws = ws_applies(q) and max(kv.shape[0], kv2.shape[0]) < 2**31
     if kernel == "ws" and not ws:
-        raise ValueError("the warp-specialized kernel needs sm_90, bf16 q, D = 512, H % 64 == 0")
+        raise ValueError("the warp-specialized kernel needs sm_90, bf16 q, D = 512, "
+                         "H % 64 == 0 and key pools under 2^31 rows")  # fmt: skip
     if kernel == "auto":
         ws = ws and not (fmt == 0 and fmt2 == 0 and T * (H // HEADS) < 8)
     else:

@@ -71,10 +71,11 @@ def _raw_view(raw_buf, kv_ptr, D: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _row_ids(idx_row, n0, hi, BLOCK_N: gl.constexpr):
-    """Key row ids of columns [n0, n0 + BLOCK_N) (-1 past ``hi``) as int64, spread over the
+    """Key row ids of columns [n0, n0 + BLOCK_N) (-1 past ``hi``) as int32 (pool rows stay
+    under 2^31; the byte offsets are formed in int64 from them), spread over the
     partition's 128 threads (replicated when BLOCK_N < 128)."""
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    return gl.load(idx_row + n, mask=n < hi, other=-1).to(gl.int64)
+    return gl.load(idx_row + n, mask=n < hi, other=-1).to(gl.int32)
 
 
 @constexpr_function
@@ -104,7 +105,7 @@ def _issue_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, ids, s_kv, s_sc, D: gl.constexp
         d = gl.arange(0, D, layout=gl.SliceLayout(0, bl))
         r2 = gl.expand_dims(gl.convert_layout(ids, gl.SliceLayout(1, bl)), 1)
         async_copy.async_copy_global_to_shared(
-            dst, kv_ptr + gl.maximum(r2, 0) * s_kv + gl.expand_dims(d, 0), mask=r2 >= 0
+            dst, kv_ptr + gl.maximum(r2, 0).to(gl.int64) * s_kv + gl.expand_dims(d, 0), mask=r2 >= 0
         )
     else:
         G: gl.constexpr = D // 16 if FMT == 2 else D // 32
@@ -112,8 +113,9 @@ def _issue_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, ids, s_kv, s_sc, D: gl.constexp
         g = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, bl)))
         c = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, bl)))
         r2 = gl.expand_dims(gl.convert_layout(ids, gl.SliceLayout(1, gl.SliceLayout(2, bl))), 1)
-        off = gl.expand_dims(gl.maximum(r2, 0) * s_kv + gl.expand_dims(g, 0) * W, 2) + (
-            gl.expand_dims(gl.expand_dims(c, 0), 1)
+        row = gl.maximum(r2, 0).to(gl.int64) * s_kv
+        off = gl.expand_dims(row + gl.expand_dims(g, 0) * W, 2) + gl.expand_dims(
+            gl.expand_dims(c, 0), 1
         )
         async_copy.async_copy_global_to_shared(dst, kv_ptr + off, mask=gl.expand_dims(r2 >= 0, 2))
         sl: gl.constexpr = _scale_layout(G, sc_ptr.dtype.element_ty.primitive_bitwidth // 8)
@@ -121,7 +123,7 @@ def _issue_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, ids, s_kv, s_sc, D: gl.constexp
         rs = gl.expand_dims(gl.convert_layout(ids, gl.SliceLayout(1, sl)), 1)
         async_copy.async_copy_global_to_shared(
             _scale_view(sc_buf, sc_ptr, D, FMT, BLOCK_N),
-            sc_ptr + gl.maximum(rs, 0) * s_sc + gl.expand_dims(gs, 0),
+            sc_ptr + gl.maximum(rs, 0).to(gl.int64) * s_sc + gl.expand_dims(gs, 0),
             mask=rs >= 0,
         )
     async_copy.commit_group()
