@@ -21,22 +21,14 @@ import time
 # ~135 s + unit ~610 s against the other Ray modules' ~735 s). First, so that the second
 # cluster overlaps the Ray slot's opening module (test_ep_serve.py, minute-scale waits)
 # and not test_serve.py's burst test, whose 3 s health budget it once exceeded (3.6 s).
-# The unit slot ran ~180 s longer than the Ray slot (fresh clone, 2026-12-03: pd 177 s +
-# unit 842 s against 838 s), so one interpreter-heavy unit module (~70 s) runs after the
-# Ray modules instead.
 MOVED = "tests/integration/test_pd.py"
-LATE = "tests/unit/test_triton_moe_packed.py"
 SLOTS = {
     "unit": [
         ("integration (pd)", [MOVED], {}),
         # torch's CPU threads: one; the other core runs the Ray modules
-        ("unit", ["tests", "--ignore=tests/integration", f"--ignore={LATE}"],
-         {"OMP_NUM_THREADS": "1"}),
+        ("unit", ["tests", "--ignore=tests/integration"], {"OMP_NUM_THREADS": "1"}),
     ],
-    "integration": [
-        ("integration", ["tests/integration", f"--ignore={MOVED}"], {}),
-        ("unit (after the Ray modules)", [LATE], {"OMP_NUM_THREADS": "1"}),
-    ],
+    "integration": [("integration", ["tests/integration", f"--ignore={MOVED}"], {})],
 }
 
 
