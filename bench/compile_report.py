@@ -264,7 +264,7 @@ def attention_ws() -> None:
     base.update(q_ptr="*bf16", idx_ptr="*i64", idx2_ptr="*i64", sink_ptr="*fp32",
                 ang_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ml_ptr="*fp32",
                 scale_log2="fp32")  # fmt: skip
-    kinds = {"packed": (1, True, 2, "*fp8e4nv", "*u8", "*u8", "*fp8e4nv"),
+    kinds = {"packed": (1, 2, 2, "*fp8e4nv", "*u8", "*u8", "*fp8e4nv"),
              "fp8": (1, False, 1, "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"),
              "bf16": (0, False, 0, "*bf16", "*fp32", "*bf16", "*fp32")}  # fmt: skip
     aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("s_")]

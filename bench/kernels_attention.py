@@ -105,8 +105,9 @@ def _time_or_none(fn: Callable[[], Any] | None) -> float | None:
 def _attn_inputs(B: int, kv_dtype: str, seed: int, n_comp: int = 2048) -> dict[str, Any]:
     """B sequences, each with its own window (128 rows) and compressed pool (top-512 of 2048).
 
-    ``kv_dtype``: "bf16" / "fp8" (fp8 e4m3 x fp32 pow2 per 32) rows of one pool, or "packed":
-    the engine's V4.1 step (two sources: fp8 + e8m0 window ring, nvfp4 + e4m3 entries)."""
+    ``kv_dtype``: "bf16" / "fp8" (fp8 e4m3 x fp32 pow2 per 32) / "fp8e8" (fp8 e4m3 x e8m0
+    codes per 32: the engine's fp8 row format) rows of one pool, or "packed": the engine's
+    V4.1 step (two sources: fp8 + e8m0 window ring, nvfp4 + e4m3 entries)."""
     from kernels.kv_quant import kv_pack
 
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -127,6 +128,9 @@ def _attn_inputs(B: int, kv_dtype: str, seed: int, n_comp: int = 2048) -> dict[s
         sel = (comp - base - W) + torch.arange(B, device=DEV).unsqueeze(1) * n_comp
         return {**args, "kv": ring, "kv_scale": s1, "idx": win - base + base // per * W,
                 "kv2": pool, "kv2_scale": s2, "idx2": sel.sort(1).values}  # fmt: skip
+    if kv_dtype == "fp8e8":
+        codes, scale = kv_pack(kv, "fp8")
+        return {**args, "kv": codes, "kv_scale": scale, "idx": idx}
     if kv_dtype == "fp8":
         blocks = kv.unflatten(-1, (-1, 32))
         scale = pow2_ceil(blocks.abs().amax(-1).clamp_min(1e-4) / 448.0)
@@ -137,7 +141,7 @@ def _attn_inputs(B: int, kv_dtype: str, seed: int, n_comp: int = 2048) -> dict[s
 
 def _attn_bytes(B: int, kv_dtype: str) -> float:
     """Bytes one decode step must move: the key rows read (+ their ids), q in, out."""
-    row = {"bf16": D * 2, "fp8": D + D // 32 * 4}
+    row = {"bf16": D * 2, "fp8": D + D // 32 * 4, "fp8e8": D + D // 32}
     if kv_dtype == "packed":
         keys = W * (D + D // 32 + 8) + TOP * (D // 2 + D // 16 + 8)
     else:

@@ -130,12 +130,44 @@ def _issue_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, ids, s_kv, s_sc, D: gl.constexp
 
 
 @gluon.jit
+def _e4m3_bits_bf16(raw):
+    """e4m3 codes -> bf16 of the value x 2^-120, exact (subnormals too), with no conversion
+    instruction: per 4 bytes, PRMT spreads each byte with its sign replicated above it, a
+    shift puts the exponent and mantissa bits at bf16's (the 4 exponent bits become the
+    low ones of bf16's 8), an AND keeps them and the sign. (The conversion path,
+    e4m3 -> f16 -> f32 x scale -> bf16, spends two conversion instructions per pair on
+    the SM's quarter-rate conversion pipe, which bounds the producer.) NaN codes are not
+    kept (the KV quantizer never writes them)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1;\n"
+        "prmt.b32 t0, $2, 0, 0x9180;\n"
+        "prmt.b32 t1, $2, 0, 0xB3A2;\n"
+        "shl.b32 t0, t0, 4;\n"
+        "shl.b32 t1, t1, 4;\n"
+        "and.b32 $0, t0, 0x87F087F0;\n"
+        "and.b32 $1, t1, 0x87F087F0; }",
+        "=r,=r,r", [raw.to(gl.uint8, bitcast=True)], dtype=gl.bfloat16, is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _decode_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, r0, D: gl.constexpr, FMT: gl.constexpr,
                  SC_E8: gl.constexpr, BLOCK_N: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
-    """Rows [r0, r0 + SUB) of a landed ring slot -> bf16 [SUB, D] (masked rows: zeros)."""
+    """Rows [r0, r0 + SUB) of a landed ring slot -> bf16 [SUB, D] (masked rows: zeros).
+    fp8 with e8m0 codes c (``SC_E8`` 2): the integer path, x 2^(c - 127) as two exact bf16x2
+    multiplies, 2^(min(c, 134) - 7) then 2^(max(c, 134) - 134) (each factor finite; the
+    first product is the value x 2^(min(c, 134) - 127), rounded only where it is subnormal,
+    where the second factor is 1): the conversion path's values bit for bit (tests/gpu)."""
     bl: gl.constexpr = _raw_layout(FMT)
     raw = _raw_view(raw_buf, kv_ptr, D, FMT, BLOCK_N).slice(r0, SUB, dim=0).load(bl)
-    if FMT == 0:
+    if FMT == 1 and SC_E8 == 2:
+        sv = _scale_view(sc_buf, sc_ptr, D, FMT, BLOCK_N).slice(r0, SUB, dim=0)
+        c = sv.load(gl.SliceLayout(2, bl)).to(gl.int32)
+        m1 = ((gl.minimum(c, 134) + 120) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        m2 = ((gl.maximum(c, 134) - 7) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        k = _e4m3_bits_bf16(raw) * gl.expand_dims(m1, 2) * gl.expand_dims(m2, 2)
+        return gl.reshape(k, [SUB, D])
+    elif FMT == 0:
         return raw.to(gl.bfloat16)
     elif FMT == 2:  # e2m1 pairs -> bf16 (channel 2j low nibble); x e4m3 is exact in bf16
         k = gl.fp4_to_fp(raw, gl.bfloat16, 2)
@@ -148,6 +180,16 @@ def _decode_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, r0, D: gl.constexpr, FMT: gl.c
         if SC_E8:
             sc = gl.exp2(sc - 127.0)
         return gl.reshape((raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16), [SUB, D])
+
+
+@gluon.jit
+def _decode_block(k_buf, raw_buf, sc_buf, kv_ptr, sc_ptr, D: gl.constexpr, FMT: gl.constexpr,
+                  SC_E8: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """A landed ring slot -> its bf16 K tile, 16 rows at a time (fewer live registers)."""
+    SUB: gl.constexpr = 16
+    for r0 in gl.static_range(0, BLOCK_N, SUB):
+        k = _decode_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, r0, D, FMT, SC_E8, BLOCK_N, SUB)
+        k_buf.slice(r0, SUB, dim=0).store(k)
 
 
 @gluon.jit
@@ -186,7 +228,6 @@ def _producer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
     block b + 2 are copied (cp.async; their ids were loaded a step earlier, the ids of
     b + 3 now), then block b -- landed -- is decoded into the ring, 16 rows at a time.
     No load of a step waits on a load of the same step."""
-    SUB: gl.constexpr = 16
     t = gl.program_id(0)
     h0 = gl.program_id(1) * 64
     idx1 = idx_ptr + t * s_it
@@ -233,15 +274,12 @@ def _producer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
         st = b % STAGES
         mbarrier.wait(empty.index(st), ((b // STAGES) & 1) ^ 1)
         cur = b % 3
-        for r0 in gl.static_range(0, BLOCK_N, SUB):  # 16 rows at a time: fewer live registers
-            if b < nb1:
-                k1 = _decode_rows(raw_bufs.index(cur), sc_bufs.index(cur), kv_ptr, sc_ptr, r0, D,
-                                  FMT, SC_E8, BLOCK_N, SUB)  # fmt: skip
-                k_bufs.index(st).slice(r0, SUB, dim=0).store(k1)
-            else:
-                k2 = _decode_rows(raw_bufs.index(cur), sc_bufs.index(cur), kv2_ptr, sc2_ptr, r0,
-                                  D, FMT2, SC2_E8, BLOCK_N, SUB)  # fmt: skip
-                k_bufs.index(st).slice(r0, SUB, dim=0).store(k2)
+        if b < nb1:
+            _decode_block(k_bufs.index(st), raw_bufs.index(cur), sc_bufs.index(cur), kv_ptr,
+                          sc_ptr, D, FMT, SC_E8, BLOCK_N)  # fmt: skip
+        else:
+            _decode_block(k_bufs.index(st), raw_bufs.index(cur), sc_bufs.index(cur), kv2_ptr,
+                          sc2_ptr, D, FMT2, SC2_E8, BLOCK_N)  # fmt: skip
         bias_bufs.index(st).store(gl.where(ids0 >= 0, 0.0, float("-inf")))
         fence_async_shared()
         mbarrier.arrive(ready.index(st), count=1)
@@ -413,10 +451,12 @@ def smem_bytes(block_n: int, stages: int, plain: bool, scaled: bool, D: int = 51
 
 def launch_ws(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K, K2, S,
               scale_log2, strides, *, D, R, fmt, e8, fmt2, e82, block_n=32, stages=2,
-              p_regs=96, c_regs=208):  # fmt: skip
+              p_regs=96, c_regs=208, e8_int=True):  # fmt: skip
     """Launch over (T, H / 64, S); ``strides`` as ``sparse_attention_triton`` passes them.
     Plain bf16 rows, twice the bytes of fp8 in the copy ring, halve ``block_n`` when the
-    default tile would not fit (an explicit one that does not fit raises)."""
+    default tile would not fit (an explicit one that does not fit raises). ``e8_int``:
+    fp8 rows with e8m0 codes take the integer decode (``SC_E8`` 2; 1: the conversion path,
+    which gives the same values; 0: fp32 scales)."""
     need = dict(plain=fmt == 0 or fmt2 == 0, scaled=fmt != 0 or fmt2 != 0, D=D)
     while smem_bytes(block_n, stages, **need) > SMEM_LIMIT and block_n > 16:
         block_n //= 2
@@ -426,7 +466,8 @@ def launch_ws(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K,
     # (consumer 0) gets 3 * maxnreg - c_regs - p_regs.
     _attn_ws_kernel[(T, triton.cdiv(H, HEADS), S)](
         q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K, K2, S, scale_log2,
-        *strides, D=D, R=R, FMT=fmt, SC_E8=e8, FMT2=fmt2, SC2_E8=e82, ROPE=R > 0,
+        *strides, D=D, R=R, FMT=fmt, SC_E8=int(e8) * (1 + e8_int), FMT2=fmt2,
+        SC2_E8=int(e82) * (1 + e8_int), ROPE=R > 0,
         SPLIT1=S == 1, BLOCK_N=block_n, STAGES=stages, P_REGS=p_regs, C_REGS=c_regs,
         num_warps=4, maxnreg=168,
     )  # fmt: skip

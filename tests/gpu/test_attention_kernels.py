@@ -489,6 +489,70 @@ def test_ws_kernel_edges(launch, splits):
     assert _rel(out, tl_out) < 1e-2
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_ws_rising_scores(splits):
+    """Scores whose row max keeps rising along the keys by far more than the sink (key norms
+    growing with their index, q x 4): the online softmax rescales O and l in almost every
+    block; e8m0 fp8 rows (the engine's format). Against the torch reference and the tl
+    kernel."""
+    from kernels.kv_quant import kv_pack
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    T, H, D, K = 4, 64, 512, 600
+    q = (torch.randn(T, H, D, device=DEV, generator=g) * 4).bfloat16()
+    grow = 1 + torch.arange(T * K, device=DEV).remainder(K).float().unsqueeze(1) / 16
+    kv, sc = kv_pack(torch.randn(T * K, D, device=DEV, generator=g) * grow, "fp8")
+    idx = torch.arange(T * K, device=DEV).view(T, K)
+    idx[1, ::3] = -1
+    sink = torch.randn(H, device=DEV, generator=g)
+    out = attn.sparse_attention_triton(q, kv, idx, sink, D**-0.5, kv_scale=sc, splits=splits,
+                                       kernel="ws")  # fmt: skip
+    ref = attn.sparse_attention_ref(q.double(), kv, idx, sink.double(), D**-0.5, kv_scale=sc)
+    assert _rel(out, ref) < 1e-2
+    tl_out = attn.sparse_attention_triton(q, kv, idx, sink, D**-0.5, kv_scale=sc,
+                                          splits=splits, kernel="tl")  # fmt: skip
+    assert _rel(out, tl_out) < 1e-2
+
+
+@pytest.mark.parametrize("second", [None, "fp8", "nvfp4"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_ws_e8m0_integer_decode_is_exact(splits, second):
+    """fp8 rows with e8m0 codes through the ws producer's integer decode (PRMT, shift, AND
+    and one bf16 multiply per pair) give the conversion path's output bit for bit: groups
+    with e4m3 subnormals and zeros, zero rows, token 0's first rows with codes past 134
+    (scales past 2^7: the second multiply is not 1), masked keys; the window source alone,
+    with an fp8 second source (also e8m0) and with nvfp4 entries (the engine's)."""
+    from kernels.kv_quant import kv_pack
+
+    g = torch.Generator(device=DEV).manual_seed(17)
+    T, H, D, K, N2, K2 = 6, 64, 512, 200, 700, 160
+    x = torch.randn(T * K, D, device=DEV, generator=g)
+    x[:, ::5] *= 1e-4  # e4m3 subnormals beside each group's largest value
+    x[7::13] = 0.0
+    x[:40:3] *= 2.0**16  # token 0's first rows: codes past 134
+    q = torch.randn(T, H, D, device=DEV, generator=g)
+    q[0] *= 2.0**-16
+    q = q.bfloat16()
+    ring, s1 = kv_pack(x, "fp8")
+    assert int(s1[:K].max()) > 134 >= int(s1[K:].max())
+    b = ring[K:].view(torch.uint8)
+    assert (b.bitwise_and(0x78).eq(0) & b.bitwise_and(7).ne(0)).any()  # e4m3 subnormals
+    win = torch.arange(T * K, device=DEV).view(T, K)
+    win[2, ::4] = -1
+    sink = torch.randn(H, device=DEV, generator=g)
+    kw = {"kv_scale": s1}
+    if second:
+        kv2, s2 = kv_pack(torch.randn(N2, D, device=DEV, generator=g), second)
+        kw.update(kv2=kv2, kv2_scale=s2,
+                  idx2=torch.randint(-1, N2, (T, K2), device=DEV, generator=g))  # fmt: skip
+    outs = [attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, splits=splits,
+                                         kernel="ws", launch={"e8_int": e8_int}, **kw)
+            for e8_int in (True, False)]  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    ref = attn.sparse_attention_ref(q.double(), ring, win, sink.double(), D**-0.5, **kw)
+    assert _rel(outs[0], ref) < 1e-2
+
+
 def test_ws_kernel_refuses_what_it_cannot_take():
     q = torch.randn(2, 32, 512, device=DEV).bfloat16()  # 32 heads: not a block of 64
     kv = torch.randn(10, 512, device=DEV).bfloat16()
