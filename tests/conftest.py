@@ -18,6 +18,48 @@ from app.model.tiny_config import tiny_config_v4, tiny_config_v41
 from app.model.tokenizer import build_tiny_tokenizer
 
 
+def _cheap_nested_lang_patch() -> None:
+    """Under TRITON_INTERPRET=1, each call of a @triton.jit helper from a kernel re-patches
+    triton.language (``interpreter._patch_lang``: an ``inspect.getmembers`` scan of tl,
+    tl.tensor and tl.math, a new wrapper per builtin), though the launch around it has patched
+    the same modules already: the re-patch finds no builtin left to wrap and its scope is
+    dropped unrestored, so it changes nothing, yet it was a third to two thirds of a kernel
+    test's time. Skip it when the launch (``GridExecutor.__call__``) has patched every
+    language module the helper sees; any other call patches as before."""
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return
+    orig_patch, orig_call = interp._patch_lang, interp.GridExecutor.__call__
+    active: list[set[int]] = []  # the language modules the running launch has patched
+
+    def langs(fn) -> set[int]:  # noqa: ANN001
+        mods = (interp.tl, interp.tl.core)
+        return {id(v) for v in fn.__globals__.values() if any(v is m for m in mods)}
+
+    def patch_lang(fn):  # noqa: ANN001, ANN202
+        seen = langs(fn)
+        if active and seen and seen <= active[-1]:
+            return interp._LangPatchScope()  # nothing to restore
+        scope = orig_patch(fn)
+        if active:
+            active[-1].update(seen)
+        return scope
+
+    def call(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        active.append(set())
+        try:
+            return orig_call(self, *args, **kwargs)
+        finally:
+            active.pop()
+
+    interp._patch_lang, interp.GridExecutor.__call__ = patch_lang, call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _cheap_nested_lang_patch()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()
