@@ -259,11 +259,13 @@ def test_grid_topk_bucket_overflow_beside_tau(fused):
 def test_grid_topk_random_rows_caps():
     """Random rows (normal, 5 values, a narrow cluster, mostly -inf, +inf and -0 sprinkled)
     under random k, cap and slots, as phase launches over 3 spans: every end (exact bin,
-    short row, a bucket at level 1 or 2, all four levels) must give the reference's ids."""
+    short row, a bucket at level 1 or 2, all four levels) must give the reference's ids.
+    Seed 21 takes them all in its first two draws (ends 1 for the randn row's exact bin and
+    for the short row, 5 and 6 by the 5-value row and the cluster; 3 next), four draws here."""
     g = torch.Generator().manual_seed(21)
     C = 700
     seen = set()
-    for it in range(12):
+    for it in range(4):
         s = torch.randn(4, C, generator=g)
         s[1] = torch.randint(0, 5, (C,), generator=g).float()
         s[2] = 3.0 + torch.randint(0, 64, (C,), generator=g).float() * 2**-16
@@ -278,7 +280,7 @@ def test_grid_topk_random_rows_caps():
         grid_topk(s, k, out, fused=False, programs=3, block=256, cap=cap, sub=sub, ends=where)
         assert torch.equal(out, ix.topk_ref(s, k)), (it, k, cap, sub, where.tolist())
         seen.update(where.tolist())
-    assert {5, 6} <= seen and seen & {1, 2, 3}  # both bucket ends and radix ends were taken
+    assert {1, 3, 5, 6} <= seen  # both bucket ends, an early radix end and all four levels
 
 
 def test_grid_topk_256k_rows_end_where_the_gpu_test_expects():
