@@ -284,10 +284,13 @@ def test_grid_topk_random_rows_caps():
 
 
 def test_grid_topk_256k_rows_end_where_the_gpu_test_expects():
-    """The ends the GPU test test_grid_topk_fused checks at 256K, over 32 spans: a randn row ends
-    at level 1, at its bucket (5) or its exact 16-bit bin (1: seed 5's k = 512 here); the row
-    of 50 values (~5000 ties at tau: too many for a bucket) runs all four levels (3). That test's
-    row 0 at T = 1 is the 50-value row (``s[1 % T]``), so 3 is its right end there, not 5."""
+    """The ends the GPU test test_grid_topk_fused checks at 256K: a randn row ends at level 1, at
+    its bucket (5) or its exact 16-bit bin (1: seed 5's k = 512 here); the row of 50 values
+    (~5000 ties at tau: too many for a bucket) runs all four levels (3). That test's row 0 at
+    T = 1 is the 50-value row (``s[1 % T]``), so 3 is its right end there, not 5. The ends
+    come from the rows' histograms, not the tiling: 4 spans of 4 16K-score tiles here (the
+    interpreter's cost grows with programs x tiles; 32 spans of 2048-score tiles ended the
+    same), the GPU's one tile a program there."""
     C = 262144
     g = torch.Generator().manual_seed(5)
     s = torch.randn(2, C, generator=g)
@@ -295,7 +298,7 @@ def test_grid_topk_256k_rows_end_where_the_gpu_test_expects():
     for k, randn_end in ((512, 1), (2048, 5)):
         out = torch.full((2, k), -7, dtype=torch.int64)
         where = torch.full((2,), -1, dtype=torch.int32)
-        grid_topk(s, k, out, fused=False, programs=32, ends=where)
+        grid_topk(s, k, out, fused=False, programs=4, block=16384, ends=where)
         assert torch.equal(out, ix.topk_ref(s, k)), k
         assert where.tolist() == [randn_end, 3], (k, where.tolist())
 
