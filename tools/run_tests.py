@@ -17,10 +17,11 @@ import time
 
 # Two worker slots, one per core; each runs its pytest invocations in turn. The Ray modules
 # share one cluster per pytest process (tests/integration/conftest.py). test_pd.py runs in
-# the unit slot on a cluster of its own, first, which evens the two slots (CI, 2 cores: pd
-# ~135 s + unit ~610 s against the other Ray modules' ~735 s). First, so that the second
-# cluster overlaps the Ray slot's opening module (test_ep_serve.py, minute-scale waits)
-# and not test_serve.py's burst test, whose 3 s health budget it once exceeded (3.6 s).
+# the unit slot on a cluster of its own, first, which evens the two slots (fresh-clone CI,
+# 2 cores, 2026-12-03: pd 119 s + unit 811 s against the other Ray modules' 972 s). First,
+# so that the second cluster overlaps the Ray slot's opening module (test_ep_serve.py,
+# minute-scale waits) and not test_serve.py's burst test, whose 3 s health budget it once
+# exceeded (3.6 s).
 MOVED = "tests/integration/test_pd.py"
 SLOTS = {
     "unit": [
