@@ -192,6 +192,8 @@ class ServeEngineClient:
                     raise out.error()
                 finished = out.finished
                 yield out
+            if not finished:  # a rank killed mid-stream can end the stream with no error
+                raise _RankFailed("the rank's stream ended before the request finished")
         except Exception as e:
             err = _unwrap(e)
             if err is e:

@@ -103,22 +103,30 @@ def run(plans: dict[str, list]) -> tuple[list[RequestOutput], Ranks, Router]:
     return asyncio.run(main()), ranks, router
 
 
+# the rank's stream ends with no error and no final delta (seen through Serve when the rank
+# is SIGKILLed mid-stream: the stream ended, and the API closed it as a normal finish)
+ENDS = "ends"
+
+
 @pytest.mark.parametrize(
     "failure",
-    [ActorDiedError(), Refusal("unavailable", "the engine stopped"), FAILED_STEP],
-    ids=["rank-died", "engine-stopped", "step-failed"],
+    [ActorDiedError(), Refusal("unavailable", "the engine stopped"), FAILED_STEP, ENDS],
+    ids=["rank-died", "engine-stopped", "step-failed", "stream-ended"],
 )
 def test_failure_before_the_first_token_is_retried_elsewhere(failure):
     first = [failure] if isinstance(failure, Refusal) else [ACK, failure]
+    first = [ACK] if failure is ENDS else first
     outs, ranks, router = run({"a": first, "b": [ACK, tokens(1), tokens(2, done=True)]})
     assert [o.token_ids for o in outs] == [[], [1], [2]]  # one ack, b's tokens
     assert outs[-1].finished and ranks.calls == ["a", "b"]
     assert router.dropped == ["a"] and router.excludes == [[], ["a"]]
 
 
-@pytest.mark.parametrize("failure", [ActorDiedError(), FAILED_STEP], ids=["died", "step-failed"])
+@pytest.mark.parametrize("failure", [ActorDiedError(), FAILED_STEP, ENDS],
+                         ids=["died", "step-failed", "stream-ended"])  # fmt: skip
 def test_failure_after_a_token_is_a_retriable_error(failure):
-    ranks, router = Ranks({"a": [ACK, tokens(1), failure]}), Router(["a", "b"])
+    plan = [ACK, tokens(1)] + ([] if failure is ENDS else [failure])
+    ranks, router = Ranks({"a": plan}), Router(["a", "b"])
     client = ServeEngineClient(ranks, router)
 
     async def main() -> list[RequestOutput]:
