@@ -9,9 +9,9 @@ row load, and no warpgroup waits on memory):
         the token's key blocks of BLOCK_N rows (the window source's, then the compressed
         source's): ids two blocks ahead -> cp.async of the stored rows and their scale rows
         into three raw slots -> the landed block decoded to bf16 (fp8 e4m3 x 2^e per 32
-        channels; nvfp4 through ``fp4_to_fp`` x its e4m3 scale per 16, exact in bf16; plain
-        bf16 rows) -> K tile [BLOCK_N, D] in the ring + the keys' bias (0 / -inf)
-        -> mbarrier ``ready``
+        channels, with integer ops for e8m0 codes; nvfp4 through ``fp4_to_fp`` x its e4m3
+        scale per 16, exact in bf16; plain bf16 rows) -> K tile [BLOCK_N, D] in the ring
+        + the keys' bias (0 / -inf) -> mbarrier ``ready``
     consumer h = 0, 1 (one warpgroup each, D/2 output channels each, 208 registers):
         wait ``ready`` -> S = Q K^T (wgmma, A and B from smem; each consumer computes the
         whole S, so there is no exchange between them) -> online softmax (exp2; the sink
