@@ -265,14 +265,14 @@ def attention_ws() -> None:
                 ang_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ml_ptr="*fp32",
                 scale_log2="fp32")  # fmt: skip
     kinds = {"packed": (1, 2, 2, "*fp8e4nv", "*u8", "*u8", "*fp8e4nv"),
-             "fp8": (1, False, 1, "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"),
-             "bf16": (0, False, 0, "*bf16", "*fp32", "*bf16", "*fp32")}  # fmt: skip
+             "fp8": (1, 0, 1, "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"),
+             "bf16": (0, 0, 0, "*bf16", "*fp32", "*bf16", "*fp32")}  # fmt: skip
     aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("s_")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     for kind, (f1, e8, f2, kv, sc, kv2, sc2) in kinds.items():
         for (bn, st, pr, cr), split1 in ((c, s1) for c in WS_LAUNCHES for s1 in (True, False)):
             types = dict(base, kv_ptr=kv, sc_ptr=sc, kv2_ptr=kv2, sc2_ptr=sc2)
-            consts = dict(D=512, R=64, FMT=f1, SC_E8=e8, FMT2=f2, SC2_E8=False, ROPE=True,
+            consts = dict(D=512, R=64, FMT=f1, SC_E8=e8, FMT2=f2, SC2_E8=0, ROPE=True,
                           SPLIT1=split1, BLOCK_N=bn, STAGES=st, P_REGS=pr, C_REGS=cr)  # fmt: skip
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             head = f"attention-ws {kind:6} BN={bn} st={st} regs p/c={pr}/{cr} split1={split1:d}"

@@ -169,7 +169,8 @@ def triton_attention(a: dict[str, Any], kernel: str | None = None, **launch: Any
 
 
 def sweep_attention(ceil: dict[str, float], batches: list[int], compile_at: set[int],
-                    kv_dtypes: tuple[str, ...] = ("bf16", "fp8", "packed")) -> list:  # fmt: skip
+                    kv_dtypes: tuple[str, ...] = ("bf16", "fp8", "fp8e8", "packed"),
+                    ) -> list:  # fmt: skip
     """Decode attention per (key format, batch): the warp-specialized kernel ("ws", where it
     applies) and the portable one ("tl") in the same run, the torch reference beside them.
     The floor is the larger of the byte floor (copy rate) and the FLOP floor (bf16 matmul
