@@ -11,8 +11,9 @@ row once for all of them (decode bytes ~ K rows x D x dtype per token, not per h
     q tile [BLOCK_H, D] loaded once; per BLOCK_N rows: ids -> gather [BLOCK_N, D] (fp8: x 2^e
     per 32 channels) -> S = q k^T (fp32) -> online softmax (exp2, sink seeds m and l) -> O += P k
 
-With SPLITS > 1 (few tokens, long key lists) each split writes (m, l, unnormalized O) in fp32
-and ``_combine_kernel`` merges them. The output's inverse RoPE is fused into the epilogue.
+With SPLITS > 1 (few tokens, long key lists) each split writes (m, l) in fp32 and its
+unnormalized O (fp32 from this kernel, bf16 from the warp-specialized one: ``WS_PARTIALS``),
+and ``_combine_kernel`` merges them in fp32. The output's inverse RoPE is fused into the epilogue.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count
 from kernels.kv_quant import e2m1_to_f32
 
 _LOG2E = 1.4426950408889634
+# The ws kernel's split partials O (m and l stay fp32): bf16 halves their write and the
+# combine's read, and the kernel stores them row-contiguously through its key ring. Each
+# split's O is rounded once to bf16 (relative 2^-9) before the fp32 merge, as FlashInfer
+# keeps its split-KV partials in the output dtype. H200, batch 64, fp8 rows: 32.3 against
+# 38.5 us with fp32 partials (docs/performance.md, fifteenth session).
+WS_PARTIALS = torch.bfloat16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -431,6 +438,7 @@ def _combine_kernel(
         w = tl.exp2(tl.load(ml_ptr + row * 2, mask=hmask, other=0.0) - m)
         l_sum += w * tl.load(ml_ptr + row * 2 + 1, mask=hmask, other=1.0)
         part = tl.load(part_ptr + row[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+        part = part.to(tl.float32)
         acc += w[:, None] * part
     o = acc / l_sum[:, None]
     if ROPE:
@@ -616,7 +624,8 @@ def sparse_attention_triton(
     sc2 = kv2_scale if fmt2 else sink
     part = ml = out
     if S > 1:
-        part = torch.empty((S, T, H, D), device=q.device, dtype=torch.float32)
+        part = torch.empty((S, T, H, D), device=q.device,
+                           dtype=WS_PARTIALS if ws else torch.float32)  # fmt: skip
         ml = torch.empty((S, T, H, 2), device=q.device, dtype=torch.float32)
 
     if ws:

@@ -20,7 +20,11 @@ row load, and no warpgroup waits on memory):
         both consumers are done with it)
 
 The output's inverse RoPE (the last R channels: consumer 1) is fused into the epilogue;
-with KV splits the partials go to ``kernels.attention``'s combine kernel. Gluon does not
+with KV splits each split's unnormalized O goes out in bf16 (fp32 for a fp32 ``part``): each
+consumer waits until both have released the ring's last blocks, stores its [64, D/2] half
+into its half of the ring (stmatrix) and writes it back as whole-row 16-byte stores -- the
+wgmma layout's own 4-byte pieces were slower than fp32 -- and ``kernels.attention``'s
+combine kernel merges the splits with their (m, l) in fp32. Gluon does not
 run under the interpreter: the Triton ``tl`` kernel stays the portable path and the
 interpreter-tested implementation of the same contract; tests/gpu checks this one against
 the torch reference and the ``tl`` kernel at real shapes.
@@ -361,7 +365,23 @@ def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
             gl.store(ptrs, o.to(gl.bfloat16))
     else:
         row = (split * T + t) * H + hr  # partials [SPLITS, T, H, D] and (m, l) [.., 2]
-        gl.store(part_ptr + gl.expand_dims(row, 1) * D + gl.expand_dims(cols, 0), acc)
+        if part_ptr.dtype.element_ty == gl.bfloat16:
+            # through the ring, whose last block both consumers have released: row-contiguous
+            # 16-byte stores (from the wgmma layout each thread holds 4-byte pieces, and
+            # those half-sector stores cost more than the bytes they save)
+            for st in gl.static_range(STAGES):
+                if n_blocks > st:
+                    mbarrier.wait(empty.index(st), ((n_blocks - 1 - st) // STAGES) & 1)
+            stage_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DH], gl.bfloat16)
+            ob = k_bufs._reinterpret(gl.bfloat16, [2, 64, DH], stage_l).index(HALF)
+            ob.store(acc.to(gl.bfloat16))
+            gl.thread_barrier()
+            wl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+            rw = (split * T + t) * H + h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, wl))
+            cw = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, wl))
+            gl.store(part_ptr + gl.expand_dims(rw, 1) * D + gl.expand_dims(cw, 0), ob.load(wl))
+        else:
+            gl.store(part_ptr + gl.expand_dims(row, 1) * D + gl.expand_dims(cols, 0), acc)
         if HALF == 0:
             hs = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
             rs = (split * T + t) * H + hs

@@ -559,3 +559,39 @@ def test_ws_kernel_refuses_what_it_cannot_take():
     idx = torch.zeros(2, 4, device=DEV, dtype=torch.long)
     with pytest.raises(ValueError, match="warp-specialized"):
         attn.sparse_attention_triton(q, kv, idx, torch.zeros(32, device=DEV), 0.1, kernel="ws")
+
+
+@pytest.mark.parametrize("launch", WS_LAUNCHES)
+@pytest.mark.parametrize("splits", [2, 5])
+def test_ws_bf16_partials_against_fp32(launch, splits, monkeypatch):
+    """The ws kernel's split partials in bf16, staged through the key ring (both consumers
+    wait for its last blocks, then store their halves row-contiguously), against the same
+    kernel with fp32 partials stored straight from the accumulators: each split's O is
+    rounded once to bf16, so the outputs agree to a few bf16 steps. Two head blocks, a token
+    whose keys are nearly all masked, and at 5 splits of 32-key blocks a split with no key
+    block of either source (its consumers never touch the ring)."""
+    from kernels.kv_quant import kv_pack
+
+    g = torch.Generator(device=DEV).manual_seed(21)
+    T, H, D, K, K2 = 6, 128, 512, 128, 512
+    q = torch.randn(T, H, D, device=DEV, generator=g).bfloat16()
+    ring, s1 = kv_pack(torch.randn(T * K, D, device=DEV, generator=g), "fp8")
+    comp, s2 = kv_pack(torch.randn(4096, D, device=DEV, generator=g), "nvfp4")
+    win = torch.arange(T * K, device=DEV, dtype=torch.int32).view(T, K)
+    sel = torch.randint(0, 4096, (T, K2), device=DEV, generator=g, dtype=torch.int32)
+    win[3, 16:], sel[3] = -1, -1
+    sink = torch.randn(H, device=DEV, generator=g)
+    ang = torch.rand(T, 32, device=DEV, generator=g) * 100
+    kw = dict(kv_scale=s1, kv2=comp, idx2=sel, kv2_scale=s2, inv_rope_angles=ang,
+              splits=splits, kernel="ws", launch=launch)  # fmt: skip
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        monkeypatch.setattr(attn, "WS_PARTIALS", dt)
+        out[dt] = attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, **kw).float()
+    a, b = out[torch.bfloat16], out[torch.float32]
+    assert torch.isfinite(a).all() and _rel(a, b) < 4e-3
+    assert ((a - b).abs().amax(-1) <= 2**-6 * b.abs().amax(-1)).all()
+    ref = attn.sparse_attention_ref(q.double(), ring, win.long(), sink.double(), D**-0.5,
+                                    kv_scale=s1, kv2=comp, idx2=sel.long(), kv2_scale=s2,
+                                    inv_rope_angles=ang)  # fmt: skip
+    assert _rel(a, ref) < 1e-2
