@@ -338,15 +338,12 @@ def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
         mbarrier.arrive(empty.index(st), count=1)
         m_i = m_new
 
-    hr = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
-    cols = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_l))
     if SPLIT1:
         o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_l)), 1)
         if ROPE and (HALF + 1) * DH > D - R:  # inverse RoPE on the last R/2 pairs (2j, 2j+1):
             # a pair sits in one thread of the wgmma layout, so the split moves no data
             a, b = gl.split(gl.reshape(o, [64, DH // 2, 2]))
             pl: gl.constexpr = a.type.layout
-            jj = gl.arange(0, DH // 2, layout=gl.SliceLayout(0, pl))
             # cos / sin of the half's D/4 pair angles once each, one per thread (0 off the
             # RoPE channels: cos 1, sin 0), then to the columns' layout through shared
             # memory; in ``pl`` each thread would evaluate all of its 32 columns' angles
@@ -355,38 +352,61 @@ def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
             a1 = gl.load(ang_ptr + t * s_at + k1, mask=k1 >= 0, other=0.0)
             c = gl.expand_dims(gl.convert_layout(gl.cos(a1), gl.SliceLayout(0, pl)), 0)
             sn = gl.expand_dims(gl.convert_layout(gl.sin(a1), gl.SliceLayout(0, pl)), 0)
-            hp = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, pl))
-            pp = (out_ptr + t * s_ot + gl.expand_dims(hp, 1) * s_oh
-                  + gl.expand_dims(HALF * DH + 2 * jj, 0))  # fmt: skip
-            gl.store(pp, (a * c + b * sn).to(gl.bfloat16))
-            gl.store(pp + 1, (b * c - a * sn).to(gl.bfloat16))
-        else:
-            ptrs = out_ptr + t * s_ot + gl.expand_dims(hr, 1) * s_oh + gl.expand_dims(cols, 0)
-            gl.store(ptrs, o.to(gl.bfloat16))
-    else:
-        row = (split * T + t) * H + hr  # partials [SPLITS, T, H, D] and (m, l) [.., 2]
+            o = gl.reshape(gl.join(a * c + b * sn, b * c - a * sn), [64, DH])
+        _store_staged(
+            o.to(gl.bfloat16),
+            k_bufs,
+            empty,
+            n_blocks,
+            out_ptr + t * s_ot + h0 * s_oh + HALF * DH,
+            s_oh,
+            HALF,
+            DH,
+            STAGES,
+        )
+    else:  # partials [SPLITS, T, H, D] and (m, l) [.., 2]
+        row0 = (split * T + t) * H + h0
         if part_ptr.dtype.element_ty == gl.bfloat16:
-            # through the ring, whose last block both consumers have released: row-contiguous
-            # 16-byte stores (from the wgmma layout each thread holds 4-byte pieces, and
-            # those half-sector stores cost more than the bytes they save)
-            for st in gl.static_range(STAGES):
-                if n_blocks > st:
-                    mbarrier.wait(empty.index(st), ((n_blocks - 1 - st) // STAGES) & 1)
-            stage_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DH], gl.bfloat16)
-            ob = k_bufs._reinterpret(gl.bfloat16, [2, 64, DH], stage_l).index(HALF)
-            ob.store(acc.to(gl.bfloat16))
-            gl.thread_barrier()
-            wl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-            rw = (split * T + t) * H + h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, wl))
-            cw = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, wl))
-            gl.store(part_ptr + gl.expand_dims(rw, 1) * D + gl.expand_dims(cw, 0), ob.load(wl))
+            _store_staged(
+                acc.to(gl.bfloat16),
+                k_bufs,
+                empty,
+                n_blocks,
+                part_ptr + row0 * D + HALF * DH,
+                D,
+                HALF,
+                DH,
+                STAGES,
+            )
         else:
-            gl.store(part_ptr + gl.expand_dims(row, 1) * D + gl.expand_dims(cols, 0), acc)
+            hr = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
+            cols = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_l))
+            gl.store(part_ptr + gl.expand_dims(hr, 1) * D + gl.expand_dims(cols, 0), acc)
         if HALF == 0:
-            hs = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
-            rs = (split * T + t) * H + hs
+            rs = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
             gl.store(ml_ptr + rs * 2, m_i)
             gl.store(ml_ptr + rs * 2 + 1, l_i)
+
+
+@gluon.jit
+def _store_staged(v, k_bufs, empty, n_blocks, rows_ptr, s_row, HALF: gl.constexpr,
+                  DH: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One consumer's [64, DH] bf16 tile to ``rows_ptr + head * s_row + channel`` through the
+    key ring: once both consumers have released the ring's last blocks, this half's 32 KB of
+    it takes the tile (stmatrix) and is written back as whole-row 16-byte stores. From the
+    wgmma layout each thread holds 4-byte pieces, and those half-sector stores took longer
+    than fp32's whole sectors (H200, fifteenth session)."""
+    for st in gl.static_range(STAGES):
+        if n_blocks > st:
+            mbarrier.wait(empty.index(st), ((n_blocks - 1 - st) // STAGES) & 1)
+    stage_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DH], gl.bfloat16)
+    ob = k_bufs._reinterpret(gl.bfloat16, [2, 64, DH], stage_l).index(HALF)
+    ob.store(v)
+    gl.thread_barrier()
+    wl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, wl))
+    c = gl.arange(0, DH, layout=gl.SliceLayout(0, wl))
+    gl.store(rows_ptr + gl.expand_dims(r, 1) * s_row + gl.expand_dims(c, 0), ob.load(wl))
 
 
 @gluon.jit
