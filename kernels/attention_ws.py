@@ -396,6 +396,8 @@ def _store_staged(v, k_bufs, empty, n_blocks, rows_ptr, s_row, HALF: gl.constexp
     it takes the tile (stmatrix) and is written back as whole-row 16-byte stores. From the
     wgmma layout each thread holds 4-byte pieces, and those half-sector stores took longer
     than fp32's whole sectors (H200, fifteenth session)."""
+    gl.static_assert(STAGES * k_bufs.shape[1] * k_bufs.shape[2] >= 2 * 64 * DH,
+                     "the key ring must hold both consumers' tiles")  # fmt: skip
     for st in gl.static_range(STAGES):
         if n_blocks > st:
             mbarrier.wait(empty.index(st), ((n_blocks - 1 - st) // STAGES) & 1)
@@ -489,6 +491,20 @@ def smem_bytes(block_n: int, stages: int, plain: bool, scaled: bool, D: int = 51
             + (3 * block_n * D // 8 if scaled else 0) + (2 * stages + 1) * 8 + 1024)  # fmt: skip
 
 
+def fit_block_n(block_n: int, stages: int, plain: bool, scaled: bool, D: int = 512) -> int:
+    """The launch's key block: ``block_n`` halved (down to 16) until the CTA fits in shared
+    memory; a ValueError when it does not, or when the key ring (``stages`` x the block)
+    holds fewer than 64 rows: the epilogue stages two [64, D/2] bf16 tiles in it."""
+    while smem_bytes(block_n, stages, plain, scaled, D) > SMEM_LIMIT and block_n > 16:
+        block_n //= 2
+    if smem_bytes(block_n, stages, plain, scaled, D) > SMEM_LIMIT:
+        raise ValueError(f"block_n {block_n} x {stages} stages exceeds shared memory")
+    if stages * block_n < HEADS:
+        raise ValueError(f"block_n {block_n} x {stages} stages: the key ring must hold at "
+                         f"least {HEADS} rows for the epilogue's output tiles")  # fmt: skip
+    return block_n
+
+
 def launch_ws(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K, K2, S,
               scale_log2, strides, *, D, R, fmt, e8, fmt2, e82, block_n=32, stages=2,
               p_regs=96, c_regs=208, e8_int=True):  # fmt: skip
@@ -497,11 +513,8 @@ def launch_ws(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K,
     default tile would not fit (an explicit one that does not fit raises). ``e8_int``:
     fp8 rows with e8m0 codes take the integer decode (``SC_E8`` 2; 1: the conversion path,
     which gives the same values; 0: fp32 scales)."""
-    need = dict(plain=fmt == 0 or fmt2 == 0, scaled=fmt != 0 or fmt2 != 0, D=D)
-    while smem_bytes(block_n, stages, **need) > SMEM_LIMIT and block_n > 16:
-        block_n //= 2
-    if smem_bytes(block_n, stages, **need) > SMEM_LIMIT:
-        raise ValueError(f"block_n {block_n} x {stages} stages exceeds shared memory")
+    block_n = fit_block_n(block_n, stages, plain=fmt == 0 or fmt2 == 0,
+                          scaled=fmt != 0 or fmt2 != 0, D=D)  # fmt: skip
     # maxnreg x 12 warps x 32 lanes must fit the 64K-register file; the default partition
     # (consumer 0) gets 3 * maxnreg - c_regs - p_regs.
     _attn_ws_kernel[(T, triton.cdiv(H, HEADS), S)](

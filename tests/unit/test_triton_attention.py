@@ -133,6 +133,26 @@ def test_kernel_choice_is_validated_and_scoped():
     assert rel(attn.sparse_attention_triton(q, kv, idx, sink, 0.3), ref) < 1e-5  # auto again
 
 
+def test_ws_block_fit_keeps_a_ring_for_the_epilogue():
+    """The ws launch's key block: halved until the CTA fits in shared memory, and refused
+    when the key ring (stages x block) holds fewer than 64 rows, since the epilogue stages
+    two [64, D/2] bf16 output tiles in it. Plain bf16 rows at 3 stages would halve the
+    32-row default to 16 (48 rows): refused, where fp8 rows at 3 stages keep 32."""
+    from kernels.attention_ws import SMEM_LIMIT, fit_block_n, smem_bytes
+
+    assert fit_block_n(32, 2, plain=False, scaled=True) == 32
+    assert fit_block_n(32, 2, plain=True, scaled=False) == 32
+    assert fit_block_n(32, 3, plain=False, scaled=True) == 32
+    assert fit_block_n(16, 4, plain=True, scaled=True) == 16
+    assert smem_bytes(32, 3, plain=True, scaled=False) > SMEM_LIMIT
+    with pytest.raises(ValueError, match="at least 64 rows"):
+        fit_block_n(32, 3, plain=True, scaled=False)
+    with pytest.raises(ValueError, match="at least 64 rows"):
+        fit_block_n(16, 2, plain=False, scaled=True)
+    with pytest.raises(ValueError, match="exceeds shared memory"):
+        fit_block_n(32, 8, plain=True, scaled=True)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_two_key_sources(packed, splits):
