@@ -434,7 +434,9 @@ def test_killed_rank_streams_end_retriably_new_requests_succeed(app_urls):
     }
     assert len(actors) == 2 and _rank_labels(base) == set(actors)
     victim: dict = {}
-    n_tokens = 1200  # long enough that no stream finishes before the kill (checked below)
+    # long enough that no stream finishes before the kill (checked below): at 1200 a loaded
+    # CI machine once had the victim's four streams generated in full before the kill landed
+    n_tokens = 3000
     seen: list[dict] = [{"tokens": 0, "finish": None, "usage": None, "error": None, "done": False}
                         for _ in range(4)]  # fmt: skip
 
