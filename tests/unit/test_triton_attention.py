@@ -133,6 +133,31 @@ def test_kernel_choice_is_validated_and_scoped():
     assert rel(attn.sparse_attention_triton(q, kv, idx, sink, 0.3), ref) < 1e-5  # auto again
 
 
+def test_combine_reads_bf16_partials():
+    """The split merge on bf16 partials (the ws kernel's, ``WS_PARTIALS``) = the merge on the
+    same values in fp32, bit for bit (the kernel widens them before any arithmetic), and =
+    the merge formula sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s in torch."""
+    import triton
+
+    g = torch.Generator().manual_seed(3)
+    S, T, H, D = 3, 2, 20, 64
+    part = (torch.randn(S, T, H, D, generator=g) * 3).bfloat16()
+    m = torch.randn(S, T, H, generator=g) * 4
+    ml = torch.stack((m, torch.rand(S, T, H, generator=g) + 0.5), -1)
+    outs = []
+    for p in (part, part.float()):
+        out = torch.empty(T, H, D)
+        attn._combine_kernel[(T, triton.cdiv(H, 16))](
+            p, ml, ml, out, T, H, S, 0, out.stride(0), out.stride(1),
+            D=D, R=0, ROPE=False, BLOCK_H=16, num_warps=4,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    w = torch.exp2(m - m.amax(0))
+    ref = (w[..., None] * part.double()).sum(0) / (w * ml[..., 1]).sum(0)[..., None]
+    assert rel(outs[0], ref) < 1e-6
+
+
 def test_ws_block_fit_keeps_a_ring_for_the_epilogue():
     """The ws launch's key block: halved until the CTA fits in shared memory, and refused
     when the key ring (stages x block) holds fewer than 64 rows, since the epilogue stages
