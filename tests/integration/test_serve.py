@@ -252,9 +252,11 @@ def test_burst_of_disconnects_keeps_serving(app_urls):
             for _ in range(6):  # without the fix, about one round in two wedged the ingress
                 await asyncio.gather(*(one(c, i) for i in range(64)))
                 t = time.time()
+                # a wedged ingress answers 503 or never (the 10 s timeouts); a loaded 2-core
+                # CI machine once took 6.4 s for the pair, so the bound leaves room for that
                 assert (await c.get(f"{base}/health", timeout=10)).status_code == 200
                 assert (await c.get(f"{base}/metrics", timeout=10)).status_code == 200
-                assert time.time() - t < 3.0
+                assert time.time() - t < 8.0
 
     asyncio.run(main())
     assert _drained(base)
