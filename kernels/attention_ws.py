@@ -20,11 +20,9 @@ row load, and no warpgroup waits on memory):
         both consumers are done with it)
 
 The output's inverse RoPE (the last R channels: consumer 1) is fused into the epilogue;
-with KV splits each split's unnormalized O goes out in bf16 (fp32 for a fp32 ``part``): each
-consumer waits until both have released the ring's last blocks, stores its [64, D/2] half
-into its half of the ring (stmatrix) and writes it back as whole-row 16-byte stores -- the
-wgmma layout's own 4-byte pieces were slower than fp32 -- and ``kernels.attention``'s
-combine kernel merges the splits with their (m, l) in fp32. Gluon does not
+with KV splits each split's unnormalized O goes out in bf16 (fp32 for a fp32 ``part``) and
+``kernels.attention``'s combine kernel merges the splits with their (m, l) in fp32. bf16
+tiles leave through the key ring as whole-row stores (``_store_staged``). Gluon does not
 run under the interpreter: the Triton ``tl`` kernel stays the portable path and the
 interpreter-tested implementation of the same contract; tests/gpu checks this one against
 the torch reference and the ``tl`` kernel at real shapes.
