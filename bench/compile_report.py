@@ -331,7 +331,8 @@ def moe_decode() -> None:
     fn = md._moe_dec_kernel
     base = {n: "i32" for n in fn.arg_names}
     base.update(a_ptr="*fp16", rows_ptr="*i32", tile_e_ptr="*i32", w_ptr="*i8", s_ptr="*i32",
-                r_ptr="*i32", limit="fp32", cnt_ptr="*i32", fin_ptr="*bf16")  # fmt: skip
+                r_ptr="*i32", limit="fp32", cnt_ptr="*i32", fin_ptr="*bf16", ids_ptr="*i64",
+                inv_ptr="*i32", wt_ptr="*fp32", y_out_ptr="*bf16")  # fmt: skip
     aligned = [n for n in fn.arg_names if n.endswith("_ptr")
                or n in ("sam", "swe", "swn", "sse", "ssn", "sre", "sos", "som", "N", "K",
                         "k_per_split", "sfm")]  # fmt: skip
@@ -351,7 +352,9 @@ def moe_decode() -> None:
             consts = dict(A_GATHER=gather, FUSE_SWIGLU=fuse, HAS_LIMIT=not fp8, BR=md.BR, BT=bt,
                           KB=md.KB, STAGES=st, FP8=fp8,
                           SB_N=(128 if "b128" in name else 32) if fp8 else 1,
-                          TILES_LAST=not fp8, REDUCE=name.endswith("sum"))  # fmt: skip
+                          TILES_LAST=not fp8, REDUCE=name.endswith("sum"),
+                          ROUTE=0, COMBINE=False, S_P2=1, TOPK=1, T_P2=1, PDL=False,
+                          TRIGGER=False)  # fmt: skip
             types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else
                                                {"fin_ptr": "*fp16"}))  # fmt: skip
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}

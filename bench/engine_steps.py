@@ -565,13 +565,20 @@ def main() -> None:
     ap.add_argument("--split-sum", default="auto", choices=("auto", "launch", "kernel"),
                     help="with --dense fp8: where the Gluon kernels' K splits are summed "
                          "(kernels.linear.split_sum_choice)")  # fmt: skip
+    ap.add_argument("--moe-route", default="auto", choices=("auto", "launch", "two", "two_pdl"),
+                    help="the Gluon MoE decode layer at a few token slots (before / after A/B: "
+                         "launch = align + combine launches around the GEMMs, two = the two "
+                         "GEMM launches lay out and combine, two_pdl = W2 a dependent "
+                         "launch; kernels.moe.route_choice)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
     from kernels.linear import fp8_kernel_choice, split_sum_choice
     from kernels.mhc import finish_choice
+    from kernels.moe import route_choice
 
     with (kernel_choice(args.attention), finish_choice(args.mhc_finish),
-          fp8_kernel_choice(args.dense_kernel), split_sum_choice(args.split_sum)):  # fmt: skip
+          fp8_kernel_choice(args.dense_kernel), split_sum_choice(args.split_sum),
+          route_choice(args.moe_route)):  # fmt: skip
         _run(args)
 
 
@@ -605,7 +612,8 @@ def _run(args) -> None:
             records += [dict(r, params={**r.get("params", {}), "attention": args.attention,
                                         "mhc_finish": args.mhc_finish,
                                         "dense_kernel": args.dense_kernel,
-                                        "split_sum": args.split_sum})
+                                        "split_sum": args.split_sum,
+                                        "moe_route": args.moe_route})
                         for r in fn()]  # fmt: skip
             write(name, records)  # keep what finished if a later part runs out of time
             gc.collect()

@@ -9,7 +9,9 @@ decode), random fp4 experts with e8m0 scales over four binades (the fixture of
 Every Fathom row is the whole layer (align, activation conversion, both GEMMs, split-K
 reduce, combine), checked against the fp32 torch reference before it is timed:
 
-- ``gluon``: fp4 pairs through ``kernels.moe_decode`` (this issue's kernel)
+- ``gluon``: fp4 pairs through ``kernels.moe_decode`` (this issue's kernel; at most 64 token
+  slots two launches: W13 lays out its own tiles, W2 combines)
+- ``gluon.four_launches``: the same GEMMs with the align and combine launches around them
 - ``tl.pairs``: fp4 pairs through ``_moe_gemm`` (the previous path)
 - ``tl.fp8_rows``: the same weights re-encoded as e4m3 rows (twice the bytes)
 - ``gluon.gemms``: the two decode GEMM launches alone, on pre-aligned inputs
@@ -38,6 +40,7 @@ from kernels.moe import (
     moe_fp4_ref,
     moe_fp4_triton,
     moe_fp8_rows_triton,
+    route_choice,
     rows_per_expert,
 )
 
@@ -155,6 +158,10 @@ def main() -> None:
             return moe_fp4_triton(s[0], s[1], s[2], ex["r13"], ex["q13"], ex["r2"], ex["q2"],
                                   LIMIT, n_experts=E_ALL, pairs=True, row_refs=refs)  # fmt: skip
 
+        def four(s: tuple) -> torch.Tensor:
+            with route_choice("launch"):
+                return gl_(s)
+
         def tlp(s: tuple) -> torch.Tensor:
             return moe_fp4_triton(s[0], s[1], s[2], ex["r13"], ex["q13"], ex["r2"], ex["q2"],
                                   LIMIT, n_experts=E_ALL, pairs=True,
@@ -168,7 +175,8 @@ def main() -> None:
         ref = moe_fp4_ref(s0[0].float(), s0[1], s0[2], ex["p13"], ex["q13"], ex["p2"],
                           ex["q2"], LIMIT)  # fmt: skip
         timed: dict[str, float] = {}
-        for name, fn in (("moe.decode.gluon", gl_), ("moe.decode.tl.pairs", tlp),
+        for name, fn in (("moe.decode.gluon", gl_), ("moe.decode.gluon.four_launches", four),
+                         ("moe.decode.tl.pairs", tlp),
                          ("moe.decode.tl.fp8_rows", rws)):  # fmt: skip
             out = fn(s0).float()
             err = float((out - ref).norm() / ref.norm())
@@ -196,7 +204,7 @@ def main() -> None:
         gain = timed["moe.decode.tl.pairs"] / timed["moe.decode.gluon"]
         lines.append(f"{'':28s} T={t:4d} floor {floor:6.1f} us ({touched:.1f} experts), "
                      f"gluon vs tl.pairs {gain:.2f}x")  # fmt: skip
-        print("\n".join(lines[-7:]), flush=True)
+        print("\n".join(lines[-8:]), flush=True)
         path = write(args.out, recs)
     print("\n".join(lines))
     print(f"-> {path}")

@@ -769,6 +769,12 @@ def _dot_dtype(x: torch.Tensor) -> tl.dtype:
     return tl.float32 if _INTERPRET or x.dtype == torch.float32 else tl.bfloat16
 
 
+def _tile_count(n_slots: int, n_local: int, bm: int) -> int:
+    """The most BM-row expert tiles ``n_slots`` token slots over ``n_local`` experts can
+    need (the graph-static grids)."""
+    return min(n_slots, -(-n_slots // bm) + n_local)
+
+
 def _align(
     ids: torch.Tensor,
     n_local: int,
@@ -785,7 +791,7 @@ def _align(
     e.g. BM=2, slot experts [1,0,1] -> rows [1,-,0,2] (``-`` = pad; 0 and 2 in either
     order), tile experts [0,1]."""
     n_slots = ids.numel()
-    n_tiles = min(n_slots, -(-n_slots // bm) + n_local)
+    n_tiles = _tile_count(n_slots, n_local, bm)
     n_rows = n_tiles * bm
     dev = ids.device
     rows = torch.empty(n_rows, dtype=torch.int32, device=dev)
@@ -1143,6 +1149,18 @@ def decode_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]
     return pinned_variant("moe_decode", kernel, ("auto", "tl"))
 
 
+def route_choice(where: str) -> contextlib.AbstractContextManager[None]:
+    """Where the Gluon MoE decode layer lays out its tiles and combines in this block:
+    "auto" (inside its two GEMM launches where the call has at most
+    :data:`FUSED_SLOTS` token slots and splits W13's K), "launch" (the align and combine
+    launches around them; the earlier path); "two" / "two_pdl" pin the two launches without /
+    with W2 as a programmatic dependent launch. Set it before CUDA-graph capture."""
+    return pinned_variant("moe_route", where, ("auto", "launch", "two", "two_pdl"))
+
+
+FUSED_SLOTS = 64  # token slots (tokens x top-k) up to which the decode layer is two launches
+
+
 def _decode_refs(
     x: torch.Tensor,
     s13: torch.Tensor,
@@ -1208,17 +1226,22 @@ def _moe_run_decode(
     n_local, n_slots = w13.shape[0], t * topk
     per = rows_per_expert(n_slots, n_local, n_all)
     bt = 8 if per <= 4 else 16 if per <= 12 else 32
-    xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-    rows, inv, tile_e = _align(ids, n_local, offset, bt, x, xa)  # and x -> fp16 x 2^-4
-    n_rows = rows.numel()
     _, touched = _local_load(n_slots, n_local, n_all)
     tiles = touched + n_slots * n_local / max(n_local, n_all) / bt  # active tiles, expected
     sms = _num_sms(x.device)
     split1 = moe_decode.pick_split(tiles, inter, d, sms)
     split2 = moe_decode.pick_split(tiles, d // 2, inter, sms)
     q13, q2 = s13.view(torch.uint8), s2.view(torch.uint8)
-    h = torch.empty(n_rows, inter, dtype=torch.float16, device=x.device)
     st = moe_decode.pick_stages(bt, tiles)
+    route = pinned("moe_route")
+    if (n_slots <= FUSED_SLOTS and split1 > 1 and route != "launch"
+            and pinned("split_sum") != "launch"):  # fmt: skip
+        return _moe_run_fused(x, ids, weights, w13, q13, w2, q2, inter, limit, offset, refs,
+                              out, bt, split1, split2, st, route == "two_pdl")  # fmt: skip
+    xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    rows, inv, tile_e = _align(ids, n_local, offset, bt, x, xa)  # and x -> fp16 x 2^-4
+    n_rows = rows.numel()
+    h = torch.empty(n_rows, inter, dtype=torch.float16, device=x.device)
     if split1 == 1:
         moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], h, n_slots, topk, inter, d, 1,
                           limit, True, True, bt, stages=st)  # fmt: skip
@@ -1237,6 +1260,41 @@ def _moe_run_decode(
     moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
                       limit, False, False, bt, stages=st)  # fmt: skip
     return _combine(y, inv, weights, out)
+
+
+def _moe_run_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   w13: torch.Tensor, q13: torch.Tensor, w2: torch.Tensor, q2: torch.Tensor,
+                   inter: int, limit: float, offset: int,
+                   refs: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, bt: int,
+                   split1: int, split2: int, stages: int,
+                   pdl: bool = False) -> torch.Tensor:  # fmt: skip
+    """The decode layer in two launches (a few token slots): W13 lays out its own tiles
+    from ``ids`` (the align launch's tiles, rows in slot order), converts x, sums its K
+    splits and writes H; W2 writes fp32 partials and the last CTA of each row block
+    combines them into ``out`` (the combine launch's order). Same values as the four
+    launches (``route_choice("launch")``)."""
+    t, d = x.shape
+    topk = ids.shape[1]
+    n_local, n_slots = w13.shape[0], t * topk
+    n_tiles = _tile_count(n_slots, n_local, bt)
+    dev = x.device
+    rows = torch.empty(n_tiles * bt, dtype=torch.int32, device=dev)
+    inv = torch.empty(n_slots, dtype=torch.int32, device=dev)
+    tile_e = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    h = torch.empty(n_tiles * bt, inter, dtype=torch.float16, device=dev)
+    part = torch.empty(split1, n_tiles * bt, 2 * inter, dtype=torch.float32, device=dev)
+    y = torch.empty(split2, n_tiles * bt, d, dtype=torch.float32, device=dev)
+    cnt = moe_decode.split_counters(max(n_tiles * (inter // moe_decode.BR),
+                                        d // 2 // moe_decode.BR), dev)  # fmt: skip
+    route = (ids.reshape(-1), offset, n_local, inv)
+    moe_decode.launch(x.contiguous(), rows, tile_e, w13, q13, refs[0], part, n_slots, topk,
+                      inter, d, split1, limit, True, False, bt, stages=stages, fin=h,
+                      counters=cnt, route=route, trigger=pdl)  # fmt: skip
+    moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
+                      limit, False, False, bt, stages=stages, counters=cnt,
+                      combine=(inv, weights.reshape(-1).float().contiguous(), out),
+                      route=route if pdl else None, pdl=pdl)  # fmt: skip
+    return out
 
 
 def _override(tiles: MoeTiles, block_m: int | None, split_k: int | None) -> MoeTiles:

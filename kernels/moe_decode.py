@@ -125,6 +125,30 @@ def emulate(x16: torch.Tensor, codes: torch.Tensor, c: torch.Tensor, ref: torch.
     return (acc * torch.exp2((ref - 127 + 4).double())[None, :]).float()
 
 
+def emulate_route(ids: torch.Tensor, offset: int, n_local: int, bt: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """What ``_route_tile`` computes, in torch and the same formulation (the [S, S] matrix of
+    slot pairs of one local expert): (rows [tiles * bt] slot per tile row, pad = S; inv [S]
+    tile row per slot, -1 = not local; tile_e [tiles], -1 = idle) over the graph-static
+    tile count of ``kernels.moe._align`` (whose tiles these are, rows in slot order)."""
+    e = ids.reshape(-1).long() - offset
+    n = e.numel()
+    s = torch.arange(n)
+    loc = (e >= 0) & (e < n_local)
+    one = (e[:, None] == e[None, :]) & loc[:, None] & loc[None, :]
+    rank = (one & (s[None, :] < s[:, None])).sum(1)
+    cnt = one.sum(0)
+    tiles_of = torch.where(loc & (rank == 0), (cnt + bt - 1) // bt, 0)  # once per expert
+    tile = (torch.where(e[None, :] < e[:, None], tiles_of[None, :], 0)).sum(1) + rank // bt
+    row = tile * bt + rank % bt
+    n_tiles = min(n, -(-n // bt) + n_local)
+    rows = torch.full((n_tiles * bt,), n, dtype=torch.int32)
+    rows[row[loc]] = s[loc].int()
+    tile_e = torch.full((n_tiles,), -1, dtype=torch.int32)
+    tile_e[tile[loc]] = e[loc].int()
+    return rows, torch.where(loc, row, -1).int(), tile_e
+
+
 @constexpr_function
 def _tile_layout(R, KB, rows, warps=4):
     """Register layout of a stored tile [R, KB] (weight bytes, or fp16 activations): thread
@@ -200,6 +224,43 @@ def _issue(w_slot, x_slot, s_slot, w_rows, a_rows, amask, s_rows, k, K, BR: gl.c
 
 
 @gluon.jit
+def _issue_weights(w_slot, s_slot, w_rows, s_rows, k, K, KB: gl.constexpr):
+    """:func:`_issue` without the activations: a block's weight bytes and scale words (which
+    no earlier launch writes), one commit group."""
+    wl: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // KB, KB // 16], [WARPS, 1], [1, 0])
+    cw = k + gl.arange(0, KB, layout=gl.SliceLayout(0, wl))
+    async_copy.async_copy_global_to_shared(
+        w_slot, gl.convert_layout(w_rows, gl.SliceLayout(1, wl))[:, None] + cw[None, :],
+        mask=(cw < K)[None, :],
+    )  # fmt: skip
+    async_copy.async_copy_global_to_shared(s_slot, s_rows + k // KB,
+                                           mask=gl.full(s_rows.shape, k, gl.int32,
+                                                        s_rows.type.layout) < K)  # fmt: skip
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _issue_acts(x_slot, a_rows, amask, k, K, KB: gl.constexpr):
+    """:func:`_issue`'s activations alone, one commit group."""
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // KB, KB // 8], [WARPS, 1], [1, 0])
+    cx = k + gl.arange(0, KB, layout=gl.SliceLayout(0, xl))
+    ar = gl.convert_layout(a_rows, gl.SliceLayout(1, xl))
+    am = gl.convert_layout(amask, gl.SliceLayout(1, xl))
+    async_copy.async_copy_global_to_shared(
+        x_slot, ar[:, None] + cx[None, :], mask=am[:, None] & (cx < K)[None, :]
+    )
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _grid_dep(op: gl.constexpr):
+    """``griddepcontrol.wait`` (this launch's reads of what the launch before it wrote may
+    start) or ``griddepcontrol.launch_dependents`` (the next launch may start its CTAs)."""
+    gl.inline_asm_elementwise("griddepcontrol." + op + "; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def _mult(words, ref, layout: gl.constexpr, OFF: gl.constexpr):
     """fp16 2^(OFF + c - R) [BR, 4] for each row and column quarter t of a K block: c = byte t
     of the row's scale word (group t of the block), R = the row's reference ``ref``; OFF = 6
@@ -214,10 +275,14 @@ def _mult(words, ref, layout: gl.constexpr, OFF: gl.constexpr):
 def _moe_dec_kernel(
     a_ptr, sam, rows_ptr, tile_e_ptr, w_ptr, swe, swn, s_ptr, sse, ssn, r_ptr, sre,
     out_ptr, sos, som, n_slots, topk, N, K, k_per_split, limit, cnt_ptr, fin_ptr, sfm,
+    ids_ptr, route_off, n_local, inv_ptr, wt_ptr, y_out_ptr, syo, n_tok,
     A_GATHER: gl.constexpr, FUSE_SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
     BR: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     FP8: gl.constexpr = False, SB_N: gl.constexpr = 1, TILES_LAST: gl.constexpr = True,
-    REDUCE: gl.constexpr = False,
+    REDUCE: gl.constexpr = False, ROUTE: gl.constexpr = 0, PDL: gl.constexpr = False,
+    TRIGGER: gl.constexpr = False,
+    COMBINE: gl.constexpr = False, S_P2: gl.constexpr = 1, TOPK: gl.constexpr = 1,
+    T_P2: gl.constexpr = 1,
 ):  # fmt: skip
     """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x
     2^-4; ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations
@@ -238,8 +303,24 @@ def _moe_dec_kernel(
         pid_n, pid_k, pid_m = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     else:
         pid_m, pid_n, pid_k = gl.program_id(0), gl.program_id(1), gl.program_id(2)
-    e = gl.load(tile_e_ptr + pid_m)
+    tl_: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    pos = pid_m * BT + gl.arange(0, BT, layout=tl_)
+    if TRIGGER:  # the next launch (PDL) may place its CTAs as this one's are placed
+        _grid_dep("launch_dependents")
+    if ROUTE > 0:  # the tile's expert and token rows from the router's ids (no align launch)
+        e, slot = _route_tile(ids_ptr, n_slots, route_off, n_local, pid_m, rows_ptr, tile_e_ptr,
+                              inv_ptr, (pid_n == 0) & (pid_k == 0), ROUTE == 1, S_P2, BT,
+                              tl_)  # fmt: skip
+    else:
+        e = gl.load(tile_e_ptr + pid_m)
+        slot = gl.load(rows_ptr + pos)
     if e < 0:
+        if COMBINE and pid_m == 0 and pid_k == 0:  # no tile is active: the layer's out is 0
+            if PDL:
+                _grid_dep("wait")
+            zl: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [WARPS, 1], [1, 0])
+            z = gl.zeros([T_P2, BR], gl.float32, zl)
+            _store_rows(y_out_ptr, syo, n_tok, pid_n * BR, N, z, z)
         return
     e = e.to(gl.int64)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -253,9 +334,6 @@ def _moe_dec_kernel(
     rl: gl.constexpr = gl.SliceLayout(1, ql)
 
     # token rows of this tile (pad rows: slot n_slots, masked)
-    tl_: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    pos = pid_m * BT + gl.arange(0, BT, layout=tl_)
-    slot = gl.load(rows_ptr + pos)
     amask = slot < n_slots
     arow = (slot // topk) if A_GATHER else pos
     a_rows = a_ptr + arow.to(gl.int64) * sam
@@ -284,9 +362,17 @@ def _moe_dec_kernel(
     k_lo = pid_k * k_per_split
     k_hi = gl.minimum(k_lo + k_per_split, K)
     n_it = gl.cdiv(k_hi - k_lo, KB)
-    for j in gl.static_range(STAGES - 1):
-        _issue(w_bufs.index(j), x_bufs.index(j), s_bufs.index(j), w_rows, a_rows, amask,
-               s_rows, k_lo + j * KB, k_hi, BR, BT, KB)  # fmt: skip
+    if PDL:  # the weights while the launch before this one finishes, then its activations
+        for j in gl.static_range(STAGES - 1):
+            _issue_weights(w_bufs.index(j), s_bufs.index(j), w_rows, s_rows, k_lo + j * KB,
+                           k_hi, KB)  # fmt: skip
+        _grid_dep("wait")
+        for j in gl.static_range(STAGES - 1):
+            _issue_acts(x_bufs.index(j), a_rows, amask, k_lo + j * KB, k_hi, KB)
+    else:
+        for j in gl.static_range(STAGES - 1):
+            _issue(w_bufs.index(j), x_bufs.index(j), s_bufs.index(j), w_rows, a_rows, amask,
+                   s_rows, k_lo + j * KB, k_hi, BR, BT, KB)  # fmt: skip
     acc_lo = gl.zeros([BR, BT], gl.float32, mma)
     acc_hi = gl.zeros([BR, BT], gl.float32, mma)
     for i in range(n_it):
@@ -300,7 +386,7 @@ def _moe_dec_kernel(
         q = gl.convert_layout(gl.reshape(w_bufs.index(cur).load(wl), [BR, 4, KB // 4]), wq,
                               assert_trivial=True)  # fmt: skip
         xv = x_bufs.index(cur).load(xl)
-        if FP8:  # the model's activations -> fp16 x 2^-4
+        if FP8 or ROUTE == 1:  # the model's activations -> fp16 x 2^-4
             xv = (xv.to(gl.float32) * 0.0625).to(gl.float16)
         xb = gl.convert_layout(gl.permute(_fragments(xv, BT, KB), [1, 0]), dot_b, True)
         if FP8:
@@ -350,6 +436,14 @@ def _moe_dec_kernel(
         acc_hi = acc_hi * f_hi[:, None]
         gl.store(o_ptrs, acc_lo.to(out_ptr.dtype.element_ty))
         gl.store(o_ptrs + N, acc_hi.to(out_ptr.dtype.element_ty))
+        if COMBINE:  # W2: the last CTA of the row block (all tiles, all splits) combines
+            tl2: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+            ti = gl.arange(0, S_P2, layout=tl2)
+            te = gl.load(tile_e_ptr + ti, mask=ti < gl.num_programs(2), other=-1)
+            n_active = gl.sum((te >= 0).to(gl.int32), axis=0)
+            _combine_last(out_ptr, sos, som, inv_ptr, wt_ptr, y_out_ptr, syo, n_tok, n0, N,
+                          cnt_ptr + pid_n, n_active * gl.num_programs(1), gl.num_programs(1),
+                          TOPK, T_P2, BR)  # fmt: skip
         if REDUCE:  # W13: the last CTA of the tile's row block sums both halves -> H
             c_ptr = cnt_ptr + pid_m * (N // BR) + pid_n
             n_split = gl.num_programs(1 if TILES_LAST else 2)
@@ -367,6 +461,93 @@ def _moe_dec_kernel(
                 f_ptrs = fin_ptr + tp.to(gl.int64)[None, :] * sfm + rm[:, None]
                 gl.store(f_ptrs, (h * 0.0625).to(gl.float16))
                 gl.store(c_ptr, 0)
+
+
+@gluon.jit
+def _route_tile(ids_ptr, n_slots, offset, n_local, m, rows_ptr, tile_e_ptr, inv_ptr, write,
+                WRITE: gl.constexpr, S: gl.constexpr, BT: gl.constexpr,
+                out_l: gl.constexpr):  # fmt: skip
+    """``kernels.moe._align`` for one tile, in registers: -> (tile ``m``'s local expert, -1
+    when idle; its BT token slots, pad = ``n_slots``, in ``out_l``). The same tiles as the
+    align launch (local experts in order, ceil(count / BT) tiles each, every slot a row of
+    its expert's tiles), with the rows of an expert in slot order. From the [S, S] matrix of
+    slot pairs of one local expert: a slot's rank among its expert's slots, its expert's
+    count, and the tiles of the experts before it. ``WRITE`` and ``write``: also store the
+    tile's expert, rows and its slots' rows (``tile_e``, ``rows``, ``inv``; tile 0 also the
+    -1 of the slots no local expert takes), as the align launch does, for later launches."""
+    L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0])
+    rl: gl.constexpr = gl.SliceLayout(1, L)
+    cl: gl.constexpr = gl.SliceLayout(0, L)
+    s_r = gl.arange(0, S, layout=rl)
+    s_c = gl.arange(0, S, layout=cl)
+    e_r = gl.load(ids_ptr + s_r, mask=s_r < n_slots, other=0).to(gl.int32) - offset
+    e_c = gl.load(ids_ptr + s_c, mask=s_c < n_slots, other=0).to(gl.int32) - offset
+    loc_r = (s_r < n_slots) & (e_r >= 0) & (e_r < n_local)
+    loc_c = (s_c < n_slots) & (e_c >= 0) & (e_c < n_local)
+    one = ((e_r[:, None] == e_c[None, :]) & loc_r[:, None] & loc_c[None, :]).to(gl.int32)
+    rank_r = gl.sum(gl.where(s_c[None, :] < s_r[:, None], one, 0), axis=1)
+    cnt_c = gl.sum(one, axis=0)
+    rank_c = gl.sum(gl.where(s_r[:, None] < s_c[None, :], one, 0), axis=0)
+    tiles_c = gl.where(loc_c & (rank_c == 0), (cnt_c + BT - 1) // BT, 0)  # per expert, once
+    tile_r = gl.sum(gl.where(e_c[None, :] < e_r[:, None], tiles_c[None, :], 0), axis=1)
+    tile_r += rank_r // BT
+    row_r = rank_r % BT
+    mine = loc_r & (tile_r == m)
+    j = gl.arange(0, BT, layout=cl)
+    hit = mine[:, None] & (row_r[:, None] == j[None, :])
+    has = gl.sum(hit.to(gl.int32), axis=0)
+    slot = gl.where(has > 0, gl.sum(gl.where(hit, s_r[:, None], 0), axis=0), n_slots)
+    e = gl.max(gl.where(mine, e_r, -1), axis=0)
+    if WRITE:  # noqa: SIM102 (a constexpr, then a runtime test)
+        if write:
+            gl.store(tile_e_ptr + m, e)
+            gl.store(rows_ptr + m * BT + j, slot)
+            gl.store(inv_ptr + s_r, m * BT + row_r, mask=mine)
+            gl.store(inv_ptr + s_r, gl.full([S], -1, gl.int32, rl),
+                     mask=(s_r < n_slots) & ~loc_r & (m == 0))  # fmt: skip
+    return e, gl.convert_layout(slot, out_l)
+
+
+@gluon.jit
+def _combine_last(y_ptr, sys, sym, inv_ptr, wt_ptr, out_ptr, som, n_tok, n0, N, c_ptr,
+                  n_arrive, n_split, TOPK: gl.constexpr, TP: gl.constexpr,
+                  BR: gl.constexpr):  # fmt: skip
+    """``kernels.moe._moe_combine`` for W2's row block (columns n0 + [0, BR) and N + those),
+    in its order, by the last of ``n_arrive`` CTAs to store their partials ``y``:
+    ``out[t, c] = sum_j w[t, j] * sum_s y[s, inv[t * TOPK + j], c]``."""
+    if _arrived_last(c_ptr, n_arrive):
+        L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [WARPS, 1], [1, 0])
+        t = gl.arange(0, TP, layout=gl.SliceLayout(1, L))
+        c = n0 + gl.arange(0, BR, layout=gl.SliceLayout(0, L))
+        tm = t < n_tok
+        acc_lo = gl.zeros([TP, BR], gl.float32, L)
+        acc_hi = gl.zeros([TP, BR], gl.float32, L)
+        for j in range(TOPK):  # (a static loop hoists every load: 96-168 registers)
+            p = gl.load(inv_ptr + t * TOPK + j, mask=tm, other=-1)
+            w = gl.load(wt_ptr + t * TOPK + j, mask=tm, other=0.0)
+            msk = (p >= 0)[:, None] & (c < N)[None, :]
+            base = y_ptr + p.to(gl.int64)[:, None] * sym + c[None, :]
+            part_lo = gl.zeros([TP, BR], gl.float32, L)
+            part_hi = gl.zeros([TP, BR], gl.float32, L)
+            for k in range(n_split):
+                part_lo += gl.load(base + k * sys, mask=msk, other=0.0, cache_modifier=".cg")
+                part_hi += gl.load(base + k * sys + N, mask=msk, other=0.0, cache_modifier=".cg")
+            acc_lo += w[:, None] * part_lo
+            acc_hi += w[:, None] * part_hi
+        _store_rows(out_ptr, som, n_tok, n0, N, acc_lo, acc_hi)
+        gl.store(c_ptr, 0)
+
+
+@gluon.jit
+def _store_rows(out_ptr, som, n_tok, n0, N, lo, hi):
+    """``out[t, n0 + c]`` = lo[t, c] and ``out[t, N + n0 + c]`` = hi[t, c] for t < n_tok."""
+    lay: gl.constexpr = lo.type.layout
+    t = gl.arange(0, lo.shape[0], layout=gl.SliceLayout(1, lay))
+    c = n0 + gl.arange(0, lo.shape[1], layout=gl.SliceLayout(0, lay))
+    o = out_ptr + t.to(gl.int64)[:, None] * som + c[None, :]
+    om = (t < n_tok)[:, None] & (c < N)[None, :]
+    gl.store(o, lo.to(out_ptr.dtype.element_ty), mask=om)
+    gl.store(o + N, hi.to(out_ptr.dtype.element_ty), mask=om)
 
 
 @gluon.jit
@@ -433,7 +614,10 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
            n: int, k: int, split: int, limit: float, gather: bool, fuse_swiglu: bool,
            bt: int, br: int = BR, kb: int = KB, stages: int = STAGES,
            maxnreg: int | None = None, tiles_last: bool = True, fin: torch.Tensor | None = None,
-           counters: torch.Tensor | None = None) -> None:  # fmt: skip
+           counters: torch.Tensor | None = None,
+           route: tuple[torch.Tensor, int, int, torch.Tensor] | None = None,
+           combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+           pdl: bool = False, trigger: bool = False) -> None:  # fmt: skip
     """One GEMM: ``a`` fp16 [rows, K] (x 2^-4), ``w`` pairs bytes [E, N, K] (row n: rows n
     and n + N of the row sets), ``s`` e8m0 codes [E, 2N, K/32] (uint8; read as one int32
     word per row and K block), ``ref`` int32 [E, 2N] (:func:`row_refs`), ``out`` as
@@ -442,7 +626,17 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
     --sweep-form``, the two GEMMs): on, 8 / 64 / 512 tokens 40.1 / 183.7 / 317.2 us against
     43.1 / 188.8 / 327.9 off, each at its ring depth. With ``fin`` (fp16 H [rows, N]) and
     ``counters`` (int32, zero, at least tiles x N / br) a W13 launch with K splits also sums
-    them and writes H (``REDUCE``)."""
+    them and writes H (``REDUCE``).
+
+    ``route`` = (ids [T, topk] global expert ids, offset, local experts, inv int32 [T * topk]):
+    the kernel lays out its tiles from the router's ids itself (``ROUTE``: ``rows`` and
+    ``tile_e`` are then written, with ``inv``, by each tile's first CTA for the launches
+    after it) and reads ``a`` as the model's bf16 / fp16 rows. ``combine`` = (inv,
+    weights fp32 [T, topk], out [T, 2N]) on a W2 launch with ``counters`` (zero, N / br):
+    ``out`` in the combine's order, by the last CTA of each row block (``COMBINE``).
+    ``pdl`` (a W2 launch with ``route``): a programmatic dependent launch that lays out its
+    tiles from the ids itself and copies its first weight blocks before it waits for the
+    launch before it (W13, launched with ``trigger``: it lets this one start at once)."""
     if kb != 128 or k % kb or n % br:
         raise ValueError(f"decode GEMM: K={k} must be a multiple of 128 and N={n} of {br}")
     reduce = fin is not None and split > 1
@@ -455,15 +649,42 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
     s = s.view(torch.uint8).contiguous().view(torch.int32)  # [E, 2N, K/128]
     per = -(-(k // kb) // split) * kb
     tiles = tile_e.numel()
+    n_tok = n_slots // max(topk, 1)
+    if route is not None:
+        ids, off, n_local, inv = route
+        w13 = gather and reduce and a.dtype in (torch.bfloat16, torch.float16)
+        if ids.numel() != n_slots or not (w13 or (pdl and not gather)):
+            raise ValueError("decode GEMM route: W13 with K splits summed in the kernel, on "
+                             "the model's bf16 / fp16 rows, or a W2 launch with pdl")  # fmt: skip
+        rt = (ids, off, n_local, inv)
+    else:
+        if pdl:
+            raise ValueError("decode GEMM pdl: needs route (the tiles before the wait)")
+        rt = (rows, 0, 0, rows)
+    if combine is not None:
+        inv, wt, y_out = combine
+        if (gather or fuse_swiglu or out.dtype != torch.float32 or counters is None
+                or counters.numel() < n // br or wt.dtype != torch.float32
+                or not wt.is_contiguous() or y_out.stride(1) != 1):  # fmt: skip
+            raise ValueError("decode GEMM combine: W2 with fp32 partials, fp32 weights and "
+                             f"{n // br} zeroed counters")  # fmt: skip
+        cb = (inv, wt, y_out, y_out.stride(0), n_tok)
+    else:
+        cb = (rows, rows, out, 0, n_tok)
+    s_p2 = max(2, 1 << (max(n_slots, tiles, 2) - 1).bit_length())
     grid = (n // br, split, tiles) if tiles_last else (tiles, n // br, split)
     _moe_dec_kernel[grid](
         a, a.stride(0), rows, tile_e, w, w.stride(0), w.stride(1), s, s.stride(0), s.stride(1),
         ref, ref.stride(0), out, out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
-        n_slots, topk, n, k, per, limit, counters if reduce else ref, fin if reduce else out,
-        fin.stride(0) if reduce else 0, A_GATHER=gather, FUSE_SWIGLU=fuse_swiglu,
-        HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages, TILES_LAST=tiles_last,
-        REDUCE=reduce,
+        n_slots, topk, n, k, per, limit, counters if reduce or combine is not None else ref,
+        fin if reduce else out, fin.stride(0) if reduce else 0, *rt, *cb, A_GATHER=gather,
+        FUSE_SWIGLU=fuse_swiglu, HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages,
+        TILES_LAST=tiles_last, REDUCE=reduce,
+        ROUTE=0 if route is None else 2 if pdl else 1, PDL=pdl, TRIGGER=trigger,
+        COMBINE=combine is not None, S_P2=s_p2, TOPK=topk,
+        T_P2=max(2, 1 << max(n_tok - 1, 1).bit_length()),
         num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
 
 
@@ -512,6 +733,7 @@ def launch_dense(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: to
         x, x.stride(0), rows, tile_e, w.view(torch.uint8), 0, w.stride(0), words, 0,
         words.stride(0), refs, 0, out, out.stride(0), out.stride(1), m, 1, n, k, per, 0.0,
         counters if reduce else refs, fin if reduce else out, fin.stride(0) if reduce else 0,
-        A_GATHER=False, FUSE_SWIGLU=False, HAS_LIMIT=False, BR=BR, BT=bt, KB=KB,
-        STAGES=stages, FP8=True, SB_N=b0, TILES_LAST=False, REDUCE=reduce, num_warps=4,
+        rows, 0, 0, rows, rows, out, 0, 0, A_GATHER=False,
+        FUSE_SWIGLU=False, HAS_LIMIT=False, BR=BR, BT=bt, KB=KB, STAGES=stages, FP8=True,
+        SB_N=b0, TILES_LAST=False, REDUCE=reduce, num_warps=4,
     )  # fmt: skip

@@ -560,3 +560,83 @@ def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor,
         assert torch.equal(out, layer(static, "launch"))
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for kept in moe_decode._COUNTERS.values() for c in kept)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("t,first_local,none_local", [(1, 0, False), (3, 96, False),
+                                                      (8, 0, False), (10, 336, False),
+                                                      (2, 0, True)])  # fmt: skip
+def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: int,
+                                     first_local: int, none_local: bool,
+                                     pdl: bool) -> None:  # fmt: skip
+    """At a few token slots the decode layer is two launches: W13 lays out its tiles from
+    the router's ids and W2's last CTA per row block combines. Its output equals the four
+    launches' (align, W13, W2, combine: ``route_choice("launch")``) bit for bit, with the
+    local experts at an offset, with tokens that take no local expert (and none that does),
+    in a CUDA graph replayed with new activations and new routing, and with W2 a
+    programmatic dependent launch (``pdl``: it lays out its tiles and copies its first
+    weight blocks before W13 has finished); the rows, inverse map
+    and tile experts it writes are the align launch's (rows in slot order); the split
+    counters are zero afterwards."""
+    from kernels import moe_decode
+    from kernels.moe import FUSED_SLOTS, _align, fp4_to_pairs, moe_fp4_triton, route_choice
+
+    assert t * TOPK <= FUSED_SLOTS
+    w13, s13, w2, s2 = fp4_experts
+    h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
+    refs = (moe_decode.row_refs(s13)[0], moe_decode.row_refs(s2)[0])
+    torch.manual_seed(100 + t)
+
+    def routing() -> tuple[torch.Tensor, torch.Tensor]:
+        ids, wt = _routing(t, first_local)
+        if none_local:  # every expert outside [first_local, first_local + 48)
+            ids = (ids % (E_ALL - E_LOCAL - first_local)) + first_local + E_LOCAL
+        return ids, wt
+
+    ids, wt = routing()
+    x = torch.randn(t, D, device="cuda").bfloat16()
+
+    def layer(xx: torch.Tensor, ii: torch.Tensor, ww: torch.Tensor, where: str) -> torch.Tensor:
+        with route_choice(where):
+            return moe_fp4_triton(xx, ii, ww, h13, s13, h2, s2, 10.0, n_experts=E_ALL,
+                                  local_expert_offset=first_local, pairs=True, row_refs=refs,
+                                  decode_kernel="gluon")  # fmt: skip
+
+    two = "two_pdl" if pdl else "two"
+    fused, four = layer(x, ids, wt, two), layer(x, ids, wt, "launch")
+    assert bool(torch.isfinite(fused).all()) and torch.equal(fused, four)
+    assert (fused.abs().amax() == 0) == none_local
+    static_x, static_ids, static_w = x.clone(), ids.clone(), wt.clone()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = layer(static_x, static_ids, static_w, two)
+    for _ in range(3):
+        ids, wt = routing()
+        static_x.copy_(torch.randn(t, D, device="cuda").bfloat16())
+        static_ids.copy_(ids)
+        static_w.copy_(wt)
+        g.replay()
+        assert torch.equal(out, layer(static_x, static_ids, static_w, "launch"))
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for kept in moe_decode._COUNTERS.values() for c in kept)
+    # the routing it writes for the launches after W13: the align launch's tiles
+    n_slots, bt = t * TOPK, 8
+    n_tiles = min(n_slots, -(-n_slots // bt) + E_LOCAL)
+    rows = torch.full((n_tiles * bt,), -7, dtype=torch.int32, device="cuda")
+    inv = torch.full((n_slots,), -7, dtype=torch.int32, device="cuda")
+    tile_e = torch.full((n_tiles,), -7, dtype=torch.int32, device="cuda")
+    h = torch.empty(n_tiles * bt, INTER, dtype=torch.float16, device="cuda")
+    part = torch.empty(4, n_tiles * bt, 2 * INTER, device="cuda")
+    moe_decode.launch(x, rows, tile_e, h13, s13, refs[0], part, n_slots, TOPK, INTER, D, 4,
+                      10.0, True, False, bt, fin=h,
+                      counters=moe_decode.split_counters(n_tiles * INTER // 64, x.device),
+                      route=(ids.reshape(-1), first_local, E_LOCAL, inv))  # fmt: skip
+    a_rows, a_inv, a_tile_e = _align(ids, E_LOCAL, first_local, bt)
+    assert torch.equal(tile_e, a_tile_e)
+    for m in range(n_tiles):  # the same slots per tile; here in slot order
+        mine = rows[m * bt:(m + 1) * bt]
+        assert torch.equal(mine, torch.sort(a_rows[m * bt:(m + 1) * bt]).values)
+    local = a_inv >= 0
+    assert torch.equal(inv < 0, ~local)
+    assert torch.equal(rows[inv[local].long()], torch.arange(n_slots, device="cuda")[local].int())

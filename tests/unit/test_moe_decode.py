@@ -253,3 +253,38 @@ def test_split_sum_in_the_kernel_needs_its_counters_and_shares_them() -> None:
     big = split_counters(1 << 15, dev)
     assert big.numel() == 1 << 15 and not bool(big.any())
     assert split_counters(3, dev).data_ptr() == big.data_ptr()  # the grown buffer from now on
+
+
+@pytest.mark.parametrize("t,offset,bt", [(1, 0, 8), (3, 96, 8), (8, 0, 8), (10, 336, 16),
+                                         (2, 200, 8), (16, 0, 32)])  # fmt: skip
+def test_in_kernel_routing_lays_out_the_align_launchs_tiles(t: int, offset: int,
+                                                            bt: int) -> None:  # fmt: skip
+    """The two-launch decode layer's W13 lays out its tiles from the router's ids with the
+    [S, S] matrix of slot pairs (``emulate_route``, the kernel's formulation): the same
+    tile experts as the align launch (``kernels.moe._align``, interpreter), the same slots
+    in each tile (there in atomic order, here in slot order), and an inverse map that
+    points each local slot at its row; tokens of no local expert and repeated ids too."""
+    from kernels.moe import _align
+    from kernels.moe_decode import emulate_route
+
+    g = torch.Generator().manual_seed(t * 1000 + offset)
+    for trial in range(4):
+        ids = torch.randperm(384, generator=g)[: t * 6].reshape(t, 6)
+        ids[0, 0] = offset + 5  # at least one local slot
+        if trial == 1:  # a few hot experts: several tiles of one expert when bt is small
+            ids = offset + torch.randint(0, 3, (t, 6), generator=g)
+        if trial == 2:  # nothing local
+            ids = (ids % 48) + (offset + 48 if offset + 96 <= 384 else 0)
+        rows, inv, tile_e = emulate_route(ids, offset, 48, bt)
+        a_rows, a_inv, a_tile_e = _align(ids.int(), 48, offset, bt)
+        assert torch.equal(tile_e, a_tile_e.cpu())
+        for m in range(tile_e.numel()):
+            seg = slice(m * bt, (m + 1) * bt)
+            assert torch.equal(rows[seg], torch.sort(a_rows.cpu()[seg]).values)
+        local = a_inv.cpu() >= 0
+        assert torch.equal(inv >= 0, local)
+        assert torch.equal(rows[inv[local].long()], torch.arange(t * 6)[local].int())
+        if trial == 2:
+            assert not bool(local.any()) and bool((tile_e == -1).all())
+        else:
+            assert bool(local.any())
