@@ -565,11 +565,11 @@ def main() -> None:
     ap.add_argument("--split-sum", default="auto", choices=("auto", "launch", "kernel"),
                     help="with --dense fp8: where the Gluon kernels' K splits are summed "
                          "(kernels.linear.split_sum_choice)")  # fmt: skip
-    ap.add_argument("--moe-route", default="auto", choices=("auto", "launch", "two", "two_pdl"),
+    ap.add_argument("--moe-route", default="auto", choices=("auto", "launch", "two"),
                     help="the Gluon MoE decode layer at a few token slots (before / after A/B: "
                          "launch = align + combine launches around the GEMMs, two = the two "
-                         "GEMM launches lay out and combine, two_pdl = W2 a dependent "
-                         "launch; kernels.moe.route_choice)")  # fmt: skip
+                         "GEMM launches lay out and combine up to 64 slots; "
+                         "kernels.moe.route_choice)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
     from kernels.linear import fp8_kernel_choice, split_sum_choice

@@ -9,8 +9,9 @@ decode), random fp4 experts with e8m0 scales over four binades (the fixture of
 Every Fathom row is the whole layer (align, activation conversion, both GEMMs, split-K
 reduce, combine), checked against the fp32 torch reference before it is timed:
 
-- ``gluon``: fp4 pairs through ``kernels.moe_decode`` (this issue's kernel; at most 64 token
-  slots two launches: W13 lays out its own tiles, W2 combines)
+- ``gluon``: fp4 pairs through ``kernels.moe_decode`` (this issue's kernel; up to
+  ``kernels.moe.FUSED_SLOTS`` token slots two launches: W13 lays out its own tiles, W2
+  combines)
 - ``gluon.four_launches``: the same GEMMs with the align and combine launches around them
 - ``tl.pairs``: fp4 pairs through ``_moe_gemm`` (the previous path)
 - ``tl.fp8_rows``: the same weights re-encoded as e4m3 rows (twice the bytes)

@@ -1153,12 +1153,17 @@ def route_choice(where: str) -> contextlib.AbstractContextManager[None]:
     """Where the Gluon MoE decode layer lays out its tiles and combines in this block:
     "auto" (inside its two GEMM launches where the call has at most
     :data:`FUSED_SLOTS` token slots and splits W13's K), "launch" (the align and combine
-    launches around them; the earlier path); "two" / "two_pdl" pin the two launches without /
-    with W2 as a programmatic dependent launch. Set it before CUDA-graph capture."""
-    return pinned_variant("moe_route", where, ("auto", "launch", "two", "two_pdl"))
+    launches around them; the earlier path); "two": the two launches up to 64 slots (the
+    bound's measurement). Set it before CUDA-graph capture."""
+    return pinned_variant("moe_route", where, ("auto", "launch", "two"))
 
 
-FUSED_SLOTS = 64  # token slots (tokens x top-k) up to which the decode layer is two launches
+# token slots (tokens x top-k) up to which the decode layer is two launches. H200, sixteenth
+# session (bench.moe_decode and a same-process A/B, docs/performance.md;
+# V4.1-Flash rank, top-6): 18.2 / 25.8 / 31.2 / 38.4 us at 1 / 2 / 3 / 4 tokens against
+# 22.0 / 28.4 / 33.1 / 39.0 for the four launches, 51.3 against 49.4 at 8 (48 slots: each
+# working CTA's [S, S] routing outweighs the two launches it saves)
+FUSED_SLOTS = 24
 
 
 def _decode_refs(
@@ -1220,7 +1225,8 @@ def _moe_run_decode(
     """The MoE layer with :mod:`kernels.moe_decode`'s GEMMs (fp4 pairs, decode batches):
     align, x -> fp16 x 2^-4, W13 (+ SwiGLU; with K splits summed by the kernel's last CTA
     of a tile, or by ``_swiglu_reduce`` where ``split_sum_choice`` pins "launch"), W2,
-    combine."""
+    combine; at most :data:`FUSED_SLOTS` token slots with W13's K split: the two GEMM
+    launches alone (:func:`_moe_run_fused`, ``route_choice``)."""
     t, d = x.shape
     topk = ids.shape[1]
     n_local, n_slots = w13.shape[0], t * topk
@@ -1234,10 +1240,10 @@ def _moe_run_decode(
     q13, q2 = s13.view(torch.uint8), s2.view(torch.uint8)
     st = moe_decode.pick_stages(bt, tiles)
     route = pinned("moe_route")
-    if (n_slots <= FUSED_SLOTS and split1 > 1 and route != "launch"
+    if (n_slots <= (64 if route == "two" else FUSED_SLOTS) and split1 > 1 and route != "launch"
             and pinned("split_sum") != "launch"):  # fmt: skip
         return _moe_run_fused(x, ids, weights, w13, q13, w2, q2, inter, limit, offset, refs,
-                              out, bt, split1, split2, st, route == "two_pdl")  # fmt: skip
+                              out, bt, split1, split2, st)  # fmt: skip
     xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
     rows, inv, tile_e = _align(ids, n_local, offset, bt, x, xa)  # and x -> fp16 x 2^-4
     n_rows = rows.numel()
@@ -1266,8 +1272,7 @@ def _moe_run_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    w13: torch.Tensor, q13: torch.Tensor, w2: torch.Tensor, q2: torch.Tensor,
                    inter: int, limit: float, offset: int,
                    refs: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, bt: int,
-                   split1: int, split2: int, stages: int,
-                   pdl: bool = False) -> torch.Tensor:  # fmt: skip
+                   split1: int, split2: int, stages: int) -> torch.Tensor:  # fmt: skip
     """The decode layer in two launches (a few token slots): W13 lays out its own tiles
     from ``ids`` (the align launch's tiles, rows in slot order), converts x, sums its K
     splits and writes H; W2 writes fp32 partials and the last CTA of each row block
@@ -1286,14 +1291,12 @@ def _moe_run_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     y = torch.empty(split2, n_tiles * bt, d, dtype=torch.float32, device=dev)
     cnt = moe_decode.split_counters(max(n_tiles * (inter // moe_decode.BR),
                                         d // 2 // moe_decode.BR), dev)  # fmt: skip
-    route = (ids.reshape(-1), offset, n_local, inv)
     moe_decode.launch(x.contiguous(), rows, tile_e, w13, q13, refs[0], part, n_slots, topk,
                       inter, d, split1, limit, True, False, bt, stages=stages, fin=h,
-                      counters=cnt, route=route, trigger=pdl)  # fmt: skip
+                      counters=cnt, route=(ids.reshape(-1), offset, n_local, inv))  # fmt: skip
     moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
                       limit, False, False, bt, stages=stages, counters=cnt,
-                      combine=(inv, weights.reshape(-1).float().contiguous(), out),
-                      route=route if pdl else None, pdl=pdl)  # fmt: skip
+                      combine=(inv, weights.reshape(-1).float().contiguous(), out))  # fmt: skip
     return out
 
 

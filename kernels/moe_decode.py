@@ -224,43 +224,6 @@ def _issue(w_slot, x_slot, s_slot, w_rows, a_rows, amask, s_rows, k, K, BR: gl.c
 
 
 @gluon.jit
-def _issue_weights(w_slot, s_slot, w_rows, s_rows, k, K, KB: gl.constexpr):
-    """:func:`_issue` without the activations: a block's weight bytes and scale words (which
-    no earlier launch writes), one commit group."""
-    wl: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // KB, KB // 16], [WARPS, 1], [1, 0])
-    cw = k + gl.arange(0, KB, layout=gl.SliceLayout(0, wl))
-    async_copy.async_copy_global_to_shared(
-        w_slot, gl.convert_layout(w_rows, gl.SliceLayout(1, wl))[:, None] + cw[None, :],
-        mask=(cw < K)[None, :],
-    )  # fmt: skip
-    async_copy.async_copy_global_to_shared(s_slot, s_rows + k // KB,
-                                           mask=gl.full(s_rows.shape, k, gl.int32,
-                                                        s_rows.type.layout) < K)  # fmt: skip
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _issue_acts(x_slot, a_rows, amask, k, K, KB: gl.constexpr):
-    """:func:`_issue`'s activations alone, one commit group."""
-    xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // KB, KB // 8], [WARPS, 1], [1, 0])
-    cx = k + gl.arange(0, KB, layout=gl.SliceLayout(0, xl))
-    ar = gl.convert_layout(a_rows, gl.SliceLayout(1, xl))
-    am = gl.convert_layout(amask, gl.SliceLayout(1, xl))
-    async_copy.async_copy_global_to_shared(
-        x_slot, ar[:, None] + cx[None, :], mask=am[:, None] & (cx < K)[None, :]
-    )
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _grid_dep(op: gl.constexpr):
-    """``griddepcontrol.wait`` (this launch's reads of what the launch before it wrote may
-    start) or ``griddepcontrol.launch_dependents`` (the next launch may start its CTAs)."""
-    gl.inline_asm_elementwise("griddepcontrol." + op + "; // $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
 def _mult(words, ref, layout: gl.constexpr, OFF: gl.constexpr):
     """fp16 2^(OFF + c - R) [BR, 4] for each row and column quarter t of a K block: c = byte t
     of the row's scale word (group t of the block), R = the row's reference ``ref``; OFF = 6
@@ -279,10 +242,8 @@ def _moe_dec_kernel(
     A_GATHER: gl.constexpr, FUSE_SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
     BR: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     FP8: gl.constexpr = False, SB_N: gl.constexpr = 1, TILES_LAST: gl.constexpr = True,
-    REDUCE: gl.constexpr = False, ROUTE: gl.constexpr = 0, PDL: gl.constexpr = False,
-    TRIGGER: gl.constexpr = False,
-    COMBINE: gl.constexpr = False, S_P2: gl.constexpr = 1, TOPK: gl.constexpr = 1,
-    T_P2: gl.constexpr = 1,
+    REDUCE: gl.constexpr = False, ROUTE: gl.constexpr = False, COMBINE: gl.constexpr = False,
+    S_P2: gl.constexpr = 1, TOPK: gl.constexpr = 1, T_P2: gl.constexpr = 1,
 ):  # fmt: skip
     """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x
     2^-4; ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations
@@ -298,26 +259,30 @@ def _moe_dec_kernel(
     sums the partials in split order and sets the counter back to zero. ``FP8``: it writes
     the sum to ``fin_ptr`` in its dtype (as ``kernels.linear._split_sum_cast``); W13 (fp4
     pairs): the clamped SwiGLU of the two sums as fp16 x 2^-4 H (as
-    ``kernels.moe._swiglu_reduce``)."""
+    ``kernels.moe._swiglu_reduce``). ``ROUTE`` (W13): the tile's expert and rows come from
+    the router's ids (:func:`_route_tile`), the activations are the model's rows; ``COMBINE``
+    (W2): the last CTA of each row block combines the partials into the layer's output
+    (:func:`_combine_last`)."""
     if TILES_LAST:
         pid_n, pid_k, pid_m = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     else:
         pid_m, pid_n, pid_k = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     tl_: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     pos = pid_m * BT + gl.arange(0, BT, layout=tl_)
-    if TRIGGER:  # the next launch (PDL) may place its CTAs as this one's are placed
-        _grid_dep("launch_dependents")
-    if ROUTE > 0:  # the tile's expert and token rows from the router's ids (no align launch)
+    if ROUTE:  # the tile's expert and token rows from the router's ids (no align launch)
+        first = (pid_n == 0) & (pid_k == 0)
+        n_loc = _local_slots(ids_ptr, n_slots, route_off, n_local, S_P2)
+        if pid_m >= n_loc:  # more tiles than local slots: idle, without the [S, S] work
+            if first:
+                _idle_tile(rows_ptr, tile_e_ptr, inv_ptr, pid_m, n_slots, S_P2, BT)
+            return
         e, slot = _route_tile(ids_ptr, n_slots, route_off, n_local, pid_m, rows_ptr, tile_e_ptr,
-                              inv_ptr, (pid_n == 0) & (pid_k == 0), ROUTE == 1, S_P2, BT,
-                              tl_)  # fmt: skip
+                              inv_ptr, first, S_P2, BT, tl_)  # fmt: skip
     else:
         e = gl.load(tile_e_ptr + pid_m)
         slot = gl.load(rows_ptr + pos)
     if e < 0:
         if COMBINE and pid_m == 0 and pid_k == 0:  # no tile is active: the layer's out is 0
-            if PDL:
-                _grid_dep("wait")
             zl: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [WARPS, 1], [1, 0])
             z = gl.zeros([T_P2, BR], gl.float32, zl)
             _store_rows(y_out_ptr, syo, n_tok, pid_n * BR, N, z, z)
@@ -362,17 +327,9 @@ def _moe_dec_kernel(
     k_lo = pid_k * k_per_split
     k_hi = gl.minimum(k_lo + k_per_split, K)
     n_it = gl.cdiv(k_hi - k_lo, KB)
-    if PDL:  # the weights while the launch before this one finishes, then its activations
-        for j in gl.static_range(STAGES - 1):
-            _issue_weights(w_bufs.index(j), s_bufs.index(j), w_rows, s_rows, k_lo + j * KB,
-                           k_hi, KB)  # fmt: skip
-        _grid_dep("wait")
-        for j in gl.static_range(STAGES - 1):
-            _issue_acts(x_bufs.index(j), a_rows, amask, k_lo + j * KB, k_hi, KB)
-    else:
-        for j in gl.static_range(STAGES - 1):
-            _issue(w_bufs.index(j), x_bufs.index(j), s_bufs.index(j), w_rows, a_rows, amask,
-                   s_rows, k_lo + j * KB, k_hi, BR, BT, KB)  # fmt: skip
+    for j in gl.static_range(STAGES - 1):
+        _issue(w_bufs.index(j), x_bufs.index(j), s_bufs.index(j), w_rows, a_rows, amask,
+               s_rows, k_lo + j * KB, k_hi, BR, BT, KB)  # fmt: skip
     acc_lo = gl.zeros([BR, BT], gl.float32, mma)
     acc_hi = gl.zeros([BR, BT], gl.float32, mma)
     for i in range(n_it):
@@ -386,7 +343,7 @@ def _moe_dec_kernel(
         q = gl.convert_layout(gl.reshape(w_bufs.index(cur).load(wl), [BR, 4, KB // 4]), wq,
                               assert_trivial=True)  # fmt: skip
         xv = x_bufs.index(cur).load(xl)
-        if FP8 or ROUTE == 1:  # the model's activations -> fp16 x 2^-4
+        if FP8 or ROUTE:  # the model's activations -> fp16 x 2^-4
             xv = (xv.to(gl.float32) * 0.0625).to(gl.float16)
         xb = gl.convert_layout(gl.permute(_fragments(xv, BT, KB), [1, 0]), dot_b, True)
         if FP8:
@@ -464,17 +421,38 @@ def _moe_dec_kernel(
 
 
 @gluon.jit
+def _local_slots(ids_ptr, n_slots, offset, n_local, S: gl.constexpr):
+    """How many of the ``n_slots`` router ids fall on a local expert (a bound on the tiles)."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    s = gl.arange(0, S, layout=lay)
+    e = gl.load(ids_ptr + s, mask=s < n_slots, other=-1).to(gl.int32) - offset
+    return gl.sum(((s < n_slots) & (e >= 0) & (e < n_local)).to(gl.int32), axis=0)
+
+
+@gluon.jit
+def _idle_tile(rows_ptr, tile_e_ptr, inv_ptr, m, n_slots, S: gl.constexpr, BT: gl.constexpr):
+    """What the align launch writes for an idle tile ``m`` (expert -1, pad rows); tile 0 is
+    idle only when no slot is local: then also the -1 of every slot's row."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    gl.store(tile_e_ptr + m, -1)
+    j = gl.arange(0, BT, layout=lay)
+    gl.store(rows_ptr + m * BT + j, gl.full([BT], 0, gl.int32, lay) + n_slots)
+    s = gl.arange(0, S, layout=lay)
+    gl.store(inv_ptr + s, gl.full([S], -1, gl.int32, lay), mask=(s < n_slots) & (m == 0))
+
+
+@gluon.jit
 def _route_tile(ids_ptr, n_slots, offset, n_local, m, rows_ptr, tile_e_ptr, inv_ptr, write,
-                WRITE: gl.constexpr, S: gl.constexpr, BT: gl.constexpr,
-                out_l: gl.constexpr):  # fmt: skip
+                S: gl.constexpr, BT: gl.constexpr, out_l: gl.constexpr):  # fmt: skip
     """``kernels.moe._align`` for one tile, in registers: -> (tile ``m``'s local expert, -1
     when idle; its BT token slots, pad = ``n_slots``, in ``out_l``). The same tiles as the
     align launch (local experts in order, ceil(count / BT) tiles each, every slot a row of
     its expert's tiles), with the rows of an expert in slot order. From the [S, S] matrix of
     slot pairs of one local expert: a slot's rank among its expert's slots, its expert's
-    count, and the tiles of the experts before it. ``WRITE`` and ``write``: also store the
-    tile's expert, rows and its slots' rows (``tile_e``, ``rows``, ``inv``; tile 0 also the
-    -1 of the slots no local expert takes), as the align launch does, for later launches."""
+    count, and the tiles of the experts before it (O(S^2) per CTA: the caller keeps S small).
+    ``write``: also store the tile's expert, rows and its slots' rows (``tile_e``, ``rows``,
+    ``inv``; tile 0 also the -1 of the slots no local expert takes), as the align launch
+    does, for the launches after this one."""
     L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0])
     rl: gl.constexpr = gl.SliceLayout(1, L)
     cl: gl.constexpr = gl.SliceLayout(0, L)
@@ -498,13 +476,12 @@ def _route_tile(ids_ptr, n_slots, offset, n_local, m, rows_ptr, tile_e_ptr, inv_
     has = gl.sum(hit.to(gl.int32), axis=0)
     slot = gl.where(has > 0, gl.sum(gl.where(hit, s_r[:, None], 0), axis=0), n_slots)
     e = gl.max(gl.where(mine, e_r, -1), axis=0)
-    if WRITE:  # noqa: SIM102 (a constexpr, then a runtime test)
-        if write:
-            gl.store(tile_e_ptr + m, e)
-            gl.store(rows_ptr + m * BT + j, slot)
-            gl.store(inv_ptr + s_r, m * BT + row_r, mask=mine)
-            gl.store(inv_ptr + s_r, gl.full([S], -1, gl.int32, rl),
-                     mask=(s_r < n_slots) & ~loc_r & (m == 0))  # fmt: skip
+    if write:
+        gl.store(tile_e_ptr + m, e)
+        gl.store(rows_ptr + m * BT + j, slot)
+        gl.store(inv_ptr + s_r, m * BT + row_r, mask=mine)
+        gl.store(inv_ptr + s_r, gl.full([S], -1, gl.int32, rl),
+                 mask=(s_r < n_slots) & ~loc_r & (m == 0))  # fmt: skip
     return e, gl.convert_layout(slot, out_l)
 
 
@@ -616,8 +593,8 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
            maxnreg: int | None = None, tiles_last: bool = True, fin: torch.Tensor | None = None,
            counters: torch.Tensor | None = None,
            route: tuple[torch.Tensor, int, int, torch.Tensor] | None = None,
-           combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-           pdl: bool = False, trigger: bool = False) -> None:  # fmt: skip
+           combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+           ) -> None:  # fmt: skip
     """One GEMM: ``a`` fp16 [rows, K] (x 2^-4), ``w`` pairs bytes [E, N, K] (row n: rows n
     and n + N of the row sets), ``s`` e8m0 codes [E, 2N, K/32] (uint8; read as one int32
     word per row and K block), ``ref`` int32 [E, 2N] (:func:`row_refs`), ``out`` as
@@ -633,10 +610,7 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
     ``tile_e`` are then written, with ``inv``, by each tile's first CTA for the launches
     after it) and reads ``a`` as the model's bf16 / fp16 rows. ``combine`` = (inv,
     weights fp32 [T, topk], out [T, 2N]) on a W2 launch with ``counters`` (zero, N / br):
-    ``out`` in the combine's order, by the last CTA of each row block (``COMBINE``).
-    ``pdl`` (a W2 launch with ``route``): a programmatic dependent launch that lays out its
-    tiles from the ids itself and copies its first weight blocks before it waits for the
-    launch before it (W13, launched with ``trigger``: it lets this one start at once)."""
+    ``out`` in the combine's order, by the last CTA of each row block (``COMBINE``)."""
     if kb != 128 or k % kb or n % br:
         raise ValueError(f"decode GEMM: K={k} must be a multiple of 128 and N={n} of {br}")
     reduce = fin is not None and split > 1
@@ -652,25 +626,23 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
     n_tok = n_slots // max(topk, 1)
     if route is not None:
         ids, off, n_local, inv = route
-        w13 = gather and reduce and a.dtype in (torch.bfloat16, torch.float16)
-        if ids.numel() != n_slots or not (w13 or (pdl and not gather)):
+        if not (gather and reduce and ids.numel() == n_slots
+                and a.dtype in (torch.bfloat16, torch.float16)):  # fmt: skip
             raise ValueError("decode GEMM route: W13 with K splits summed in the kernel, on "
-                             "the model's bf16 / fp16 rows, or a W2 launch with pdl")  # fmt: skip
+                             "the model's bf16 / fp16 rows")  # fmt: skip
         rt = (ids, off, n_local, inv)
     else:
-        if pdl:
-            raise ValueError("decode GEMM pdl: needs route (the tiles before the wait)")
-        rt = (rows, 0, 0, rows)
+        rt = (rows, 0, 0, combine[0] if combine is not None else rows)
     if combine is not None:
-        inv, wt, y_out = combine
+        _, wt, y_out = combine
         if (gather or fuse_swiglu or out.dtype != torch.float32 or counters is None
                 or counters.numel() < n // br or wt.dtype != torch.float32
                 or not wt.is_contiguous() or y_out.stride(1) != 1):  # fmt: skip
             raise ValueError("decode GEMM combine: W2 with fp32 partials, fp32 weights and "
                              f"{n // br} zeroed counters")  # fmt: skip
-        cb = (inv, wt, y_out, y_out.stride(0), n_tok)
+        cb = (wt, y_out, y_out.stride(0), n_tok)
     else:
-        cb = (rows, rows, out, 0, n_tok)
+        cb = (rows, out, 0, n_tok)
     s_p2 = max(2, 1 << (max(n_slots, tiles, 2) - 1).bit_length())
     grid = (n // br, split, tiles) if tiles_last else (tiles, n // br, split)
     _moe_dec_kernel[grid](
@@ -679,12 +651,10 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
         n_slots, topk, n, k, per, limit, counters if reduce or combine is not None else ref,
         fin if reduce else out, fin.stride(0) if reduce else 0, *rt, *cb, A_GATHER=gather,
         FUSE_SWIGLU=fuse_swiglu, HAS_LIMIT=limit > 0, BR=br, BT=bt, KB=kb, STAGES=stages,
-        TILES_LAST=tiles_last, REDUCE=reduce,
-        ROUTE=0 if route is None else 2 if pdl else 1, PDL=pdl, TRIGGER=trigger,
+        TILES_LAST=tiles_last, REDUCE=reduce, ROUTE=route is not None,
         COMBINE=combine is not None, S_P2=s_p2, TOPK=topk,
         T_P2=max(2, 1 << max(n_tok - 1, 1).bit_length()),
         num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
-        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
 
 

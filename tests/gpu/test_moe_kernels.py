@@ -562,26 +562,23 @@ def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor,
     assert all(int(c.abs().sum()) == 0 for kept in moe_decode._COUNTERS.values() for c in kept)
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("t,first_local,none_local", [(1, 0, False), (3, 96, False),
-                                                      (8, 0, False), (10, 336, False),
-                                                      (2, 0, True)])  # fmt: skip
+@pytest.mark.parametrize("t,first_local,none_local", [(1, 0, False), (2, 96, False),
+                                                      (3, 96, False), (8, 0, False),
+                                                      (10, 336, False), (2, 0, True)])  # fmt: skip
 def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: int,
-                                     first_local: int, none_local: bool,
-                                     pdl: bool) -> None:  # fmt: skip
+                                     first_local: int, none_local: bool) -> None:  # fmt: skip
     """At a few token slots the decode layer is two launches: W13 lays out its tiles from
     the router's ids and W2's last CTA per row block combines. Its output equals the four
     launches' (align, W13, W2, combine: ``route_choice("launch")``) bit for bit, with the
     local experts at an offset, with tokens that take no local expert (and none that does),
-    in a CUDA graph replayed with new activations and new routing, and with W2 a
-    programmatic dependent launch (``pdl``: it lays out its tiles and copies its first
-    weight blocks before W13 has finished); the rows, inverse map
+    in a CUDA graph replayed with new activations and new routing, also past the slots
+    where the default takes it ("two": up to 64); the rows, inverse map
     and tile experts it writes are the align launch's (rows in slot order); the split
     counters are zero afterwards."""
     from kernels import moe_decode
     from kernels.moe import FUSED_SLOTS, _align, fp4_to_pairs, moe_fp4_triton, route_choice
 
-    assert t * TOPK <= FUSED_SLOTS
+    assert t * TOPK <= 64
     w13, s13, w2, s2 = fp4_experts
     h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
     refs = (moe_decode.row_refs(s13)[0], moe_decode.row_refs(s2)[0])
@@ -602,7 +599,7 @@ def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: i
                                   local_expert_offset=first_local, pairs=True, row_refs=refs,
                                   decode_kernel="gluon")  # fmt: skip
 
-    two = "two_pdl" if pdl else "two"
+    two = "auto" if t * TOPK <= FUSED_SLOTS else "two"
     fused, four = layer(x, ids, wt, two), layer(x, ids, wt, "launch")
     assert bool(torch.isfinite(fused).all()) and torch.equal(fused, four)
     assert (fused.abs().amax() == 0) == none_local
