@@ -1159,11 +1159,10 @@ def route_choice(where: str) -> contextlib.AbstractContextManager[None]:
 
 
 # token slots (tokens x top-k) up to which the decode layer is two launches. H200, sixteenth
-# session (bench.moe_decode and a same-process A/B, docs/performance.md;
-# V4.1-Flash rank, top-6): 18.2 / 25.8 / 31.2 / 38.4 us at 1 / 2 / 3 / 4 tokens against
-# 22.0 / 28.4 / 33.1 / 39.0 for the four launches, 51.3 against 49.4 at 8 (48 slots: each
-# working CTA's [S, S] routing outweighs the two launches it saves)
-FUSED_SLOTS = 24
+# session (bench.moe_decode and a same-process A/B, docs/performance.md; V4.1-Flash rank,
+# top-6): 18.1 / 25.7 / 38.1 / 48.1 us at 1 / 2 / 4 / 8 tokens against 21.8 / 28.2 / 39.2 /
+# 49.6 for the four launches, 59.0 against 56.6 at 10 (60 slots, 16-row tiles)
+FUSED_SLOTS = 48
 
 
 def _decode_refs(

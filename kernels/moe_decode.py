@@ -127,26 +127,34 @@ def emulate(x16: torch.Tensor, codes: torch.Tensor, c: torch.Tensor, ref: torch.
 
 def emulate_route(ids: torch.Tensor, offset: int, n_local: int, bt: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """What ``_route_tile`` computes, in torch and the same formulation (the [S, S] matrix of
-    slot pairs of one local expert): (rows [tiles * bt] slot per tile row, pad = S; inv [S]
-    tile row per slot, -1 = not local; tile_e [tiles], -1 = idle) over the graph-static
-    tile count of ``kernels.moe._align`` (whose tiles these are, rows in slot order)."""
+    """What ``_route_tile`` computes for every tile, in torch and the same formulation
+    (counts per expert, their running tile sum, a running count of the tile's expert's
+    slots): (rows [tiles * bt] slot per tile row, pad = the slot count; inv per slot, the
+    tile row, -1 = not local; tile_e [tiles], -1 = idle) over the graph-static tile count
+    of ``kernels.moe._align`` (whose tiles these are, rows in slot order)."""
     e = ids.reshape(-1).long() - offset
     n = e.numel()
     s = torch.arange(n)
     loc = (e >= 0) & (e < n_local)
-    one = (e[:, None] == e[None, :]) & loc[:, None] & loc[None, :]
-    rank = (one & (s[None, :] < s[:, None])).sum(1)
-    cnt = one.sum(0)
-    tiles_of = torch.where(loc & (rank == 0), (cnt + bt - 1) // bt, 0)  # once per expert
-    tile = (torch.where(e[None, :] < e[:, None], tiles_of[None, :], 0)).sum(1) + rank // bt
-    row = tile * bt + rank % bt
+    cnt = torch.bincount(e[loc], minlength=n_local)
+    tiles = (cnt + bt - 1) // bt
+    end = torch.cumsum(tiles, 0)
     n_tiles = min(n, -(-n // bt) + n_local)
     rows = torch.full((n_tiles * bt,), n, dtype=torch.int32)
-    rows[row[loc]] = s[loc].int()
+    inv = torch.full((n,), -1, dtype=torch.int32)
     tile_e = torch.full((n_tiles,), -1, dtype=torch.int32)
-    tile_e[tile[loc]] = e[loc].int()
-    return rows, torch.where(loc, row, -1).int(), tile_e
+    for m in range(n_tiles):
+        em = int((end <= m).sum())
+        if em >= n_local:
+            continue
+        j0 = (m - int(end[em] - tiles[em])) * bt
+        match = (loc & (e == em)).long()
+        rank = torch.cumsum(match, 0) - match
+        mine = (match > 0) & (rank >= j0) & (rank < j0 + bt)
+        tile_e[m] = em
+        rows[m * bt + rank[mine] - j0] = s[mine].int()
+        inv[mine] = (m * bt + rank[mine] - j0).int()
+    return rows, inv, tile_e
 
 
 @constexpr_function
@@ -244,6 +252,7 @@ def _moe_dec_kernel(
     FP8: gl.constexpr = False, SB_N: gl.constexpr = 1, TILES_LAST: gl.constexpr = True,
     REDUCE: gl.constexpr = False, ROUTE: gl.constexpr = False, COMBINE: gl.constexpr = False,
     S_P2: gl.constexpr = 1, TOPK: gl.constexpr = 1, T_P2: gl.constexpr = 1,
+    NB_P2: gl.constexpr = 1,
 ):  # fmt: skip
     """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x
     2^-4; ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations
@@ -272,12 +281,12 @@ def _moe_dec_kernel(
     if ROUTE:  # the tile's expert and token rows from the router's ids (no align launch)
         first = (pid_n == 0) & (pid_k == 0)
         n_loc = _local_slots(ids_ptr, n_slots, route_off, n_local, S_P2)
-        if pid_m >= n_loc:  # more tiles than local slots: idle, without the [S, S] work
+        if pid_m >= n_loc:  # more tiles than local slots: idle, before the routing
             if first:
                 _idle_tile(rows_ptr, tile_e_ptr, inv_ptr, pid_m, n_slots, S_P2, BT)
             return
         e, slot = _route_tile(ids_ptr, n_slots, route_off, n_local, pid_m, rows_ptr, tile_e_ptr,
-                              inv_ptr, first, S_P2, BT, tl_)  # fmt: skip
+                              inv_ptr, first, S_P2, NB_P2, BT, tl_)  # fmt: skip
     else:
         e = gl.load(tile_e_ptr + pid_m)
         slot = gl.load(rows_ptr + pos)
@@ -442,47 +451,52 @@ def _idle_tile(rows_ptr, tile_e_ptr, inv_ptr, m, n_slots, S: gl.constexpr, BT: g
 
 
 @gluon.jit
+def _plus(a, b):
+    return a + b
+
+
+@gluon.jit
 def _route_tile(ids_ptr, n_slots, offset, n_local, m, rows_ptr, tile_e_ptr, inv_ptr, write,
-                S: gl.constexpr, BT: gl.constexpr, out_l: gl.constexpr):  # fmt: skip
+                S: gl.constexpr, NB: gl.constexpr, BT: gl.constexpr,
+                out_l: gl.constexpr):  # fmt: skip
     """``kernels.moe._align`` for one tile, in registers: -> (tile ``m``'s local expert, -1
     when idle; its BT token slots, pad = ``n_slots``, in ``out_l``). The same tiles as the
     align launch (local experts in order, ceil(count / BT) tiles each, every slot a row of
-    its expert's tiles), with the rows of an expert in slot order. From the [S, S] matrix of
-    slot pairs of one local expert: a slot's rank among its expert's slots, its expert's
-    count, and the tiles of the experts before it (O(S^2) per CTA: the caller keeps S small).
-    ``write``: also store the tile's expert, rows and its slots' rows (``tile_e``, ``rows``,
-    ``inv``; tile 0 also the -1 of the slots no local expert takes), as the align launch
-    does, for the launches after this one."""
+    its expert's tiles), with the rows of an expert in slot order: the experts' counts (a
+    histogram over ``NB`` >= n_local bins) and their running tile sum give tile m's expert
+    and its first rank; a running count of that expert's slots gives each its rank. O(S +
+    NB) per CTA. ``write``: also store the tile's expert, rows and its slots' rows
+    (``tile_e``, ``rows``, ``inv``; tile 0 also the -1 of the slots no local expert takes),
+    as the align launch does, for the launches after this one."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    s = gl.arange(0, S, layout=lay)
+    e = gl.load(ids_ptr + s, mask=s < n_slots, other=-1).to(gl.int32) - offset
+    loc = (s < n_slots) & (e >= 0) & (e < n_local)
+    cnt = gl.histogram(gl.where(loc, e, 0), NB, mask=loc, layout=lay)
+    tiles = (cnt + BT - 1) // BT
+    end = gl.associative_scan(tiles, 0, _plus)  # tiles of experts 0..b
+    em = gl.sum((end <= m).to(gl.int32), axis=0)  # tile m's expert (NB: past the last tile)
+    b = gl.arange(0, NB, layout=lay)
+    j0 = (m - gl.sum(gl.where(b == em, end - tiles, 0), axis=0)) * BT  # its first rank
+    match = (loc & (e == em)).to(gl.int32)
+    rank = gl.associative_scan(match, 0, _plus) - match  # among the expert's slots
+    mine = (match > 0) & (rank >= j0) & (rank < j0 + BT)
+    row = rank - j0
     L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0])
-    rl: gl.constexpr = gl.SliceLayout(1, L)
-    cl: gl.constexpr = gl.SliceLayout(0, L)
-    s_r = gl.arange(0, S, layout=rl)
-    s_c = gl.arange(0, S, layout=cl)
-    e_r = gl.load(ids_ptr + s_r, mask=s_r < n_slots, other=0).to(gl.int32) - offset
-    e_c = gl.load(ids_ptr + s_c, mask=s_c < n_slots, other=0).to(gl.int32) - offset
-    loc_r = (s_r < n_slots) & (e_r >= 0) & (e_r < n_local)
-    loc_c = (s_c < n_slots) & (e_c >= 0) & (e_c < n_local)
-    one = ((e_r[:, None] == e_c[None, :]) & loc_r[:, None] & loc_c[None, :]).to(gl.int32)
-    rank_r = gl.sum(gl.where(s_c[None, :] < s_r[:, None], one, 0), axis=1)
-    cnt_c = gl.sum(one, axis=0)
-    rank_c = gl.sum(gl.where(s_r[:, None] < s_c[None, :], one, 0), axis=0)
-    tiles_c = gl.where(loc_c & (rank_c == 0), (cnt_c + BT - 1) // BT, 0)  # per expert, once
-    tile_r = gl.sum(gl.where(e_c[None, :] < e_r[:, None], tiles_c[None, :], 0), axis=1)
-    tile_r += rank_r // BT
-    row_r = rank_r % BT
-    mine = loc_r & (tile_r == m)
-    j = gl.arange(0, BT, layout=cl)
-    hit = mine[:, None] & (row_r[:, None] == j[None, :])
+    s2 = gl.convert_layout(s, gl.SliceLayout(1, L))
+    j = gl.arange(0, BT, layout=gl.SliceLayout(0, L))
+    hit = (gl.convert_layout(mine, gl.SliceLayout(1, L))[:, None]
+           & (gl.convert_layout(row, gl.SliceLayout(1, L))[:, None] == j[None, :]))  # fmt: skip
     has = gl.sum(hit.to(gl.int32), axis=0)
-    slot = gl.where(has > 0, gl.sum(gl.where(hit, s_r[:, None], 0), axis=0), n_slots)
-    e = gl.max(gl.where(mine, e_r, -1), axis=0)
+    slot = gl.where(has > 0, gl.sum(gl.where(hit, s2[:, None], 0), axis=0), n_slots)
+    e_tile = gl.where(em < n_local, em, -1)
     if write:
-        gl.store(tile_e_ptr + m, e)
+        gl.store(tile_e_ptr + m, e_tile)
         gl.store(rows_ptr + m * BT + j, slot)
-        gl.store(inv_ptr + s_r, m * BT + row_r, mask=mine)
-        gl.store(inv_ptr + s_r, gl.full([S], -1, gl.int32, rl),
-                 mask=(s_r < n_slots) & ~loc_r & (m == 0))  # fmt: skip
-    return e, gl.convert_layout(slot, out_l)
+        gl.store(inv_ptr + s, m * BT + row, mask=mine)
+        gl.store(inv_ptr + s, gl.full([S], -1, gl.int32, lay),
+                 mask=(s < n_slots) & ~loc & (m == 0))  # fmt: skip
+    return e_tile, gl.convert_layout(slot, out_l)
 
 
 @gluon.jit
@@ -654,6 +668,7 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
         TILES_LAST=tiles_last, REDUCE=reduce, ROUTE=route is not None,
         COMBINE=combine is not None, S_P2=s_p2, TOPK=topk,
         T_P2=max(2, 1 << max(n_tok - 1, 1).bit_length()),
+        NB_P2=max(2, 1 << (max(rt[2], 2) - 1).bit_length()),
         num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 

@@ -259,8 +259,8 @@ def test_split_sum_in_the_kernel_needs_its_counters_and_shares_them() -> None:
                                          (2, 200, 8), (16, 0, 32)])  # fmt: skip
 def test_in_kernel_routing_lays_out_the_align_launchs_tiles(t: int, offset: int,
                                                             bt: int) -> None:  # fmt: skip
-    """The two-launch decode layer's W13 lays out its tiles from the router's ids with the
-    [S, S] matrix of slot pairs (``emulate_route``, the kernel's formulation): the same
+    """The two-launch decode layer's W13 lays out its tiles from the router's ids with
+    counts per expert and running sums (``emulate_route``, the kernel's formulation): the same
     tile experts as the align launch (``kernels.moe._align``, interpreter), the same slots
     in each tile (there in atomic order, here in slot order), and an inverse map that
     points each local slot at its row; tokens of no local expert and repeated ids too."""
