@@ -353,7 +353,8 @@ def moe_decode() -> None:
                           KB=md.KB, STAGES=st, FP8=fp8,
                           SB_N=(128 if "b128" in name else 32) if fp8 else 1,
                           TILES_LAST=not fp8, REDUCE=name.endswith("sum"),
-                          ROUTE=False, COMBINE=False, S_P2=1, TOPK=1, T_P2=1)  # fmt: skip
+                          ROUTE=False, COMBINE=False, S_P2=1, TOPK=1, T_P2=1,
+                          NB_P2=1)  # fmt: skip
             types = dict(base, out_ptr=out, **({"a_ptr": "*bf16", "w_ptr": "*u8"} if fp8 else
                                                {"fin_ptr": "*fp16"}))  # fmt: skip
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
