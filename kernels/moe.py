@@ -769,12 +769,6 @@ def _dot_dtype(x: torch.Tensor) -> tl.dtype:
     return tl.float32 if _INTERPRET or x.dtype == torch.float32 else tl.bfloat16
 
 
-def _tile_count(n_slots: int, n_local: int, bm: int) -> int:
-    """The most BM-row expert tiles ``n_slots`` token slots over ``n_local`` experts can
-    need (the graph-static grids)."""
-    return min(n_slots, -(-n_slots // bm) + n_local)
-
-
 def _align(
     ids: torch.Tensor,
     n_local: int,
@@ -791,7 +785,7 @@ def _align(
     e.g. BM=2, slot experts [1,0,1] -> rows [1,-,0,2] (``-`` = pad; 0 and 2 in either
     order), tile experts [0,1]."""
     n_slots = ids.numel()
-    n_tiles = _tile_count(n_slots, n_local, bm)
+    n_tiles = moe_decode.tile_count(n_slots, n_local, bm)
     n_rows = n_tiles * bm
     dev = ids.device
     rows = torch.empty(n_rows, dtype=torch.int32, device=dev)
@@ -1280,7 +1274,7 @@ def _moe_run_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     t, d = x.shape
     topk = ids.shape[1]
     n_local, n_slots = w13.shape[0], t * topk
-    n_tiles = _tile_count(n_slots, n_local, bt)
+    n_tiles = moe_decode.tile_count(n_slots, n_local, bt)
     dev = x.device
     rows = torch.empty(n_tiles * bt, dtype=torch.int32, device=dev)
     inv = torch.empty(n_slots, dtype=torch.int32, device=dev)

@@ -125,6 +125,12 @@ def emulate(x16: torch.Tensor, codes: torch.Tensor, c: torch.Tensor, ref: torch.
     return (acc * torch.exp2((ref - 127 + 4).double())[None, :]).float()
 
 
+def tile_count(n_slots: int, n_local: int, bm: int) -> int:
+    """The most BM-row expert tiles ``n_slots`` token slots over ``n_local`` experts can
+    need (the graph-static grids of the align launch and of the routing in W13)."""
+    return min(n_slots, -(-n_slots // bm) + n_local)
+
+
 def emulate_route(ids: torch.Tensor, offset: int, n_local: int, bt: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """What ``_route_tile`` computes for every tile, in torch and the same formulation
@@ -139,7 +145,7 @@ def emulate_route(ids: torch.Tensor, offset: int, n_local: int, bt: int
     cnt = torch.bincount(e[loc], minlength=n_local)
     tiles = (cnt + bt - 1) // bt
     end = torch.cumsum(tiles, 0)
-    n_tiles = min(n, -(-n // bt) + n_local)
+    n_tiles = tile_count(n, n_local, bt)
     rows = torch.full((n_tiles * bt,), n, dtype=torch.int32)
     inv = torch.full((n,), -1, dtype=torch.int32)
     tile_e = torch.full((n_tiles,), -1, dtype=torch.int32)

@@ -619,7 +619,7 @@ def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: i
     assert all(int(c.abs().sum()) == 0 for kept in moe_decode._COUNTERS.values() for c in kept)
     # the routing it writes for the launches after W13: the align launch's tiles
     n_slots, bt = t * TOPK, 8
-    n_tiles = min(n_slots, -(-n_slots // bt) + E_LOCAL)
+    n_tiles = moe_decode.tile_count(n_slots, E_LOCAL, bt)
     rows = torch.full((n_tiles * bt,), -7, dtype=torch.int32, device="cuda")
     inv = torch.full((n_slots,), -7, dtype=torch.int32, device="cuda")
     tile_e = torch.full((n_tiles,), -7, dtype=torch.int32, device="cuda")
