@@ -15,7 +15,7 @@ from app.api.admission import Admission
 from app.api.grpc_service import GenerateService
 from app.api.server import ApiConfig, build_api
 from app.deployments.client import MeteredClient, ServeEngineClient
-from app.deployments.pd import PDEngineClient
+from app.deployments.pd_client import PDEngineClient
 from app.grpc.fathom_pb2 import GenerateResponse
 from app.logs import setup_logging
 from app.observability import (

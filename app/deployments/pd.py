@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation: prefill ranks and decode ranks as separate deployments.
 
-    Ingress (PDEngineClient)
+    Ingress (PDEngineClient, app.deployments.pd_client)
       1 --choose(block hashes)--> Router --> a prefill rank (prefix-aware, as for DP ranks)
       2 --prefill(req)--> PrefillRank: prompt -> first token -> DecodeState --send--> Parcel
            <-- ack, first token (streamed to the client at once), Parcel (an ObjectRef)
@@ -35,7 +35,6 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -43,9 +42,9 @@ import numpy as np
 import ray
 import torch
 
-from app.api.client import EngineUnavailableError, Refusal
+from app.api.client import Refusal
 from app.cache.transfer import KVTransferError
-from app.deployments.client import ServeEngineClient
+from app.deployments.pd_client import PDMetrics, count_fallback
 from app.deployments.rank import DPRank
 from app.engine.handoff import DecodeState, Handoff
 from app.engine.request import EngineRequest, FinishReason, RequestOutput
@@ -162,37 +161,6 @@ def make_transport(name: TransportName, device: str) -> KVTransport:
     return TensorTransport(name)
 
 
-class _PDMetrics:
-    """Ray metrics of PD transfers (module doc)."""
-
-    def __init__(self) -> None:
-        from ray.util.metrics import Counter as RayCounter
-        from ray.util.metrics import Histogram
-
-        self.bytes = RayCounter("fathom_pd_transfer_bytes", "KV state bytes sent / received",
-                                tag_keys=("role",))  # fmt: skip
-        self.seconds = Histogram(
-            "fathom_pd_transfer_seconds", "KV state send (prefill) and receive (decode) time",
-            boundaries=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
-            tag_keys=("stage",),
-        )
-        self.handoffs = RayCounter("fathom_pd_handoffs", "KV states sent / imported",
-                                   tag_keys=("role",))  # fmt: skip
-        self.fallbacks = RayCounter(
-            "fathom_pd_fallbacks", "Handed-off requests prefilled again on a decode rank",
-            tag_keys=("reason",),
-        )
-
-
-def count_fallback(metrics: _PDMetrics | None, counts: Counter, reason: str) -> None:
-    counts[f"fallback_{reason}"] += 1
-    if metrics is not None:
-        try:
-            metrics.fallbacks.inc(tags={"reason": reason})
-        except Exception:  # metrics never fail a request
-            logger.debug("PD fallback counter failed", exc_info=True)
-
-
 class PDRank(DPRank):
     """A DP rank in a PD role: ``prefill`` streams up to the first token and hands the
     decode state off; ``decode`` continues a handed-off request (``generate`` still serves
@@ -205,7 +173,7 @@ class PDRank(DPRank):
         self.transport = make_transport(pd.transport, str(self.engine.core.device))
         self.header = self.engine.core.kv_header  # computed once here: reads the checkpoint
         self.counts: Counter[str] = Counter()
-        self.pd_metrics = _PDMetrics()
+        self.pd_metrics = PDMetrics()
 
     async def prefill(
         self, req: EngineRequest, target: str | None = None, cost: float | None = None
@@ -311,71 +279,3 @@ class PDRank(DPRank):
                 "kv_import_local": st.kv_import_local, "host_hit_tokens": st.host_hit_tokens,
                 "num_unfinished": int(self.engine.load().get("num_unfinished", 0)),
                 "kv_blocks_used": pool.num_blocks - pool.num_available}  # fmt: skip
-
-
-class PDEngineClient:
-    """:class:`app.api.client.EngineClient` of a PD app: prefill on a prefill rank, decode
-    on a decode rank, one stream to the caller (module doc)."""
-
-    def __init__(self, prefill: ServeEngineClient, decode: ServeEngineClient) -> None:
-        self.prefill, self.decode = prefill, decode
-        self.counts: Counter[str] = Counter()
-        self._metrics: _PDMetrics | None = None
-
-    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
-        output: list[int] = []
-        handed, done, parcel, acked = False, False, None, False
-        try:
-            async with aclosing(self.prefill.generate(req, "prefill")) as outs:
-                async for out in outs:
-                    output += out.token_ids
-                    if out.finish_reason is FinishReason.HANDOFF:
-                        handed, parcel = True, out.handoff
-                        out = dataclasses.replace(out, finished=False, finish_reason=None,
-                                                  handoff=None)  # fmt: skip
-                    acked, done = True, out.finished
-                    yield out
-                    if done or handed:
-                        break
-        except EngineUnavailableError as e:
-            if output:
-                raise
-            logger.warning("no prefill rank (%s): a decode rank serves the whole request", e)
-            count_fallback(self._pd_metrics(), self.counts, "prefill_unavailable")
-        if done:
-            return  # finished on the prefill rank (its first token ended it)
-        if handed:
-            stream = self.decode.generate(req, "decode", output_ids=tuple(output), parcel=parcel)
-        else:
-            stream = self.decode.generate(req)
-        async with aclosing(stream) as outs:
-            async for out in outs:
-                if acked and not out.token_ids and not out.finished:
-                    continue  # the decode rank's ack: the caller has had one
-                acked = True
-                yield out
-
-    def _pd_metrics(self) -> _PDMetrics | None:
-        if self._metrics is None:
-            try:
-                self._metrics = _PDMetrics()
-            except Exception:
-                logger.debug("PD metrics unavailable", exc_info=True)
-        return self._metrics
-
-    async def abort(self, request_id: str) -> None:
-        await self.prefill.abort(request_id)
-        await self.decode.abort(request_id)
-
-    async def stats(self) -> dict:
-        pre, dec = await asyncio.gather(self.prefill.stats(), self.decode.stats())
-        total = {k: pre.get(k, 0) + dec.get(k, 0) for k in set(pre) | set(dec)}
-        return {**total, "num_prefill_ranks": pre.get("num_ranks", 0),
-                "num_decode_ranks": dec.get("num_ranks", 0)}  # fmt: skip
-
-    async def ranks_stats(self) -> dict[str, dict]:
-        pre, dec = await asyncio.gather(self.prefill.ranks_stats(), self.decode.ranks_stats())
-        return {**pre, **dec}
-
-    async def ready(self) -> bool:
-        return await self.prefill.ready() and await self.decode.ready()

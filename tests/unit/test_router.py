@@ -461,3 +461,22 @@ def test_requests_in_flight_count_until_their_rank_has_received_them(monkeypatch
         assert not router.ranks["b"].in_flight
 
     asyncio.run(run())
+
+
+def test_ingress_and_router_replicas_do_not_import_torch():
+    """The front-door replicas (Ingress, Router, the prefix index) load no torch, kernels,
+    model or engine core: their processes start seconds faster and stay small (the PD ingress client
+    lives in ``app.deployments.pd_client`` for this)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import app.deployments.ingress, app.deployments.router, app.deployments.prefix_index\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels', 'triton')"
+        " or m.startswith(('app.model', 'app.engine.engine', 'app.engine.core')))\n"
+        "print(sorted({'.'.join(m.split('.')[:2]) for m in heavy})[:20])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,0 +1,118 @@
+"""The ingress side of prefill/decode disaggregation (``app.deployments.pd``): one client
+stream over a prefill rank and a decode rank, and the PD metrics both sides count. Kept
+apart from the ranks' module so that the ingress replicas import neither torch nor the
+engine (a replica start is ~5 s of CPU lighter)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from app.api.client import EngineUnavailableError
+from app.deployments.client import ServeEngineClient
+from app.engine.request import EngineRequest, FinishReason, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class PDMetrics:
+    """Ray metrics of PD transfers (module doc)."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter as RayCounter
+        from ray.util.metrics import Histogram
+
+        self.bytes = RayCounter("fathom_pd_transfer_bytes", "KV state bytes sent / received",
+                                tag_keys=("role",))  # fmt: skip
+        self.seconds = Histogram(
+            "fathom_pd_transfer_seconds", "KV state send (prefill) and receive (decode) time",
+            boundaries=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
+            tag_keys=("stage",),
+        )
+        self.handoffs = RayCounter("fathom_pd_handoffs", "KV states sent / imported",
+                                   tag_keys=("role",))  # fmt: skip
+        self.fallbacks = RayCounter(
+            "fathom_pd_fallbacks", "Handed-off requests prefilled again on a decode rank",
+            tag_keys=("reason",),
+        )
+
+
+def count_fallback(metrics: PDMetrics | None, counts: Counter, reason: str) -> None:
+    counts[f"fallback_{reason}"] += 1
+    if metrics is not None:
+        try:
+            metrics.fallbacks.inc(tags={"reason": reason})
+        except Exception:  # metrics never fail a request
+            logger.debug("PD fallback counter failed", exc_info=True)
+
+
+class PDEngineClient:
+    """:class:`app.api.client.EngineClient` of a PD app: prefill on a prefill rank, decode
+    on a decode rank, one stream to the caller (module doc)."""
+
+    def __init__(self, prefill: ServeEngineClient, decode: ServeEngineClient) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.counts: Counter[str] = Counter()
+        self._metrics: PDMetrics | None = None
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        output: list[int] = []
+        handed, done, parcel, acked = False, False, None, False
+        try:
+            async with aclosing(self.prefill.generate(req, "prefill")) as outs:
+                async for out in outs:
+                    output += out.token_ids
+                    if out.finish_reason is FinishReason.HANDOFF:
+                        handed, parcel = True, out.handoff
+                        out = dataclasses.replace(out, finished=False, finish_reason=None,
+                                                  handoff=None)  # fmt: skip
+                    acked, done = True, out.finished
+                    yield out
+                    if done or handed:
+                        break
+        except EngineUnavailableError as e:
+            if output:
+                raise
+            logger.warning("no prefill rank (%s): a decode rank serves the whole request", e)
+            count_fallback(self._pd_metrics(), self.counts, "prefill_unavailable")
+        if done:
+            return  # finished on the prefill rank (its first token ended it)
+        if handed:
+            stream = self.decode.generate(req, "decode", output_ids=tuple(output), parcel=parcel)
+        else:
+            stream = self.decode.generate(req)
+        async with aclosing(stream) as outs:
+            async for out in outs:
+                if acked and not out.token_ids and not out.finished:
+                    continue  # the decode rank's ack: the caller has had one
+                acked = True
+                yield out
+
+    def _pd_metrics(self) -> PDMetrics | None:
+        if self._metrics is None:
+            try:
+                self._metrics = PDMetrics()
+            except Exception:
+                logger.debug("PD metrics unavailable", exc_info=True)
+        return self._metrics
+
+    async def abort(self, request_id: str) -> None:
+        await self.prefill.abort(request_id)
+        await self.decode.abort(request_id)
+
+    async def stats(self) -> dict:
+        pre, dec = await asyncio.gather(self.prefill.stats(), self.decode.stats())
+        total = {k: pre.get(k, 0) + dec.get(k, 0) for k in set(pre) | set(dec)}
+        return {**total, "num_prefill_ranks": pre.get("num_ranks", 0),
+                "num_decode_ranks": dec.get("num_ranks", 0)}  # fmt: skip
+
+    async def ranks_stats(self) -> dict[str, dict]:
+        pre, dec = await asyncio.gather(self.prefill.ranks_stats(), self.decode.ranks_stats())
+        return {**pre, **dec}
+
+    async def ready(self) -> bool:
+        return await self.prefill.ready() and await self.decode.ready()
