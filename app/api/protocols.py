@@ -347,6 +347,20 @@ class UsageFix:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+def chat_logprobs_present(text: str) -> str:
+    """A non-streamed chat response whose request asked for logprobs carries a ``logprobs``
+    object in every choice, as OpenAI's does: ``{"content": []}`` when no generated token
+    reached the content (all of them stop tokens kept by ``ignore_eos``; the recipe leaves
+    ``null`` there)."""
+    obj = json.loads(text)
+    missing = [c for c in obj.get("choices", []) if c.get("logprobs") is None]
+    if not missing:
+        return text
+    for c in missing:
+        c["logprobs"] = {"content": [], "refusal": None}
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
 def patch_usage(obj: Any, fix: UsageFix) -> Any:
     """Set the token counts of every usage object in ``obj`` (in place): Chat
     ``completion_tokens``, ``prompt_cache_hit/miss_tokens`` and the ``*_details``; Responses

@@ -40,6 +40,7 @@ from app.api.protocols import (
     Prepared,
     Protocol,
     RecipeFrontend,
+    chat_logprobs_present,
     run_events,
 )
 from app.api.sse import SSEResponse, sse_event
@@ -210,6 +211,8 @@ class _Api:
         finally:
             await stream.close()
         text = usage.apply(acc.to_json())
+        if prep.logprobs and proto is CHAT:
+            text = chat_logprobs_present(text)
         return Response(text, media_type="application/json", headers=headers)
 
     async def completions_route(self, request: Request) -> Response:

@@ -220,12 +220,27 @@ def test_required_tool_call_is_parsed(oai):
 
 
 def test_chat_logprobs(oai):
+    # seeded: unseeded, 1 reply in ~300 was 4 stop tokens (kept by ignore_eos), no content
     r = oai.chat.completions.create(
-        model=MODEL, messages=HI, max_tokens=4, logprobs=True, top_logprobs=3,
-        extra_body={**NO_THINK, **FULL},  # a first-token EOS (one CI run) leaves no logprobs
+        model=MODEL, messages=HI, max_tokens=4, logprobs=True, top_logprobs=3, seed=3,
+        extra_body={**NO_THINK, **FULL},
     )  # fmt: skip
     lps = r.choices[0].logprobs.content
+    assert r.choices[0].message.content
     assert lps and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in lps)
+
+
+def test_chat_logprobs_object_without_content_tokens():
+    """Asked for logprobs, a reply whose tokens never reached the content (all stop tokens)
+    still carries the logprobs object, with no entries (the recipe leaves null)."""
+    from app.api.protocols import chat_logprobs_present
+
+    seen = {"choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": "length"}]}  # fmt: skip
+    out = json.loads(chat_logprobs_present(json.dumps(seen)))
+    assert out["choices"][0]["logprobs"] == {"content": [], "refusal": None}
+    full = {"choices": [{"index": 0, "logprobs": {"content": [{"token": "a"}]}}]}
+    assert json.loads(chat_logprobs_present(json.dumps(full))) == full
 
 
 def test_responses_non_stream_and_stream(oai):
