@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 class PDMetrics:
-    """Ray metrics of PD transfers (module doc)."""
+    """Ray metrics of PD transfers (named in ``app.deployments.pd``'s module doc)."""
 
     def __init__(self) -> None:
         from ray.util.metrics import Counter as RayCounter
@@ -52,7 +52,7 @@ def count_fallback(metrics: PDMetrics | None, counts: Counter, reason: str) -> N
 
 class PDEngineClient:
     """:class:`app.api.client.EngineClient` of a PD app: prefill on a prefill rank, decode
-    on a decode rank, one stream to the caller (module doc)."""
+    on a decode rank, one stream to the caller (``app.deployments.pd``'s module doc)."""
 
     def __init__(self, prefill: ServeEngineClient, decode: ServeEngineClient) -> None:
         self.prefill, self.decode = prefill, decode
