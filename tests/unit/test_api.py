@@ -339,7 +339,11 @@ def test_disconnect_aborts_and_frees_kv(server, engine):
     while (
         engine.num_unfinished or pool.num_available != pool.num_blocks or rid not in client.aborted
     ):
-        assert time.time() < deadline, "the disconnected request was not aborted"
+        assert time.time() < deadline, (
+            f"the disconnected request was not aborted: {engine.num_unfinished} unfinished, "
+            f"{pool.num_available} of {pool.num_blocks} blocks free, aborted: "
+            f"{rid in client.aborted} ({len(client.requests)} requests seen)"
+        )  # fmt: skip
         time.sleep(0.05)
     engine.core.cache.check_integrity()
 
