@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 
@@ -419,6 +420,15 @@ def _rank_stat(base: str, stat: str) -> dict[str, float]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this machine) still runs: not gone, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _rank_labels(base: str) -> set[str]:
     return set(_rank_stat(base, "num_unfinished"))
 
@@ -491,7 +501,15 @@ def test_killed_rank_streams_end_retriably_new_requests_succeed(app_urls):
             unfinished = [st["finish"] is None for st in seen]
             victim.update(id=rid, streams=int(busy[rid]), unfinished_at_kill=unfinished)
             actor = actors[rid]
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            pid = await handle.__ray_call__.remote(lambda _self: os.getpid())
+            t_kill = time.time()
+            ray.kill(handle)
+            while _alive(pid):  # the kill has landed once the rank's process is gone
+                assert time.time() < t_kill + 30, f"rank {rid} (pid {pid}) still alive after 30 s"
+                await asyncio.sleep(0.05)
+            victim.update(pid=pid, kill_s=round(time.time() - t_kill, 2),
+                          at_death=[(st["tokens"], st["finish"]) for st in seen])  # fmt: skip
             after = await asyncio.gather(*(one(c, i) for i in range(10)))
             await asyncio.gather(*streams)
             return after
