@@ -183,7 +183,9 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
     return run, err, byt
 
 
-CASES = {"mhc": mhc_case, "mhc_loop": lambda t, g: mhc_case(t, g, "loop"), "gate": gate_case,
+CASES = {"mhc": mhc_case, "mhc_loop": lambda t, g: mhc_case(t, g, "loop"),
+         "mhc_tile": lambda t, g: mhc_case(t, g, "tile"),
+         "mhc_fused": lambda t, g: mhc_case(t, g, "fused"), "gate": gate_case,
          "kv_write": kv_case, "shared_expert": shared_case,
          "dense_fp8": lambda t, g: dense_case(t, g, "fp8"),
          "dense_fp8_wg": lambda t, g: dense_case(t, g, "fp8_wg"),

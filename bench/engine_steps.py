@@ -553,9 +553,11 @@ def main() -> None:
     ap.add_argument("--moe-decode", default="auto", choices=("auto", "tl"),
                     help="decode MoE GEMMs of the decode part (before / after A/B: tl = "
                          "_moe_gemm, auto = the Gluon decode kernel where it applies)")  # fmt: skip
-    ap.add_argument("--mhc-finish", default="auto", choices=("auto", "tile", "loop"),
-                    help="mHC finish form for the whole run (before / after A/B: auto / "
-                         "tile = one tile at decode waves, loop = two passes over d)")  # fmt: skip
+    ap.add_argument("--mhc-finish", default="auto", choices=("auto", "fused", "tile", "loop"),
+                    help="mHC form for the whole run (before / after A/B: fused = one "
+                         "launch, tile = two launches, the finish in one tile, at decode "
+                         "waves; loop = two passes over d; auto = fused up to 4 tokens, "
+                         "then tile)")  # fmt: skip
     ap.add_argument("--dense-kernel", default="auto", choices=("auto", "gluon", "tl"),
                     help="with --dense fp8: the projections' kernel at decode sizes (before / "
                          "after A/B: tl = the MegaMoE GEMM, gluon = the mma.sync decode kernel, "

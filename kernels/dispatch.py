@@ -90,6 +90,24 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zeroed int32 counters for a launch whose programs count themselves in and whose
+    last one finishes the work (it sets its counter back to zero, so launches in stream
+    order share them: the MoE / dense split sums, the one-launch mHC). Kept per device:
+    only when made outside a CUDA-graph capture, and never freed (a captured graph may hold
+    an outgrown buffer)."""
+    kept = _COUNTERS.setdefault(device, [])
+    if kept and kept[-1].numel() >= n:
+        return kept[-1][:n]
+    c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        kept.append(c)
+    return c[:n]
+
+
 def capability(device: torch.device | int | None) -> tuple[int, int]:
     """Compute capability of a CUDA device (index None: device 0); cached, as the kernel
     choice asks at every call."""

@@ -154,15 +154,18 @@ def moe_gate_triton(
         x, x.stride(0), w_gate, w_gate.stride(0), part, part.stride(0), t, n_exp, k_per, d,
         CDT=cdt, PREC=prec, BT=bt, BE=be, BK=bk,
     )  # fmt: skip
-    # one token per program, 2 warps per 512 experts: each of the k rounds is three
-    # reductions along a row, and a 4-token, 4-warp program (before) spent ~17 us at 8 tokens
-    # on their barriers (H200)
+    # one token per program: each of the k rounds is three reductions along a row, and a
+    # 4-token, 4-warp program (before) spent ~17 us at 8 tokens on their barriers (H200).
+    # Warps: 2 per 512 experts below 8 tokens, 4 from 8 (H200, 384 experts, top-6, graph,
+    # `.dev` probe of session 18: 1 / 2 / 4 warps 8.1 / 7.15 / 9.7 us at 1 token, 8.4 / 7.3
+    # / 6.2 at 8, 8.8 / 7.5 / 6.4 at 64; outputs equal)
     be = triton.next_power_of_2(n_exp)
+    warps = max(1, min(8, be // (128 if t >= 8 else 256)))
     _gate_topk[(t,)](
         part, part.stride(0), bias if bias is not None else part,
         hash_idx.contiguous() if hash_idx is not None else ids, ids, weights, t, n_exp,
         float(route_scale), SPLIT=split, TOPK=k, HAS_BIAS=bias is not None,
-        HAS_HASH=hash_idx is not None, BT=1, BE=be, num_warps=max(1, min(8, be // 256)),
+        HAS_HASH=hash_idx is not None, BT=1, BE=be, num_warps=warps,
     )  # fmt: skip
     return ids, weights
 

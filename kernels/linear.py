@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count
+from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count, split_counters
 from kernels.quant import is_e8m0
 
 
@@ -283,7 +283,7 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
         fused_sum = pinned("split_sum") != "launch"
     if split > 1 and fused_sum:
         fin = torch.empty(tiles * bt, N, device=x2.device, dtype=x2.dtype)
-        cnt = md.split_counters(tiles * (N // md.BR), x2.device)
+        cnt = split_counters(tiles * (N // md.BR), x2.device)
         md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
                         stages, fin, cnt)  # fmt: skip
         return fin[:M]
@@ -301,7 +301,6 @@ def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N
     where :func:`split_sum_choice` pins "kernel": slower here). The launch choices
     default to the measured ones (a sweep passes its own)."""
     from kernels import dense_wgmma as dw
-    from kernels import moe_decode as md
 
     bt = bt or dw.token_tile(M)
     warps_, stages_ = dw.pick_launch(bt)
@@ -315,7 +314,7 @@ def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N
         fin = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
         n_cnt = (N // (16 * warps)) * -(-M // bt)
         dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps, fin,
-                  md.split_counters(n_cnt, x2.device))  # fmt: skip
+                  split_counters(n_cnt, x2.device))  # fmt: skip
         return fin
     dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps)
     return _sum_splits(y, M, N, x2.dtype)

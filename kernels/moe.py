@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels import moe_decode
-from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count
+from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count, split_counters
 from kernels.kv_quant import e2m1_to_f32
 from kernels.quant import dequantize_fp4, dequantize_fp8_block, is_e8m0
 
@@ -1253,7 +1253,7 @@ def _moe_run_decode(
         else:  # the last CTA of each tile's row block sums the splits and writes H
             moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter,
                               d, split1, limit, True, False, bt, stages=st, fin=h,
-                              counters=moe_decode.split_counters(
+                              counters=split_counters(
                                   tile_e.numel() * (inter // moe_decode.BR), x.device))  # fmt: skip
     y = _y_buffer(x, split2, n_rows)
     moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
@@ -1282,7 +1282,7 @@ def _moe_run_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     h = torch.empty(n_tiles * bt, inter, dtype=torch.float16, device=dev)
     part = torch.empty(split1, n_tiles * bt, 2 * inter, dtype=torch.float32, device=dev)
     y = torch.empty(split2, n_tiles * bt, d, dtype=torch.float32, device=dev)
-    cnt = moe_decode.split_counters(max(n_tiles * (inter // moe_decode.BR),
+    cnt = split_counters(max(n_tiles * (inter // moe_decode.BR),
                                         d // 2 // moe_decode.BR), dev)  # fmt: skip
     moe_decode.launch(x.contiguous(), rows, tile_e, w13, q13, refs[0], part, n_slots, topk,
                       inter, d, split1, limit, True, False, bt, stages=stages, fin=h,

@@ -574,23 +574,6 @@ def _last_sums(p_ptrs, sps, f_ptrs, c_ptr, n_split, mask):
         gl.store(c_ptr, 0)
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` zeroed int32 counters for a launch that sums its K splits in the kernel (each
-    tile's last CTA sets its counter back to zero, so launches in stream order share them).
-    Kept per device: only when made outside a CUDA-graph capture, and never freed (a
-    captured graph may hold an outgrown buffer)."""
-    kept = _COUNTERS.setdefault(device, [])
-    if kept and kept[-1].numel() >= n:
-        return kept[-1][:n]
-    c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        kept.append(c)
-    return c[:n]
-
-
 def pick_stages(bt: int, tiles: float) -> int:
     """Ring slots: 2, or 3 for many 8-row tiles. H200 sweep (``bench.moe_decode --sweep``,
     the two GEMMs, 48 of 384 experts local): 1 / 8 / 512 tokens 18.2 / 42.8 / 317 us with 2

@@ -201,8 +201,8 @@ def test_split_sum_in_the_kernel_equals_the_second_launch(path: str) -> None:
     time (the counters must be back at zero after every launch, or a later launch would
     sum too early or never); the counters are all zero afterwards."""
     from kernels import moe_decode as md
+    from kernels.dispatch import _COUNTERS
     from kernels.linear import _fp8_decode, _fp8_wgmma, fp8_decode_plan
-    from kernels.moe_decode import _COUNTERS
 
     if path == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel needs sm_90")

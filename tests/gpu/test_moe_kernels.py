@@ -429,16 +429,56 @@ def test_gate(t: int) -> None:
     assert _rel(wts[same], ref_w[same]) < 1e-3
 
 
-@pytest.mark.parametrize("form", ["auto", "loop"])
-@pytest.mark.parametrize("t", [1, 64, 4096])
+@pytest.mark.parametrize("form", ["auto", "fused", "tile", "loop"])
+@pytest.mark.parametrize("t", [1, 8, 64, 4096])
 def test_mhc(t: int, form: str) -> None:
-    """The fused mHC kernels against the reference at V4.1-Flash widths, in both finish forms
-    ("auto": the one-tile finish up to one wave of tokens; 4096 tokens take the loop in
-    either)."""
+    """The fused mHC kernels against the reference at V4.1-Flash widths, in every form
+    ("auto": one launch up to 4 tokens, then the two-launch one-tile finish up to one wave
+    of tokens; 4096 tokens take the loop in every form)."""
     from kernels import mhc
 
     with mhc.finish_choice(form):
         _check_mhc(t)
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_mhc_one_launch_replays_in_a_graph(t: int) -> None:
+    """The one-launch mHC (programs count themselves in at their token's counter, the last
+    one finishes) captured in a CUDA graph and replayed with new streams three times: each
+    replay equals an eager launch on the same inputs bit for bit (the last program sums the
+    partials in split order, whichever arrives last), so no replay finished early on a
+    counter left over; the counters are all zero afterwards."""
+    from kernels import dispatch, mhc
+
+    fn = torch.randn(N * (N + 2), N * D, device="cuda") / (N * D) ** 0.5
+    base, scale = 0.5 * torch.randn(24, device="cuda"), 1 + 0.2 * torch.randn(3, device="cuda")
+    nw = 1 + 0.1 * torch.randn(D, device="cuda")
+    eps = (20, 1e-6, 1e-6, 1e-6)
+    x = torch.randn(t, N, D, device="cuda").bfloat16()
+    out = torch.randn(t, D, device="cuda").bfloat16()
+    post, comb = 2 * torch.rand(t, N, device="cuda"), torch.rand(t, N, N, device="cuda")
+    pre_in = torch.rand(t, N, device="cuda")
+
+    def run():
+        return mhc.hc_post_pre_triton(out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
+
+    with mhc.finish_choice("fused"):
+        run()  # compile and make the counters outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            res = run()
+        for _ in range(3):
+            x.copy_(torch.randn(t, N, D, device="cuda").bfloat16())
+            out.copy_(torch.randn(t, D, device="cuda").bfloat16())
+            g.replay()
+            want = run()
+            for o, w in zip(res, want, strict=True):
+                assert torch.equal(o, w)
+            ref = mhc.hc_post_pre_ref(out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
+            assert _rel(res[0], ref[0]) < 1e-2 and _rel(res[1], ref[1]) < 1e-2
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
 
 
 def _check_mhc(t: int) -> None:
@@ -527,7 +567,7 @@ def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor,
     give the layer's output bit for bit as the partials + ``_swiglu_reduce`` launch
     (``split_sum_choice("launch")``), also replayed in a CUDA graph with new inputs (the
     counters must be back at zero after every launch); the counters are zero afterwards."""
-    from kernels import moe_decode
+    from kernels import dispatch, moe_decode
     from kernels.dispatch import sm_count
     from kernels.linear import split_sum_choice
     from kernels.moe import fp4_to_pairs, moe_fp4_triton
@@ -559,7 +599,7 @@ def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor,
         g.replay()
         assert torch.equal(out, layer(static, "launch"))
     torch.cuda.synchronize()
-    assert all(int(c.abs().sum()) == 0 for kept in moe_decode._COUNTERS.values() for c in kept)
+    assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
 
 
 @pytest.mark.parametrize("t,first_local,none_local", [(1, 0, False), (2, 96, False),
@@ -575,7 +615,7 @@ def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: i
     where the default takes it ("two": up to 64); the rows, inverse map
     and tile experts it writes are the align launch's (rows in slot order); the split
     counters are zero afterwards."""
-    from kernels import moe_decode
+    from kernels import dispatch, moe_decode
     from kernels.moe import FUSED_SLOTS, _align, fp4_to_pairs, moe_fp4_triton, route_choice
 
     assert t * TOPK <= 64
@@ -616,7 +656,7 @@ def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: i
         g.replay()
         assert torch.equal(out, layer(static_x, static_ids, static_w, "launch"))
     torch.cuda.synchronize()
-    assert all(int(c.abs().sum()) == 0 for kept in moe_decode._COUNTERS.values() for c in kept)
+    assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
     # the routing it writes for the launches after W13: the align launch's tiles
     n_slots, bt = t * TOPK, 8
     n_tiles = moe_decode.tile_count(n_slots, E_LOCAL, bt)
@@ -627,7 +667,7 @@ def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: i
     part = torch.empty(4, n_tiles * bt, 2 * INTER, device="cuda")
     moe_decode.launch(x, rows, tile_e, h13, s13, refs[0], part, n_slots, TOPK, INTER, D, 4,
                       10.0, True, False, bt, fin=h,
-                      counters=moe_decode.split_counters(n_tiles * INTER // 64, x.device),
+                      counters=dispatch.split_counters(n_tiles * INTER // 64, x.device),
                       route=(ids.reshape(-1), first_local, E_LOCAL, inv))  # fmt: skip
     a_rows, a_inv, a_tile_e = _align(ids, E_LOCAL, first_local, bt)
     assert torch.equal(tile_e, a_tile_e)

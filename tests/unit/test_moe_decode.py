@@ -224,7 +224,7 @@ def test_split_sum_in_the_kernel_needs_its_counters_and_shares_them() -> None:
     checked bit for bit on the GPU (tests/gpu/test_dense_kernels.py)."""
     from kernels import dense_wgmma as dw
     from kernels import moe_decode as md
-    from kernels.moe_decode import split_counters
+    from kernels.dispatch import split_counters
 
     n, k, m, bt = 128, 256, 3, 8
     x = torch.zeros(m, k, dtype=torch.bfloat16)
