@@ -178,9 +178,12 @@ def _hc_mix_partial(
 
 
 @triton.jit
-def _coeffs(m_pre, m_post, m_comb, sq, D, base_ptr, scale_ptr, iters, hc_eps, norm_eps,
-            N: tl.constexpr):  # fmt: skip
-    """pre [N], post [N] and Sinkhorn's comb [N, N] from a token's summed mix."""
+def _coeffs(
+    t, m_pre, m_post, m_comb, sq, D, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, pin_ptr,
+    iters, hc_eps, norm_eps, N: tl.constexpr, HAS_PRE_IN: tl.constexpr,
+):  # fmt: skip
+    """Token ``t``'s pre [N], post [N] and Sinkhorn's comb [N, N] from its summed mix,
+    stored; -> the collapse weights (``pin`` or pre)."""
     a = tl.arange(0, N)
     r = 1.0 / tl.sqrt(sq / (N * D) + norm_eps)
     s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
@@ -193,7 +196,10 @@ def _coeffs(m_pre, m_post, m_comb, sq, D, base_ptr, scale_ptr, iters, hc_eps, no
     for _ in range(iters - 1):
         c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
         c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-    return pre, post, c
+    tl.store(pre_ptr + t * N + a, pre)
+    tl.store(post_ptr + t * N + a, post)
+    tl.store(comb_ptr + t * N * N + a[:, None] * N + a[None, :], c)
+    return tl.load(pin_ptr + t * N + a) if HAS_PRE_IN else pre
 
 
 @triton.jit
@@ -226,12 +232,8 @@ def _finish_one_tile(
     ci = 2 * N + a[:, None] * N + a[None, :]
     m_comb = tl.sum(tl.where(wv[None, None, :] == ci[:, :, None], mv[None, None, :], 0.0),
                     axis=2)  # fmt: skip
-    pre, post, c = _coeffs(m_pre, m_post, m_comb, sq, D, base_ptr, scale_ptr, iters, hc_eps,
-                           norm_eps, N)  # fmt: skip
-    tl.store(pre_ptr + t * N + a, pre)
-    tl.store(post_ptr + t * N + a, post)
-    tl.store(comb_ptr + t * N * N + a[:, None] * N + a[None, :], c)
-    p = tl.load(pin_ptr + t * N + a) if HAS_PRE_IN else pre
+    p = _coeffs(t, m_pre, m_post, m_comb, sq, D, base_ptr, scale_ptr, pre_ptr, post_ptr,
+                comb_ptr, pin_ptr, iters, hc_eps, norm_eps, N, HAS_PRE_IN)  # fmt: skip
     # p as N scalars spread over an [N, 1] built from aranges: the compiler can lay that
     # out as the streams are, instead of moving the [N, BD] streams to p's layout (which
     # took 8-13 KB of stack at 16 warps when p was the mix's own pre)
@@ -285,12 +287,8 @@ def _finish_loop(
         m_post += tl.load(row + N + a)
         m_comb += tl.load(row + 2 * N + a[:, None] * N + a[None, :])
         sq += tl.load(sq_ptr + s * sps + t)
-    pre, post, c = _coeffs(m_pre, m_post, m_comb, sq, D, base_ptr, scale_ptr, iters, hc_eps,
-                           norm_eps, N)  # fmt: skip
-    tl.store(pre_ptr + t * N + a, pre)
-    tl.store(post_ptr + t * N + a, post)
-    tl.store(comb_ptr + t * N * N + a[:, None] * N + a[None, :], c)
-    p = tl.load(pin_ptr + t * N + a) if HAS_PRE_IN else pre
+    p = _coeffs(t, m_pre, m_post, m_comb, sq, D, base_ptr, scale_ptr, pre_ptr, post_ptr,
+                comb_ptr, pin_ptr, iters, hc_eps, norm_eps, N, HAS_PRE_IN)  # fmt: skip
     csq = tl.zeros((BD,), tl.float32)
     for d0 in range(0, D, BD):
         dd = d0 + tl.arange(0, BD)
