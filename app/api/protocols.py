@@ -343,22 +343,23 @@ class UsageFix:
     def apply(self, text: str) -> str:
         if '"usage"' not in text:
             return text
-        obj = patch_usage(json.loads(text), self)
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        return compact_json(patch_usage(json.loads(text), self))
 
 
-def chat_logprobs_present(text: str) -> str:
-    """A non-streamed chat response whose request asked for logprobs carries a ``logprobs``
-    object in every choice, as OpenAI's does: ``{"content": []}`` when no generated token
-    reached the content (all of them stop tokens kept by ``ignore_eos``; the recipe leaves
-    ``null`` there)."""
-    obj = json.loads(text)
-    missing = [c for c in obj.get("choices", []) if c.get("logprobs") is None]
-    if not missing:
-        return text
-    for c in missing:
-        c["logprobs"] = {"content": [], "refusal": None}
+def compact_json(obj: Any) -> str:
+    """``obj`` as the responses' JSON: UTF-8 kept, no spaces."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def chat_logprobs_present(obj: dict) -> dict:
+    """A non-streamed chat response (parsed, changed in place) whose request asked for
+    logprobs carries a ``logprobs`` object in every choice, as OpenAI's does: ``{"content":
+    []}`` when no generated token reached the content (all of them stop tokens kept by
+    ``ignore_eos``; the recipe leaves ``null`` there)."""
+    for c in obj.get("choices", []):
+        if c.get("logprobs") is None:
+            c["logprobs"] = {"content": [], "refusal": None}
+    return obj
 
 
 def patch_usage(obj: Any, fix: UsageFix) -> Any:

@@ -41,6 +41,8 @@ from app.api.protocols import (
     Protocol,
     RecipeFrontend,
     chat_logprobs_present,
+    compact_json,
+    patch_usage,
     run_events,
 )
 from app.api.sse import SSEResponse, sse_event
@@ -210,9 +212,11 @@ class _Api:
                 acc.accumulate(ev)
         finally:
             await stream.close()
-        text = usage.apply(acc.to_json())
-        if prep.logprobs and proto is CHAT:
-            text = chat_logprobs_present(text)
+        if prep.logprobs and proto is CHAT:  # both fixes on one parse
+            text = compact_json(chat_logprobs_present(patch_usage(json.loads(acc.to_json()),
+                                                                  usage)))  # fmt: skip
+        else:
+            text = usage.apply(acc.to_json())
         return Response(text, media_type="application/json", headers=headers)
 
     async def completions_route(self, request: Request) -> Response:

@@ -237,10 +237,10 @@ def test_chat_logprobs_object_without_content_tokens():
 
     seen = {"choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": "length"}]}  # fmt: skip
-    out = json.loads(chat_logprobs_present(json.dumps(seen)))
+    out = chat_logprobs_present(seen)
     assert out["choices"][0]["logprobs"] == {"content": [], "refusal": None}
     full = {"choices": [{"index": 0, "logprobs": {"content": [{"token": "a"}]}}]}
-    assert json.loads(chat_logprobs_present(json.dumps(full))) == full
+    assert chat_logprobs_present(json.loads(json.dumps(full))) == full
 
 
 def test_responses_non_stream_and_stream(oai):
