@@ -309,7 +309,7 @@ def _finish_loop(
 @triton.jit
 def _hc_mix_finish(
     x_ptr, sxt, sxj, fn_ptr, sfn, mp_ptr, sq_ptr, sps, out_ptr, sot, post_ptr, comb_ptr,
-    xn_ptr, snt, snj, cnt_ptr, xf_ptr, sft, sfj, base_ptr, scale_ptr, nw_ptr, pin_ptr,
+    xn_ptr, snt, snj, cnt_ptr, base_ptr, scale_ptr, nw_ptr, pin_ptr,
     pre2_ptr, post2_ptr, comb2_ptr, y_ptr, syt, D, d_per_split, iters, hc_eps, norm_eps,
     rms_eps, N: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, HAS_POST: tl.constexpr,
     HAS_PRE_IN: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, BD: tl.constexpr,
@@ -318,7 +318,7 @@ def _hc_mix_finish(
     """The one-launch form, program (token, d-split): the split's partial mix and sum of
     squares (of ``X'`` with HAS_POST, stored as in ``_hc_mix_partial``) in fp32, then a count
     at the token's counter; the token's last program (counter back to zero) runs
-    :func:`_finish_one_tile` on the streams ``xf`` (X or X')."""
+    :func:`_finish_one_tile` on the streams ``xn`` (X' with HAS_POST, else X: ``x`` itself)."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     jn = tl.arange(0, N)
@@ -350,7 +350,7 @@ def _hc_mix_finish(
     if old == SPLIT - 1:  # the token's last program: the others' partials (and X') are in
         tl.store(cnt_ptr + t, 0)
         tl.debug_barrier()
-        _finish_one_tile(t, xf_ptr, sft, sfj, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, nw_ptr,
+        _finish_one_tile(t, xn_ptr, snt, snj, mp_ptr, sq_ptr, sps, base_ptr, scale_ptr, nw_ptr,
                          pin_ptr, pre2_ptr, post2_ptr, comb2_ptr, y_ptr, syt, D, iters, hc_eps,
                          norm_eps, rms_eps, N, WP, SPLIT, HAS_PRE_IN, BDF, SPLIT_P,
                          ".cg")  # fmt: skip
@@ -419,9 +419,9 @@ def _mix_and_finish(
     y = torch.empty(t, d, dtype=x.dtype, device=dev)
     pin = pre_in.float().contiguous() if pre_in is not None else pre
     base32, scale32, nw = base.float().contiguous(), scale.float().contiguous(), norm_w.contiguous()
+    bd = min(64, triton.next_power_of_2(d))  # the mix's columns per step
+    chunks = triton.cdiv(d, bd)
     if form == "fused":
-        bd = min(64, triton.next_power_of_2(d))
-        chunks = triton.cdiv(d, bd)
         # one wave: at 16 warps (the finish's tile) a program takes a whole SM's registers
         per = triton.cdiv(chunks, max(1, min(chunks, sms // t)))
         split = triton.cdiv(chunks, per)  # every program has columns to mix
@@ -431,15 +431,14 @@ def _mix_and_finish(
         _hc_mix_finish[(t, split)](
             src, src.stride(0), src.stride(1), fn, fn.stride(0), mp, sq, t,
             out, out.stride(0), post, comb, x, x.stride(0), x.stride(1),
-            split_counters(t, dev), x, x.stride(0), x.stride(1), base32, scale32, nw, pin,
+            split_counters(t, dev), base32, scale32, nw, pin,
             pre, post2, comb2, y, y.stride(0), d, per * bd, iters, hc_eps, norm_eps, rms_eps,
             N=n, W=n * (n + 2), WP=wp, HAS_POST=post_args is not None,
             HAS_PRE_IN=pre_in is not None, SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
             BD=bd, BDF=bdf, num_warps=max(4, min(16, n * bdf // 1024)),
         )  # fmt: skip
         return y, post2, comb2, pre
-    bt, bd = 16, min(64, triton.next_power_of_2(d))
-    chunks = triton.cdiv(d, bd)
+    bt = 16
     split = max(1, min(chunks, triton.cdiv(2 * sms, triton.cdiv(t, bt))))
     d_per = triton.cdiv(chunks, split) * bd
     mp = torch.empty(split, t, wp, **f32)
@@ -454,7 +453,7 @@ def _mix_and_finish(
     bd = triton.next_power_of_2(d) if one_tile else min(1024, triton.next_power_of_2(d))
     _hc_finish[(t,)](
         x, x.stride(0), x.stride(1), mp, sq, t, base32, scale32, nw,
-        pin if pre_in is not None else mp, pre, post2, comb2,
+        pin, pre, post2, comb2,
         y, y.stride(0), d, iters, hc_eps, norm_eps, rms_eps,
         N=n, WP=wp, SPLIT=split, HAS_PRE_IN=pre_in is not None, BD=bd, ONE_TILE=one_tile,
         SPLIT_P=triton.next_power_of_2(split),
