@@ -502,8 +502,11 @@ def test_killed_rank_streams_end_retriably_new_requests_succeed(app_urls):
             victim.update(id=rid, streams=int(busy[rid]), unfinished_at_kill=unfinished)
             actor = actors[rid]
             handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            t_pid = time.time()
             pid = await handle.__ray_call__.remote(lambda _self: os.getpid())
             t_kill = time.time()
+            victim.update(pid_s=round(t_kill - t_pid, 2),
+                          at_kill=[(st["tokens"], st["finish"]) for st in seen])  # fmt: skip
             ray.kill(handle)
             while _alive(pid):  # the kill has landed once the rank's process is gone
                 assert time.time() < t_kill + 30, f"rank {rid} (pid {pid}) still alive after 30 s"
@@ -515,6 +518,7 @@ def test_killed_rank_streams_end_retriably_new_requests_succeed(app_urls):
             return after
 
     after = asyncio.run(main())
+    print(f"victim {victim}\nstreams {seen}")  # whole, where a failure's message is cut
     assert after == [(200, 4)] * 10, after  # retried on the live rank, none failed
     # the gauge counts the victim's streams only if none had finished when it was read
     assert all(victim["unfinished_at_kill"]), (victim, seen)
