@@ -170,9 +170,18 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
         byt = sum(n * k + (n // 32) * (k // 32) for n, k in DENSE)
     else:
         wb = [dequantize_fp8_block(q, s, (32, 32)).bfloat16() for q, s in ws]
-        calls = [(lambda w=w, k=k: torch.nn.functional.linear(x[k], w))
-                 for w, (_, k) in zip(wb, DENSE, strict=True)]  # fmt: skip
-        err = 0.0
+        if fmt == "bf16_gemv":  # the plain projections' decode kernel (up to 16 rows)
+            from kernels.linear import GEMV_MAX_ROWS, dense_linear_triton
+
+            if t > GEMV_MAX_ROWS:
+                return None, 0.0, 0.0
+            calls = [(lambda w=w, k=k: dense_linear_triton(x[k], w))
+                     for w, (_, k) in zip(wb, DENSE, strict=True)]  # fmt: skip
+        else:
+            calls = [(lambda w=w, k=k: torch.nn.functional.linear(x[k], w))
+                     for w, (_, k) in zip(wb, DENSE, strict=True)]  # fmt: skip
+        err = max(_rel(c(), x[k].double() @ w.double().T)
+                  for c, w, (_, k) in zip(calls, wb, DENSE, strict=True))  # fmt: skip
         byt = sum(2 * n * k for n, k in DENSE)
     byt += sum(t * (k + n) * 2 for n, k in DENSE)
 
@@ -192,7 +201,8 @@ CASES = {"mhc": mhc_case, "mhc_loop": lambda t, g: mhc_case(t, g, "loop"),
          "dense_fp8_auto": lambda t, g: dense_case(t, g, "fp8_auto"),
          "dense_fp8_tl": lambda t, g: dense_case(t, g, "fp8_tl"),
          "dense_fp8_auto_launch": lambda t, g: dense_case(t, g, "fp8_auto_launch"),
-         "dense_bf16": lambda t, g: dense_case(t, g, "bf16")}  # fmt: skip
+         "dense_bf16": lambda t, g: dense_case(t, g, "bf16"),
+         "dense_bf16_gemv": lambda t, g: dense_case(t, g, "bf16_gemv")}  # fmt: skip
 
 
 def dense_sweep(tokens: list[int]) -> list[dict]:
@@ -285,6 +295,50 @@ def wg_sweep(tokens: list[int]) -> list[dict]:
     return recs
 
 
+def gemv_sweep(tokens: list[int]) -> list[dict]:
+    """The plain projections' decode kernel (``kernels.linear._gemv_kernel``) per V4.1-Flash
+    dense shape: rows per program x K block x ring depth x warps x K splits (the heuristic's,
+    half and twice), beside cuBLAS on the same shape in the same run."""
+    import itertools
+
+    from kernels.linear import dense_linear_triton, gemv_launch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rate = _copy_rate()
+    recs = []
+    for t in tokens:
+        for n, k in DENSE:
+            x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
+            w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
+            floor = 2 * n * k / rate * 1e6
+            cub = _us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            pick = gemv_launch(t, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+            print(f"gemv sweep T={t:<3} {n:>5}x{k:<5} cublas {cub:7.2f} us  floor {floor:6.2f}  "
+                  f"pick {pick}", flush=True)  # fmt: skip
+            recs.append({"op": "gemv_sweep", "tokens": t, "n": n, "k": k, "cublas_us": cub,
+                         "floor_us": floor, "pick": pick})  # fmt: skip
+            best = None
+            for bn, bk, st, warps in itertools.product((64, 128), (128, 256), (3, 4, 6), (4,)):
+                base = gemv_launch(t, n, k, 132)[2]
+                for split in sorted({max(1, base // 2), base, base * 2}):
+                    try:
+                        us = _us(lambda x=x, w=w, la=(bn, bk, split, st, warps):
+                                 dense_linear_triton(x, w, la))  # fmt: skip
+                    except Exception as e:  # out of shared memory / registers
+                        print(f"  {bn} {bk} {st} {warps} {split}: {type(e).__name__}")
+                        continue
+                    recs.append({"op": "gemv_sweep", "tokens": t, "n": n, "k": k, "bn": bn,
+                                 "bk": bk, "stages": st, "warps": warps, "split": split,
+                                 "us": us})  # fmt: skip
+                    if best is None or us < best[0]:
+                        best = (us, bn, bk, st, warps, split)
+            print(f"gemv sweep T={t:<3} {n:>5}x{k:<5} best {best[0]:7.2f} us (bn {best[1]} "
+                  f"bk {best[2]} stages {best[3]} warps {best[4]} split {best[5]}) "
+                  f"x floor {best[0] / floor:5.2f}; cublas x floor {cub / floor:5.2f}",
+                  flush=True)  # fmt: skip
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="current")
@@ -294,6 +348,8 @@ def main() -> None:
                     help="time the fp8 decode kernel's launch choices instead")  # fmt: skip
     ap.add_argument("--sweep-wg", action="store_true",
                     help="time the wgmma kernel's launch choices per projection instead")
+    ap.add_argument("--sweep-gemv", action="store_true",
+                    help="time the plain projections' decode kernel per shape instead")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args()
     unknown = set(filter(None, args.ops.split(","))) - set(CASES)
@@ -312,6 +368,9 @@ def main() -> None:
             args.ops = ""
         if args.sweep_wg:
             recs += wg_sweep([int(v) for v in args.tokens.split(",")])
+            args.ops = ""
+        if args.sweep_gemv:
+            recs += gemv_sweep([int(v) for v in args.tokens.split(",")])
             args.ops = ""
         for name in filter(None, args.ops.split(",")):
             case = CASES[name]

@@ -445,7 +445,8 @@ def _family(kernel: str) -> str:
                      ("_swiglu_reduce", "moe gemm"), ("_swiglu_halves", "shared expert swiglu"),
                      ("_moe_", "moe other"), ("_quant_act", "moe other"),
                      ("_dense_wg", "dense gemm (fp8)"), ("_split_sum_cast", "dense gemm (fp8)"),
-                     ("_f32out", "lm head"), ("_grid_topk", "top-k"),
+                     ("_f32out", "lm head"), ("_gemv_kernel", "dense gemm (gemv)"),
+                     ("_grid_topk", "top-k"),
                      ("_attn_ws", "attention"), ("sparse_attn", "attention"),
                      ("_combine_kernel", "attention"), ("_kv_pack", "kv writes"),
                      ("_norm_rope", "norm / rope"),
@@ -572,15 +573,19 @@ def main() -> None:
                          "launch = align + combine launches around the GEMMs, two = the two "
                          "GEMM launches lay out and combine up to 64 slots; "
                          "kernels.moe.route_choice)")  # fmt: skip
+    ap.add_argument("--dense-linear", default="auto", choices=("auto", "cublas"),
+                    help="the plain (bf16) projections at decode sizes (before / after A/B: "
+                         "cublas = nn.Linear's product, auto = kernels.linear's decode kernel "
+                         "up to 16 rows; kernels.linear.gemv_choice)")  # fmt: skip
     args = ap.parse_args()
     from kernels.attention import kernel_choice
-    from kernels.linear import fp8_kernel_choice, split_sum_choice
+    from kernels.linear import fp8_kernel_choice, gemv_choice, split_sum_choice
     from kernels.mhc import finish_choice
     from kernels.moe import route_choice
 
     with (kernel_choice(args.attention), finish_choice(args.mhc_finish),
           fp8_kernel_choice(args.dense_kernel), split_sum_choice(args.split_sum),
-          route_choice(args.moe_route)):  # fmt: skip
+          route_choice(args.moe_route), gemv_choice(args.dense_linear)):  # fmt: skip
         _run(args)
 
 
@@ -615,7 +620,8 @@ def _run(args) -> None:
                                         "mhc_finish": args.mhc_finish,
                                         "dense_kernel": args.dense_kernel,
                                         "split_sum": args.split_sum,
-                                        "moe_route": args.moe_route})
+                                        "moe_route": args.moe_route,
+                                        "dense_linear": args.dense_linear})
                         for r in fn()]  # fmt: skip
             write(name, records)  # keep what finished if a later part runs out of time
             gc.collect()

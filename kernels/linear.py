@@ -1,9 +1,14 @@
-"""Dense GEMMs: the LM head and the fp8 dense projections.
+"""Dense GEMMs: the LM head, the plain (bf16 / fp16) projections at decode sizes, and the fp8
+dense projections.
 
 ``linear_f32``: bf16 x bf16 -> fp32 for the LM head, ``y = x @ w^T`` with fp32 accumulation
 and an fp32 result, reading ``w`` as stored (no fp32 copy of a 129280 x 5120 head per step);
 bf16 products are exact in fp32, so this computes what the reference's fp32 head computes
 from bf16 weights and activations, up to the order of the sums.
+
+``dense_linear``: ``nn.Linear``'s product; up to :data:`GEMV_MAX_ROWS` rows on CUDA one
+launch of a split-K kernel that streams the weight once (``_gemv_kernel``: the weights as
+the MMA's A, the K splits summed by the last program of each row block), else cuBLAS.
 
 ``fp8_linear``: ``x @ dequant(W)^T`` over the checkpoint's e4m3 weights and block scales --
 at decode sizes a Gluon kernel planned once per weight (:func:`fp8_decode_plan`): on sm_90
@@ -78,6 +83,124 @@ def _half_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 linear_f32 = op(linear_f32_ref, lambda x, w: linear_f32_triton(x.contiguous(), w),
                 when=_half_operands)
+
+
+# ---- bf16 / fp16 dense projections at decode sizes ----------------------------------------
+GEMV_MAX_ROWS = 16  # rows up to which a plain projection takes the split-K decode kernel
+_GEMV = ("auto", "cublas")
+
+
+def dense_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w^T`` for ``x`` [..., K] and ``w`` [N, K] of one dtype (``nn.Linear``'s product:
+    cuBLAS on CUDA)."""
+    return torch.nn.functional.linear(x, w)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, k_per, sxm, swn, sym,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                 F32_DOT: tl.constexpr):  # fmt: skip
+    """One (BN weight rows, K split): the weights are the MMA's A (so a few token rows fill
+    the narrow N = BM side), fp32 accumulation. With SPLIT > 1 each program stores its fp32
+    partial [split, BM, N], counts itself in at its row block's counter (zero between
+    launches), and the last to arrive sums the partials in split order, writes y and sets
+    the counter back to zero: deterministic, one launch."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    nm = n < N
+    mm = m < M
+    acc = tl.zeros((BN, BM), tl.float32)
+    k_lo = pid_k * k_per
+    for k0 in range(k_lo, k_lo + k_per, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * swn + k[None, :],
+                    mask=nm[:, None] & km[None, :], other=0.0)  # fmt: skip
+        x = tl.load(x_ptr + m[None, :] * sxm + k[:, None], mask=mm[None, :] & km[:, None],
+                    other=0.0)  # fmt: skip
+        if F32_DOT:  # the interpreter multiplies bf16 storage wrongly: widen there
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(w, x, acc)
+    out = y_ptr + m[None, :] * sym + n[:, None]
+    om = nm[:, None] & mm[None, :]
+    if SPLIT == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=om)
+    else:
+        part = part_ptr + m[None, :] * N + n[:, None]
+        tl.store(part + pid_k * BM * N, acc, mask=om)
+        tl.debug_barrier()  # every thread's partial is issued before the count
+        old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if old == SPLIT - 1:  # the row block's last program: the others' partials are in
+            tot = tl.zeros((BN, BM), tl.float32)
+            for s in range(SPLIT):
+                tot += tl.load(part + s * BM * N, mask=om, other=0.0, cache_modifier=".cg")
+            tl.store(out, tot.to(y_ptr.dtype.element_ty), mask=om)
+            tl.store(cnt_ptr + pid_n, 0)
+
+
+def gemv_launch(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(BN, BK, K splits, ring depth, warps) of :func:`dense_linear_triton`: 64 weight rows
+    per program, 128-column blocks in a 4-deep ring, and K splits for about 1.2 programs per
+    SM, each split keeping at least four blocks. H200 sweep at 1 token (docs/performance.md,
+    nineteenth session): each V4.1-Flash shape was fastest with 80-216 programs; more splits
+    lost (their partials and the serial sum), 2-3x the programs by up to 1.7x."""
+    bn, bk = 64, 128
+    blocks = triton.cdiv(n, bn)
+    split = max(1, min(k // (4 * bk), round(1.2 * sms / blocks)))
+    return bn, bk, split, 4, 4
+
+
+def dense_linear_triton(x: torch.Tensor, w: torch.Tensor,
+                        launch: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """:func:`dense_linear_ref` at decode sizes (at most :data:`GEMV_MAX_ROWS` rows of ``x``,
+    bf16 / fp16, ``w`` with contiguous rows): one launch of ``_gemv_kernel``, at
+    :func:`gemv_launch`'s choice or ``launch`` (a benchmark's sweep)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], w.shape[0]
+    if m > GEMV_MAX_ROWS or x.dtype != w.dtype or w.shape[1] != k or w.stride(1) != 1:
+        raise ValueError(f"decode projection: at most {GEMV_MAX_ROWS} rows of one dtype with "
+                         f"w [N, K] in contiguous rows: x {tuple(x.shape)} {x.dtype}, "
+                         f"w {tuple(w.shape)} {w.dtype}")  # fmt: skip
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m and n:
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        if launch is None:
+            launch = (16, 32, 2, 1, 4) if interp else gemv_launch(m, n, k, sm_count(x.device))
+        bn, bk, split, stages, warps = launch
+        k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
+        split = triton.cdiv(k, k_per)
+        blocks = triton.cdiv(n, bn)
+        part = (torch.empty(split, 16, n, dtype=torch.float32, device=x.device) if split > 1
+                else y)  # fmt: skip
+        cnt = split_counters(blocks, x.device) if split > 1 else y
+        _gemv_kernel[(blocks, split)](
+            x2, w, y, part, cnt, m, n, k, k_per, x2.stride(0), w.stride(0), y.stride(0), BM=16,
+            BN=bn, BK=bk, SPLIT=split, F32_DOT=interp, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
+
+
+def gemv_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
+    """Pin the plain projections' decode kernel in this block: "auto" (``_gemv_kernel`` up to
+    :data:`GEMV_MAX_ROWS` rows) or "cublas" (``nn.Linear``'s product everywhere; before /
+    after A/B). Set it before a CUDA-graph capture."""
+    return pinned_variant("dense_linear", kernel, _GEMV)
+
+
+def _gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    k = x.shape[-1]
+    return (x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1 and k % 8 == 0
+            and w.stride(0) % 8 == 0 and x.numel() <= GEMV_MAX_ROWS * k
+            and pinned("dense_linear") == "auto")  # fmt: skip
+
+
+dense_linear = op(dense_linear_ref, dense_linear_triton, when=_gemv_fits)
 
 
 # ---- fp8 dense projections with the checkpoint's block scales ----------------------------------

@@ -230,3 +230,49 @@ def test_split_sum_in_the_kernel_equals_the_second_launch(path: str) -> None:
                 assert torch.equal(out, want), (n, k, m, bt, split)
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for kept in _COUNTERS.values() for c in kept)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_linear_decode_kernel(m: int, dtype: torch.dtype) -> None:
+    """The plain (bf16 / fp16) projections' decode kernel at V4.1-Flash's shapes: every output
+    within one ulp of the exact product plus the fp32 sums' rounding (2^-16 of the sum of
+    |products|: outputs that cancel to ~0 carry it), as close as cuBLAS, and the nn.Linear
+    dispatch takes it (the cuBLAS pin does not)."""
+    from kernels.linear import dense_linear, dense_linear_ref, dense_linear_triton, gemv_choice
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in SHAPES:
+        x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+        w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+        exact = x.double() @ w.double().T
+        out = dense_linear_triton(x, w)
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        slack = exact.abs() * ulp + (x.double().abs() @ w.double().abs().T) * 2.0**-16
+        err = ((out.double() - exact).abs() / slack).max().item()
+        assert err <= 1.0, (n, k, err)
+        ref = dense_linear_ref(x, w)
+        assert _rel(out, exact) <= 1.5 * _rel(ref, exact) + 1e-6, (n, k)
+        assert torch.equal(dense_linear(x, w), out)
+        with gemv_choice("cublas"):
+            assert torch.equal(dense_linear(x, w), ref)
+
+
+def test_dense_linear_decode_kernel_in_a_cuda_graph() -> None:
+    """Captured once, replayed with new activations: each replay equals an eager launch bit
+    for bit (the split counters are back at zero after every launch)."""
+    from kernels.linear import dense_linear_triton
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = (torch.randn(512, 5120, device="cuda", generator=g) / 72).bfloat16()  # many K splits
+    x = torch.randn(2, 5120, device="cuda", generator=g).bfloat16()
+    dense_linear_triton(x, w)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = dense_linear_triton(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(2, 5120, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, dense_linear_triton(x, w))

@@ -95,9 +95,9 @@ def test_reference_kernels_by_name_bisects_one_op(monkeypatch):
     [attention.sparse_attention, compressor.compress_pool, engram.engram_rows,
      engram.engram_gather, engram.engram_gate, gate.moe_gate_fused, indexer.indexer_scores,
      indexer.indexer_scores_paged, indexer.topk, kv_quant.kv_pack, kv_quant.kv_pack_into,
-     kv_quant.kv_qdq, linear.linear_f32, linear.fp8_linear, mhc.hc_pre, mhc.hc_post,
-     mhc.hc_post_pre, moe.moe_fp8, moe.moe_fp4, moe.moe_fp8_rows, norm.norm_rope, norm.rms_norm,
-     swiglu.swiglu_halves],
+     kv_quant.kv_qdq, linear.linear_f32, linear.fp8_linear, linear.dense_linear, mhc.hc_pre,
+     mhc.hc_post, mhc.hc_post_pre, moe.moe_fp8, moe.moe_fp4, moe.moe_fp8_rows, norm.norm_rope,
+     norm.rms_norm, swiglu.swiglu_halves],
     ids=lambda f: f.__name__,
 )  # fmt: skip
 def test_every_op_dispatches_through_one_rule(fn):

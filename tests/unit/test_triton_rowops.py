@@ -144,6 +144,46 @@ def test_linear_f32_head():
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-6
 
 
+@pytest.mark.parametrize("shape", [(1, 70, 48), (5, 64, 96), (16, 33, 256), (1, 16, 8),
+                                   (2, 3, 40, 64)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_linear_decode_kernel(shape, dtype):
+    """The plain projections' decode kernel (split K, the last program of a row block sums the
+    splits): each output within one ulp of the exact product plus the fp32 sums' rounding
+    (2^-16 of the sum of |products|); repeated launches are bit-equal and leave the split
+    counters at zero."""
+    from kernels.dispatch import _COUNTERS
+    from kernels.linear import dense_linear_triton
+
+    *lead, n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(*lead, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    out = dense_linear_triton(x, w)
+    exact = x.double() @ w.double().T
+    assert out.shape == (*lead, n) and out.dtype == dtype
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    slack = exact.abs() * ulp + (x.double().abs() @ w.double().abs().T) * 2.0**-16
+    err = (out.double() - exact).abs() / slack
+    assert err.max().item() <= 1.0, err.max().item()
+    assert torch.equal(dense_linear_triton(x, w), out)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.get(torch.device("cpu"), []))
+
+
+def test_dense_linear_dispatch():
+    """nn.Linear's product goes through ``dense_linear``: its torch reference on the CPU (and
+    for fp32 or over-wide inputs anywhere), the decode kernel only for <= 16 bf16 / fp16 rows."""
+    from kernels.linear import GEMV_MAX_ROWS, _gemv_fits, dense_linear, dense_linear_ref
+
+    w = torch.randn(8, 16).bfloat16()
+    assert _gemv_fits(torch.randn(GEMV_MAX_ROWS, 16).bfloat16(), w)
+    assert not _gemv_fits(torch.randn(GEMV_MAX_ROWS + 1, 16).bfloat16(), w)
+    assert not _gemv_fits(torch.randn(2, 16), w.float())
+    assert not _gemv_fits(torch.randn(2, 16).half(), w)
+    x = torch.randn(3, 16).bfloat16()
+    assert torch.equal(dense_linear(x, w), dense_linear_ref(x, w))
+
+
 @pytest.mark.parametrize("shape,block", [((3, 64, 96), (32, 32)), ((40, 96, 256), (32, 32)),
                                          ((20, 64, 256), (128, 128)), ((3, 64, 64), (128, 128)),
                                          ((3, 128, 96), (128, 128))])  # fmt: skip
