@@ -312,15 +312,14 @@ def gemv_sweep(tokens: list[int]) -> list[dict]:
             w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
             floor = 2 * n * k / rate * 1e6
             cub = _us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-            pick = gemv_launch(t, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+            pick = gemv_launch(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
             print(f"gemv sweep T={t:<3} {n:>5}x{k:<5} cublas {cub:7.2f} us  floor {floor:6.2f}  "
                   f"pick {pick}", flush=True)  # fmt: skip
             recs.append({"op": "gemv_sweep", "tokens": t, "n": n, "k": k, "cublas_us": cub,
                          "floor_us": floor, "pick": pick})  # fmt: skip
             best = None
             for bn, bk, st, warps in itertools.product((64, 128), (128, 256), (3, 4, 6), (4,)):
-                base = gemv_launch(t, n, k, 132)[2]
-                for split in sorted({max(1, base // 2), base, base * 2}):
+                for split in sorted({max(1, pick[2] // 2), pick[2], pick[2] * 2}):
                     try:
                         us = _us(lambda x=x, w=w, la=(bn, bk, split, st, warps):
                                  dense_linear_triton(x, w, la))  # fmt: skip

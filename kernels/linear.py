@@ -140,7 +140,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, k_per, sxm, sw
             tl.store(cnt_ptr + pid_n, 0)
 
 
-def gemv_launch(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
+def gemv_launch(n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BN, BK, K splits, ring depth, warps) of :func:`dense_linear_triton`: 64 weight rows
     per program, 128-column blocks in a 4-deep ring, and K splits for about 1.2 programs per
     SM, each split keeping at least four blocks. H200 sweep at 1 token (docs/performance.md,
@@ -170,17 +170,18 @@ def dense_linear_triton(x: torch.Tensor, w: torch.Tensor,
     if m and n:
         interp = os.environ.get("TRITON_INTERPRET") == "1"
         if launch is None:
-            launch = (16, 32, 2, 1, 4) if interp else gemv_launch(m, n, k, sm_count(x.device))
+            launch = (16, 32, 2, 1, 4) if interp else gemv_launch(n, k, sm_count(x.device))
         bn, bk, split, stages, warps = launch
         k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
         split = triton.cdiv(k, k_per)
         blocks = triton.cdiv(n, bn)
-        part = (torch.empty(split, 16, n, dtype=torch.float32, device=x.device) if split > 1
-                else y)  # fmt: skip
+        part = (torch.empty(split, GEMV_MAX_ROWS, n, dtype=torch.float32, device=x.device)
+                if split > 1 else y)  # fmt: skip
         cnt = split_counters(blocks, x.device) if split > 1 else y
         _gemv_kernel[(blocks, split)](
-            x2, w, y, part, cnt, m, n, k, k_per, x2.stride(0), w.stride(0), y.stride(0), BM=16,
-            BN=bn, BK=bk, SPLIT=split, F32_DOT=interp, num_warps=warps, num_stages=stages,
+            x2, w, y, part, cnt, m, n, k, k_per, x2.stride(0), w.stride(0), y.stride(0),
+            BM=GEMV_MAX_ROWS, BN=bn, BK=bk, SPLIT=split, F32_DOT=interp, num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
 
