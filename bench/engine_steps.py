@@ -13,8 +13,10 @@ and on. ``--model flash-rank`` (CUDA): the scaled V4.1-Flash rank of ``bench.fla
   timed with CUDA events (median of repeats), beside its floor (bytes / measured copy BW);
 - prefill (``engine.prefill_step``): requests at long context prefilling their last chunk
   (4K-32K new tokens per GPU), with and without V4.1 decoder replay;
-- gap (``engine.idle_gap``): the EngineCore decoding B = 256 requests with overlap and graphs;
-  the device's idle time between consecutive steps from a profiler trace, and host time;
+- gap (``engine.idle_gap``, ``engine.step_wall``): the EngineCore decoding B requests
+  (``--gap-batches``, default 256) with graphs, overlap scheduling on and / or off
+  (``--gap-overlap on,off``): wall per step, then the device's idle time between
+  consecutive steps from a profiler trace, and host time;
 - profile (``engine.decode_ops``): device time per kernel family of one decode step;
 - origins (``engine.decode_aten_launches``): the eager step's aten kernel launches by the
   function (under app/ or kernels/) whose op launched them.
@@ -465,24 +467,31 @@ def _family(kernel: str) -> str:
     return "other"
 
 
-def gap(args, model) -> list[dict]:
-    """Idle device time between decode steps of the EngineCore (overlap + graphs), B = 256."""
+def gap(args, model, B: int = 256, overlap: bool = True) -> list[dict]:
+    """Idle device time between decode steps of the whole EngineCore (graphs; overlap
+    scheduling on or off), B requests of 16 prompt tokens: the wall per step first without
+    the profiler, then the gaps and host phases of 10 steps under it."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    B = 256
     with tempfile.TemporaryDirectory() as tmp:
         eng = EngineCore(EngineConfig.from_options(
             tmp, device="cuda", dtype="bfloat16", max_num_seqs=B, max_num_batched_tokens=8192,
-            kv_cache_bytes=8 << 30, enable_prefix_caching=False,
+            kv_cache_bytes=8 << 30, enable_prefix_caching=False, overlap_schedule=overlap,
         ), model=model)  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         for i in range(B):
             eng.add_request(EngineRequest(f"g{i}", tuple([5 + i % 100] * 16), params))
         for _ in range(6):  # prefill, decode warm-up, graph capture
             eng.step()
-        before = {p: getattr(eng.stats, p) for p in PHASES}
         steps = 10
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        plain = (time.perf_counter() - t0) / steps
+        before = {p: getattr(eng.stats, p) for p in PHASES}
         with prof(activities=[ProfilerActivity.CUDA]) as p:
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -498,10 +507,11 @@ def gap(args, model) -> list[dict]:
     span = (ev[-1][1] - ev[0][0]) if ev else 0
     big = sorted(gaps)[-steps:] if gaps else [0]
     cpu = sum(host[k] for k in ("t_schedule", "t_prepare", "t_launch", "t_update"))
-    print(f"B={B}: wall {wall * 1e3:.2f} ms/step, device busy {100 * busy / max(span, 1):.1f} %"
+    print(f"B={B} overlap={overlap:d}: wall {plain * 1e3:.2f} ms/step ({wall * 1e3:.2f} under "
+          f"the profiler), device busy {100 * busy / max(span, 1):.1f} %"
           f", largest gaps {[round(g, 1) for g in big]} us, host {cpu * 1e3:.2f} ms/step "
           f"({', '.join(f'{k[2:]} {v * 1e3:.2f}' for k, v in host.items())})")  # fmt: skip
-    p0 = {"batch": B, "context": 16, "steps": steps}
+    p0 = {"batch": B, "context": 16, "steps": steps, "overlap": overlap}
     return [
         record("engine.idle_gap", statistics.median(big), "us", dict(p0, stat="median of the "
                "largest gap per step"), floor=150.0),  # fmt: skip
@@ -509,7 +519,9 @@ def gap(args, model) -> list[dict]:
         record("engine.device_busy", busy / max(span, 1), "fraction", p0),
         record("engine.cpu_per_step", cpu * 1e3, "ms", dict(p0, **{k: v * 1e3 for k, v in
                                                                    host.items()})),
-        record("engine.step_wall", wall * 1e3, "ms", p0),
+        record("engine.step_wall", plain * 1e3, "ms", p0),
+        record("engine.step_wall_profiled", wall * 1e3, "ms", p0),
+        record("engine.device_kernel_time", busy / steps / 1e3, "ms", p0),
     ]
 
 
@@ -535,6 +547,8 @@ def main() -> None:
     ap.add_argument("--prefill", default="32768x1x4096,32768x2x4096,32768x4x4096,32768x8x4096",
                     help="prefill cases: context x requests x new tokens, comma-separated")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gap-batches", default="256", help="gap: the EngineCore's batch sizes")
+    ap.add_argument("--gap-overlap", default="on", help="gap: overlap scheduling, on and / or off")
     ap.add_argument("--dense", default="bf16", choices=("bf16", "fp8"),
                     help="flash-rank dense projections: bf16, or fp8 blocks (packed_dense)")
     ap.add_argument("--no-eager", action="store_true", help="decode: CUDA graph only")
@@ -612,7 +626,9 @@ def _run(args) -> None:
 
     parts = {"decode": decodes, "profile": lambda: profile(rank, args),
              "origins": lambda: origins(rank, args),
-             "gap": lambda: gap(args, rank.model),
+             "gap": lambda: [r for b in args.gap_batches.split(",")
+                             for o in args.gap_overlap.split(",")
+                             for r in gap(args, rank.model, int(b), o == "on")],
              "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip
     for part, fn in parts.items():
         if part in what:
