@@ -255,10 +255,12 @@ def attention_ws() -> None:
     fp32 scales, plain bf16; one split and several. Per line: the shared memory against the
     227 KB limit, the partitions' register counts (``setmaxnreg`` values, SASS), and local
     memory ops in the consumers' main loops and in the producer's whole region (the
-    epilogue's sin/cos range reduction uses a stack frame too, outside those loops)."""
+    epilogue's sin/cos range reduction uses a stack frame too, outside those loops), and
+    LDL/STL in the whole kernel. ``attention-ws seesaw``: the seesaw consumers."""
     from bench.attention_sweep import WS_LAUNCHES
     from kernels import attention_ws as w
 
+    seesaw = "seesaw" in sys.argv[2:]
     fn = w._attn_ws_kernel
     base = {n: "i32" for n in fn.arg_names}
     base.update(q_ptr="*bf16", idx_ptr="*i64", idx2_ptr="*i64", sink_ptr="*fp32",
@@ -273,9 +275,11 @@ def attention_ws() -> None:
         for (bn, st, pr, cr), split1 in ((c, s1) for c in WS_LAUNCHES for s1 in (True, False)):
             types = dict(base, kv_ptr=kv, sc_ptr=sc, kv2_ptr=kv2, sc2_ptr=sc2)
             consts = dict(D=512, R=64, FMT=f1, SC_E8=e8, FMT2=f2, SC2_E8=0, ROPE=True,
-                          SPLIT1=split1, BLOCK_N=bn, STAGES=st, P_REGS=pr, C_REGS=cr)  # fmt: skip
+                          SPLIT1=split1, BLOCK_N=bn, STAGES=st, P_REGS=pr, C_REGS=cr,
+                          SEESAW=seesaw)  # fmt: skip
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-            head = f"attention-ws {kind:6} BN={bn} st={st} regs p/c={pr}/{cr} split1={split1:d}"
+            head = (f"attention-ws {kind:6} BN={bn} st={st} regs p/c={pr}/{cr} "
+                    f"split1={split1:d}{' seesaw' if seesaw else ''}")
             try:
                 k, _, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": 4, "maxnreg": 168})
             except Exception as e:
@@ -294,8 +298,10 @@ def attention_ws() -> None:
                      for a, o in ins if re.search(r"\bHGMMA\b", o)}  # fmt: skip
             c_local = sum(1 for a, o in ins if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", o)
                           and any(lo <= a <= hi for lo, hi in inner))  # fmt: skip
+            n_local = len(re.findall(r"\b(LDL|STL)\b", sass))
             print(f"{head}: smem {k.metadata.shared} / {w.SMEM_LIMIT} regs {regs} "
                   f"consumer main-loop LDL/STL {c_local} producer LDL/STL {p_local} "
+                  f"all LDL/STL {n_local} "
                   f"cp.async {len(re.findall(r'LDGSTS', sass))}", flush=True)  # fmt: skip
 
 

@@ -603,3 +603,44 @@ def test_ws_bf16_partials_against_fp32(launch, splits, monkeypatch):
                                     kv_scale=s1, kv2=comp, idx2=sel.long(), kv2_scale=s2,
                                     inv_rope_angles=ang)  # fmt: skip
     assert _rel(a, ref) < 1e-2
+
+
+@pytest.mark.parametrize("launch", WS_LAUNCHES)
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("K,second", [(128, "nvfp4"), (160, "nvfp4"), (160, None)])
+def test_ws_seesaw_equals_the_plain_consumers(launch, splits, K, second):
+    """The seesaw schedule (key blocks alternate between the consumers; the owner sends P
+    and (m, l, alpha) through shared memory) does the plain consumers' arithmetic in their
+    order, so its output is theirs bit for bit: odd and even block counts per split, a split
+    with no key block at all (K = 128 at 5 splits), two head blocks, a token whose keys are
+    all masked, RoPE, the engine's two sources and the window alone; repeated launches are
+    bit-equal (a race on a message slot would change a row); against the float64 reference
+    as well."""
+    from kernels.kv_quant import kv_pack
+
+    g = torch.Generator(device=DEV).manual_seed(31 + K)
+    T, H, D, K2 = 5, 128, 512, 512
+    q = torch.randn(T, H, D, device=DEV, generator=g).bfloat16()
+    ring, s1 = kv_pack(torch.randn(T * K, D, device=DEV, generator=g), "fp8")
+    win = torch.arange(T * K, device=DEV, dtype=torch.int32).view(T, K)
+    win[1] = -1
+    sink = torch.randn(H, device=DEV, generator=g)
+    ang = torch.rand(T, 32, device=DEV, generator=g) * 100
+    kw = dict(kv_scale=s1, inv_rope_angles=ang, splits=splits, kernel="ws")
+    if second:
+        comp, s2 = kv_pack(torch.randn(4096, D, device=DEV, generator=g), second)
+        sel = torch.randint(0, 4096, (T, K2), device=DEV, generator=g, dtype=torch.int32)
+        sel[1] = -1
+        kw.update(kv2=comp, idx2=sel, kv2_scale=s2)
+    plain = attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, launch=launch, **kw)
+    see = {**(launch or {}), "seesaw": True}
+    for _ in range(3):
+        out = attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, launch=see, **kw)
+        assert torch.equal(out, plain)
+    assert out[1].abs().max() == 0
+    ref_kw = {k: v for k, v in kw.items() if k not in ("splits", "kernel")}
+    if second:
+        ref_kw["idx2"] = sel.long()
+    ref = attn.sparse_attention_ref(q.double(), ring, win.long(), sink.double(), D**-0.5,
+                                    **ref_kw)  # fmt: skip
+    assert _rel(out, ref) < 1e-2

@@ -178,6 +178,23 @@ def test_ws_block_fit_keeps_a_ring_for_the_epilogue():
         fit_block_n(32, 8, plain=True, scaled=True)
 
 
+def test_ws_seesaw_messages_count_in_the_fit():
+    """The seesaw's two message slots (P [64, block] in bf16, four fp32 rows of 64 heads,
+    two barriers each) count in the CTA's shared memory: fp8 rows keep 32-row blocks at 2
+    and 3 stages, plain bf16 rows no longer fit at 32 x 2 and are refused (16 x 2 would
+    leave the epilogue too small a ring)."""
+    from kernels.attention_ws import fit_block_n, smem_bytes
+
+    for block, stages in ((32, 2), (32, 3), (16, 4)):
+        extra = smem_bytes(block, stages, False, True, seesaw=True) - smem_bytes(
+            block, stages, False, True)
+        assert extra == 2 * (64 * block * 2 + 4 * 64 * 4 + 16)
+    assert fit_block_n(32, 3, plain=False, scaled=True, seesaw=True) == 32
+    assert fit_block_n(32, 2, plain=True, scaled=False) == 32
+    with pytest.raises(ValueError, match="at least 64 rows"):
+        fit_block_n(32, 2, plain=True, scaled=False, seesaw=True)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_two_key_sources(packed, splits):
