@@ -20,7 +20,7 @@ row load, and no warpgroup waits on memory):
         both consumers are done with it)
 
 ``seesaw`` (a launch option, off by default): FlashMLA's schedule for the consumers
-(:func:`_consumer_seesaw`). The key blocks alternate between them; the owner of a block
+(:func:`_seesaw_blocks`). The key blocks alternate between them; the owner of a block
 computes its S and softmax once and sends P (bf16) and (m, l, alpha) to the other through
 two shared-memory message slots; each still adds P K[:, half] of every block. Same outputs
 bit for bit. On the H200 (twenty-first session, docs/performance.md) it beats the plain
@@ -231,7 +231,7 @@ def _producer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
               D: gl.constexpr, R: gl.constexpr, FMT: gl.constexpr, SC_E8: gl.constexpr,
               FMT2: gl.constexpr, SC2_E8: gl.constexpr, ROPE: gl.constexpr,
               SPLIT1: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              HALF: gl.constexpr):  # fmt: skip
+              HALF: gl.constexpr, SEESAW: gl.constexpr):  # fmt: skip
     """Q into smem (cp.async), then every key block of both sources into the ring.
 
     One software pipeline over the token's key blocks b (source 1's, then source 2's, so
@@ -306,10 +306,11 @@ def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
               D: gl.constexpr, R: gl.constexpr, FMT: gl.constexpr, SC_E8: gl.constexpr,
               FMT2: gl.constexpr, SC2_E8: gl.constexpr, ROPE: gl.constexpr,
               SPLIT1: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              HALF: gl.constexpr):  # fmt: skip
-    """One warpgroup: the whole S of every key block, output channels [HALF*D/2, +D/2).
-    Consumer 0 is the default partition, consumer 1 a worker (workers share a signature:
-    the producer's, which this one has too)."""
+              HALF: gl.constexpr, SEESAW: gl.constexpr):  # fmt: skip
+    """One warpgroup: the whole S of every key block, output channels [HALF*D/2, +D/2)
+    (``SEESAW``: the seesaw's blocks, :func:`_seesaw_blocks`). Consumer 0 is the default
+    partition, consumer 1 a worker (workers share a signature: the producer's, which this
+    one has too)."""
     h0 = gl.program_id(1) * 64
     split = gl.program_id(2)
     DH: gl.constexpr = D // 2
@@ -324,25 +325,30 @@ def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
     acc = gl.zeros([64, DH], gl.float32, o_l)
     n_blocks = gl.cdiv(hi - lo, BLOCK_N) + gl.cdiv(hi2 - lo2, BLOCK_N)
     mbarrier.wait(q_bar, 0)
-    for i in range(n_blocks):
-        st = i % STAGES
-        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-        kb = k_bufs.index(st)
-        s = warpgroup_mma(q_smem, kb.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_l),
-                          use_acc=False, is_async=True)  # fmt: skip
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        bias = bias_bufs.index(st).load(gl.SliceLayout(0, s_l))
-        s = s * scale_log2 + gl.expand_dims(bias, 0)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_l)), 1)
-        pa = gl.convert_layout(p.to(gl.bfloat16), p_l)
-        acc = warpgroup_mma(pa, kb.slice(HALF * DH, DH, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(st), count=1)
-        m_i = m_new
+    if SEESAW:
+        acc, m_i, l_i = _seesaw_blocks(acc, m_i, l_i, n_blocks, scale_log2, q_smem, k_bufs,
+                                       bias_bufs, ready, empty, p_bufs, st_bufs, msg_full,
+                                       msg_free, s_l, BLOCK_N, STAGES, HALF)  # fmt: skip
+    else:
+        for i in range(n_blocks):
+            st = i % STAGES
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            kb = k_bufs.index(st)
+            s = warpgroup_mma(q_smem, kb.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_l),
+                              use_acc=False, is_async=True)  # fmt: skip
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            bias = bias_bufs.index(st).load(gl.SliceLayout(0, s_l))
+            s = s * scale_log2 + gl.expand_dims(bias, 0)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_l)), 1)
+            pa = gl.convert_layout(p.to(gl.bfloat16), p_l)
+            acc = warpgroup_mma(pa, kb.slice(HALF * DH, DH, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(st), count=1)
+            m_i = m_new
 
     _epilogue(acc, m_i, l_i, ang_ptr, out_ptr, part_ptr, ml_ptr, T, H, s_at, s_ot, s_oh,
               k_bufs, empty, n_blocks, D, R, ROPE, SPLIT1, STAGES, HALF)
@@ -395,36 +401,20 @@ def _own_softmax(s, m_i, l_i, bias_bufs, p_bufs, st_bufs, msg_free, msg_full, i,
 
 
 @gluon.jit
-def _consumer_seesaw(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr,
-                     ang_ptr, out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2,
-                     s_qt, s_qh, s_kv, s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh,
-                     q_smem, k_bufs, bias_bufs, raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs,
-                     st_bufs, msg_full, msg_free, D: gl.constexpr, R: gl.constexpr,
-                     FMT: gl.constexpr, SC_E8: gl.constexpr, FMT2: gl.constexpr,
-                     SC2_E8: gl.constexpr, ROPE: gl.constexpr, SPLIT1: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     HALF: gl.constexpr):  # fmt: skip
-    """One warpgroup of the seesaw schedule (FlashMLA's): the key blocks alternate between
-    the consumers, block i's S and softmax computed once, by consumer i % 2, which sends P
-    and (m, l, alpha) to the other through shared memory; each consumer still owns output
-    channels [HALF*D/2, +D/2) and adds P K[:, half] of every block. At its own block a
+def _seesaw_blocks(acc, m_i, l_i, n_blocks, scale_log2, q_smem, k_bufs, bias_bufs, ready,
+                   empty, p_bufs, st_bufs, msg_full, msg_free, s_l: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   HALF: gl.constexpr):  # fmt: skip
+    """One consumer's key blocks in the seesaw schedule (FlashMLA's): the blocks alternate
+    between the consumers, block i's S and softmax computed once, by consumer i % 2, which
+    sends P and (m, l, alpha) to the other through shared memory; each consumer still owns
+    output channels [HALF*D/2, +D/2) and adds P K[:, half] of every block. At its own block a
     consumer issues S first, then the other's previous block's P K (whose message it waits
     for), so one wgmma runs while it waits or does the softmax. The arithmetic and its
-    order are :func:`_consumer`'s: the outputs are the same bit for bit."""
-    h0 = gl.program_id(1) * 64
-    split = gl.program_id(2)
-    DH: gl.constexpr = D // 2
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, DH, 16])  # fmt: skip
+    order are :func:`_consumer`'s: the outputs are the same bit for bit. -> (O, m, l)."""
+    DH: gl.constexpr = acc.shape[1]
+    o_l: gl.constexpr = acc.type.layout
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    heads = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
-    m_i = gl.load(sink_ptr + heads) * 1.4426950408889634
-    l_i = gl.where(split == 0, 1.0, 0.0) + gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
-    acc = gl.zeros([64, DH], gl.float32, o_l)
-    n_blocks = gl.cdiv(hi - lo, BLOCK_N) + gl.cdiv(hi2 - lo2, BLOCK_N)
-    mbarrier.wait(q_bar, 0)
     if HALF == 0:  # block 0: no block of the other consumer before it  # noqa: SIM102
         if n_blocks > 0:
             mbarrier.wait(ready.index(0), 0)
@@ -464,8 +454,7 @@ def _consumer_seesaw(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(msg_free.index((n_blocks - 1) % 2), count=1)
         mbarrier.arrive(empty.index((n_blocks - 1) % STAGES), count=1)
-    _epilogue(acc, m_i, l_i, ang_ptr, out_ptr, part_ptr, ml_ptr, T, H, s_at, s_ot, s_oh,
-              k_bufs, empty, n_blocks, D, R, ROPE, SPLIT1, STAGES, HALF)
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -616,48 +605,26 @@ def _attn_ws_kernel(
 
     # (the partitions' argument tuples are written out: a tuple built here would not keep
     # the constexprs)
-    if SEESAW:
-        gl.warp_specialize([
-            (_consumer_seesaw, (
-                q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
-                out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
-                s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-                raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
-                R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 0)),
-            (_consumer_seesaw, (
-                q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
-                out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
-                s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-                raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
-                R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 1)),
-            (_producer, (
-                q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
-                out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
-                s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-                raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
-                R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 1)),
-        ], [4, 4], [C_REGS, P_REGS])  # fmt: skip
-    else:
-        gl.warp_specialize([
-            (_consumer, (
-                q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
-                out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
-                s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-                raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
-                R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 0)),
-            (_consumer, (
-                q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
-                out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
-                s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-                raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
-                R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 1)),
-            (_producer, (
-                q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
-                out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
-                s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-                raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
-                R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 1)),
-        ], [4, 4], [C_REGS, P_REGS])  # fmt: skip
+    gl.warp_specialize([
+        (_consumer, (
+            q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
+            out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
+            s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
+            raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
+            R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 0, SEESAW)),
+        (_consumer, (
+            q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
+            out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
+            s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
+            raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
+            R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 1, SEESAW)),
+        (_producer, (
+            q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
+            out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
+            s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
+            raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
+            R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 1, SEESAW)),
+    ], [4, 4], [C_REGS, P_REGS])  # fmt: skip
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 CTA may hold
@@ -699,7 +666,7 @@ def launch_ws(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K,
     default tile would not fit (an explicit one that does not fit raises). ``e8_int``:
     fp8 rows with e8m0 codes take the integer decode (``SC_E8`` 2; 1: the conversion path,
     which gives the same values; 0: fp32 scales). ``seesaw``: the seesaw consumers
-    (:func:`_consumer_seesaw`), the same outputs bit for bit."""
+    (:func:`_seesaw_blocks`), the same outputs bit for bit."""
     block_n = fit_block_n(block_n, stages, plain=fmt == 0 or fmt2 == 0,
                           scaled=fmt != 0 or fmt2 != 0, D=D, seesaw=seesaw)  # fmt: skip
     # maxnreg x 12 warps x 32 lanes must fit the 64K-register file; the default partition
