@@ -64,7 +64,7 @@ def ws_sweep(batches: list[int], kvs: list[str], splits: list[int]) -> None:
             recs.append(record("attention.decode.ws_launch", us, "us", params, floor))
             lines.append(f"{b:>5} {kv:>6} S={s} {bn:>3} {st} {pr:>3} {cr:>3} {us:8.1f} us "
                          f"{us / floor:6.2f}x floor {nbytes / us / 1e3:6.0f} GB/s")  # fmt: skip
-    print("wrote", write("attention_sweep_ws", recs))
+    print("wrote", write("attention_sweep", recs))
     print("\n".join(lines))
 
 

@@ -7,14 +7,16 @@ window-KV write (fp8 pack + store into the ring) and the shared expert (W1/W3, S
 
 Run as a file, it imports ``kernels`` / ``app`` from PYTHONPATH first, so the same script
 times an older checkout (``PYTHONPATH=/old/tree python bench/decode_plumbing.py --label
-before``) beside the current one in the same device session. Each op is checked against its
-torch reference before it is timed. Floor: the op's bytes at the measured copy rate.
+before --out DIR``) beside the current one in the same device call; ``--label`` tags the
+records, ``DIR/decode_plumbing.json`` holds them (``bench/results`` by default). Each op is
+checked against its torch reference before it is timed. Floor: the op's bytes at the
+measured copy rate.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
 import sys
 
@@ -23,6 +25,11 @@ import triton
 
 # kernels / app: from PYTHONPATH first (an older tree under test), else this checkout's
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the result writer: always this checkout's bench/common.py, whatever PYTHONPATH holds
+_spec = importlib.util.spec_from_file_location(
+    "_bench_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 D, N, E, INTER, DIM, RING = 5120, 4, 384, 2304, 512, 4 * 256  # V4.1-Flash rank shapes
 
@@ -349,7 +356,8 @@ def main() -> None:
                     help="time the wgmma kernel's launch choices per projection instead")
     ap.add_argument("--sweep-gemv", action="store_true",
                     help="time the plain projections' decode kernel per shape instead")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT", str(common.RESULTS)),
+                    help="directory for decode_plumbing.json")
     args = ap.parse_args()
     unknown = set(filter(None, args.ops.split(","))) - set(CASES)
     if unknown:
@@ -383,12 +391,21 @@ def main() -> None:
                              "label": args.label})  # fmt: skip
                 print(f"{args.label:>8} {name:>14} T={t:<3} {us:7.2f} us  floor {floor:6.2f}"
                       f"  x{us / floor:6.1f}  err {err:.1e}", flush=True)  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"decode_plumbing_{args.label}.json")
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "argv": sys.argv, "records": recs}, f,
-                  indent=1)  # fmt: skip
-    print("wrote", path)
+    print("wrote", common.write("decode_plumbing", [as_record(r) for r in recs], args.out))
+
+
+def as_record(row: dict) -> dict:
+    """A row as a result record: ``plumbing.<op>`` in µs, the rest of the row in its params;
+    a sweep's cuBLAS-only row is ``plumbing.<op>.cublas``, and a row's cuBLAS bf16 time on
+    the same shape is its peer."""
+    params = {k: v for k, v in row.items() if k not in ("op", "us", "floor_us", "cublas_us",
+                                                        "bf16_us")}  # fmt: skip
+    if "us" in row:
+        name, value = f"plumbing.{row['op']}", row["us"]
+    else:
+        name, value = f"plumbing.{row['op']}.cublas", row["cublas_us"]
+    peer = {"name": "cublas_bf16", "value": row["bf16_us"]} if "bf16_us" in row else None
+    return common.record(name, value, "us", params, row.get("floor_us"), peer)
 
 
 if __name__ == "__main__":

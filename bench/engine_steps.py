@@ -555,7 +555,8 @@ def main() -> None:
     ap.add_argument("--verify-batches", default="1,32,256",
                     help="decode batches also timed as verify steps of 1 + 3 tokens")
     ap.add_argument("--profile-batches", default="1,64,256")
-    ap.add_argument("--out", default=None, help="result file name (default engine_steps_*)")
+    ap.add_argument("--out", default=None,
+                    help="directory for engine_steps.json (default bench/results)")
     ap.add_argument("--experts", default="fp4",
                     help="prefill: expert layouts in turn, one way: fp4 (pairs), fp8_rows, "
                          "fp8_rows_act8 (fp8 activations at prefill-sized steps)")
@@ -606,7 +607,7 @@ def main() -> None:
 def _run(args) -> None:
     if args.model == "tiny":
         args.batches = args.batches or "1,32,256"
-        print("wrote", write(args.out or f"engine_steps_{args.device}", tiny(args)))
+        print("wrote", write("engine_steps", tiny(args), args.out))
         return
     args.batches = args.batches or "1,8,32,64,128,256"
     what = args.what.split(",")
@@ -614,7 +615,6 @@ def _run(args) -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     records = [record("ceiling.copy_bandwidth", bw / 1e12, "TB/s"),
                record("ceiling.bf16_matmul", rate / 1e12, "TFLOP/s")]  # fmt: skip
-    name = args.out or "engine_steps_flash_rank"
     rank = Rank(max_seqs=256, kv_bytes=args.kv_gib << 30, ep=8, max_tokens=32768,
                 dense=args.dense)  # fmt: skip
     def decodes() -> list[dict]:
@@ -639,10 +639,10 @@ def _run(args) -> None:
                                         "moe_route": args.moe_route,
                                         "dense_linear": args.dense_linear})
                         for r in fn()]  # fmt: skip
-            write(name, records)  # keep what finished if a later part runs out of time
+            write("engine_steps", records, args.out)  # kept if a later part runs out of time
             gc.collect()
             torch.cuda.empty_cache()
-    print("wrote", write(name, records))
+    print("wrote", write("engine_steps", records, args.out))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 from app.model.engram_place import host_table
 from app.model.ep import EPGroup, ExpertPlacement
 from app.model.moe import MoE, PackedExperts
-from bench.common import machine, record
+from bench.common import header, record, result_path
 from kernels.engram import engram_gather
 
 FLASH = {"d": 5120, "inter": 2304, "experts": 48, "k": 6, "tokens": [1, 8, 64, 512, 4096]}
@@ -205,10 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shm-dir", default="/dev/shm", help="where the host table file goes")
     ap.add_argument("--parts", default="moe,engram", help="which cases: moe, engram")
     args = ap.parse_args(argv)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"machine": machine(), "args": vars(args), "records": []}
-    dest = out_dir / "ep_step.json"
+    doc: dict[str, Any] = {**header("ep_step"), "args": vars(args), "records": []}
+    dest = result_path("ep_step", args.out)
 
     def emit(rec: dict) -> None:
         doc["records"].append(rec)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import machine
+from bench.common import header, machine
 
 SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -107,7 +107,7 @@ class Gang:
         """Rank 0: the result file's writer (every record, as it comes). Rank 1: a writer of
         its own errors (``<stem>.rank1.json``, merged into the result file by the parent)."""
         if self.rank == 0:
-            doc = {"machine": _machine(self), "command": command(doc_path.stem, args),
+            doc = {**header(doc_path.stem, command(doc_path.stem, args), _machine(self)),
                    "args": args, "records": []}  # fmt: skip
             return _writer(doc, doc_path)
         side = doc_path.with_name(f"{doc_path.stem}.rank1.json")

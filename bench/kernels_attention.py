@@ -371,7 +371,7 @@ def main() -> None:
                  else sweep_indexer(ceil, [1, 8, 64], [16384, 65536, 262144]))  # fmt: skip
     if "compressor" in want:
         recs += sweep_compressor(ceil, [4096, 16384] if args.quick else [64, 1024, 4096])
-    path = write("kernels_attention" + (f"_{args.only}" if args.only else ""), recs)
+    path = write("kernels_attention", recs)
     info = machine()
     print(f"{info.get('gpu')} torch {info['torch']} triton {info.get('triton')}")
     print(_table(recs))

@@ -1,4 +1,4 @@
-"""Host KV tier on CPU (issue 18): a multi-turn workload whose working set is several times the
+"""Host KV tier on CPU: a multi-turn workload whose working set is several times the
 device KV budget, with and without the host tier, on the tiny V4.1 engine (EngineCore, no Ray).
 
     python -m bench.kv_tiers [--sessions 8] [--turns 4] [--ratio 4] [--out DIR]
@@ -24,12 +24,10 @@ host-tier hits, load-back bytes and mean load latency. Greedy outputs of ``devic
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -38,7 +36,7 @@ from app.engine.core import EngineCore
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
 from app.model.tiny import make_tiny_checkpoint
-from bench.common import machine, record
+from bench.common import record, write
 
 P = 16  # KV block of these runs (short prompts keep the CPU time down)
 
@@ -124,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratio", type=float, default=4.0, help="working set / device budget")
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration; each "
                     "request's TTFT is its fastest run (shared CPUs: others' load is noise)")
-    ap.add_argument("--out", default="", help="directory for kv_tiers.json (default results/)")
+    ap.add_argument("--out", default="",
+                    help="directory for kv_tiers.json (default bench/results)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     ckpt = tempfile.mkdtemp(prefix="fathom-kv-tiers-")
@@ -163,13 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                  record("kv_tiers.ttft_p90", r["ttft_p90"], "s", p),
                  record("kv_tiers.host_hit_tokens", r["host_hit_tokens"], "tokens", p),
                  record("kv_tiers.host_load_ms", r["host_load_ms_mean"], "ms", p)]  # fmt: skip
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
-    out.mkdir(parents=True, exist_ok=True)
     given = sys.argv[1:] if argv is None else argv
     cmd = "PYTHONPATH=. python -m bench.kv_tiers " + " ".join(given)
-    doc = {"machine": machine(), "command": cmd.strip(), "records": recs,
-           "outputs_equal_unbounded": same}  # fmt: skip
-    (out / "kv_tiers.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write("kv_tiers", recs, args.out or None, command=cmd.strip(), outputs_equal_unbounded=same)
     return 0 if same else 1
 
 

@@ -1,4 +1,4 @@
-"""Host-tier load-back bandwidth on one GPU (issue 18; ../shared/docs/PERFORMANCE.md).
+"""Host-tier load-back bandwidth on one GPU (docs/performance.md, "Host KV tier").
 
     PYTHONPATH=. python -m bench.kv_tiers_gpu --out DIR [--tokens 32768] [--repeats 10]
 
@@ -26,17 +26,15 @@ only (no Ray, no pydantic, no network); ``--device cpu`` runs the same logic on 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from app.cache.host_tier import HostTier
 from app.cache.kv_cache import PagedKVCache
 from app.cache.layout import CacheLayout
-from bench.common import machine, record
+from bench.common import machine, record, write
 
 
 def _sync(dev: torch.device) -> None:
@@ -216,10 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(args.device)
     recs, info = run(dev, args.tokens, args.repeats)
     cmd = f"PYTHONPATH=. python -m bench.kv_tiers_gpu --out {args.out} --tokens {args.tokens}"
-    doc = {"machine": {**machine(), **info}, "command": cmd, "records": recs}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_tiers_gpu.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write("kv_tiers_gpu", recs, args.out, command=cmd, info={**machine(), **info})
     for r in recs:
         ratio = f"{r['ratio_to_floor']:.2f}x floor" if r["ratio_to_floor"] else ""
         peer = f"  [{r['peer']['name']}: {r['peer']['value']:.2f}]" if r["peer"] else ""

@@ -1,7 +1,7 @@
 """MoE decode on one GPU: the Gluon decode GEMMs (``kernels.moe_decode``) against the
 previous Fathom paths and torch's grouped GEMMs, in one run.
 
-    python -m bench.moe_decode [--tokens 1,8,64,512] [--stages 3,4] [--out NAME]
+    python -m bench.moe_decode [--tokens 1,8,64,512] [--stages 3,4] [--out DIR]
 
 V4.1-Flash rank shapes (d 5120, I 2304, top-6), 48 of 384 experts local (an EP8 rank at
 decode), random fp4 experts with e8m0 scales over four binades (the fixture of
@@ -9,7 +9,7 @@ decode), random fp4 experts with e8m0 scales over four binades (the fixture of
 Every Fathom row is the whole layer (align, activation conversion, both GEMMs, split-K
 reduce, combine), checked against the fp32 torch reference before it is timed:
 
-- ``gluon``: fp4 pairs through ``kernels.moe_decode`` (this issue's kernel; up to
+- ``gluon``: fp4 pairs through ``kernels.moe_decode`` (the decode kernel; up to
   ``kernels.moe.FUSED_SLOTS`` token slots two launches: W13 lays out its own tiles, W2
   combines)
 - ``gluon.four_launches``: the same GEMMs with the align and combine launches around them
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--sweep-br", default="64,128")
     ap.add_argument("--sweep-stages", default="2,3,4")
     ap.add_argument("--sweep-maxnreg", default="none,80")
-    ap.add_argument("--out", default="moe_decode")
+    ap.add_argument("--out", default=None, help="directory for moe_decode.json")
     args = ap.parse_args()
     ceil = ceilings()
     bw = ceil["copy_bw_Bps"]
@@ -130,7 +130,7 @@ def main() -> None:
                 recs.append(record("moe.decode.gluon.gemms.form", us, "us", par, floor))
                 print(f"form T={t:4d} stages={st} tiles_last={last:d}: {us:8.1f} us  "
                       f"x floor {us / floor:5.2f}", flush=True)  # fmt: skip
-        print("->", write(args.out, recs))
+        print("->", write("moe_decode", recs, args.out))
         return
     if args.sweep:
         for t in (int(v) for v in args.sweep.split(",")):
@@ -206,7 +206,7 @@ def main() -> None:
         lines.append(f"{'':28s} T={t:4d} floor {floor:6.1f} us ({touched:.1f} experts), "
                      f"gluon vs tl.pairs {gain:.2f}x")  # fmt: skip
         print("\n".join(lines[-8:]), flush=True)
-        path = write(args.out, recs)
+        path = write("moe_decode", recs, args.out)
     print("\n".join(lines))
     print(f"-> {path}")
 

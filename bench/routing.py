@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import RESULTS, record, write
+from bench.common import log_path, record, write
 
 P = 64  # the tiny model's KV block
 POLICIES = ("prefix", "round_robin", "least_loaded", "ray_prefix")
@@ -315,7 +315,7 @@ def run_sglang(binary: str, ranks: int, kv_bytes: int, workload: str, reqs: Any,
         for p in ports
     ]
     rport = _port()
-    log = open(RESULTS / "logs" / "sglang_router.log", "ab")  # noqa: SIM115 (the child's log)
+    log = open(log_path("sglang_router.log"), "ab")  # noqa: SIM115 (the child's log)
     try:
         for p in ports:
             _wait_http(f"http://127.0.0.1:{p}/health", 300)
@@ -469,10 +469,8 @@ def main() -> None:
             add("sglang_cache_aware", workload, res)
     else:
         print("no sglang-router binary: its policy is not in this run")
-    suffix = "_quick" if args.quick else ""
-    out = write("routing" + suffix, records)
-    (RESULTS / f"routing_table{suffix}.json").write_text(json.dumps(table, indent=2) + "\n")
-    plot(table, RESULTS / f"routing{suffix}.png")
+    out = write("routing", records, table=table)  # the per-policy figures beside the records
+    plot(table, out.with_suffix(".png"))
     print("wrote", out)
 
 

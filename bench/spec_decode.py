@@ -266,7 +266,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--what", default="steps,engine")
     ap.add_argument("--engine-model", default="tiny", choices=("tiny", "flash-rank"))
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="directory for spec_decode.json")
     args = ap.parse_args()
     model = None
     if args.model == "tiny-rank":  # a smoke run of the script on CPU
@@ -283,16 +283,15 @@ def main() -> None:
     rank = Rank(max_seqs=64, kv_bytes=(24 << 30) if args.device == "cuda" else (1 << 28), ep=ep,
                 max_tokens=4096, model=model, device=args.device, ring_headroom=args.drafts,
                 draft_stages=3)  # fmt: skip
-    name = args.out or f"spec_decode_{args.model}"
     t_draft: dict[int, float] = {}
     what = args.what.split(",")
     if "steps" in what:
         recs, t_draft = steps(rank, args, bw)
         records += recs
-        write(name, records)
+        write("spec_decode", records, args.out)
     if "engine" in what:
         records += engine(rank, args, t_draft)
-    print("wrote", write(name, records))
+    print("wrote", write("spec_decode", records, args.out))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The aten kernel launches of one decode step's GPU code path, counted on a CPU.
 
-    python -m bench.step_launches [--arch v41|v4] [--dtype bfloat16] [--top 40]
+    python -m bench.step_launches [--arch v41|v4] [--dtype bfloat16] [--top 40] [--out DIR]
 
 A graph-replayed decode step at batch 1 is launch-bound (the H200 profile: ~1900 launches,
 16% idle), and every aten op the model issues around its Triton kernels (casts, copies,
@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import kernels.dispatch as dispatch  # noqa: E402
+from bench.common import record, write  # noqa: E402
 
 # ops that launch nothing (views, allocations, metadata)
 NO_LAUNCH = frozenset((
@@ -150,7 +151,7 @@ def main() -> None:
     ap.add_argument("--arch", default="v41", choices=("v41", "v4"))
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype (the GPU's: bf16)")
     ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--out", default=None, help="also write bench/results/<out>.json")
+    ap.add_argument("--out", default=None, help="also write DIR/step_launches.json")
     args = ap.parse_args()
     got, triton_launches = count(args.arch, args.dtype)
     total, n_triton = sum(got.values()), sum(triton_launches.values())
@@ -167,13 +168,11 @@ def main() -> None:
     for (op, site), n in got.most_common(args.top):
         print(f"  {n:5d}  {op:16s} {site}")
     if args.out:
-        from bench.common import record, write
-
         recs = [record("step.launches", total + n_triton, "launches", {"arch": args.arch}),
                 record("step.aten_launches", total, "launches", {"arch": args.arch})]
         recs += [record("step.aten_launches_at", n, "launches", {"arch": args.arch, "site": s})
                  for s, n in by_fn.items()]  # fmt: skip
-        print("wrote", write(args.out, recs))
+        print("wrote", write("step_launches", recs, args.out))
 
 
 if __name__ == "__main__":
