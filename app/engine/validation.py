@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
@@ -216,7 +217,8 @@ def spec(
     ``recipe``: the endpoints taking it that way."""
     wire = {**dict.fromkeys(body, BODY), **dict.fromkeys(typed, TYPED)}
     wire |= dict.fromkeys(recipe, RECIPE)
-    return {_SPEC: Spec(check, optional, at_most, param, http_max, wire)}
+    frozen = types.MappingProxyType(wire)
+    return {_SPEC: Spec(check, optional, at_most, param, http_max, frozen)}
 
 
 @dataclass(frozen=True)
