@@ -1,8 +1,10 @@
 """``/v1/completions``: a plain text prompt or a list of token ids, no chat template.
 
-The body is validated with pydantic (strict types); text is detokenized incrementally, holding
-back an incomplete UTF-8 sequence and, while stop strings are set, the tail that could still
-become one (the engine stops on the string; the text is cut before it).
+The body is parsed with pydantic (strict types; the sampling fields and their defaults come
+from the sampling-field table, their bounds are checked by the request validator); text is
+detokenized incrementally, holding back an incomplete UTF-8 sequence and, while stop strings
+are set, the tail that could still become one (the engine stops on the string; the text is cut
+before it).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from tokenizers import Tokenizer
 
 from app.api.client import EngineStream
@@ -22,14 +24,11 @@ from app.api.limits import make_request
 from app.engine.request import (
     EngineRequest,
     FinishReason,
-    RequestError,
     RequestOutput,
     SamplingParams,
     new_request_id,
 )
-from app.engine.validation import RequestLimits
-
-StopList = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
+from app.engine.validation import BODY, COMPLETIONS, FieldSpec, RequestLimits, Stops, wire_fields
 
 
 class StreamOptions(BaseModel):
@@ -37,30 +36,44 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionBody(BaseModel):
-    """The accepted fields (others are ignored, as OpenAI-compatible servers do)."""
+class _Body(BaseModel):
+    """The endpoint's own fields (others are ignored, as OpenAI-compatible servers do)."""
 
     model_config = ConfigDict(strict=True)
 
     model: str
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: int = 0
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
     n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | StopList | None = None
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    seed: int | None = None
     echo: bool = False
-    ignore_eos: bool = False
     user: str | None = None
+
+
+def _number(x: float) -> float:
+    return int(x) if float(x).is_integer() else x
+
+
+def _wire(f: FieldSpec) -> tuple[Any, Any]:
+    """A table field as a body field: its JSON type and default. A list of stop strings may
+    be one string, or null for none; null is accepted where the engine's value may be None;
+    an HTTP-only bound (``http_max``) is the one bound checked here."""
+    check, s = f.spec.check, f.spec
+    if isinstance(check, Stops):
+        return str | list[str] | None, None
+    kind: Any = check.py
+    if s.http_max is not None:
+        lo = _number(check.lo)
+        low = {"gt": lo} if getattr(check, "lo_open", False) else {"ge": lo}
+        kind = Annotated[kind, Field(**low, le=_number(s.http_max))]
+    return (kind | None if s.optional else kind), f.default
+
+
+_SAMPLING = wire_fields(SamplingParams, COMPLETIONS, BODY)
+# The accepted fields: the endpoint's own, then the sampling fields it takes.
+CompletionBody = create_model(
+    "CompletionBody", __base__=_Body, **{f.name: _wire(f) for f in _SAMPLING}
+)
 
 
 def parse_body(raw: Mapping[str, Any]) -> CompletionBody:
@@ -154,27 +167,13 @@ class CompletionsFrontend:
                 code="context_length_exceeded",
             )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        try:
-            params = SamplingParams(
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_p=body.min_p,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                seed=body.seed,
-                max_tokens=max_tokens,
-                stop=stop,
-                logprobs=body.logprobs,
-                ignore_eos=body.ignore_eos,
-            )
-        except RequestError as e:
-            raise ApiError(400, str(e), param=e.field) from None
+        sampling = {f.name: getattr(body, f.name) for f in _SAMPLING}
+        sampling |= {"max_tokens": max_tokens, "stop": stop}
         session = body.user if body.user is not None and len(body.user) <= 256 else ""
         req = make_request(
-            new_request_id(), ids, params, self.limits, arrival_time=time.time(), session=session
-        )
+            new_request_id(), ids, sampling, self.limits, arrival_time=time.time(),
+            session=session,
+        )  # fmt: skip
         return req, f"cmpl-{uuid.uuid4().hex}"
 
     def _logprobs(self, out: RequestOutput, offset: int) -> dict[str, Any]:

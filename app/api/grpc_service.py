@@ -29,8 +29,8 @@ from app.api.client import EngineClient, open_stream
 from app.api.errors import ApiError
 from app.api.limits import check_api_key, make_request
 from app.engine.request import FinishReason, SamplingParams, new_request_id
-from app.engine.validation import RequestError
-from app.grpc.fathom_pb2 import GenerateRequest, GenerateResponse
+from app.engine.validation import BODY, GRPC, wire_fields
+from app.grpc.fathom_pb2 import GenerateRequest, GenerateResponse, SamplingOptions
 
 if TYPE_CHECKING:
     from app.api.server import ApiConfig
@@ -47,17 +47,9 @@ GRPC_CODES = {
     500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,
 }
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "max_tokens",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
+# SamplingOptions' fields: those of the sampling-field table that gRPC takes (a unit test holds
+# the proto to the table)
+_SAMPLING = tuple(f.name for f in wire_fields(SamplingParams, GRPC, BODY))
 
 
 class GrpcContext(Protocol):
@@ -183,29 +175,27 @@ class GenerateService:
         assert self.cfg.max_prompt_tokens is not None  # resolved by ApiConfig
         if n > self.cfg.max_prompt_tokens:
             raise ApiError(413, f"prompt is {n} tokens; the limit is {self.cfg.max_prompt_tokens}")
-        params = self._sampling(r, room=limit - n)
+        sampling = self._sampling(r, room=limit - n)
         return make_request(
-            new_request_id(), ids, params, self.cfg.limits,
+            new_request_id(), ids, sampling, self.cfg.limits,
             arrival_time=time.time(), client_request_id=r.request_id,
         )  # fmt: skip
 
-    def _sampling(self, r: GenerateRequest, room: int) -> SamplingParams:
+    def _sampling(self, r: GenerateRequest, room: int) -> dict[str, object]:
+        """The SamplingParams fields the request sets: repeated fields always, a field with
+        presence when set (unset: the table's default), any other one as is."""
         s = r.sampling
-        kw: dict[str, object] = {
-            "stop": tuple(s.stop),
-            "stop_token_ids": tuple(s.stop_token_ids),
-            "ignore_eos": s.ignore_eos,
-        }
-        for name in _SAMPLING_FIELDS:
-            if s.HasField(name):
+        kw: dict[str, object] = {}
+        for name in _SAMPLING:
+            desc = SamplingOptions.DESCRIPTOR.fields_by_name[name]
+            if desc.is_repeated:
+                kw[name] = tuple(getattr(s, name))
+            elif not desc.has_presence or s.HasField(name):
                 kw[name] = getattr(s, name)
         if "max_tokens" not in kw:  # the HTTP default: the context left, capped by the config
             default = self.cfg.default_max_tokens
             kw["max_tokens"] = max(1, room if default is None else min(room, default))
-        try:
-            return SamplingParams(**kw)
-        except RequestError as e:
-            raise ApiError(400, str(e), param=e.field) from None
+        return kw
 
     def _response(
         self, rid: str, ids: list[int], n_prompt: int, n_gen: int, out: RequestOutput

@@ -1,7 +1,7 @@
 """Request checks of the ingress that come before the engine (HTTP and gRPC alike): API keys,
 body size and read time, depth-safe JSON, request preparation off the event loop, and the
-shared request validator (the same one ``EngineCore.add_request`` runs) turned into 400s
-naming the field."""
+request validator (the one ``EngineCore.new_sequence`` runs again) turned into 400s naming the
+field."""
 
 from __future__ import annotations
 
@@ -10,25 +10,28 @@ import ctypes
 import functools
 import hmac
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from app.api.errors import ApiError
-from app.engine.request import EngineRequest, RequestError, SamplingParams
-from app.engine.validation import RequestLimits, check_request
+from app.engine.request import EngineRequest, SamplingParams
+from app.engine.validation import RequestError, RequestLimits, check_request
 
 T = TypeVar("T")
 
 
 def make_request(
-    rid: str, ids: list[int] | tuple[int, ...], params: SamplingParams, limits: RequestLimits,
-    **fields: object,
+    rid: str, ids: list[int] | tuple[int, ...], sampling: Mapping[str, Any],
+    limits: RequestLimits, **fields: object,
 ) -> EngineRequest:  # fmt: skip
-    """An :class:`EngineRequest` that passes the engine's checks, or a 400 naming the field."""
+    """The :class:`EngineRequest` of a prepared body (``sampling``: its
+    :class:`SamplingParams` fields), checked by the request validator, or a 400 naming the
+    field: every endpoint's one validation at the ingress."""
     try:
+        params = SamplingParams(**sampling)
         req = EngineRequest(rid, tuple(ids), params, **fields)  # type: ignore[arg-type]
         check_request(req, limits)
     except RequestError as e:

@@ -27,64 +27,42 @@ from app.engine.request import (
     EngineRequest,
     FinishReason,
     OutputConstraint,
-    RequestError,
     RequestOutput,
     SamplingParams,
     new_request_id,
 )
-from app.engine.validation import RequestLimits
+from app.engine.validation import BODY, RECIPES, TYPED, RequestLimits, wire_fields
 
 _VERSIONS = {"v41": dr.ModelVersion.DeepseekV41Flash, "v4": dr.ModelVersion.DeepseekV4Pro}
-# Sampling fields beyond what the recipe extracts, read from the raw body (per protocol).
-# Engine sampling options every protocol takes as extra body fields (as vLLM / SGLang do):
-# ``ignore_eos`` generates through EOS, ``min_tokens`` masks EOS / stop tokens until then.
-_ENGINE_EXTRAS = ("ignore_eos", "min_tokens")
-_EXTRAS = {
-    "chat": (
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        *_ENGINE_EXTRAS,
-    ),
-    "responses": _ENGINE_EXTRAS,
-    "messages": ("top_k", *_ENGINE_EXTRAS),
-}
+# Engine sampling fields a protocol reads from the raw body as is, beyond what the recipe
+# extracts (the table's ``body`` endpoints, as vLLM / SGLang take them: e.g. ``ignore_eos``
+# generates through EOS, ``min_tokens`` masks EOS / stop tokens until then).
+_EXTRAS = {p: tuple(f.name for f in wire_fields(SamplingParams, p, BODY)) for p in RECIPES}
 
 # Top-level field types checked before conversion, so a wrong type is reported by name (the
-# recipe's parse errors do not say which field): name -> (accepted types, description).
+# recipe's parse errors do not say which field): name -> (accepted types, description). The
+# protocol's own fields are listed here; the sampling fields it takes by name come from the
+# table, typed by their kind.
 _INT = ((int,), "an integer")
-_NUM = ((int, float), "a number")
 _BOOL = ((bool,), "a boolean")
 _STR = ((str,), "a string")
 _LIST = ((list,), "an array")
-_COMMON = {
-    "model": _STR,
-    "stream": _BOOL,
-    "temperature": _NUM,
-    "top_p": _NUM,
-    "ignore_eos": _BOOL,
-    "min_tokens": _INT,
-}
-_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
+_OWN_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
     "chat": {
-        **_COMMON,
+        "model": _STR,
+        "stream": _BOOL,
         "messages": _LIST,
-        "max_tokens": _INT,
         "max_completion_tokens": _INT,
         "n": _INT,
         "logprobs": _BOOL,
         "top_logprobs": _INT,
-        "seed": _INT,
-        "top_k": _INT,
-        "min_p": _NUM,
-        "repetition_penalty": _NUM,
-        "presence_penalty": _NUM,
-        "frequency_penalty": _NUM,
     },
-    "responses": {**_COMMON, "max_output_tokens": _INT, "top_logprobs": _INT},
-    "messages": {**_COMMON, "messages": _LIST, "max_tokens": _INT, "top_k": _INT},
+    "responses": {"model": _STR, "stream": _BOOL, "max_output_tokens": _INT, "top_logprobs": _INT},
+    "messages": {"model": _STR, "stream": _BOOL, "messages": _LIST},
+}
+_FIELDS = {
+    p: {**own, **{f.name: f.spec.check.json for f in wire_fields(SamplingParams, p, BODY, TYPED)}}
+    for p, own in _OWN_FIELDS.items()
 }
 _AT_LEAST_ONE = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n")
 
@@ -242,9 +220,9 @@ class RecipeFrontend:
         parsing = conv.parsing_options
         stage = parsing.thinking_initial_stage
         rid = f"{proto.id_prefix}{uuid.uuid4().hex}"  # the response's id (public)
-        params = self._sampling(proto, conv, raw, max_tokens, list(parsing.stop_sequences))
+        sampling = self._sampling(proto, conv, raw, max_tokens, list(parsing.stop_sequences))
         engine_request = make_request(
-            new_request_id(), ids, params, self.limits, arrival_time=time.time(),
+            new_request_id(), ids, sampling, self.limits, arrival_time=time.time(),
             session=session_key(raw),
         )  # fmt: skip
         gen = proto.request_cls.chunk_generator(conv, rid, model)
@@ -269,26 +247,24 @@ class RecipeFrontend:
         raw: Mapping[str, Any],
         max_tokens: int,
         stop: list[str],
-    ) -> SamplingParams:
+    ) -> dict[str, Any]:
+        """The SamplingParams fields of a converted request (unset ones keep the table's
+        defaults)."""
         io = conv.inference_options
         constraint = None
         if (oc := io.output_constraint) is not None:
             think = conv.conversation.thinking_mode
             constraint = OutputConstraint(oc.kind, oc.schema, think_first=think)
-        extras = {k: raw[k] for k in _EXTRAS[proto.name] if raw.get(k) is not None}
-        try:
-            return SamplingParams(
-                temperature=1.0 if io.temperature is None else io.temperature,
-                top_p=1.0 if io.top_p is None else io.top_p,
-                seed=io.seed,
-                max_tokens=max_tokens,
-                stop=tuple(stop),
-                logprobs=(io.top_logprobs or 0) if io.logprobs else None,
-                constraint=constraint,
-                **extras,
-            )
-        except RequestError as e:
-            raise ApiError(400, str(e), param=e.field) from None
+        recipe = {"temperature": io.temperature, "top_p": io.top_p}
+        return {
+            **{k: v for k, v in recipe.items() if v is not None},
+            "seed": io.seed,
+            "max_tokens": max_tokens,
+            "stop": tuple(stop),
+            "logprobs": (io.top_logprobs or 0) if io.logprobs else None,
+            "constraint": constraint,
+            **{k: raw[k] for k in _EXTRAS[proto.name] if raw.get(k) is not None},
+        }
 
 
 def _finish_reason(out: RequestOutput) -> dr.InferenceFinishReason:

@@ -1,5 +1,7 @@
 """Requests and outputs of the engine: plain typed, picklable objects (they cross the Ray
-boundary into a DP rank). Invalid values fail at construction with a message naming the field.
+boundary into a DP rank). Each request field declares its bounds in its metadata
+(``app.engine.validation``); invalid values fail at construction with a message naming the
+field.
 """
 
 from __future__ import annotations
@@ -10,10 +12,30 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from app.engine.validation import (
+    CHAT,
+    COMPLETIONS,
+    GRPC,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
+    MESSAGES,
+    RECIPES,
+    RESPONSES,
+    Bool,
+    Float,
+    Instance,
+    Int,
     RequestError,
-    check_request_fields,
-    check_sampling,
+    Stops,
+    Text,
+    TokenIds,
+    check_fields,
+    spec,
 )
 
 __all__ = [
@@ -61,28 +83,89 @@ class OutputConstraint:
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1``
     and ``min_p == 0`` disable those filters. ``logprobs``: None = none, 0 = the chosen token's,
-    k = also the top k (<= 20). ``max_tokens`` None = up to the context limit."""
+    k = also the top k (<= 20). ``max_tokens`` None = up to the context limit.
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    ignore_eos: bool = False
-    constraint: OutputConstraint | None = None
-    skip_special_tokens: bool = True
+    The sampling-field table: each field declares here, once, its type, default, bounds and
+    which endpoints take it (``spec``: ``body`` = a body / SamplingOptions field of the same
+    name, ``typed`` = the recipe converts the same-named body field, ``recipe`` = the recipe
+    derives it from the protocol's own fields). The validator, the HTTP models, the recipe
+    protocols' type table and the gRPC mapping derive from it; a unit test holds the proto's
+    SamplingOptions to it."""
+
+    temperature: float = field(
+        default=1.0,
+        metadata=spec(Float(0.0, 100.0), http_max=2.0, typed=RECIPES, body=(COMPLETIONS, GRPC)),
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata=spec(Float(0.0, 1.0, lo_open=True), typed=RECIPES, body=(COMPLETIONS, GRPC)),
+    )
+    top_k: int = field(
+        default=0, metadata=spec(Int(-1, INT32_MAX), body=(CHAT, MESSAGES, COMPLETIONS, GRPC))
+    )
+    min_p: float = field(
+        default=0.0, metadata=spec(Float(0.0, 1.0), body=(CHAT, COMPLETIONS, GRPC))
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata=spec(Float(0.0, 100.0, lo_open=True), body=(CHAT, COMPLETIONS, GRPC)),
+    )
+    presence_penalty: float = field(
+        default=0.0, metadata=spec(Float(-2.0, 2.0), body=(CHAT, COMPLETIONS, GRPC))
+    )
+    frequency_penalty: float = field(
+        default=0.0, metadata=spec(Float(-2.0, 2.0), body=(CHAT, COMPLETIONS, GRPC))
+    )
+    seed: int | None = field(
+        default=None,
+        metadata=spec(
+            Int(INT64_MIN, INT64_MAX), optional=True, typed=(CHAT,), body=(COMPLETIONS, GRPC)
+        ),
+    )
+    max_tokens: int | None = field(
+        default=16,
+        metadata=spec(
+            Int(1, INT32_MAX),
+            optional=True,
+            typed=(CHAT, MESSAGES),
+            recipe=(RESPONSES,),
+            body=(COMPLETIONS, GRPC),
+        ),
+    )
+    min_tokens: int = field(
+        default=0, metadata=spec(Int(0, INT32_MAX), at_most="max_tokens", body=RECIPES)
+    )
+    stop_token_ids: tuple[int, ...] = field(
+        default=(), metadata=spec(TokenIds(MAX_STOP_TOKEN_IDS), body=(GRPC,))
+    )
+    stop: tuple[str, ...] = field(
+        default=(),
+        metadata=spec(
+            Stops(MAX_STOP_SEQUENCES, MAX_STOP_CHARS), recipe=RECIPES, body=(COMPLETIONS, GRPC)
+        ),
+    )
+    logprobs: int | None = field(
+        default=None,
+        metadata=spec(
+            Int(0, MAX_TOP_LOGPROBS, below_vocab=True),
+            optional=True,
+            recipe=(CHAT, RESPONSES),
+            body=(COMPLETIONS,),
+        ),
+    )
+    prompt_logprobs: int | None = field(
+        default=None, metadata=spec(Int(0, MAX_TOP_LOGPROBS, below_vocab=True), optional=True)
+    )
+    ignore_eos: bool = field(
+        default=False, metadata=spec(Bool(), body=(*RECIPES, COMPLETIONS, GRPC))
+    )
+    constraint: OutputConstraint | None = field(
+        default=None, metadata=spec(Instance(OutputConstraint), optional=True, recipe=RECIPES)
+    )
+    skip_special_tokens: bool = field(default=True, metadata=spec(Bool()))
 
     def __post_init__(self) -> None:
-        check_sampling(self)
+        check_fields(self)
 
     @property
     def greedy(self) -> bool:
@@ -115,18 +198,24 @@ class EngineRequest:
     (:func:`new_request_id` in serving: never a value a client chose, so no client can name
     another's request); ``client_request_id`` is what the client called it (logs, spans)."""
 
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0  # lower runs first; FCFS within a priority
+    request_id: str = field(metadata=spec(Text(1, MAX_REQUEST_ID_CHARS)))
+    prompt_token_ids: tuple[int, ...] = field(metadata=spec(TokenIds(INT32_MAX, nonempty=True)))
+    params: SamplingParams = field(
+        default_factory=SamplingParams, metadata=spec(Instance(SamplingParams))
+    )
+    priority: int = field(  # lower runs first; FCFS within a priority
+        default=0, metadata=spec(Int(-(2**31), INT32_MAX))
+    )
     extra_key: str = ""  # prefix-cache namespace (model / adapter / salt)
     arrival_time: float = 0.0
     trace_context: dict[str, str] | None = None
-    client_request_id: str = ""
+    client_request_id: str = field(  # errors name it as the client knows it
+        default="", metadata=spec(Text(0, MAX_REQUEST_ID_CHARS), param="request_id")
+    )
     session: str = ""  # session-affinity key for the router (the OpenAI ``user``), "" = none
 
     def __post_init__(self) -> None:
-        check_request_fields(self)
+        check_fields(self)
 
 
 @dataclass(frozen=True)

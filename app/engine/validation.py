@@ -1,23 +1,29 @@
-"""Bounds of every request field, checked in one place: by the ingress before a request is
-sent, and again by the engine (``EngineCore.add_request``), since a request that crossed a
-process boundary was unpickled without running its constructor's checks.
+"""The request validator. Each request field declares its bounds once, as a :class:`Spec` in its
+dataclass field's metadata (``SamplingParams`` holds the sampling-field table, which also says
+which endpoints take each field); the checks walk those fields.
 
-    check_sampling(params)                          # context-free bounds (SamplingParams runs it)
-    check_request(req, RequestLimits(vocab_size=..., max_model_len=...))   # + the model's limits
+    SamplingParams(top_k=2**63)       # a constructor refuses a value outside its field's bounds
+    check_request(req, RequestLimits(vocab_size=..., max_model_len=...))   # the validator
 
+:func:`check_request` runs twice per request: at the ingress before it is sent
+(``app.api.limits.make_request``) and in the engine (``EngineCore.new_sequence``), since a
+request that crossed a process boundary was unpickled without running its constructor's checks.
 Whatever passes can be sampled, masked and stopped on without an error inside a step, so one
-request can never fail the step that serves every other request of its rank. A violation raises
-:class:`RequestError` naming the field (the API answers 400 with it as ``param``).
+request can never fail the step that serves every other request of its rank. A violation
+raises :class:`RequestError` naming the field (the API answers 400 with it as ``param``).
+
+Plain Python: the engine imports this module, and the GPU machine has no pydantic (the API
+builds its pydantic models from the table).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from app.engine.request import EngineRequest, SamplingParams
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -26,6 +32,14 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_CHARS = 256
+
+# Where a sampling field can come from: the endpoints, and how each takes it.
+CHAT, RESPONSES, MESSAGES = "chat", "responses", "messages"
+COMPLETIONS, GRPC = "completions", "grpc"
+RECIPES = (CHAT, RESPONSES, MESSAGES)  # the protocols converted by deepseek-recipe
+BODY = "body"  # a body (gRPC: SamplingOptions) field of the same name, taken as is
+TYPED = "typed"  # the recipe converts a body field of the same name (its JSON type checked first)
+RECIPE = "recipe"  # the recipe derives it from the protocol's own fields
 
 
 class RequestError(ValueError):
@@ -49,112 +63,226 @@ class RequestLimits:
     max_model_len: int
 
 
-def check_int(name: str, v: object, lo: int, hi: int) -> None:
-    """``v`` is an int (not a bool) in ``[lo, hi]``."""
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(name, f"must be an integer, got {type(v).__name__}")
-    if not lo <= v <= hi:
-        raise RequestError(name, f"must be in [{lo}, {hi}], got {v}")
+# ---- value kinds: each checks one value (``name`` is the field the error names) --------------
+@dataclass(frozen=True)
+class Int:
+    """An int (not a bool) in ``[lo, hi]``; ``hi`` at most the vocabulary size with
+    ``below_vocab`` (a count of alternatives)."""
+
+    lo: int
+    hi: int
+    below_vocab: bool = False
+    py: ClassVar[type] = int
+    json: ClassVar[tuple[tuple[type, ...], str]] = ((int,), "an integer")
+
+    def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
+        hi = self.hi if vocab_size is None or not self.below_vocab else min(self.hi, vocab_size)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise RequestError(name, f"must be an integer, got {type(v).__name__}")
+        if not self.lo <= v <= hi:
+            raise RequestError(name, f"must be in [{self.lo}, {hi}], got {v}")
 
 
-def check_float(name: str, v: object, lo: float, hi: float, lo_open: bool = False) -> None:
-    """``v`` is a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise RequestError(name, f"must be a finite number, got {v!r}")
-    if (v <= lo if lo_open else v < lo) or v > hi:
-        raise RequestError(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+@dataclass(frozen=True)
+class Float:
+    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    py: ClassVar[type] = float
+    json: ClassVar[tuple[tuple[type, ...], str]] = ((int, float), "a number")
+
+    def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise RequestError(name, f"must be a finite number, got {v!r}")
+        if (v <= self.lo if self.lo_open else v < self.lo) or v > self.hi:
+            bracket = "(" if self.lo_open else "["
+            raise RequestError(name, f"must be in {bracket}{self.lo}, {self.hi}], got {v}")
 
 
-def check_bool(name: str, v: object) -> None:
-    if not isinstance(v, bool):
-        raise RequestError(name, f"must be a boolean, got {type(v).__name__}")
+@dataclass(frozen=True)
+class Bool:
+    py: ClassVar[type] = bool
+    json: ClassVar[tuple[tuple[type, ...], str]] = ((bool,), "a boolean")
+
+    def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
+        if not isinstance(v, bool):
+            raise RequestError(name, f"must be a boolean, got {type(v).__name__}")
 
 
-def check_token_ids(name: str, ids: object, max_len: int, vocab_size: int | None) -> None:
-    """A non-empty list of ints in ``[0, vocab_size)`` (C-speed: a prompt may hold 10^6)."""
-    if not isinstance(ids, tuple | list):
-        raise RequestError(name, "must be a list of token ids")
-    if len(ids) > max_len:
-        raise RequestError(name, f"holds {len(ids)} ids; the limit is {max_len}")
-    if not ids:
-        return
-    if not all(type(t) is int for t in ids):
-        bad = next(t for t in ids if type(t) is not int)
-        raise RequestError(name, f"token ids must be integers, got {bad!r}")
-    lo, hi = min(ids), max(ids)
-    if lo < 0:
-        raise RequestError(name, f"token ids must be >= 0, got {lo}")
-    if vocab_size is not None and hi >= vocab_size:
-        raise RequestError(name, f"token id {hi} >= vocab size {vocab_size}")
+@dataclass(frozen=True)
+class Text:
+    """A string of ``lo..hi`` characters."""
+
+    lo: int
+    hi: int
+
+    def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
+        if not isinstance(v, str) or not self.lo <= len(v) <= self.hi:
+            what = f"{self.lo}..{self.hi}" if self.lo else f"at most {self.hi}"
+            raise RequestError(name, f"must be a string of {what} chars")
 
 
-def check_sampling(p: SamplingParams, vocab_size: int | None = None) -> None:
-    """Context-free bounds of every sampling field (plus token ids below ``vocab_size``)."""
-    check_float("temperature", p.temperature, 0.0, 100.0)
-    check_float("top_p", p.top_p, 0.0, 1.0, lo_open=True)
-    check_int("top_k", p.top_k, -1, INT32_MAX)
-    check_float("min_p", p.min_p, 0.0, 1.0)
-    check_float("repetition_penalty", p.repetition_penalty, 0.0, 100.0, lo_open=True)
-    check_float("presence_penalty", p.presence_penalty, -2.0, 2.0)
-    check_float("frequency_penalty", p.frequency_penalty, -2.0, 2.0)
-    if p.seed is not None:
-        check_int("seed", p.seed, INT64_MIN, INT64_MAX)
-    if p.max_tokens is not None:
-        check_int("max_tokens", p.max_tokens, 1, INT32_MAX)
-    check_int("min_tokens", p.min_tokens, 0, INT32_MAX)
-    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
-        raise RequestError("min_tokens", "must not exceed max_tokens")
-    check_token_ids("stop_token_ids", p.stop_token_ids, MAX_STOP_TOKEN_IDS, vocab_size)
-    if not isinstance(p.stop, tuple | list):
-        raise RequestError("stop", "must be a list of strings")
-    if len(p.stop) > MAX_STOP_SEQUENCES:
-        raise RequestError(
-            "stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(p.stop)}"
-        )
-    for s in p.stop:
-        if not isinstance(s, str) or not s:
-            raise RequestError("stop", "stop sequences must be non-empty strings")
-        if len(s) > MAX_STOP_CHARS:
-            raise RequestError("stop", f"a stop sequence is at most {MAX_STOP_CHARS} characters")
-    top = MAX_TOP_LOGPROBS if vocab_size is None else min(MAX_TOP_LOGPROBS, vocab_size)
-    for name in ("logprobs", "prompt_logprobs"):
-        v = getattr(p, name)
-        if v is not None:
-            check_int(name, v, 0, top)
-    check_bool("ignore_eos", p.ignore_eos)
-    check_bool("skip_special_tokens", p.skip_special_tokens)
-    from app.engine.request import OutputConstraint
+@dataclass(frozen=True)
+class TokenIds:
+    """A list of at most ``max_len`` ints in ``[0, vocab_size)``, non-empty with ``nonempty``
+    (C-speed: a prompt may hold 10^6)."""
 
-    if p.constraint is not None and not isinstance(p.constraint, OutputConstraint):
-        raise RequestError("constraint", "must be an OutputConstraint")
+    max_len: int
+    nonempty: bool = False
+
+    def __call__(self, name: str, ids: object, vocab_size: int | None) -> None:
+        if not isinstance(ids, tuple | list):
+            raise RequestError(name, "must be a list of token ids")
+        if len(ids) > self.max_len:
+            raise RequestError(name, f"holds {len(ids)} ids; the limit is {self.max_len}")
+        if ids:
+            if not all(type(t) is int for t in ids):
+                bad = next(t for t in ids if type(t) is not int)
+                raise RequestError(name, f"token ids must be integers, got {bad!r}")
+            lo, hi = min(ids), max(ids)
+            if lo < 0:
+                raise RequestError(name, f"token ids must be >= 0, got {lo}")
+            if vocab_size is not None and hi >= vocab_size:
+                raise RequestError(name, f"token id {hi} >= vocab size {vocab_size}")
+        elif self.nonempty:
+            raise RequestError(name, "must not be empty")
 
 
-def check_request_fields(req: EngineRequest, vocab_size: int | None = None) -> None:
-    """The request's own fields: id, prompt token ids, priority (not its sampling params)."""
-    rid = req.request_id
-    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
-        raise RequestError("request_id", f"must be a string of 1..{MAX_REQUEST_ID_CHARS} chars")
-    check_token_ids("prompt_token_ids", req.prompt_token_ids, INT32_MAX, vocab_size)
-    if not req.prompt_token_ids:
-        raise RequestError("prompt_token_ids", "must not be empty")
-    check_int("priority", req.priority, -(2**31), INT32_MAX)
-    cid = req.client_request_id
-    if not isinstance(cid, str) or len(cid) > MAX_REQUEST_ID_CHARS:
-        raise RequestError(
-            "request_id", f"a client request id is at most {MAX_REQUEST_ID_CHARS} chars"
-        )
-    from app.engine.request import SamplingParams
+@dataclass(frozen=True)
+class Stops:
+    """At most ``max_items`` non-empty stop strings of at most ``max_chars`` characters."""
 
-    if not isinstance(req.params, SamplingParams):
-        raise RequestError("params", "must be SamplingParams")
+    max_items: int
+    max_chars: int
+
+    def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
+        if not isinstance(v, tuple | list):
+            raise RequestError(name, "must be a list of strings")
+        if len(v) > self.max_items:
+            raise RequestError(name, f"at most {self.max_items} stop sequences, got {len(v)}")
+        for s in v:
+            if not isinstance(s, str) or not s:
+                raise RequestError(name, "stop sequences must be non-empty strings")
+            if len(s) > self.max_chars:
+                raise RequestError(name, f"a stop sequence is at most {self.max_chars} characters")
 
 
-def check_request(req: EngineRequest, limits: RequestLimits) -> None:
-    """Everything :func:`check_request_fields` and :func:`check_sampling` check, against the
-    model's vocabulary, and prompt + ``max_tokens`` within ``max_model_len``."""
-    check_request_fields(req, limits.vocab_size)
+@dataclass(frozen=True)
+class Instance:
+    """An instance of ``cls`` (whose constructor checked its own fields)."""
+
+    cls: type
+
+    def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
+        if not isinstance(v, self.cls):
+            raise RequestError(name, f"must be {self.cls.__name__}")
+
+
+Check = Int | Float | Bool | Text | TokenIds | Stops | Instance
+
+
+# ---- the field table ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    """One request field: its value's kind and bounds (``check``), None allowed (``optional``),
+    a sibling field it must not exceed (``at_most``), the name errors give it (``param``, when
+    not the field's), a tighter upper bound on the HTTP endpoints (``http_max``), and the
+    endpoints that take it with how each does (``wire``: endpoint -> BODY / TYPED / RECIPE)."""
+
+    check: Check
+    optional: bool = False
+    at_most: str | None = None
+    param: str | None = None
+    http_max: float | None = None
+    wire: Mapping[str, str] = field(default_factory=dict)
+
+
+_SPEC = "fathom.spec"
+
+
+def spec(
+    check: Check,
+    *,
+    optional: bool = False,
+    at_most: str | None = None,
+    param: str | None = None,
+    http_max: float | None = None,
+    body: Sequence[str] = (),
+    typed: Sequence[str] = (),
+    recipe: Sequence[str] = (),
+) -> dict[str, Spec]:
+    """A dataclass field's metadata declaring its :class:`Spec`; ``body`` / ``typed`` /
+    ``recipe``: the endpoints taking it that way."""
+    wire = {**dict.fromkeys(body, BODY), **dict.fromkeys(typed, TYPED)}
+    wire |= dict.fromkeys(recipe, RECIPE)
+    frozen = types.MappingProxyType(wire)
+    return {_SPEC: Spec(check, optional, at_most, param, http_max, frozen)}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """A declared field of a request dataclass: its name, default and :class:`Spec`."""
+
+    name: str
+    default: Any
+    spec: Spec
+
+
+@functools.cache
+def specs(cls: type) -> tuple[FieldSpec, ...]:
+    """The declared fields of dataclass ``cls``, in field order."""
+    return tuple(
+        FieldSpec(f.name, f.default, f.metadata[_SPEC]) for f in fields(cls) if _SPEC in f.metadata
+    )
+
+
+def wire_fields(cls: type, endpoint: str, *how: str) -> tuple[FieldSpec, ...]:
+    """The declared fields of ``cls`` that ``endpoint`` takes (only those taken ``how``, if
+    given)."""
+    return tuple(
+        f
+        for f in specs(cls)
+        if endpoint in f.spec.wire and (not how or f.spec.wire[endpoint] in how)
+    )
+
+
+# ---- the checks -----------------------------------------------------------------------------
+def check_fields(obj: object, vocab_size: int | None = None) -> None:
+    """Every declared field of dataclass ``obj`` within its bounds (token ids below
+    ``vocab_size`` when given): what the constructors run."""
+    for f in specs(type(obj)):
+        s = f.spec
+        v = getattr(obj, f.name)
+        if v is None and s.optional:
+            continue
+        name = s.param or f.name
+        s.check(name, v, vocab_size)
+        if s.at_most is not None and (cap := getattr(obj, s.at_most)) is not None and v > cap:
+            raise RequestError(name, f"must not exceed {s.at_most}")
+
+
+class _Params(Protocol):
+    @property
+    def max_tokens(self) -> int | None: ...
+
+
+class _Request(Protocol):
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def params(self) -> _Params: ...
+
+
+def check_request(req: _Request, limits: RequestLimits) -> None:
+    """The request validator: every declared field of the request and of its sampling
+    params, token ids within the model's vocabulary, prompt + ``max_tokens`` within
+    ``max_model_len``."""
+    check_fields(req, limits.vocab_size)
     p = req.params
-    check_sampling(p, limits.vocab_size)
+    check_fields(p, limits.vocab_size)
     n, limit = len(req.prompt_token_ids), limits.max_model_len
     if n >= limit:
         raise RequestError(

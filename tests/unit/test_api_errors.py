@@ -127,7 +127,7 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("cmpl-prompt-too-long", CMPL, cmpl(prompt=LONG), 413, "prompt"),
     ("cmpl-stream-streaming-error", CMPL, cmpl(stream=1), 400, "stream"),
     ("unknown-route", "/v1/nothing", {}, 404, "no route"),
-    # issue 15, finding 1: a top_k >= 2**63 once failed the step of every stream on its rank
+    # a top_k >= 2**63 once failed the step of every stream on its rank
     ("top-k-2^63", CHAT, chat(top_k=2**63), 400, "top_k"),
     ("msg-top-k-2^63", MSGS, msgs(top_k=2**63), 400, "top_k"),
     ("cmpl-top-k-2^63", CMPL, cmpl(top_k=2**63), 400, "top_k"),

@@ -1,5 +1,6 @@
-"""The gRPC service on a real grpc.aio server over a real tiny engine (issue 15, finding 3):
-the HTTP API's keys, limits, defaults and validation, with gRPC status codes."""
+"""The gRPC service on a real grpc.aio server over a real tiny engine: the HTTP API's keys,
+limits, defaults and validation, with gRPC status codes; its proto held to the sampling-field
+table."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from google.protobuf.descriptor import FieldDescriptor
 
 from app.api import ApiConfig, LocalEngineClient
 from app.api.grpc_service import GenerateService
+from app.engine.request import SamplingParams
+from app.engine.validation import BODY, GRPC, Bool, Float, Int, Stops, TokenIds, wire_fields
 from app.grpc import fathom_pb2 as pb
 from app.grpc import fathom_pb2_grpc as pbg
 from app.grpc.raw import add_GenerateServiceServicer_to_server
@@ -201,3 +205,32 @@ def test_same_client_id_twice_at_once(stub):
     for c in calls:
         outs = list(c)
         assert outs[-1].completion_tokens == 20 and outs[-1].request_id == "same"
+
+
+def test_proto_sampling_options_match_the_table():
+    """The proto is compiled ahead of time, so nothing derives it from the sampling-field
+    table: SamplingOptions must hold exactly the table's gRPC fields, each of the table's kind
+    (unsigned only where the bound is >= 0), and a scalar without presence must default to the
+    table's default (an unset field then means the same on both sides)."""
+    table = {f.name: f for f in wire_fields(SamplingParams, GRPC)}
+    proto = {d.name: d for d in pb.SamplingOptions.DESCRIPTOR.fields}
+    assert set(proto) == set(table)
+    fd = FieldDescriptor
+    unsigned = {fd.TYPE_UINT32, fd.TYPE_UINT64, fd.TYPE_FIXED32, fd.TYPE_FIXED64}
+    ints = unsigned | {fd.TYPE_INT32, fd.TYPE_INT64, fd.TYPE_SINT32, fd.TYPE_SINT64}
+    kinds = {  # table kind -> (proto types, repeated)
+        Float: ({fd.TYPE_FLOAT, fd.TYPE_DOUBLE}, False),
+        Int: (ints, False),
+        Bool: ({fd.TYPE_BOOL}, False),
+        Stops: ({fd.TYPE_STRING}, True),
+        TokenIds: (ints, True),
+    }
+    for name, f in table.items():
+        d, check = proto[name], f.spec.check
+        assert f.spec.wire[GRPC] == BODY, name
+        types, repeated = kinds[type(check)]
+        assert d.type in types and d.is_repeated == repeated, name
+        if d.type in unsigned and isinstance(check, Int):
+            assert check.lo >= 0, name
+        if not repeated and not d.has_presence:
+            assert getattr(pb.SamplingOptions(), name) == f.default, name

@@ -1,6 +1,7 @@
-"""One request must never hurt another (issue 15, finding 1): the shared validator bounds every
-field, the engine re-checks requests that crossed a process boundary unvalidated, and whatever
-passes can be stepped beside other requests without failing their step."""
+"""One request must never hurt another: the request validator bounds every field (declared
+once, in the sampling-field table), the engine re-checks requests that crossed a process
+boundary unvalidated, and whatever passes can be stepped beside other requests without failing
+their step."""
 
 from __future__ import annotations
 
@@ -16,7 +17,18 @@ from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, FinishReason, RequestError, SamplingParams
-from app.engine.validation import RequestLimits, check_request
+from app.engine.validation import (
+    BODY,
+    CHAT,
+    COMPLETIONS,
+    GRPC,
+    MESSAGES,
+    RESPONSES,
+    TYPED,
+    RequestLimits,
+    check_request,
+    wire_fields,
+)
 
 VICTIM = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -112,8 +124,8 @@ def _run(core: EngineCore, reqs: list[EngineRequest]) -> dict[str, FinishReason]
 
 
 def test_engine_rejects_forged_params_and_the_rest_runs(core):
-    """The finding: ``top_k`` >= 2**63 reached the sampler and failed the step of every
-    request of the rank. Now ``add_request`` refuses it; the running request is untouched."""
+    """A ``top_k`` >= 2**63 once reached the sampler and failed the step of every request
+    of the rank: ``add_request`` refuses it; the running request is untouched."""
     core.add_request(EngineRequest("victim", (0, 5, 9), VICTIM))
     core.step()
     for i, (name, value) in enumerate(BAD_FIELDS):
@@ -231,3 +243,25 @@ def test_broken_step_fails_every_request_and_stops_the_engine(engine):
     assert outs[-1].finish_reason is FinishReason.ERROR and "device lost" in outs[-1].error
     assert not engine.healthy and engine.num_unfinished == 0
     del engine.core.step  # the real step again, so shutdown can drain
+
+
+def test_which_endpoints_take_each_sampling_field():
+    """The sampling-field table's endpoints, as the README documents them: ``ignore_eos`` and
+    ``min_tokens`` on every recipe protocol, ``top_k`` on chat and messages, ``min_p`` and the
+    penalties on chat; the completions body and gRPC's SamplingOptions take theirs by name."""
+    penalties = {"repetition_penalty", "presence_penalty", "frequency_penalty"}
+    by_name = {  # endpoint -> fields read from a body field of the same name
+        CHAT: {"top_k", "min_p", *penalties, "ignore_eos", "min_tokens"},
+        RESPONSES: {"ignore_eos", "min_tokens"},
+        MESSAGES: {"top_k", "ignore_eos", "min_tokens"},
+        COMPLETIONS: {"temperature", "top_p", "top_k", "min_p", *penalties, "seed",
+                      "max_tokens", "stop", "logprobs", "ignore_eos"},
+        GRPC: {"temperature", "top_p", "top_k", "min_p", *penalties, "seed", "max_tokens",
+               "stop", "stop_token_ids", "ignore_eos"},
+    }  # fmt: skip
+    for endpoint, names in by_name.items():
+        assert {f.name for f in wire_fields(SamplingParams, endpoint, BODY)} == names, endpoint
+    typed = {CHAT: {"temperature", "top_p", "seed", "max_tokens"},
+             RESPONSES: {"temperature", "top_p"}, MESSAGES: {"temperature", "top_p", "max_tokens"}}
+    for endpoint, names in typed.items():
+        assert {f.name for f in wire_fields(SamplingParams, endpoint, TYPED)} == names, endpoint
