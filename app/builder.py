@@ -23,6 +23,7 @@ from ray.serve.config import (
 )
 
 from app.api.server import ApiConfig
+from app.cache.layout import block_size_for
 from app.cache.events import HASH_NAMESPACE
 from app.config import EngineConfig, ParallelConfig
 from app.deployments.ingress import Ingress
@@ -101,7 +102,7 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
     caching = engine_cfg.cache.enable_prefix_caching
     routing = RoutingConfig(
         policy=r.policy,
-        block_size=engine_cfg.cache.resolve_block_size(mcfg) if caching else 0,
+        block_size=block_size_for(mcfg, engine_cfg.cache.block_size) if caching else 0,
         namespace=HASH_NAMESPACE,
         balance_abs=r.balance_abs,
         balance_rel=r.balance_rel,
