@@ -17,9 +17,10 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from app.model.config import ModelConfig
+if TYPE_CHECKING:  # the front-door replicas import this module (check_fields) but no model
+    from app.model.config import ModelConfig
 
 ReplayMode = Literal["off", "encoder", "encoder+decoder"]
 REPLAY_MODES: tuple[str, ...] = typing.get_args(ReplayMode)
