@@ -283,9 +283,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
-        object.__setattr__(self, "experimental", ExperimentalConfig.parse(self.experimental))
         if not self.model:
             raise EngineConfigError("model must name a checkpoint directory")
+        if not isinstance(self.experimental, ExperimentalConfig):
+            raise EngineConfigError("experimental must be an ExperimentalConfig (from_options "
+                                    "takes a mapping)")  # fmt: skip
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -343,6 +345,8 @@ class EngineConfig:
                 valid = sorted(set().union(*owners.values()) - {"model"})
                 raise EngineConfigError(f"unknown engine option {name!r}; valid: {valid}")
             _check_type(name, value, hints[owner][name])
+            if name == "experimental":
+                value = ExperimentalConfig.parse(value)
             groups[owner][name] = value
         try:
             return cls(

@@ -1,4 +1,4 @@
-"""The gRPC service on a real grpc.aio server over a real tiny engine (issue 15, finding 3):
+"""The gRPC service on a real grpc.aio server over a real tiny engine:
 the HTTP API's keys, limits, defaults and validation, with gRPC status codes."""
 
 from __future__ import annotations
