@@ -22,17 +22,16 @@ from ray.serve.config import (
     RequestRouterConfig,
 )
 
-from app.api.server import ApiConfig
+from app.api.server import FrontDoor
 from app.cache.events import HASH_NAMESPACE
-from app.config import EngineConfig, ParallelConfig
+from app.cache.layout import block_size_for
+from app.config import EngineConfig
 from app.deployments.ingress import Ingress
-from app.deployments.pd import PDOptions, PDRank
+from app.deployments.pd import PDRank
 from app.deployments.rank import DPRank
 from app.deployments.router import EngramPlan, PinnedRequestRouter, Router
-from app.deployments.routing import RoutingConfig
 from app.engine.capacity import resolve_max_model_len
 from app.model.config import ModelConfig
-from app.observability import TracingConfig
 from app.serve_args import ServeArgs
 
 ROLES = ("prefill", "decode")
@@ -40,15 +39,16 @@ ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class AppConfigs:
-    """What the deployments are built from: one ``max_model_len`` for ingress and ranks."""
+    """What the builder resolves against the model (the options stay in ServeArgs): one
+    ``max_model_len`` for ingress and ranks, the ranks' queue bounds, the block size the
+    Router indexes (0: prefix caching off)."""
 
     engine: EngineConfig
-    api: ApiConfig
+    api: FrontDoor
     bos_token_id: int
     max_pending_per_rank: int
     max_queued_tokens_per_rank: int
-    routing: RoutingConfig
-    parallel: ParallelConfig
+    block_size: int
     engram: EngramPlan
     prefill: EngineConfig | None = None  # PD: the prefill ranks' config (engine: decode's)
 
@@ -77,46 +77,24 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
     max_ranks = sa.autoscaling.max_ranks if sa.autoscaling else sa.dp_size
     if sa.pd is not None:
         max_ranks = sa.pd.prefill.ranks + sa.pd.decode.ranks
-    api_cfg = ApiConfig(
-        served_model_names=sa.names(),
+    front = FrontDoor(
+        served_model_names=tuple(sa.names()),
         tokenizer_path=str(path / "tokenizer.json"),
         context_limit=engine_cfg.scheduler.max_model_len,
+        options=sa.api,
         model_version=mcfg.arch,
-        max_body_bytes=sa.api.max_body_bytes,
-        max_prompt_tokens=sa.api.max_prompt_tokens,
-        api_keys=list(sa.api.api_keys),
-        default_max_tokens=sa.api.default_max_tokens,
-        request_timeout_s=sa.api.request_timeout_s,
         vocab_size=mcfg.vocab_size,
         request_id_header=None,  # Serve's proxy sends x-request-id
-        body_read_timeout_s=sa.api.body_read_timeout_s,
-        max_json_depth=sa.api.max_json_depth,
-        max_header_bytes=sa.api.max_header_bytes,
-        max_headers=sa.api.max_headers,
-        cors_allow_origins=list(sa.api.cors_allow_origins),
         # shed load before any work: what every rank's queue holds, plus what is being prepared
         max_in_flight=-(-max_ranks * max_pending // sa.ingress_replicas) + 32,
     )
-    r = sa.routing
     caching = engine_cfg.cache.enable_prefix_caching
-    routing = RoutingConfig(
-        policy=r.policy,
-        block_size=engine_cfg.cache.resolve_block_size(mcfg) if caching else 0,
-        namespace=HASH_NAMESPACE,
-        balance_abs=r.balance_abs,
-        balance_rel=r.balance_rel,
-        running_weight=r.running_weight,
-        compute_weight=r.compute_weight,
-        host_hit_cost=r.host_hit_cost,
-        max_index_blocks=r.max_index_blocks,
-        pending_ttl_s=r.pending_ttl_s,
-    )
-    parallel = sa.parallel_config()
-    parallel.check(mcfg, sa.dp_size)  # gangs fit the ranks, experts split over a gang
+    block_size = block_size_for(mcfg, engine_cfg.cache.block_size) if caching else 0
+    sa.parallel.check(mcfg, sa.dp_size)  # gangs fit the ranks, experts split over a gang
     key = "fathom-engram-" + hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()
-    engram = EngramPlan(parallel.engram_placement, key)  # one host copy per node and model
-    return AppConfigs(engine_cfg, api_cfg, mcfg.bos_token_id, max_pending, max_tokens, routing,
-                      parallel, engram, prefill_cfg)  # fmt: skip
+    engram = EngramPlan(sa.parallel.engram_placement, key)  # one host copy per node and model
+    return AppConfigs(engine_cfg, front, mcfg.bos_token_id, max_pending, max_tokens, block_size,
+                      engram, prefill_cfg)  # fmt: skip
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -125,20 +103,19 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     sa = ServeArgs.model_validate(args or {})
     cfgs = app_configs(sa)
     obs = sa.observability
-    tracing = TracingConfig(obs.tracing, obs.otlp_endpoint, obs.service_name, obs.sample_ratio,
-                            obs.export_delay_s)  # fmt: skip
     metrics_s = obs.engine_metrics_interval_s if obs.engine_metrics else None
-    router = Router.bind(cfgs.routing, tracing, cfgs.engram)
+    router = Router.bind(sa.routing, obs, cfgs.engram, cfgs.block_size, HASH_NAMESPACE)
     if sa.pd is not None:
-        return _pd_app(sa, cfgs, router, tracing, metrics_s)
-    if cfgs.routing.policy == "ray_prefix":  # Ray's own prefix router on the rank handle
+        return _pd_app(sa, cfgs, router, obs, metrics_s)
+    if sa.routing.policy == "ray_prefix":  # Ray's own prefix router on the rank handle
         from app.deployments.ray_prefix import PinnedOrRayPrefixRouter as rank_router
     else:
         rank_router = PinnedRequestRouter
     scale = sa.autoscaling
     rank = _rank_deployment(
         DPRank, "DPRank", sa, "auto" if scale else sa.dp_size, sa.rank_num_cpus,
-        sa.rank_num_gpus, rank_router, scale.serve_config() if scale else None, sa.ep_size,
+        sa.rank_num_gpus, rank_router, scale.serve_config() if scale else None,
+        sa.parallel.ep_size,
     ).bind(
         cfgs.engine,
         router,
@@ -146,11 +123,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         cfgs.max_queued_tokens_per_rank,
         sa.rank_step_timeout_s,
         stream_interval_s=sa.routing.stream_interval_s,
-        tracing=tracing,
+        tracing=obs,
         metrics_interval_s=metrics_s,
-        parallel=cfgs.parallel,
+        parallel=sa.parallel,
     )  # fmt: skip
-    return _ingress(sa, cfgs, tracing, rank, router)
+    return _ingress(sa, cfgs, obs, rank, router)
 
 
 def _rank_deployment(cls, name: str, sa: ServeArgs, replicas, cpus: float, gpus: float,
@@ -190,7 +167,7 @@ def _ingress(sa: ServeArgs, cfgs: AppConfigs, tracing, rank, router, **pd) -> se
         router,
         cfgs.bos_token_id,
         tracing,
-        block_size=cfgs.routing.block_size,
+        block_size=cfgs.block_size,
         **pd,
     )
 
@@ -200,21 +177,20 @@ def _pd_app(sa: ServeArgs, cfgs: AppConfigs, router, tracing, metrics_s) -> serv
     (least loaded, no prefix index), one Ingress over both (``app.deployments.pd``)."""
     pd = sa.pd
     assert pd is not None and cfgs.prefill is not None
-    decode_routing = replace(cfgs.routing, policy="least_loaded", block_size=0)
+    decode_routing = replace(sa.routing, policy="least_loaded")  # no prefix index (block 0)
     decode_router = Router.options(name="DecodeRouter").bind(decode_routing, tracing)
     ranks = {}
     for role, cfg, rt in (("prefill", cfgs.prefill, router), ("decode", cfgs.engine,
                                                                decode_router)):  # fmt: skip
         side = getattr(pd, role)
         max_pending, max_tokens = sa.rank_limits(cfg)
-        opts = PDOptions(role, pd.transport, pd.transfer_timeout_s, pd.fault)
         cpus = side.num_cpus if side.num_cpus is not None else sa.rank_num_cpus
         gpus = side.num_gpus if side.num_gpus is not None else sa.rank_num_gpus
         name = "PrefillRank" if role == "prefill" else "DecodeRank"
         ranks[role] = _rank_deployment(PDRank, name, sa, side.ranks, cpus, gpus).bind(
             cfg, rt, max_pending, max_tokens, sa.rank_step_timeout_s,
             stream_interval_s=sa.routing.stream_interval_s, tracing=tracing,
-            metrics_interval_s=metrics_s, pd=opts,
+            metrics_interval_s=metrics_s, pd=pd,
         )  # fmt: skip
     return _ingress(sa, cfgs, tracing, ranks["prefill"], router, decode=ranks["decode"],
                     decode_router=decode_router)  # fmt: skip

@@ -1,5 +1,8 @@
 """Engine configuration: frozen dataclasses validated once, shared by every layer below
-the deployments (the GPU machine has no pydantic; ``ServeArgs`` joins with the serving issue).
+the deployments (the GPU machine has no pydantic). ``app.serve_args.ServeArgs`` holds the
+same stdlib dataclasses as its sections and pydantic validates them from their declaration;
+:func:`check_fields` applies that declaration (``Literal`` choices, bounds written as field
+metadata) when one is built in plain Python, so both paths check the one declaration.
 
 Values may be "auto" (0 / None) where the engine resolves them from the model and the
 memory budget; resolution makes a new object with :func:`dataclasses.replace`.
@@ -7,27 +10,98 @@ memory budget; resolution makes a new object with :func:`dataclasses.replace`.
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import functools
+import operator
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
-from app.model.config import ModelConfig
+if TYPE_CHECKING:  # the front-door replicas import this module (check_fields) but no model
+    from app.model.config import ModelConfig
 
 ReplayMode = Literal["off", "encoder", "encoder+decoder"]
-REPLAY_MODES: tuple[str, ...] = ("off", "encoder", "encoder+decoder")
+REPLAY_MODES: tuple[str, ...] = typing.get_args(ReplayMode)
 PackedExpertsMode = Literal["auto", "on", "off"]
-PACKED_EXPERTS_MODES: tuple[str, ...] = ("auto", "on", "off")
+PACKED_EXPERTS_MODES: tuple[str, ...] = typing.get_args(PackedExpertsMode)
 ExpertLayout = Literal["auto", "fp8_rows"]
-EXPERT_LAYOUTS: tuple[str, ...] = ("auto", "fp8_rows")
+EXPERT_LAYOUTS: tuple[str, ...] = typing.get_args(ExpertLayout)
 MoePrefillAct = Literal["bf16", "fp8"]
-MOE_PREFILL_ACTS: tuple[str, ...] = ("bf16", "fp8")
+MOE_PREFILL_ACTS: tuple[str, ...] = typing.get_args(MoePrefillAct)
+PDFault = Literal["none", "export", "header"]
 
 
 class EngineConfigError(ValueError):
-    """An engine option with an invalid value; the message names the option."""
+    """A config option (engine or serve) with an invalid value; the message names it."""
+
+
+_BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"),
+           "le": (operator.le, "<=")}  # fmt: skip
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _choices(hint: object) -> tuple[object, ...] | None:
+    """The values a ``Literal`` (or ``Literal | None``) annotation allows; None otherwise."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    if isinstance(hint, types.UnionType):
+        parts = [_choices(t) if t is not type(None) else (None,) for t in typing.get_args(hint)]
+        if all(p is not None for p in parts):
+            return tuple(v for p in parts for v in p)  # type: ignore[union-attr]
+    return None
+
+
+def _is_int(hint: object) -> bool:
+    return hint is int or (isinstance(hint, types.UnionType) and
+                           set(typing.get_args(hint)) == {int, type(None)})  # fmt: skip
+
+
+def check_fields(cfg: object, prefix: str = "") -> None:
+    """Check a config dataclass against its own declaration, as pydantic does when the
+    dataclass is a ``ServeArgs`` section: ``Literal`` choices, integers for ``int`` fields,
+    and the bounds written as field metadata (``field(default=1, metadata={"gt": 0})``;
+    also ``ge`` / ``lt`` / ``le``; None passes). Raises :class:`EngineConfigError` naming
+    the field (``prefix`` + its name)."""
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value, name, hint = getattr(cfg, f.name), prefix + f.name, hints[f.name]
+        choices = _choices(hint)
+        if choices is not None and value not in choices:
+            raise EngineConfigError(f"{name} must be one of {choices}, got {value!r}")
+        if value is None:
+            continue
+        if _is_int(hint) and (isinstance(value, bool) or not isinstance(value, int)):
+            raise EngineConfigError(f"{name} must be an integer, got {value!r}")
+        for key, bound in f.metadata.items():
+            op, sign = _BOUNDS.get(key, (None, ""))
+            if op is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise EngineConfigError(f"{name} must be a number, got {value!r}")
+            if not op(value, bound):
+                raise EngineConfigError(f"{name} must be {sign} {bound}, got {value!r}")
+
+
+def parse_section(cls: type, name: str, value: object, example: str) -> Any:
+    """A config section given as an instance of ``cls`` or a mapping of its fields (the
+    flat options of :meth:`EngineConfig.from_options`; unknown names are refused)."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise EngineConfigError(
+            f"{name} must be a mapping like {example}, got {type(value).__name__}"
+        )
+    valid = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = set(value) - set(valid)
+    if unknown:
+        raise EngineConfigError(f"unknown {name} option(s) {sorted(unknown)}; valid: {valid}")
+    return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -35,7 +109,8 @@ class CacheConfig:
     """KV cache options.
 
     ``block_size``: positions per block; 0 = auto (smallest multiple of every compression
-    ratio that is >= 64). ``kv_cache_bytes``: pool budget in bytes (CPU; on GPU the budget
+    ratio that is >= 64; resolved against the model by :func:`app.cache.layout.block_size_for`).
+    ``kv_cache_bytes``: pool budget in bytes (CPU; on GPU the budget
     is ``gpu_memory_utilization`` of free memory when this is None).
     ``bounded_replay``: after a prefix hit ending at H, prefill restarts at H - window
     ("encoder"); V4.1 decoder layers also run only on the last window rows of a prompt
@@ -69,19 +144,6 @@ class CacheConfig:
         if self.host_bytes < 0:
             raise EngineConfigError(f"host_bytes must be >= 0 (0 = off), got {self.host_bytes}")
 
-    def resolve_block_size(self, model: ModelConfig) -> int:
-        """The block size for ``model``: explicit (validated) or auto."""
-        ratios = [s.ratio for s in model.layers if s.owns_compressor]
-        lcm = math.lcm(*ratios) if ratios else 1
-        if self.block_size:
-            if self.block_size % lcm:
-                raise EngineConfigError(
-                    f"block_size {self.block_size} must be a multiple of {lcm} "
-                    "(every compression ratio of this model)"
-                )
-            return self.block_size
-        return lcm * max(1, math.ceil(64 / lcm))
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -114,7 +176,7 @@ class SchedulerConfig:
 
 
 SpecMethod = Literal["dspark", "mtp"]
-SPEC_METHODS: tuple[str, ...] = ("dspark", "mtp")
+SPEC_METHODS: tuple[str, ...] = typing.get_args(SpecMethod)
 MAX_DRAFT_TOKENS = 5
 
 
@@ -154,20 +216,35 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
         """From None, a SpeculativeConfig or a mapping ``{"method", "num_draft_tokens"}``."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, Mapping):
-            raise EngineConfigError(
-                "speculative must be a mapping like {'method': 'dspark', 'num_draft_tokens': 3}"
-                f", got {type(value).__name__}"
-            )
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise EngineConfigError(
-                f"unknown speculative option(s) {sorted(unknown)}; valid: "
-                f"{sorted(cls.__dataclass_fields__)}"
-            )
-        return cls(**value)
+        if value is None:
+            return None
+        example = "{'method': 'dspark', 'num_draft_tokens': 3}"
+        return parse_section(cls, "speculative", value, example)
+
+
+@dataclass(frozen=True)
+class ExperimentalConfig:
+    """Switches under test, not product options (the ``experimental:`` block): off by
+    default, they may change or go without notice.
+
+    ``packed_dense``: keep the checkpoint's fp8 dense projections as stored and multiply them
+    in the fp8 kernel ("auto": on CUDA); an A/B switch, off because it is faster at batch 1
+    and slower at batch 64. ``pd_fault``: fault injection on PD prefill ranks for tests
+    ("export": sending a state raises; "header": the sent header names another model).
+    """
+
+    __pydantic_config__ = {"extra": "forbid"}
+
+    packed_dense: PackedExpertsMode = "off"
+    pd_fault: PDFault = "none"
+
+    def __post_init__(self) -> None:
+        check_fields(self, "experimental.")
+
+    @classmethod
+    def parse(cls, value: object) -> ExperimentalConfig:
+        """From an ExperimentalConfig or a mapping of its fields."""
+        return parse_section(cls, "experimental", value, "{'packed_dense': 'on'}")
 
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -181,9 +258,9 @@ class EngineConfig:
     kernels ("on": required, a checkpoint that cannot be packed fails to load; "off":
     dequantize to ``dtype``; "auto": packed on CUDA when every MoE layer can be).
     ``cuda_graphs``: decode steps replay CUDA graphs (on CUDA; off = eager, same outputs).
-    ``packed_dense``: keep the checkpoint's fp8 dense projections as stored and multiply them
-    in the fp8 kernel ("auto": on CUDA); off by default until it is timed on a GPU.
-    ``speculative``: draft-and-verify decoding (:class:`SpeculativeConfig`; None = off).
+    ``experimental``: switches under test (:class:`ExperimentalConfig`; a mapping in
+    :meth:`from_options`). ``speculative``: draft-and-verify decoding
+    (:class:`SpeculativeConfig`; None = off).
     ``expert_layout``: how packed fp4 experts are held ("auto": the pairs layout on CUDA;
     "fp8_rows": re-encoded exactly as e4m3 with one scale per row, twice the bytes, for
     prefill-heavy ranks). ``moe_prefill_act``: "fp8" multiplies prefill-sized MoE steps with
@@ -194,7 +271,6 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     packed_experts: PackedExpertsMode = "auto"
-    packed_dense: PackedExpertsMode = "off"
     expert_layout: ExpertLayout = "auto"
     moe_prefill_act: MoePrefillAct = "bf16"
     overlap_schedule: bool = True
@@ -203,20 +279,22 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None
+    experimental: ExperimentalConfig = ExperimentalConfig()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         if not self.model:
             raise EngineConfigError("model must name a checkpoint directory")
+        if not isinstance(self.experimental, ExperimentalConfig):
+            raise EngineConfigError("experimental must be an ExperimentalConfig (from_options "
+                                    "takes a mapping)")  # fmt: skip
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("packed_experts", "packed_dense"):
-            if getattr(self, name) not in PACKED_EXPERTS_MODES:
-                raise EngineConfigError(
-                    f"{name} must be one of {PACKED_EXPERTS_MODES}, got {getattr(self, name)!r}"
-                )
+        if self.packed_experts not in PACKED_EXPERTS_MODES:
+            raise EngineConfigError(f"packed_experts must be one of {PACKED_EXPERTS_MODES}, "
+                                    f"got {self.packed_experts!r}")  # fmt: skip
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise EngineConfigError(
                 f"expert_layout must be one of {EXPERT_LAYOUTS}, got {self.expert_layout!r}"
@@ -239,15 +317,17 @@ class EngineConfig:
         return {"auto": None, "on": True, "off": False}[self.packed_experts]
 
     def packed_dense_flag(self) -> bool:
-        """``packed_dense`` resolved for this device ("auto" = on CUDA)."""
-        if self.packed_dense == "auto":
+        """``experimental.packed_dense`` resolved for this device ("auto" = on CUDA)."""
+        mode = self.experimental.packed_dense
+        if mode == "auto":
             return self.device.startswith("cuda")
-        return self.packed_dense == "on"
+        return mode == "on"
 
     @classmethod
     def from_options(cls, model: str, **options: object) -> EngineConfig:
         """Build from flat options (``LLM(model, enable_prefix_caching=False, ...)``): each
-        name is a field of EngineConfig, CacheConfig or SchedulerConfig."""
+        name is a field of EngineConfig, CacheConfig or SchedulerConfig (``speculative`` and
+        ``experimental`` take a mapping of their fields)."""
         groups: dict[str, dict[str, object]] = {"engine": {}, "cache": {}, "scheduler": {}}
         owners = {
             "engine": {f for f in cls.__dataclass_fields__ if f not in ("cache", "scheduler")},
@@ -265,6 +345,8 @@ class EngineConfig:
                 valid = sorted(set().union(*owners.values()) - {"model"})
                 raise EngineConfigError(f"unknown engine option {name!r}; valid: {valid}")
             _check_type(name, value, hints[owner][name])
+            if name == "experimental":
+                value = ExperimentalConfig.parse(value)
             groups[owner][name] = value
         try:
             return cls(
@@ -277,9 +359,13 @@ class EngineConfig:
             raise EngineConfigError(str(e)) from e
 
 
+_SECTIONS = {SpeculativeConfig: "{'method': 'dspark', 'num_draft_tokens': 3}",
+             ExperimentalConfig: "{'packed_dense': 'on'}"}  # fmt: skip
+
+
 def _check_type(name: str, value: object, hint: object) -> None:
     """``value`` fits the field's annotation (bool, int, float, str, Literal, ``X | None``,
-    or a mapping for :class:`SpeculativeConfig`)."""
+    or a mapping for a section: :class:`SpeculativeConfig`, :class:`ExperimentalConfig`)."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for t in options:
         if t is type(None) and value is None:
@@ -294,8 +380,8 @@ def _check_type(name: str, value: object, hint: object) -> None:
             return
         if t is str and isinstance(value, str):
             return
-        if t is SpeculativeConfig and isinstance(value, SpeculativeConfig | Mapping):
-            return  # the fields are checked by SpeculativeConfig.parse
+        if t in _SECTIONS and isinstance(value, t | Mapping):
+            return  # the fields are checked by the section's parse
     raise EngineConfigError(f"engine option {name!r} must be {_describe(options)}, got {value!r}")
 
 
@@ -304,37 +390,31 @@ def _describe(options: tuple) -> str:
     for t in options:
         if typing.get_origin(t) is Literal:
             words.append("one of " + ", ".join(repr(a) for a in typing.get_args(t)))
-        elif t is SpeculativeConfig:
-            words.append("a mapping like {'method': 'dspark', 'num_draft_tokens': 3}")
+        elif t in _SECTIONS:
+            words.append(f"a mapping like {_SECTIONS[t]}")
         else:
             words.append("null" if t is type(None) else getattr(t, "__name__", str(t)))
     return " or ".join(words)
 
 
 EngramPlacementMode = Literal["replicated", "host", "sharded"]
-ENGRAM_PLACEMENT_MODES: tuple[str, ...] = ("replicated", "host", "sharded")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """Expert parallelism of the DP ranks: gangs of ``ep_size`` ranks (DP attention, EP
     MoE) holding ``n_routed_experts + redundant_experts`` expert slots, and where the Engram
-    tables live (``app.model.engram_place``). ``ep_size`` 1 = independent ranks."""
+    tables live (``app.model.engram_place``). ``ep_size`` 1 = independent ranks. In the serve
+    config these three are top-level keys of ``args`` (``ServeArgs.parallel``)."""
 
-    ep_size: int = 1
-    redundant_experts: int = 0
+    __pydantic_config__ = {"extra": "forbid"}
+
+    ep_size: int = field(default=1, metadata={"ge": 1})
+    redundant_experts: int = field(default=0, metadata={"ge": 0})
     engram_placement: EngramPlacementMode = "replicated"
 
     def __post_init__(self) -> None:
-        for name, lo in (("ep_size", 1), ("redundant_experts", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise EngineConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
-        if self.engram_placement not in ENGRAM_PLACEMENT_MODES:
-            raise EngineConfigError(
-                f"engram_placement must be one of "
-                f"{ENGRAM_PLACEMENT_MODES}, got {self.engram_placement!r}"
-            )
+        check_fields(self)
         if self.redundant_experts % self.ep_size or (self.redundant_experts and self.ep_size == 1):
             raise EngineConfigError(f"redundant_experts ({self.redundant_experts}) must be a "
                                     f"multiple of ep_size ({self.ep_size}) > 1")  # fmt: skip
@@ -345,9 +425,7 @@ class ParallelConfig:
     def check(self, model: ModelConfig, dp_size: int) -> None:
         """Raise :class:`EngineConfigError` when the gangs do not fit ``dp_size`` ranks or
         the model's experts do not split over a gang."""
-        if dp_size % self.ep_size:
-            raise EngineConfigError(f"dp_size ({dp_size}) must be a multiple of ep_size "
-                                    f"({self.ep_size})")  # fmt: skip
+        self.check_ranks(dp_size)
         e = model.n_routed_experts
         if e % self.ep_size:
             raise EngineConfigError(f"the model's {e} routed experts do not split over "
@@ -355,3 +433,10 @@ class ParallelConfig:
         if self.redundant_experts > e:
             raise EngineConfigError(f"redundant_experts ({self.redundant_experts}) exceeds "
                                     f"the {e} routed experts")  # fmt: skip
+
+    def check_ranks(self, dp_size: int) -> None:
+        """Raise :class:`EngineConfigError` when gangs of ``ep_size`` do not fill
+        ``dp_size`` ranks."""
+        if dp_size % self.ep_size:
+            raise EngineConfigError(f"dp_size ({dp_size}) must be a multiple of ep_size "
+                                    f"({self.ep_size})")  # fmt: skip

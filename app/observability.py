@@ -5,7 +5,8 @@ stream, ``ingress.dispatch`` / ``router.choose`` per attempt, and the W3C ``trac
 the dispatch span travels to the rank in ``EngineRequest.trace_context``; the rank continues
 it with ``rank.generate`` and the engine's phase events (``app.engine.lifecycle``). Every
 process that makes spans calls :func:`setup_tracing` once with the same
-:class:`TracingConfig` (the builder passes it to each deployment).
+:class:`ObservabilityConfig` (the ``observability:`` section; the builder passes it to each
+deployment).
 
 Request metrics go to a process-local Prometheus registry served at ``/metrics`` by the
 ingress, and to Ray's metrics (``ray.serve.metrics``) when running under Ray; the engine's
@@ -18,8 +19,8 @@ import atexit
 import logging
 from collections.abc import AsyncIterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -34,11 +35,12 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from app.config import check_fields
 from app.engine.lifecycle import RequestTrace
 
 __all__ = [
+    "ObservabilityConfig",
     "RequestMetrics",
-    "TracingConfig",
     "carrier",
     "extract",
     "rank_span",
@@ -58,25 +60,36 @@ _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
 
 
 @dataclass(frozen=True)
-class TracingConfig:
-    """``observability:`` of the serve config, as every deployment gets it."""
+class ObservabilityConfig:
+    """``observability:`` of the serve config (``ServeArgs.observability``), as every
+    deployment gets it: tracing export (OpenTelemetry) and the ranks' engine metrics."""
 
-    mode: str = "none"  # none | console | otlp
-    endpoint: str | None = None  # OTLP/HTTP traces endpoint
-    service: str = "fathom"
-    sample_ratio: float = 1.0  # of new traces (root spans); children follow their parent
-    export_delay_s: float = 1.0  # batch export period of finished spans
+    __pydantic_config__ = {"extra": "forbid"}
+
+    tracing: Literal["none", "console", "otlp"] = "none"
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint (None: the exporter's default)
+    service_name: str = "fathom"
+    # of new traces (root spans); children follow their parent
+    sample_ratio: float = field(default=1.0, metadata={"ge": 0, "le": 1})
+    export_delay_s: float = field(default=1.0, metadata={"gt": 0})  # batch export period
+    engine_metrics: bool = True  # the ranks' engine metrics through Ray's metrics export
+    engine_metrics_interval_s: float = field(default=1.0, metadata={"gt": 0})  # their period
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
-def setup_tracing(cfg: TracingConfig | None, deployment: str = "", **attributes: str | int) -> bool:
+def setup_tracing(
+    cfg: ObservabilityConfig | None, deployment: str = "", **attributes: str | int
+) -> bool:
     """Install this process's tracer provider once (mode ``console`` or ``otlp``); the
     resource is ``service.name`` plus ``fathom.deployment``, the Serve replica id
     (``service.instance.id``) and rank (``fathom.rank``) when running in a replica, and
     ``attributes``. Returns whether tracing is on."""
     global _provider, _enabled
-    if _provider is not None or cfg is None or cfg.mode == "none":
+    if _provider is not None or cfg is None or cfg.tracing == "none":
         return _enabled
-    res: dict[str, Any] = {"service.name": cfg.service, "fathom.deployment": deployment}
+    res: dict[str, Any] = {"service.name": cfg.service_name, "fathom.deployment": deployment}
     try:
         from ray import serve
 
@@ -92,14 +105,14 @@ def setup_tracing(cfg: TracingConfig | None, deployment: str = "", **attributes:
         resource=Resource.create(res),
         sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
     )
-    if cfg.mode == "console":
+    if cfg.tracing == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(
             BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=cfg.endpoint),
+                OTLPSpanExporter(endpoint=cfg.otlp_endpoint),
                 schedule_delay_millis=cfg.export_delay_s * 1000,
             )
         )

@@ -1,4 +1,4 @@
-"""PD transfer on two GPUs (issue 21): rank 0 = the prefill engine on cuda:0, rank 1 = the
+"""PD transfer on two GPUs: rank 0 = the prefill engine on cuda:0, rank 1 = the
 decode engine on cuda:1, one process each; a request's exported decode state
 (``export_state`` -> ``DecodeState`` / ``KVState``) goes over NCCL (its tensors as bytes, one
 batched send / receive) and the decode side imports it (``add_handoff``) and decodes.
@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 
 from app.cache.kv_cache import PagedKVCache
-from app.cache.layout import CacheLayout
+from app.cache.layout import CacheLayout, block_size_for
 from app.cache.transfer import LayoutHeader, _storage, gather, scatter
-from app.config import CacheConfig, EngineConfig
+from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.handoff import DecodeState, Handoff
 from app.engine.request import EngineRequest, FinishReason, SamplingParams
@@ -372,8 +372,7 @@ def _scaled_cache(tokens: int, dev: torch.device) -> tuple[CacheLayout, PagedKVC
     from bench.flash_rank import flash_config
 
     cfg = flash_config()
-    layout = CacheLayout.build(cfg, CacheConfig().resolve_block_size(cfg), torch.bfloat16,
-                               kv_quant=True)  # fmt: skip
+    layout = CacheLayout.build(cfg, block_size_for(cfg), torch.bfloat16, kv_quant=True)
     blocks = math.ceil(tokens / layout.block_size)
     return layout, PagedKVCache(layout, blocks, 1, dev), blocks
 

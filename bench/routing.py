@@ -346,7 +346,7 @@ def decision_latency(blocks: int = 1_000_000, ranks: int = 16, queries: int = 20
 
     from app.deployments.routing import RankView, RouteQuery, RoutingConfig, RoutingPolicy
 
-    pol = RoutingPolicy(RoutingConfig(block_size=P, namespace="x", max_index_blocks=2 * blocks))
+    pol = RoutingPolicy(RoutingConfig(max_index_blocks=2 * blocks), block_size=P, namespace="x")
     names = [f"rank{i}" for i in range(ranks)]
     chains = []
     per = 32

@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
     srv, url, posts = _receiver()
-    obs.setup_tracing(obs.TracingConfig("otlp", url, "bench", 1.0, 0.2), "bench")
+    obs.setup_tracing(obs.ObservabilityConfig("otlp", url, "bench", 1.0, 0.2), "bench")
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v41", seed=0)
         cfg = EngineConfig.from_options(d, kv_cache_bytes=1 << 26, enable_prefix_caching=False)

@@ -9,7 +9,7 @@ from app.api.client import (
     LocalEngineClient,
 )
 from app.api.errors import ApiError
-from app.api.server import ApiConfig, build_api
+from app.api.server import ApiConfig, FrontDoor, build_api
 
 __all__ = [
     "ApiConfig",
@@ -17,6 +17,7 @@ __all__ = [
     "EngineClient",
     "EngineOverloadedError",
     "EngineUnavailableError",
+    "FrontDoor",
     "LocalEngineClient",
     "build_api",
 ]

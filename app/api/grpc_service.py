@@ -33,7 +33,7 @@ from app.engine.validation import BODY, GRPC, wire_fields
 from app.grpc.fathom_pb2 import GenerateRequest, GenerateResponse, SamplingOptions
 
 if TYPE_CHECKING:
-    from app.api.server import ApiConfig
+    from app.api.server import FrontDoor
     from app.engine.request import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -62,18 +62,18 @@ class GrpcContext(Protocol):
 
 class GenerateService:
     """Generation from token ids or raw text (no chat template). ``cfg`` is the HTTP API's
-    :class:`~app.api.server.ApiConfig`; ``app_name`` (Serve's application) must match an
+    :class:`~app.api.server.FrontDoor`; ``app_name`` (Serve's application) must match an
     ``application`` metadata entry when the client sends one."""
 
     def __init__(
         self,
-        cfg: ApiConfig,
+        cfg: FrontDoor,
         client: EngineClient,
         bos_token_id: int,
         app_name: str | None = None,
         in_flight: Admission | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.opts = cfg, cfg.options
         self.in_flight = in_flight or Admission(cfg.max_in_flight, None)
         self.client = client
         self.tokenizer = Tokenizer.from_file(cfg.tokenizer_path)
@@ -98,7 +98,7 @@ class GenerateService:
             rid = request.request_id or f"gen-{uuid.uuid4().hex}"
             req = await self._engine_request(request)
             n_prompt = len(req.prompt_token_ids)
-            stream = await open_stream(self.client, req, self.cfg.request_timeout_s)
+            stream = await open_stream(self.client, req, self.opts.request_timeout_s)
             try:
                 async for out in stream:
                     if not out.token_ids and not out.finished:
@@ -134,7 +134,7 @@ class GenerateService:
                 ticket.release()
 
     def _check_call(self, meta: dict[str, str]) -> None:
-        check_api_key(self.cfg.api_keys, meta.get("authorization"), meta.get("x-api-key"))
+        check_api_key(self.opts.api_keys, meta.get("authorization"), meta.get("x-api-key"))
         app = meta.get("application")
         if app is not None and self.app_name is not None and app != self.app_name:
             raise ApiError(
@@ -144,9 +144,9 @@ class GenerateService:
     def _parse(self, raw: bytes | GenerateRequest) -> GenerateRequest:
         if isinstance(raw, GenerateRequest):
             return raw
-        if len(raw) > self.cfg.max_body_bytes:
+        if len(raw) > self.opts.max_body_bytes:
             raise ApiError(
-                413, f"request is {len(raw)} bytes; the limit is {self.cfg.max_body_bytes}"
+                413, f"request is {len(raw)} bytes; the limit is {self.opts.max_body_bytes}"
             )
         try:
             return GenerateRequest.FromString(raw)
@@ -172,9 +172,8 @@ class GenerateService:
         else:
             ids = list(r.token_ids.ids)
         limit, n = self.cfg.context_limit, len(ids)
-        assert self.cfg.max_prompt_tokens is not None  # resolved by ApiConfig
-        if n > self.cfg.max_prompt_tokens:
-            raise ApiError(413, f"prompt is {n} tokens; the limit is {self.cfg.max_prompt_tokens}")
+        if n > self.cfg.prompt_limit:
+            raise ApiError(413, f"prompt is {n} tokens; the limit is {self.cfg.prompt_limit}")
         sampling = self._sampling(r, room=limit - n)
         return make_request(
             new_request_id(), ids, sampling, self.cfg.limits,
@@ -193,7 +192,7 @@ class GenerateService:
             elif not desc.has_presence or s.HasField(name):
                 kw[name] = getattr(s, name)
         if "max_tokens" not in kw:  # the HTTP default: the context left, capped by the config
-            default = self.cfg.default_max_tokens
+            default = self.opts.default_max_tokens
             kw["max_tokens"] = max(1, room if default is None else min(room, default))
         return kw
 

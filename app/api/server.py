@@ -1,7 +1,7 @@
 """The HTTP app: OpenAI Chat Completions / Responses / Completions, Anthropic Messages,
 models, health and metrics, over any :class:`~app.api.client.EngineClient`.
 
-    app = build_api(ApiConfig(["tiny-v41"], tokenizer_path=..., context_limit=4096), client)
+    app = build_api(FrontDoor(("tiny-v41",), tokenizer_path=..., context_limit=4096), client)
     uvicorn.run(app)          # or mount it under a Ray Serve ingress
 """
 
@@ -46,6 +46,7 @@ from app.api.protocols import (
     run_events,
 )
 from app.api.sse import SSEResponse, sse_event
+from app.config import check_fields
 from app.engine.request import EngineRequest
 from app.engine.validation import RequestLimits
 
@@ -55,38 +56,57 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ApiConfig:
-    """HTTP layer options. ``context_limit`` is the engine's ``max_model_len``;
-    ``max_prompt_tokens`` None = ``context_limit - 1``; ``api_keys`` empty = no auth;
-    ``default_max_tokens`` caps an unspecified ``max_tokens`` (None = the recipe's default,
-    lowered to the context left); ``request_timeout_s`` None = no limit (on expiry the request
-    is aborted and the answer ends with finish reason ``length``). ``vocab_size``: token ids
-    are validated against it (None: by the engine only). ``request_id_header``: the response
-    header carrying the response's public id (None under Ray Serve, whose proxy already sends
-    ``x-request-id``). ``body_read_timeout_s``: a body not in full by then gets 408.
-    ``max_json_depth``: deeper JSON gets 400. ``max_header_bytes`` / ``max_headers``: beyond
-    them 431. ``cors_allow_origins``: empty = cross-origin requests (an ``Origin`` header not
-    listed) get 403; ``["*"]`` = any. ``max_in_flight``: generation requests this server
-    holds at once (being prepared, queued or streaming); beyond it 429 at once, before any
-    parsing or engine call (load shedding in front of the ranks' own bounds)."""
+    """HTTP / gRPC front-door options (``api:`` of the serve config, ``ServeArgs.api``).
 
-    served_model_names: list[str]
+    ``max_prompt_tokens`` None = the context limit - 1; ``api_keys`` empty = no auth;
+    ``default_max_tokens`` caps an unspecified ``max_tokens`` (None = the recipe's default,
+    lowered to the context left); ``request_timeout_s``: on expiry the request is aborted
+    and the answer ends with finish reason ``length`` (None = no limit).
+    ``body_read_timeout_s``: a body not in full by then gets 408. ``max_json_depth``: deeper
+    JSON gets 400. ``max_header_bytes`` / ``max_headers``: beyond them 431.
+    ``cors_allow_origins``: empty = cross-origin requests (an ``Origin`` header not listed)
+    get 403; ``["*"]`` = any. ``max_pending_per_rank`` / ``max_queued_tokens_per_rank``: the
+    ranks' queue bounds (None: 2 x ``max_num_seqs`` / 32 x ``max_num_batched_tokens``)."""
+
+    __pydantic_config__ = {"extra": "forbid"}
+
+    max_body_bytes: int = field(default=4 << 20, metadata={"gt": 0})
+    max_prompt_tokens: int | None = field(default=None, metadata={"gt": 0})
+    api_keys: tuple[str, ...] = ()
+    default_max_tokens: int | None = field(default=None, metadata={"gt": 0})
+    request_timeout_s: float | None = field(default=600.0, metadata={"gt": 0})
+    body_read_timeout_s: float | None = field(default=30.0, metadata={"gt": 0})
+    max_json_depth: int = field(default=64, metadata={"gt": 0})
+    max_header_bytes: int = field(default=32 << 10, metadata={"gt": 0})
+    max_headers: int = field(default=100, metadata={"gt": 0})
+    cors_allow_origins: tuple[str, ...] = ()
+    max_pending_per_rank: int | None = field(default=None, metadata={"gt": 0})
+    max_queued_tokens_per_rank: int | None = field(default=None, metadata={"gt": 0})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class FrontDoor:
+    """What one front door serves: its options and the values the builder derives from the
+    model and the deployment (none of them an option). ``context_limit`` is the engine's
+    ``max_model_len``. ``vocab_size``: token ids are validated against it (None: by the
+    engine only). ``request_id_header``: the response header carrying the response's public
+    id (None under Ray Serve, whose proxy already sends ``x-request-id``).
+    ``max_in_flight``: generation requests this server holds at once (being prepared,
+    queued or streaming); beyond it 429 at once, before any parsing or engine call (load
+    shedding in front of the ranks' own bounds)."""
+
+    served_model_names: tuple[str, ...]
     tokenizer_path: str
     context_limit: int
+    options: ApiConfig = ApiConfig()
     model_version: Literal["v41", "v4"] = "v41"
-    max_body_bytes: int = 4 << 20
-    max_prompt_tokens: int | None = None
-    api_keys: list[str] = field(default_factory=list)
-    default_max_tokens: int | None = None
-    request_timeout_s: float | None = None
     vocab_size: int | None = None
     request_id_header: str | None = "x-request-id"
-    body_read_timeout_s: float | None = 30.0
-    max_json_depth: int = 64
-    max_header_bytes: int = 32 << 10
-    max_headers: int = 100
-    cors_allow_origins: list[str] = field(default_factory=list)
     max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
@@ -94,16 +114,15 @@ class ApiConfig:
             raise ValueError("served_model_names must name at least one model")
         if self.context_limit < 2:
             raise ValueError(f"context_limit must be >= 2, got {self.context_limit}")
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
-        if self.max_prompt_tokens is None:
-            self.max_prompt_tokens = self.context_limit - 1
-        if not 1 <= self.max_prompt_tokens < self.context_limit:
+        if not 1 <= self.prompt_limit < self.context_limit:
             raise ValueError("max_prompt_tokens must be in [1, context_limit)")
-        if self.default_max_tokens is not None and self.default_max_tokens < 1:
-            raise ValueError("default_max_tokens must be >= 1")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ValueError("request_timeout_s must be positive")
+
+    @property
+    def prompt_limit(self) -> int:
+        """Prompt tokens a request may have (``max_prompt_tokens``, default the context
+        limit - 1)."""
+        limit = self.options.max_prompt_tokens
+        return self.context_limit - 1 if limit is None else limit
 
     @property
     def limits(self) -> RequestLimits:
@@ -115,25 +134,24 @@ class _Api:
     """Route handlers bound to one config and engine client."""
 
     def __init__(
-        self, cfg: ApiConfig, client: EngineClient, in_flight: Admission | None = None
+        self, cfg: FrontDoor, client: EngineClient, in_flight: Admission | None = None
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.opts = cfg, cfg.options
         self.client = client
-        assert cfg.max_prompt_tokens is not None
         self.recipe = RecipeFrontend(
             cfg.served_model_names,
             cfg.model_version,
             cfg.tokenizer_path,
             cfg.limits,
-            cfg.max_prompt_tokens,
-            cfg.default_max_tokens,
+            cfg.prompt_limit,
+            cfg.options.default_max_tokens,
         )
         self.completions = cmpl.CompletionsFrontend(
             cfg.tokenizer_path,
             cfg.served_model_names,
             cfg.limits,
-            cfg.max_prompt_tokens,
-            cfg.default_max_tokens,
+            cfg.prompt_limit,
+            cfg.options.default_max_tokens,
         )
         self.created = int(time.time())
         self.gate = PrepareGate()
@@ -160,23 +178,23 @@ class _Api:
 
     def check_auth(self, request: Request) -> None:
         h = request.headers
-        check_api_key(self.cfg.api_keys, h.get("authorization"), h.get("x-api-key"))
+        check_api_key(self.opts.api_keys, h.get("authorization"), h.get("x-api-key"))
 
     async def _body(self, request: Request) -> bytes:
         self.check_auth(request)
-        return await read_body(request, self.cfg.max_body_bytes, self.cfg.body_read_timeout_s)
+        return await read_body(request, self.opts.max_body_bytes, self.opts.body_read_timeout_s)
 
     def _prepare_recipe(self, proto: Protocol, body: bytes) -> Prepared:
         """Parse, convert, render and encode (a worker thread: the loop keeps serving)."""
-        return self.recipe.prepare(proto, body, parse_json(body, self.cfg.max_json_depth))
+        return self.recipe.prepare(proto, body, parse_json(body, self.opts.max_json_depth))
 
     def _prepare_completion(self, body: bytes) -> tuple[cmpl.CompletionBody, EngineRequest, str]:
-        parsed = cmpl.parse_body(parse_json(body, self.cfg.max_json_depth))
+        parsed = cmpl.parse_body(parse_json(body, self.opts.max_json_depth))
         req, rid = self.completions.prepare(parsed)
         return parsed, req, rid
 
     async def _start(self, req: EngineRequest) -> EngineStream:
-        return await open_stream(self.client, req, self.cfg.request_timeout_s)
+        return await open_stream(self.client, req, self.opts.request_timeout_s)
 
     async def recipe_route(self, proto: Protocol, request: Request) -> Response:
         body = await self._body(request)
@@ -294,7 +312,7 @@ class _Asgi:
 
 
 def build_api(
-    cfg: ApiConfig,
+    cfg: FrontDoor,
     client: EngineClient,
     metrics_app: ASGIApp | None = None,
     in_flight: Admission | None = None,
@@ -310,14 +328,14 @@ def build_api(
     app.add_exception_handler(Exception, internal_error_handler)
     app.add_middleware(
         RequestGuard,
-        max_headers=cfg.max_headers,
-        max_header_bytes=cfg.max_header_bytes,
-        allow_origins=cfg.cors_allow_origins,
+        max_headers=cfg.options.max_headers,
+        max_header_bytes=cfg.options.max_header_bytes,
+        allow_origins=cfg.options.cors_allow_origins,
     )
-    if cfg.cors_allow_origins:
+    if cfg.options.cors_allow_origins:
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=cfg.cors_allow_origins,
+            allow_origins=cfg.options.cors_allow_origins,
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )

@@ -23,18 +23,19 @@ compressed KV and index keys: 3 x (288 + 68) / 2 + 1 x (288 + 68) = 534 + 356 = 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+import torch
+
 from app.cache.block_pool import BlockPool
-from app.cache.layout import compressor_spans
+from app.cache.layout import FLOAT, RELEASED_V41, CacheLayout, Formats, block_multiple, row_bytes
 from app.model.config import ModelConfig
 
 Dtype = Literal["spec", "bf16", "fp32"]
-FP32 = 4  # compressor tail state is kept in fp32 in every format
+_FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -55,44 +56,48 @@ class CacheGroup:
     def bytes_per_token(self) -> Fraction:
         return len(self.layer_ids) * self.bytes_per_entry * self.entries_per_token
 
-    def bytes_per_block(self, block_size: int) -> int:
-        if block_size % self.ratio:
-            raise ValueError(f"block_size {block_size} is not a multiple of {self.name}'s ratio")
-        return len(self.layer_ids) * self.bytes_per_entry * (block_size // self.ratio)
-
 
 @dataclass(frozen=True)
 class CacheBytes:
-    """Cache footprint of one model in one storage format."""
+    """Cache footprint of one model in one storage format: a report of the
+    :class:`~app.cache.layout.CacheLayout` at the smallest block size the model allows."""
 
     arch: str
     dtype: str
+    layout: CacheLayout  # blocks of block_multiple(cfg) positions, no ring headroom
     paged: tuple[CacheGroup, ...]
     window: CacheGroup  # ratio 1; ``sliding_window`` entries per request
     sliding_window: int
-    tail_bytes_per_request: int
+
+    @property
+    def min_block_size(self) -> int:
+        """A block must hold whole entries of every paged group (the layout's multiple)."""
+        return self.layout.block_size
 
     @property
     def paged_bytes_per_token(self) -> float:
         """Bytes that grow with context (compressed KV + index keys), averaged per token."""
-        return float(sum(g.bytes_per_token for g in self.paged))
+        return self.layout.bytes_per_token
 
     @property
     def window_bytes_per_request(self) -> int:
-        return self.sliding_window * self.window.bytes_per_entry * len(self.window.layer_ids)
+        return sum(g.nbytes for g in self.layout.slot if g.kind == "window")
+
+    @property
+    def tail_bytes_per_request(self) -> int:
+        """Compressor state for windows not yet closed (fp32 (kv, gate) rows)."""
+        return sum(g.nbytes for g in self.layout.slot if g.kind.startswith("tail:"))
 
     @property
     def fixed_bytes_per_request(self) -> int:
         """Window ring + compressor tail: what one running request holds outside the blocks."""
-        return self.window_bytes_per_request + self.tail_bytes_per_request
-
-    @property
-    def min_block_size(self) -> int:
-        """A block must hold whole entries of every paged group: lcm of their ratios."""
-        return math.lcm(1, *(g.ratio for g in self.paged))
+        return self.layout.bytes_per_slot
 
     def bytes_per_block(self, block_size: int) -> int:
-        return sum(g.bytes_per_block(block_size) for g in self.paged)
+        if block_size % self.min_block_size:
+            raise ValueError(f"block_size {block_size} is not a multiple of "
+                             f"{self.min_block_size} (every compression ratio)")  # fmt: skip
+        return self.layout.bytes_per_block * (block_size // self.min_block_size)
 
     def blocks_for_budget(self, bytes_budget: int, block_size: int, max_requests: int = 0) -> int:
         """Blocks that fit in ``bytes_budget`` after reserving ``max_requests`` fixed slots."""
@@ -133,66 +138,47 @@ def _ids(ids: tuple[int, ...]) -> str:
     return f"{ids[0]},{ids[1]},...,{ids[-1]} ({len(ids)})"
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def formats(cfg: ModelConfig, dtype: Dtype, v4_index_fp8: bool = False) -> Formats:
+    """Row formats of (window, compressed, index) in storage format ``dtype``: "spec" = the
+    model's specified formats (V4.1: the released ones the engine keeps with ``kv_quant``),
+    bf16 / fp32 store every channel plainly."""
+    if dtype in _FLOAT_DTYPES:
+        return FLOAT
+    if dtype != "spec":
+        raise ValueError(f"unknown cache dtype {dtype!r} (spec, bf16, fp32)")
+    if cfg.is_v41:
+        return RELEASED_V41
+    return ("fp8_rope", "fp8_rope", "fp8_s128" if v4_index_fp8 else "mxfp4")
 
 
 def entry_bytes(cfg: ModelConfig, dtype: Dtype, v4_index_fp8: bool = False) -> tuple[int, int, int]:
     """``(window, compressed, index)`` bytes per entry; bf16/fp32 store every dim plainly."""
-    D, R, I = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
-    if dtype in ("bf16", "fp32"):
-        e = 2 if dtype == "bf16" else 4
-        return D * e, D * e, I * e
-    if dtype != "spec":
-        raise ValueError(f"unknown cache dtype {dtype!r} (spec, bf16, fp32)")
-    if cfg.is_v41:
-        return D + _cdiv(D, 32), D // 2 + _cdiv(D, 16), I // 2 + _cdiv(I, 32)
-    nope = D - R
-    kv = _cdiv(nope + _cdiv(nope, 64) + 2 * R, 8) * 8
-    index = I + 4 * _cdiv(I, 128) if v4_index_fp8 else I // 2 + _cdiv(I, 32)
-    return kv, kv, index
-
-
-def _tail_bytes(cfg: ModelConfig) -> int:
-    """Compressor state for windows not yet closed, fp32, as the cache allocates it
-    (``app.cache.layout``): (kv, gate) of ``span`` positions per compressor of every owner
-    layer -- the span - 1 a group still needs before its last token, and one more so a step
-    can run twice on the same inputs (CUDA-graph warm-up).
-
-    V4.1 Full ratio 2: 2 x (kv, gate) x 512 x 4; ratio 1 keeps none. V4 CSA (overlapping):
-    8 x (kv, gate) x 2D, plus the indexer's 8 x 2 x 2I; V4 HCA: 128 x (kv, gate) x D.
-    """
-    total = 0
-    for s in cfg.layers:
-        if not s.owns_compressor:
-            continue
-        for _, span, width in compressor_spans(cfg, s):
-            if span > 1:
-                total += span * 2 * width * FP32
-    return total
+    fb = _FLOAT_DTYPES.get(dtype, torch.float32).itemsize
+    (w, c, i), D = formats(cfg, dtype, v4_index_fp8), cfg.head_dim
+    Di = cfg.index_head_dim
+    return row_bytes(cfg, w, D, fb), row_bytes(cfg, c, D, fb), row_bytes(cfg, i, Di, fb)
 
 
 def cache_bytes(cfg: ModelConfig, dtype: Dtype = "spec", v4_index_fp8: bool = False) -> CacheBytes:
-    """Per-group cache footprint of ``cfg`` (backbone layers) in storage format ``dtype``."""
-    window_b, comp_b, index_b = entry_bytes(cfg, dtype, v4_index_fp8)
-    comp: dict[int, list[int]] = {}
-    index: dict[int, list[int]] = {}
-    for s in cfg.layers:
-        if s.owns_compressor:
-            comp.setdefault(s.ratio, []).append(s.layer_id)
-        if s.owns_index_keys:
-            index.setdefault(s.ratio, []).append(s.layer_id)
-    paged = [CacheGroup(f"compressed_kv r{r}", tuple(ids), r, comp_b) for r, ids in comp.items()]
-    paged += [CacheGroup(f"index_keys r{r}", tuple(ids), r, index_b) for r, ids in index.items()]
-    window = CacheGroup("window", tuple(s.layer_id for s in cfg.layers), 1, window_b)
-    return CacheBytes(
-        arch=cfg.arch,
-        dtype=dtype,
-        paged=tuple(paged),
-        window=window,
-        sliding_window=cfg.sliding_window,
-        tail_bytes_per_request=_tail_bytes(cfg),
-    )
+    """Per-group cache footprint of ``cfg`` (backbone layers) in storage format ``dtype``,
+    read off the cache layout (``app.cache.layout``)."""
+    fmts = formats(cfg, dtype, v4_index_fp8)
+    P = block_multiple(cfg)
+    layout = CacheLayout.build(cfg, P, _FLOAT_DTYPES.get(dtype, torch.float32), formats=fmts)
+    groups: dict[tuple[str, int], list[int]] = {}
+    row_b: dict[tuple[str, int], int] = {}
+    for kind in ("entries", "keys"):  # compressed KV groups first, then index keys
+        for g in layout.paged:
+            if g.kind == kind:
+                key = (kind, P // g.rows)
+                groups.setdefault(key, []).append(g.layer)
+                row_b[key] = g.row_bytes
+    names = {"entries": "compressed_kv", "keys": "index_keys"}
+    paged = tuple(CacheGroup(f"{names[k]} r{r}", tuple(ids), r, row_b[k, r])
+                  for (k, r), ids in groups.items())  # fmt: skip
+    win = [g for g in layout.slot if g.kind == "window"]
+    window = CacheGroup("window", tuple(g.layer for g in win), 1, win[0].row_bytes)
+    return CacheBytes(cfg.arch, dtype, layout, paged, window, cfg.sliding_window)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import torch
 from app.cache.block_pool import BlockPool, NoFreeBlocks
 from app.cache.host_tier import HostTier
 from app.cache.kv_cache import PagedKVCache
-from app.cache.layout import CacheLayout
+from app.cache.layout import CacheLayout, block_size_for
 from app.cache.radix import PrefixIndex
 from app.config import CacheConfig
 from app.model.model import DeepseekModel
@@ -75,7 +75,7 @@ class CacheManager:
         draft_stages: int = 0,
     ) -> None:
         self.cfg, self.model_cfg = cfg, model.cfg
-        self.block_size = cfg.resolve_block_size(model.cfg)
+        self.block_size = block_size_for(model.cfg, cfg.block_size)
         self.layout = self.layout_for(model, cfg, dtype, ring_headroom, draft_stages)
         self.pool = BlockPool(num_blocks, self.block_size)
         self.kv = PagedKVCache(self.layout, num_blocks, max_slots, device)
@@ -105,7 +105,7 @@ class CacheManager:
         ``ring_headroom`` / ``draft_stages`` as in :meth:`CacheLayout.build`."""
         quant = any(layer.attn.kv_quant for layer in model.layers)
         return CacheLayout.build(
-            model.cfg, cfg.resolve_block_size(model.cfg), dtype, quant, ring_headroom,
+            model.cfg, block_size_for(model.cfg, cfg.block_size), dtype, quant, ring_headroom,
             draft_stages,
         )  # fmt: skip
 

@@ -13,14 +13,14 @@ from ray.serve.handle import DeploymentHandle
 
 from app.api.admission import Admission
 from app.api.grpc_service import GenerateService
-from app.api.server import ApiConfig, build_api
+from app.api.server import FrontDoor, build_api
 from app.deployments.client import MeteredClient, ServeEngineClient
 from app.deployments.pd_client import PDEngineClient
 from app.grpc.fathom_pb2 import GenerateResponse
 from app.logs import setup_logging
 from app.observability import (
+    ObservabilityConfig,
     RequestMetrics,
-    TracingConfig,
     setup_tracing,
     shutdown_tracing,
     traced_client,
@@ -34,11 +34,11 @@ class Ingress:
 
     def __init__(
         self,
-        api_cfg: ApiConfig,
+        api_cfg: FrontDoor,
         rank: DeploymentHandle,
         router: DeploymentHandle,
         bos_token_id: int,
-        tracing: TracingConfig | None = None,
+        tracing: ObservabilityConfig | None = None,
         block_size: int = 0,
         decode: DeploymentHandle | None = None,
         decode_router: DeploymentHandle | None = None,

@@ -32,10 +32,11 @@ import asyncio
 import dataclasses
 import logging
 import time
+import typing
 import warnings
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -44,6 +45,7 @@ import torch
 
 from app.api.client import Refusal
 from app.cache.transfer import KVTransferError
+from app.config import EngineConfig, PDFault, check_fields
 from app.deployments.pd_client import PDMetrics, count_fallback
 from app.deployments.rank import DPRank
 from app.engine.handoff import DecodeState, Handoff
@@ -53,17 +55,42 @@ logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
 TransportName = Literal["auto", "object_store", "nixl", "cuda_ipc"]
-Fault = Literal["none", "export", "header"]  # test-only fault injection (PDOptions.fault)
 
 
 @dataclass(frozen=True)
-class PDOptions:
-    """What a PD rank needs besides its engine config (``ServeArgs.pd``)."""
+class PDRoleConfig:
+    """One side of prefill/decode disaggregation: its ranks and engine option overrides."""
 
-    role: Role
+    __pydantic_config__ = {"extra": "forbid"}
+
+    ranks: int = field(default=1, metadata={"gt": 0})
+    num_cpus: float | None = field(default=None, metadata={"gt": 0})  # None: rank_num_cpus
+    num_gpus: float | None = field(default=None, metadata={"ge": 0})  # None: rank_num_gpus
+    engine: dict[str, Any] = field(default_factory=dict)  # over ServeArgs.engine
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    """Prefill/decode disaggregation (``ServeArgs.pd``; replaces ``dp_size``). A PD rank
+    gets it with its role; the test-only fault injection is ``experimental.pd_fault``."""
+
+    __pydantic_config__ = {"extra": "forbid"}
+
+    prefill: PDRoleConfig = PDRoleConfig()
+    decode: PDRoleConfig = PDRoleConfig()
     transport: TransportName = "auto"
-    transfer_timeout_s: float = 10.0
-    fault: Fault = "none"  # "export": sending raises; "header": the sent header is wrong
+    transfer_timeout_s: float = field(default=10.0, metadata={"gt": 0})  # then: local prefill
+
+    def __post_init__(self) -> None:
+        check_fields(self, "pd.")
+
+    def role_options(self, engine: dict[str, Any], role: Role) -> dict[str, Any]:
+        """The engine options of ``role``: ServeArgs.engine with the role's overrides."""
+        side: PDRoleConfig = getattr(self, role)
+        return {**engine, **side.engine}
 
 
 @dataclass(frozen=True)
@@ -164,12 +191,13 @@ def make_transport(name: TransportName, device: str) -> KVTransport:
 class PDRank(DPRank):
     """A DP rank in a PD role: ``prefill`` streams up to the first token and hands the
     decode state off; ``decode`` continues a handed-off request (``generate`` still serves
-    whole requests: the fallback when no prefill rank is available)."""
+    whole requests: the fallback when no prefill rank is available). ``pd``: the transport
+    options; the injected fault starts as the engine config's ``experimental.pd_fault``."""
 
-    def __init__(self, *args: Any, pd: PDOptions, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, engine_cfg: EngineConfig, *args: Any, pd: PDConfig, **kwargs: Any) -> None:
+        super().__init__(engine_cfg, *args, **kwargs)
         self.pd = pd
-        self.fault: Fault = pd.fault
+        self.fault: PDFault = engine_cfg.experimental.pd_fault
         self.transport = make_transport(pd.transport, str(self.engine.core.device))
         self.header = self.engine.core.kv_header  # computed once here: reads the checkpoint
         self.counts: Counter[str] = Counter()
@@ -260,10 +288,10 @@ class PDRank(DPRank):
         except Exception:
             logger.debug("PD metrics failed", exc_info=True)
 
-    async def set_fault(self, fault: Fault, target: str | None = None) -> None:
-        """Switch the injected fault (tests and drills; ``ServeArgs.pd.fault`` at start)."""
+    async def set_fault(self, fault: PDFault, target: str | None = None) -> None:
+        """Switch the injected fault (tests and drills; ``experimental.pd_fault`` at start)."""
         del target
-        if fault not in ("none", "export", "header"):
+        if fault not in typing.get_args(PDFault):
             raise ValueError(f"unknown fault {fault!r}")
         self.fault = fault
 

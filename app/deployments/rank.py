@@ -20,7 +20,7 @@ from app.engine.metrics import install_engine_metrics
 from app.engine.request import EngineRequest, RequestOutput
 from app.logs import setup_logging
 from app.model.config import ModelConfig
-from app.observability import TracingConfig, rank_span, setup_tracing, shutdown_tracing
+from app.observability import ObservabilityConfig, rank_span, setup_tracing, shutdown_tracing
 
 logger = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 5.0  # a report to the Router
@@ -39,7 +39,7 @@ class DPRank:
         max_queued_tokens: int | None = None,
         step_timeout_s: float | None = None,
         stream_interval_s: float = 0.0,
-        tracing: TracingConfig | None = None,
+        tracing: ObservabilityConfig | None = None,
         metrics_interval_s: float | None = 1.0,
         engine_cls: type[RankEngine] = LocalRankEngine,
         parallel: ParallelConfig | None = None,

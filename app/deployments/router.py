@@ -26,7 +26,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from app.cache.events import KVEventBatch, KVSnapshot
 from app.deployments.routing import Decision, RankView, RouteQuery, RoutingConfig, RoutingPolicy
 from app.logs import setup_logging
-from app.observability import TracingConfig, setup_tracing
+from app.observability import ObservabilityConfig, setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -157,13 +157,17 @@ class Router:
     def __init__(
         self,
         cfg: RoutingConfig | None = None,
-        tracing: TracingConfig | None = None,
+        tracing: ObservabilityConfig | None = None,
         engram: EngramPlan | None = None,
+        block_size: int = 0,
+        namespace: str = "",
     ) -> None:
+        """``block_size`` / ``namespace``: how the engines hash prompt blocks (the builder
+        resolves them from the engine config; 0 = caching off, no prefix index)."""
         setup_logging()
         setup_tracing(tracing, "Router")
         self.cfg = cfg or RoutingConfig()
-        self.policy = RoutingPolicy(self.cfg)
+        self.policy = RoutingPolicy(self.cfg, block_size, namespace)
         self.policy_name = self.cfg.policy
         self.ranks: dict[str, RankState] = {}
         self.metrics = _Metrics()
@@ -226,10 +230,10 @@ class Router:
     def _compatible(self, replica_id: str, meta: dict) -> bool:
         """Whether a rank's block hashes can be compared with the router's (the same block
         size and hash namespace, prefix caching on)."""
-        if not self.cfg.block_size or not meta.get("prefix_caching", False):
+        if not self.policy.block_size or not meta.get("prefix_caching", False):
             return False
         got = (meta.get("block_size"), meta.get("namespace"))
-        want = (self.cfg.block_size, self.cfg.namespace)
+        want = (self.policy.block_size, self.policy.namespace)
         if got != want:
             logger.error(
                 "rank %s announces block size / hash namespace %s, the router expects %s: its "

@@ -37,38 +37,41 @@ with no target).
 from __future__ import annotations
 
 import itertools
+import typing
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from app.cache.radix import BlockHash
+from app.config import check_fields
 from app.deployments.prefix_index import GlobalPrefixIndex
 
 Policy = Literal["prefix", "least_loaded", "round_robin", "ray_prefix"]
-POLICIES: tuple[str, ...] = ("prefix", "least_loaded", "round_robin", "ray_prefix")
+POLICIES: tuple[str, ...] = typing.get_args(Policy)
+MAX_SESSIONS = 100_000  # session keys the policy remembers (LRU)
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """The Router's options (``ServeArgs.routing``; ``block_size`` / ``namespace`` are the
-    engine's, resolved by the builder, and every rank must announce the same)."""
+    """How the Router picks a DP rank (``ServeArgs.routing``). The block size and hash
+    namespace the prefix index compares are the engine's, not options: the builder passes
+    them to :class:`RoutingPolicy` (and every rank must announce the same)."""
+
+    __pydantic_config__ = {"extra": "forbid"}
 
     policy: Policy = "prefix"
-    block_size: int = 0  # 0: no prefix index (caching off): route by load
-    namespace: str = ""
-    balance_abs: int = 16
-    balance_rel: float = 1.5
-    running_weight: float = 16.0
-    compute_weight: float = 4.0
-    host_hit_cost: float = 0.1  # prefill tokens one host-tier hit token counts as
-    max_index_blocks: int = 4_000_000
-    pending_ttl_s: float = 30.0
-    max_sessions: int = 100_000
+    balance_abs: int = field(default=16, metadata={"ge": 0})  # over the least loaded rank ...
+    balance_rel: float = field(default=1.5, metadata={"ge": 1.0})  # ... and this ratio
+    running_weight: float = field(default=16.0, metadata={"ge": 0})  # prefill tokens a request
+    compute_weight: float = field(default=4.0, metadata={"ge": 0})  # own prefill vs the queue
+    host_hit_cost: float = field(default=0.1, metadata={"ge": 0})  # a host-tier hit token
+    max_index_blocks: int = field(default=4_000_000, metadata={"gt": 0})  # prefix index LRU
+    pending_ttl_s: float = field(default=30.0, metadata={"gt": 0})  # routed = cached this long
+    stream_interval_s: float = field(default=0.02, metadata={"ge": 0})  # rank delta batching
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"routing policy must be one of {POLICIES}, got {self.policy!r}")
+        check_fields(self, "routing ")
 
 
 @dataclass(frozen=True)
@@ -123,9 +126,13 @@ class Decision:
 
 @dataclass
 class RoutingPolicy:
-    """Decides over ``ranks`` with the prefix ``index`` (see the module docstring)."""
+    """Decides over ``ranks`` with the prefix ``index`` (see the module docstring).
+    ``block_size`` / ``namespace``: how the engines hash prompt blocks (0: no prefix index,
+    caching is off: route by load)."""
 
     cfg: RoutingConfig
+    block_size: int = 0
+    namespace: str = ""
     index: GlobalPrefixIndex = field(init=False)
     _rr: itertools.count = field(default_factory=itertools.count, init=False)
     _sessions: OrderedDict[str, str] = field(default_factory=OrderedDict, init=False)
@@ -153,10 +160,10 @@ class RoutingPolicy:
 
     def _prefix(self, q: RouteQuery, views: Sequence[RankView]) -> Decision:
         cfg, L = self.cfg, q.num_prompt_tokens
-        usable = q.block_hashes if q.block_size == cfg.block_size and cfg.block_size else ()
+        P = self.block_size
+        usable = q.block_hashes if q.block_size == P and P else ()
         indexed = [v.rank for v in views if v.indexed]
         hits = self.index.match(usable, indexed) if usable and indexed else {}
-        P = cfg.block_size
         lo = min(v.outstanding for v in views)
 
         def cost(v: RankView) -> tuple[float, int, int, float]:
@@ -204,11 +211,11 @@ class RoutingPolicy:
         if q.session:
             self._sessions[q.session] = rank
             self._sessions.move_to_end(q.session)
-            while len(self._sessions) > cfg.max_sessions:
+            while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
         self._routed(q, out)
         return out
 
     def _routed(self, q: RouteQuery, d: Decision) -> None:
-        if d.target is not None and q.block_hashes and q.block_size == self.cfg.block_size:
+        if d.target is not None and q.block_hashes and q.block_size == self.block_size:
             self.index.note_routed(d.target, q.block_hashes)

@@ -70,7 +70,7 @@ def test_engine_greedy_matches_cpu(ckpts, arch, packed):
 def test_packed_dense_engine_greedy_matches_cpu(ckpts, arch):
     """Dense fp8 projections in the fp8 kernel (packed_dense) on CUDA: the CPU greedy tokens."""
     cpu = _greedy_on(ckpts[arch], "cpu", 2)
-    assert _greedy_on(ckpts[arch], "cuda", 2, packed_dense="on") == cpu
+    assert _greedy_on(ckpts[arch], "cuda", 2, experimental={"packed_dense": "on"}) == cpu
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])

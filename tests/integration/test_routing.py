@@ -18,7 +18,7 @@ from ray import serve  # noqa: E402
 from app.builder import build_app  # noqa: E402
 from tests.integration.serve_util import deploy, wait_until  # noqa: E402
 
-P = 64  # the tiny model's KV block (CacheConfig.resolve_block_size)
+P = 64  # the tiny model's KV block (app.cache.layout.block_size_for)
 rng = random.Random(7)
 PREFIX = [rng.randrange(3, 500) for _ in range(16 * P)]  # 1024 tokens: 16 blocks
 

@@ -20,6 +20,7 @@ from app.api import (
     ApiConfig,
     EngineOverloadedError,
     EngineUnavailableError,
+    FrontDoor,
     LocalEngineClient,
     build_api,
 )
@@ -87,13 +88,15 @@ def engine(tiny_ckpt) -> Iterator[AsyncEngine]:
     eng.shutdown()
 
 
-def api_config(tiny_ckpt, engine: AsyncEngine, **kw: object) -> ApiConfig:
-    return ApiConfig(
-        served_model_names=[MODEL],
+def api_config(tiny_ckpt, engine: AsyncEngine, **kw: object) -> FrontDoor:
+    """A front door for ``engine``; ``kw``: ApiConfig options and FrontDoor fields."""
+    opts = {k: kw.pop(k) for k in list(kw) if k in ApiConfig.__dataclass_fields__}
+    return FrontDoor(
+        served_model_names=(MODEL,),
         tokenizer_path=f"{tiny_ckpt('v41')}/tokenizer.json",
         context_limit=engine.core.max_model_len,
-        max_prompt_tokens=2000,
-        **kw,
+        options=ApiConfig(max_prompt_tokens=2000, **opts),  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
     )
 
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from app.api import ApiConfig, LocalEngineClient
+from app.api import ApiConfig, FrontDoor, LocalEngineClient
 from app.api.grpc_service import GenerateService
 from app.engine.request import SamplingParams
 from app.engine.validation import BODY, GRPC, Bool, Float, Int, Stops, TokenIds, wire_fields
@@ -70,13 +70,11 @@ def client(engine) -> LocalEngineClient:  # noqa: F811
 
 @pytest.fixture(scope="module")
 def service(tiny_ckpt, engine, client) -> GenerateService:  # noqa: F811
-    cfg = ApiConfig(
-        served_model_names=[MODEL],
+    cfg = FrontDoor(
+        served_model_names=(MODEL,),
         tokenizer_path=f"{tiny_ckpt('v41')}/tokenizer.json",
         context_limit=engine.core.max_model_len,
-        max_prompt_tokens=2000,
-        api_keys=[KEY],
-        default_max_tokens=5,
+        options=ApiConfig(max_prompt_tokens=2000, api_keys=(KEY,), default_max_tokens=5),
         vocab_size=engine.core.model.cfg.vocab_size,
     )
     return GenerateService(cfg, client, engine.core.model.cfg.bos_token_id, app_name="fathom")

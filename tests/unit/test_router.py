@@ -58,8 +58,7 @@ def test_unpinned_or_gone_target_may_go_anywhere():
 
 
 def _router(**kw) -> Router:
-    cfg = RoutingConfig(block_size=P, namespace=HASH_NAMESPACE, **kw)
-    router = Router.func_or_class(cfg)
+    router = Router.func_or_class(RoutingConfig(**kw), block_size=P, namespace=HASH_NAMESPACE)
     router.metrics = SimpleNamespace(  # ray.util.metrics need a Ray worker: count locally
         decisions=SimpleNamespace(inc=lambda tags: None),
         resyncs=SimpleNamespace(inc=lambda: None),
