@@ -171,7 +171,7 @@ class PDRank(DPRank):
         self.pd = pd
         self.fault: Fault = pd.fault
         self.transport = make_transport(pd.transport, str(self.engine.core.device))
-        self.header = self.engine.core.kv_header  # computed once here: reads the checkpoint
+        self.header = self.engine.core.handoff.header  # computed once here: reads the checkpoint
         self.counts: Counter[str] = Counter()
         self.pd_metrics = PDMetrics()
 
