@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from app.api.client import (
-    EngineClient,
-    EngineOverloadedError,
-    EngineUnavailableError,
-    LocalEngineClient,
-)
+from app.api.client import EngineClient
 from app.api.errors import ApiError
 from app.api.server import ApiConfig, build_api
+from app.engine.admission import EngineOverloadedError, EngineUnavailableError
 
 __all__ = [
     "ApiConfig",
@@ -17,6 +13,5 @@ __all__ = [
     "EngineClient",
     "EngineOverloadedError",
     "EngineUnavailableError",
-    "LocalEngineClient",
     "build_api",
 ]

@@ -42,10 +42,10 @@ import numpy as np
 import ray
 import torch
 
-from app.api.client import Refusal
 from app.cache.transfer import KVTransferError
 from app.deployments.pd_client import PDMetrics, count_fallback
 from app.deployments.rank import DPRank
+from app.engine.admission import Refusal
 from app.engine.handoff import DecodeState, Handoff
 from app.engine.request import EngineRequest, FinishReason, RequestOutput
 

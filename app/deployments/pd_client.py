@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from app.api.client import EngineUnavailableError
 from app.deployments.client import ServeEngineClient
+from app.engine.admission import EngineUnavailableError
 from app.engine.request import EngineRequest, FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from app.api import ApiConfig, LocalEngineClient
+from app.api import ApiConfig
 from app.api.grpc_service import GenerateService
+from app.deployments.engine_host import LocalEngineClient
 from app.grpc import fathom_pb2 as pb
 from app.grpc import fathom_pb2_grpc as pbg
 from app.grpc.raw import add_GenerateServiceServicer_to_server

@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("ray")
 from ray.exceptions import ActorDiedError  # noqa: E402
 
-from app.api.client import EngineUnavailableError, Refusal  # noqa: E402
 from app.deployments.client import ServeEngineClient  # noqa: E402
 from app.deployments.routing import Decision, RouteQuery  # noqa: E402
+from app.engine.admission import EngineUnavailableError, Refusal  # noqa: E402
 from app.engine.request import (  # noqa: E402
     ENGINE_FAILED,
     EngineRequest,
