@@ -43,7 +43,7 @@ import ray
 import torch
 
 from app.cache.transfer import KVTransferError
-from app.deployments.pd_client import PDMetrics, count_fallback
+from app.deployments.pd_metrics import PDMetrics, count_fallback
 from app.deployments.rank import DPRank
 from app.engine.admission import Refusal
 from app.engine.handoff import DecodeState, Handoff
