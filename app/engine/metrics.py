@@ -186,7 +186,7 @@ class EngineMetrics:
     def __init__(
         self, core: Any, tags: dict[str, str], interval_s: float = 1.0, metrics: Any = None
     ) -> None:
-        if metrics is None:
+        if metrics is None:  # Ray, imported where used: the engine itself runs without it
             from ray.util import metrics
         self.core, self.tags, self.interval_s = core, dict(tags), interval_s
         self.recorder = StepRecorder()
@@ -316,7 +316,7 @@ def install_engine_metrics(core: Any, interval_s: float = 1.0) -> EngineMetrics 
     """On a Serve replica: export ``core``'s metrics tagged with the replica's deployment,
     rank and id (None, logged, when Ray's metrics are unavailable)."""
     try:
-        from ray import serve
+        from ray import serve  # only on a Serve replica (the engine runs without Ray)
 
         ctx = serve.get_replica_context()
         rank = getattr(getattr(ctx, "rank", None), "rank", None)
