@@ -1,6 +1,6 @@
-"""Admission control (issue 15, finding 4): bounded queues by requests and by queued prefill
-tokens, exact under a burst, released by every way a request ends; and the one resolved
-max_model_len that the ingress and the ranks share (finding 5)."""
+"""Admission control: bounded queues by requests and by queued prefill tokens, exact under a
+burst, released by every way a request ends; and the one resolved max_model_len that the
+ingress and the ranks share."""
 
 from __future__ import annotations
 

@@ -461,8 +461,8 @@ def test_engine_extras_reach_the_engine_and_are_type_checked(server, oai):
 
 
 def test_engine_ids_are_internal_and_unique(server, oai):
-    """Issue 15, finding 2: the id a client sees (response id, x-request-id) is never the key
-    the engine knows a request by; every request gets a fresh internal id."""
+    """The id a client sees (response id, x-request-id) is never the key the engine knows a
+    request by; every request gets a fresh internal id."""
     _, client = server
     seen = []
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every HTTP endpoint and the gRPC service (issue 15): the cases of
+"""Property-based fuzzing of every HTTP endpoint and the gRPC service: the cases of
 ``bench.fuzz`` (mutated valid requests, junk bytes, deep nesting, hostile headers), drawn by
 hypothesis, against a real uvicorn server and a real grpc.aio server over the tiny engine. No
 answer is a 5xx, none hangs, errors have the protocol's shape; afterwards the server is

@@ -1,5 +1,5 @@
-"""The gRPC service on a real grpc.aio server over a real tiny engine (issue 15, finding 3):
-the HTTP API's keys, limits, defaults and validation, with gRPC status codes."""
+"""The gRPC service on a real grpc.aio server over a real tiny engine: the HTTP API's keys,
+limits, defaults and validation, with gRPC status codes."""
 
 from __future__ import annotations
 

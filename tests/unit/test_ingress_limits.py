@@ -1,4 +1,4 @@
-"""Ingress limits on a real uvicorn server (issue 15, findings 6-9): depth-safe JSON, header
+"""Ingress limits on a real uvicorn server: depth-safe JSON, header
 limits, JSON Content-Type, cross-origin refusal, body read timeout, and large bodies that no
 longer stall the event loop while they are tokenized."""
 
