@@ -26,8 +26,10 @@ $(DEV_STAMP): $(RUN_STAMP)
 serve: $(RUN_STAMP)
 	RAY_AUTH_MODE=disabled $(BIN)/python -m app.run serve_config.yaml
 
+# lint-imports: the layering and no-cycle contracts of pyproject.toml ([tool.importlinter])
 test: $(DEV_STAMP)
 	$(BIN)/ruff check app kernels tests bench tools
+	$(BIN)/lint-imports
 	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m tools.run_tests
 
 # On a CUDA machine with torch + triton already there (the lent H200 has no network, so no
@@ -69,6 +71,7 @@ gpu-bench:
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check app kernels tests bench tools
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from app.api.server import ApiConfig
 from app.config import EngineConfig, ExperimentalConfig, ParallelConfig, check_fields
-from app.deployments.pd import PDConfig, Role
+from app.deployments.pd_config import PDConfig, Role
 from app.deployments.routing import RoutingConfig
 from app.engine.model_path import DEFAULT_CACHE_DIR, TINY_MODELS, resolve_model
 from app.observability import ObservabilityConfig

@@ -1,6 +1,6 @@
 """PD transfer on two GPUs: rank 0 = the prefill engine on cuda:0, rank 1 = the
 decode engine on cuda:1, one process each; a request's exported decode state
-(``export_state`` -> ``DecodeState`` / ``KVState``) goes over NCCL (its tensors as bytes, one
+(``HandoffPort.export`` -> ``DecodeState`` / ``KVState``) goes over NCCL (its tensors as bytes, one
 batched send / receive) and the decode side imports it (``add_handoff``) and decodes.
 
     engine   the tiny V4.1 checkpoint, a ``--prompt-tokens`` request (32K on the GPUs): the

@@ -10,9 +10,9 @@ import argparse
 
 import uvicorn
 
-from app.api.client import LocalEngineClient
 from app.api.server import build_api
 from app.builder import app_configs
+from app.deployments.engine_host import LocalEngineClient
 from app.engine.engine import AsyncEngine
 from app.serve_args import ServeArgs
 

@@ -18,7 +18,7 @@ Decode steps are those after every request has its first token. Figures: the med
 time of those steps (each mode's per-round median, then the median of rounds; on a shared
 2-core machine this is dominated by the CPU forward and its noise), the median host
 bookkeeping time of the same steps (``t_schedule + t_update`` of ``EngineStats``: where the
-tracing code runs), and ``_trace_schedule`` alone on a decode schedule (micro-timed).
+tracing code runs), and ``SchedulerOutput.trace`` alone on a decode schedule (micro-timed).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
                 steps, host = run(core, m, a.batch, a.prompt, a.tokens, f"{m}{k}")
                 per[m].append(statistics.median(steps))
                 per_host[m].append(statistics.median(host))
-        # _trace_schedule alone on a decode schedule of traced requests
+        # SchedulerOutput.trace alone on a decode schedule of traced requests
         obs._enabled = True
         reqs = [EngineRequest(f"micro-{i}", (5, 6, 7, 8), SamplingParams(max_tokens=1000,
                 ignore_eos=True)) for i in range(a.batch)]  # fmt: skip
@@ -124,7 +124,7 @@ def main() -> None:
             t0 = time.perf_counter()
             n_micro = 20000
             for _ in range(n_micro):
-                core._trace_schedule(sched, t0)
+                sched.trace(t0)
             micro = (time.perf_counter() - t0) / n_micro
             for it in sched.items:  # undo the schedule's bookkeeping before aborting
                 it.seq.num_in_flight -= 1
@@ -151,7 +151,7 @@ def main() -> None:
               f"rounds {[round(x * 1e6, 1) for x in per_host[m]]}")  # fmt: skip
     print(f"trace - off: {(med['trace'] - med['off']) * 1e6:+.1f} us per decode step (wall), "
           f"{(hmed['trace'] - hmed['off']) * 1e6:+.1f} us (schedule+update); "
-          f"_trace_schedule on a decode step of {a.batch}: {micro * 1e6:.2f} us; "
+          f"SchedulerOutput.trace on a decode step of {a.batch}: {micro * 1e6:.2f} us; "
           f"OTLP posts received: {len(posts)}")  # fmt: skip
     print(out)
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from app.api.client import (
-    EngineClient,
-    EngineOverloadedError,
-    EngineUnavailableError,
-    LocalEngineClient,
-)
+from app.api.client import EngineClient
 from app.api.errors import ApiError
 from app.api.server import ApiConfig, FrontDoor, build_api
+from app.engine.admission import EngineOverloadedError, EngineUnavailableError
 
 __all__ = [
     "ApiConfig",
@@ -18,6 +14,5 @@ __all__ = [
     "EngineOverloadedError",
     "EngineUnavailableError",
     "FrontDoor",
-    "LocalEngineClient",
     "build_api",
 ]

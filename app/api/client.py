@@ -1,60 +1,23 @@
-"""The engine as the HTTP layer sees it: :class:`EngineClient`, a local adapter over
-:class:`~app.engine.engine.AsyncEngine`, and :class:`EngineStream` (one request's deltas, with
-abort on close). The Ray ingress implements the same protocol over Serve handles.
+"""The engine as the HTTP layer sees it: :class:`EngineClient` (the Ray ingress implements it
+over Serve handles, ``app.deployments.client``; an in-process rank engine over an
+``AsyncEngine``, ``app.deployments.engine_host.LocalEngineClient``) and :class:`EngineStream`
+(one request's deltas, with abort on close).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import anyio
 
-from app.api.admission import Admission, EngineOverloadedError
 from app.api.errors import ApiError
+from app.engine.admission import EngineOverloadedError, EngineUnavailableError
 from app.engine.request import EngineRequest, RequestError, RequestOutput
-from app.engine.validation import check_request
-
-if TYPE_CHECKING:
-    from app.engine.engine import AsyncEngine
-    from app.engine.handoff import Handoff
-
 
 OVERLOAD_RETRY_S = 1  # Retry-After of a 429 (queues turn over within seconds)
 UNAVAILABLE_RETRY_S = 5  # Retry-After of a 503 (ranks starting or restarting)
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine is not ready (starting, draining or failed); the API answers 503."""
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A request refused before it started, sent across a process boundary as a value (a
-    raised exception there costs a logged traceback per 429); :meth:`error` raises it again."""
-
-    kind: Literal["invalid", "overloaded", "unavailable"]
-    message: str
-    field: str = ""
-
-    @classmethod
-    def of(cls, e: Exception) -> Refusal | None:
-        if isinstance(e, RequestError):
-            return cls("invalid", e.message, e.field)
-        if isinstance(e, EngineOverloadedError):
-            return cls("overloaded", str(e))
-        if isinstance(e, EngineUnavailableError):
-            return cls("unavailable", str(e))
-        return None
-
-    def error(self) -> Exception:
-        if self.kind == "invalid":
-            return RequestError(self.field, self.message)
-        if self.kind == "overloaded":
-            return EngineOverloadedError(self.message)
-        return EngineUnavailableError(self.message)
 
 
 @runtime_checkable
@@ -76,87 +39,6 @@ class EngineClient(Protocol):
     async def stats(self) -> dict: ...
 
     async def ready(self) -> bool: ...
-
-
-class LocalEngineClient:
-    """:class:`EngineClient` over an in-process :class:`AsyncEngine` (a DP rank, tests).
-
-    ``max_pending`` unfinished requests and ``max_queued_tokens`` prompt tokens waiting for
-    prefill bound the queue (:class:`~app.api.admission.Admission`, prompts up to one step's
-    token budget count as short; beyond the bounds :class:`EngineOverloadedError`).
-    :meth:`drain` stops taking requests (503) while running ones finish.
-    """
-
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        max_pending: int | None = None,
-        max_queued_tokens: int | None = None,
-        stream_interval_s: float = 0.0,
-    ) -> None:
-        self.engine = engine
-        self.stream_interval_s = stream_interval_s  # delta batching (AsyncEngine.generate)
-        short = engine.core.cfg.scheduler.max_num_batched_tokens
-        self.admission = Admission(max_pending, max_queued_tokens, short_prompt_tokens=short)
-        self._draining = False
-
-    @property
-    def max_pending(self) -> int | None:
-        return self.admission.max_requests
-
-    @max_pending.setter
-    def max_pending(self, v: int | None) -> None:
-        self.admission.max_requests = v
-
-    async def generate(
-        self, req: EngineRequest, export: bool = False, handoff: Handoff | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """``export`` / ``handoff``: prefill/decode disaggregation (``AsyncEngine.generate``)."""
-        if self._draining:
-            raise EngineUnavailableError("the engine is draining and takes no new requests")
-        if not self.engine.healthy:
-            raise EngineUnavailableError(f"the engine stopped: {self.engine.error!r}")
-        await self._check(req)
-        ticket = self.admission.admit(len(req.prompt_token_ids))
-        try:
-            yield RequestOutput(req.request_id, num_prompt_tokens=len(req.prompt_token_ids))
-            stream = self.engine.generate(req, self.stream_interval_s, export, handoff)
-            async for out in stream:
-                if out.token_ids or out.finished:
-                    ticket.prefilled()
-                yield out
-        except RuntimeError as e:  # the engine stopped (after a failed step)
-            raise EngineUnavailableError(str(e)) from e
-        finally:
-            ticket.release()
-
-    async def _check(self, req: EngineRequest) -> None:
-        """What ``EngineCore.add_request`` checks (the shared validator, the constraint
-        compile), before the ack, so a stream's errors still get a 4xx status (the compile is
-        cached: the engine's is then a hit)."""
-        check_request(req, self.engine.limits)
-        core = self.engine.core
-        p = req.params
-        if p.constraint is not None:
-            from app.engine.grammar import GrammarError
-
-            try:
-                await asyncio.to_thread(core.grammar.compile, p.constraint)
-            except GrammarError as e:
-                raise RequestError("constraint", str(e)) from e
-
-    async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    async def stats(self) -> dict:
-        return {**self.engine.stats(), "num_unfinished": self.engine.num_unfinished}
-
-    async def ready(self) -> bool:
-        return not self._draining
-
-    def drain(self, draining: bool = True) -> None:
-        """Stop (or resume) taking new requests."""
-        self._draining = draining
 
 
 async def open_stream(

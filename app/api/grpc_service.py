@@ -24,10 +24,10 @@ import grpc
 from google.protobuf.message import DecodeError
 from tokenizers import Tokenizer
 
-from app.api.admission import Admission, EngineOverloadedError
 from app.api.client import EngineClient, open_stream
 from app.api.errors import ApiError
 from app.api.limits import check_api_key, make_request
+from app.engine.admission import Admission, EngineOverloadedError
 from app.engine.request import FinishReason, SamplingParams, new_request_id
 from app.engine.validation import BODY, GRPC, wire_fields
 from app.grpc.fathom_pb2 import GenerateRequest, GenerateResponse, SamplingOptions

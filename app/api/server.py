@@ -21,7 +21,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api import completions as cmpl
-from app.api.admission import Admission, EngineOverloadedError
 from app.api.client import OVERLOAD_RETRY_S, EngineClient, EngineStream, open_stream
 from app.api.errors import (
     ApiError,
@@ -47,6 +46,7 @@ from app.api.protocols import (
 )
 from app.api.sse import SSEResponse, sse_event
 from app.config import check_fields
+from app.engine.admission import Admission, EngineOverloadedError
 from app.engine.request import EngineRequest
 from app.engine.validation import RequestLimits
 

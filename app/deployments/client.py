@@ -25,9 +25,10 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from app.api.client import EngineClient, EngineOverloadedError, EngineUnavailableError, Refusal
+from app.api.client import EngineClient
 from app.cache.radix import chain_hashes
 from app.deployments.routing import RouteQuery
+from app.engine.admission import EngineOverloadedError, EngineUnavailableError, Refusal
 from app.engine.request import EngineRequest, RequestError, RequestOutput
 from app.observability import RequestMetrics, carrier, tracer
 

@@ -1,7 +1,9 @@
 """What a DPRank needs of its engine: the :class:`RankEngine` protocol, and
-:class:`LocalRankEngine`, the in-process engine behind it (an :class:`AsyncEngine` with its
-admission queue). A DPRank is built with ``engine_cls`` (the Ray Serve LLM ``LLMServer``
-pattern), so the deployment never reaches into engine internals.
+:class:`LocalRankEngine`, the in-process engine behind it: an :class:`AsyncEngine` behind
+:class:`LocalEngineClient`, which owns the rank's admission queue and its drain. A DPRank is
+built with ``engine_cls`` (the Ray Serve LLM ``LLMServer`` pattern), so the deployment never
+reaches into engine internals. No Ray here: ``LocalEngineClient`` also serves the HTTP API
+in-process (tests, ``bench/rank_server.py``).
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from app.api.client import LocalEngineClient
 from app.cache.events import HASH_NAMESPACE, KVEventBatch, KVSnapshot
 from app.config import EngineConfig
+from app.engine.admission import Admission, EngineUnavailableError
 from app.engine.core import EngineCore
 from app.engine.engine import AsyncEngine
 from app.engine.handoff import Handoff
@@ -73,6 +75,74 @@ class RankEngine(Protocol):
     def problem(self, step_timeout_s: float | None) -> str | None: ...
 
     def shutdown(self) -> None: ...
+
+
+class LocalEngineClient:
+    """An in-process :class:`AsyncEngine` as an ``app.api.client.EngineClient`` (a DP rank,
+    tests): the rank's admission and drain in front of it.
+
+    ``max_pending`` unfinished requests and ``max_queued_tokens`` prompt tokens waiting for
+    prefill bound the queue (:class:`~app.engine.admission.Admission`, prompts up to one
+    step's token budget count as short; beyond the bounds ``EngineOverloadedError``).
+    :meth:`drain` stops taking requests (503) while running ones finish. A request is
+    validated (and its constraint compiled) once, by the engine core on its own thread; the
+    ack goes out when the core has accepted it, so an invalid request still gets its 4xx.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        max_pending: int | None = None,
+        max_queued_tokens: int | None = None,
+        stream_interval_s: float = 0.0,
+    ) -> None:
+        self.engine = engine
+        self.stream_interval_s = stream_interval_s  # delta batching (AsyncEngine.generate)
+        short = engine.core.cfg.scheduler.max_num_batched_tokens
+        self.admission = Admission(max_pending, max_queued_tokens, short_prompt_tokens=short)
+        self._draining = False
+
+    @property
+    def max_pending(self) -> int | None:
+        return self.admission.max_requests
+
+    @max_pending.setter
+    def max_pending(self, v: int | None) -> None:
+        self.admission.max_requests = v
+
+    async def generate(
+        self, req: EngineRequest, export: bool = False, handoff: Handoff | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """The ack once the engine accepted ``req``, then its deltas. ``export`` /
+        ``handoff``: prefill/decode disaggregation (``AsyncEngine.generate``)."""
+        if self._draining:
+            raise EngineUnavailableError("the engine is draining and takes no new requests")
+        if not self.engine.healthy:
+            raise EngineUnavailableError(f"the engine stopped: {self.engine.error!r}")
+        ticket = self.admission.admit(len(req.prompt_token_ids))
+        try:
+            stream = self.engine.generate(req, self.stream_interval_s, export, handoff, ack=True)
+            async for out in stream:
+                if out.token_ids or out.finished:
+                    ticket.prefilled()
+                yield out
+        except RuntimeError as e:  # the engine stopped (after a failed step)
+            raise EngineUnavailableError(str(e)) from e
+        finally:
+            ticket.release()
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def stats(self) -> dict:
+        return {**self.engine.stats(), "num_unfinished": self.engine.num_unfinished}
+
+    async def ready(self) -> bool:
+        return not self._draining
+
+    def drain(self, draining: bool = True) -> None:
+        """Stop (or resume) taking new requests."""
+        self._draining = draining
 
 
 class LocalRankEngine:

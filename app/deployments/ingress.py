@@ -11,11 +11,11 @@ from prometheus_client import make_asgi_app
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app.api.admission import Admission
 from app.api.grpc_service import GenerateService
 from app.api.server import FrontDoor, build_api
 from app.deployments.client import MeteredClient, ServeEngineClient
 from app.deployments.pd_client import PDEngineClient
+from app.engine.admission import Admission
 from app.grpc.fathom_pb2 import GenerateResponse
 from app.logs import setup_logging
 from app.observability import (

@@ -36,62 +36,23 @@ import typing
 import warnings
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
 import ray
 import torch
 
-from app.api.client import Refusal
 from app.cache.transfer import KVTransferError
-from app.config import EngineConfig, PDFault, check_fields
-from app.deployments.pd_client import PDMetrics, count_fallback
+from app.config import EngineConfig, PDFault
+from app.deployments.pd_config import PDConfig, TransportName
+from app.deployments.pd_metrics import PDMetrics, count_fallback
 from app.deployments.rank import DPRank
+from app.engine.admission import Refusal
 from app.engine.handoff import DecodeState, Handoff
 from app.engine.request import EngineRequest, FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-Role = Literal["prefill", "decode"]
-TransportName = Literal["auto", "object_store", "nixl", "cuda_ipc"]
-
-
-@dataclass(frozen=True)
-class PDRoleConfig:
-    """One side of prefill/decode disaggregation: its ranks and engine option overrides."""
-
-    __pydantic_config__ = {"extra": "forbid"}
-
-    ranks: int = field(default=1, metadata={"gt": 0})
-    num_cpus: float | None = field(default=None, metadata={"gt": 0})  # None: rank_num_cpus
-    num_gpus: float | None = field(default=None, metadata={"ge": 0})  # None: rank_num_gpus
-    engine: dict[str, Any] = field(default_factory=dict)  # over ServeArgs.engine
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-
-@dataclass(frozen=True)
-class PDConfig:
-    """Prefill/decode disaggregation (``ServeArgs.pd``; replaces ``dp_size``). A PD rank
-    gets it with its role; the test-only fault injection is ``experimental.pd_fault``."""
-
-    __pydantic_config__ = {"extra": "forbid"}
-
-    prefill: PDRoleConfig = PDRoleConfig()
-    decode: PDRoleConfig = PDRoleConfig()
-    transport: TransportName = "auto"
-    transfer_timeout_s: float = field(default=10.0, metadata={"gt": 0})  # then: local prefill
-
-    def __post_init__(self) -> None:
-        check_fields(self, "pd.")
-
-    def role_options(self, engine: dict[str, Any], role: Role) -> dict[str, Any]:
-        """The engine options of ``role``: ServeArgs.engine with the role's overrides."""
-        side: PDRoleConfig = getattr(self, role)
-        return {**engine, **side.engine}
-
 
 @dataclass(frozen=True)
 class Parcel:
@@ -199,7 +160,7 @@ class PDRank(DPRank):
         self.pd = pd
         self.fault: PDFault = engine_cfg.experimental.pd_fault
         self.transport = make_transport(pd.transport, str(self.engine.core.device))
-        self.header = self.engine.core.kv_header  # computed once here: reads the checkpoint
+        self.header = self.engine.core.handoff.header  # computed once here: reads the checkpoint
         self.counts: Counter[str] = Counter()
         self.pd_metrics = PDMetrics()
 

@@ -1,7 +1,7 @@
 """The ingress side of prefill/decode disaggregation (``app.deployments.pd``): one client
-stream over a prefill rank and a decode rank, and the PD metrics both sides count. Kept
-apart from the ranks' module so that the ingress replicas import neither torch nor the
-engine (a replica start is ~5 s of CPU lighter)."""
+stream over a prefill rank and a decode rank. Kept apart from the ranks' module so that the
+ingress replicas import neither torch nor the engine (a replica start is ~5 s of CPU
+lighter)."""
 
 from __future__ import annotations
 
@@ -12,42 +12,12 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from app.api.client import EngineUnavailableError
 from app.deployments.client import ServeEngineClient
+from app.deployments.pd_metrics import PDMetrics, count_fallback
+from app.engine.admission import EngineUnavailableError
 from app.engine.request import EngineRequest, FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-
-class PDMetrics:
-    """Ray metrics of PD transfers (named in ``app.deployments.pd``'s module doc)."""
-
-    def __init__(self) -> None:
-        from ray.util.metrics import Counter as RayCounter
-        from ray.util.metrics import Histogram
-
-        self.bytes = RayCounter("fathom_pd_transfer_bytes", "KV state bytes sent / received",
-                                tag_keys=("role",))  # fmt: skip
-        self.seconds = Histogram(
-            "fathom_pd_transfer_seconds", "KV state send (prefill) and receive (decode) time",
-            boundaries=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
-            tag_keys=("stage",),
-        )
-        self.handoffs = RayCounter("fathom_pd_handoffs", "KV states sent / imported",
-                                   tag_keys=("role",))  # fmt: skip
-        self.fallbacks = RayCounter(
-            "fathom_pd_fallbacks", "Handed-off requests prefilled again on a decode rank",
-            tag_keys=("reason",),
-        )
-
-
-def count_fallback(metrics: PDMetrics | None, counts: Counter, reason: str) -> None:
-    counts[f"fallback_{reason}"] += 1
-    if metrics is not None:
-        try:
-            metrics.fallbacks.inc(tags={"reason": reason})
-        except Exception:  # metrics never fail a request
-            logger.debug("PD fallback counter failed", exc_info=True)
 
 
 class PDEngineClient:

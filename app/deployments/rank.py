@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app.api.client import Refusal
 from app.config import EngineConfig, ParallelConfig
 from app.deployments.engine_host import LocalRankEngine, RankEngine
 from app.deployments.gang import join_gang
 from app.deployments.router import EVENTS_S, REPORT_S
+from app.engine.admission import Refusal
 from app.engine.metrics import install_engine_metrics
 from app.engine.request import EngineRequest, RequestOutput
 from app.logs import setup_logging

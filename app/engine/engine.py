@@ -32,7 +32,6 @@ from app.engine.core import EngineCore
 from app.engine.handoff import Handoff
 from app.engine.parallel import RankParallel
 from app.engine.request import ENGINE_FAILED, EngineRequest, FinishReason, RequestOutput
-from app.engine.validation import RequestLimits
 from app.model.model import DeepseekModel
 
 logger = logging.getLogger(__name__)
@@ -62,10 +61,12 @@ class AsyncEngine:
     # ---- public API --------------------------------------------------------------------
     async def generate(
         self, req: EngineRequest, stream_interval_s: float = 0.0, export: bool = False,
-        handoff: Handoff | None = None,
+        handoff: Handoff | None = None, ack: bool = False,
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Add ``req`` and yield its output deltas until it finishes. Raises
-        :class:`app.engine.request.RequestError` before the first delta if it is invalid.
+        :class:`app.engine.request.RequestError` before the first delta if it is invalid (the
+        core validates it and compiles its constraint on the loop thread); ``ack``: first
+        yield an empty delta once the core has accepted it.
 
         ``stream_interval_s`` > 0 batches deltas: the first delta with tokens goes out at
         once, later ones wait up to that long for the steps that follow and go out merged
@@ -86,6 +87,8 @@ class AsyncEngine:
             add = self._add_handoff if handoff is not None else self._add
             arg = handoff if handoff is not None else export
             await asyncio.wrap_future(self._submit(lambda: add(req, sink, arg)))
+            if ack:
+                yield RequestOutput(rid, num_prompt_tokens=len(req.prompt_token_ids))
             first = True
             while not finished:
                 out = await queue.get()
@@ -144,11 +147,6 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._sinks)
-
-    @property
-    def limits(self) -> RequestLimits:
-        """The bounds requests are validated against (vocabulary, max_model_len)."""
-        return RequestLimits(self.core.model.cfg.vocab_size, self.core.max_model_len)
 
     @property
     def healthy(self) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.engine.scheduler import Sequence
+    from app.engine.sequence import Sequence
 
 
 class LongPrefillShare:

@@ -1,12 +1,13 @@
-"""Structured output with llguidance: constraints compiled once (LRU-cached by constraint),
-one matcher per request, a token bitmask per step.
+"""Structured output, the one place the engine handles it: constraints compiled once with
+llguidance (LRU-cached by constraint), one matcher per request, a token mask per step,
+acceptance of each sampled token, and replay of a handed-off request's output.
 
-Per decode step, for the constrained rows of a batch (order matters)::
-
-    fill_bitmasks(matchers, bitmask, rows)   # CPU; may overlap the forward pass
-    apply_bitmask(logits, bitmask, rows)     # disallowed logits -> -inf, in place
-    token = sample(logits)
-    ok = matcher.accept(token)               # False: fail the request with matcher.error
+    so = StructuredOutput(tokenizer, model_cfg, eos_id)   # the engine core's
+    seq.matcher = so.matcher(constraint)       # compile; RequestError("constraint") if bad
+    apply = mask(matchers, rows, vocab_size)   # CPU bitmask fill; may overlap the forward
+    apply(logits)                              # disallowed logits -> -inf, in place
+    error = accept(seq.matcher, token)         # None, or why the request fails
+    replay(seq.matcher, output_ids)            # a handoff's tokens, on import
 
 Special tokens never appear inside constrained text (llguidance excludes them from every
 lexeme); a grammar names them explicitly by id (``<[7]>`` for ``</think>``). EOS is allowed only
@@ -14,18 +15,9 @@ where the grammar may end; ids at or beyond the tokenizer's size are always mask
 
 ``think_first`` wraps the constraint: free reasoning (no special tokens, no plain-text
 ``</think>``), the ``</think>`` token, then the answer grammar. Tool calls follow DeepSeek DSML
-as ``deepseek-recipe`` renders and parses it (V4.1; V4 spells the tags ``｜DSML｜tool_calls``,
-``｜DSML｜invoke``, ``｜DSML｜parameter``)::
-
-    free text<｜DSML｜ calls>
-    <｜DSML｜ invoke name="get_weather">
-    <｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>
-    <｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>
-    </｜DSML｜ invoke>
-    </｜DSML｜ calls>
-
-``tool_call_required`` starts after the ``<｜DSML｜ calls>\\n`` that the prompt already holds.
-llguidance is imported lazily: the GPU machine runs the engine without it.
+(the Lark text: ``app.engine.tool_grammar``); ``tool_call_required`` starts after the
+``<｜DSML｜ calls>\\n`` that the prompt already holds. llguidance, a heavy optional dependency,
+is imported lazily where it is used: the GPU machine runs the engine without it.
 """
 
 from __future__ import annotations
@@ -34,31 +26,24 @@ import functools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
+
+from app.engine.request import RequestError
+from app.engine.tool_grammar import DSML, JSON_OPTIONS, GrammarError, ToolGrammar, free_text
 
 if TYPE_CHECKING:
     import llguidance
     from tokenizers import Tokenizer
 
     from app.engine.request import OutputConstraint
+    from app.model.config import ModelConfig
 
 THINK_END = "</think>"
-DSML = "｜DSML｜"  # deepseek-recipe SpecialToken.Dsml.default_str()
-# DSML tag words per architecture (ModelConfig.arch): calls block, one call, one argument.
-_DSML_TAGS = {
-    "v41": {"calls": " calls", "invoke": " invoke", "parameter": " parameter"},
-    "v4": {"calls": "tool_calls", "invoke": "invoke", "parameter": "parameter"},
-}
-# Compact JSON in the style deepseek-recipe renders tool arguments: {"a": 1, "b": [true]}.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class GrammarError(ValueError):
-    """An output constraint that cannot be compiled (reject the request at admission)."""
 
 
 @dataclass(frozen=True)
@@ -68,139 +53,6 @@ class CompiledGrammar:
     key: tuple[str, str, bool]
     grammar: str
     template: llguidance.LLMatcher
-
-
-def _lit(s: str) -> str:
-    """A Lark string literal (llguidance reads JSON string escapes)."""
-    return json.dumps(s, ensure_ascii=False)
-
-
-def _free_text(forbidden: str) -> str:
-    """Terminal expression: any text that does not spell ``forbidden`` as plain text (a parser
-    reading decoded text would take it for the special token)."""
-    return f"(ANY & ~(ANY {_lit(forbidden)} ANY))"
-
-
-class _ToolGrammar:
-    """Lark grammar for DSML tool calls whose arguments follow each tool's JSON schema.
-
-    Parameters appear in schema order, required ones always, optional ones at most once, no
-    others; a schema without "properties" (e.g. ``{"type": "object"}``) takes any names and
-    values, a missing or empty one no parameters.
-    """
-
-    def __init__(self, tools: list[Any], arch: str, dsml_id: int):
-        self.words = _DSML_TAGS[arch]
-        self.dsml = f"<[{dsml_id}]>"
-        self.rules: list[str] = []
-        self.invokes = [self._invoke(i, t) for i, t in enumerate(tools)]
-
-    def _tag(self, word: str, rest: str = ">") -> str:
-        """The DSML token, then the tag word and ``rest`` as plain text."""
-        return f"{self.dsml} {_lit(self.words[word] + rest)}"
-
-    def lark(self, start: str) -> str:
-        """``start``: "text" (free text, then optionally a calls block), "block" (inside the
-        block the prompt opened) or "open" (the answer opens the block itself)."""
-        opened = self._tag("calls", ">\n") + " calls"
-        first = {
-            "text": f"start: TEXT | TEXT_LT {opened}",
-            "block": "start: calls",
-            "open": f'start: "\\n\\n<" {opened}',
-        }[start]
-        return "\n".join(
-            [
-                first,
-                f'calls: invoke+ "</" {self._tag("calls")}',
-                "invoke: " + " | ".join(self.invokes),
-                *self.rules,
-                "ANY: /(?s:.*)/",
-                f"TEXT: {_free_text(DSML)}",
-                'TEXT_LT: TEXT "<"',
-                'RAW: TEXT "</"',
-                'NAME: /[^"<>\\n]+/',
-            ]
-        )
-
-    def _invoke(self, i: int, tool: Any) -> str:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise GrammarError(f"tool {i}: expected a function tool with a name")
-        params = fn.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise GrammarError(f"tool {fn['name']!r}: parameters must be a JSON schema object")
-        props = params.get("properties") or {}
-        required = set(params.get("required") or ())
-        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
-        args = []
-        for j, (name, schema) in enumerate(props.items()):
-            self._param(f"p{i}_{j}", name, schema if isinstance(schema, dict) else {}, defs)
-            args.append(f"p{i}_{j}" if name in required else f"p{i}_{j}?")
-        if params and "properties" not in params and params.get("additionalProperties", True):
-            self._param(f"p{i}_any", None, {}, defs)
-            args.append(f"p{i}_any*")
-        head = self._tag("invoke", f' name="{fn["name"]}">\n')
-        body = " ".join(args)
-        if not required.intersection(props):  # no arguments: V4.1 renders an empty line, V4 not
-            body = f'("\\n" | {body})' if body else '"\\n"?'
-        end = self._tag("invoke", ">\n")
-        self.rules.append(f'i{i}: "<" {head} {body} "</" {end}')
-        return f"i{i}"
-
-    def _param(self, rule: str, name: str | None, schema: dict[str, Any], defs: dict) -> None:
-        """One argument (``name`` None: any name): a string goes raw (``string="true"``, the
-        text runs to ``</｜DSML｜ parameter>``), anything else as JSON (``string="false"``)."""
-        key = "NAME" if name is None else _lit(name)
-        open_ = '"<" ' + self._tag("parameter", ' name="') + " " + key
-        close = self._tag("parameter", ">\n")
-        alts = []
-        raw = _raw_string(schema)
-        if raw is not None:
-            self.rules.append(f"{rule.upper()}_RAW: {raw}")
-            alts.append(f'{open_} "\\" string=\\"true\\">" {rule.upper()}_RAW {close}')
-        if raw is None or _admits_non_string(schema):
-            self.rules.append(f"{rule}_json: %json {json.dumps(_tool_schema({**schema, **defs}))}")
-            alts.append(f'{open_} "\\" string=\\"false\\">" {rule}_json "</" {close}')
-        self.rules.append(f"{rule}: " + " | ".join(alts))
-
-
-def _tool_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    # client tool schemas are loose: unsupported keywords are ignored rather than rejected
-    return {**schema, "x-guidance": {**_JSON_OPTIONS, "lenient": True}}
-
-
-def _raw_string(schema: dict[str, Any]) -> str | None:
-    """Terminal for a raw (``string="true"``) value followed by ``</``, or None when the value
-    must go as JSON (not a string, or string rules a raw regex cannot express here)."""
-    values = (
-        schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
-    )
-    if values is not None:
-        strs = [v for v in values if isinstance(v, str)]
-        return f'({" | ".join(_lit(v) for v in strs)}) "</"' if strs else None
-    types = schema.get("type")
-    if types is None:
-        composite = any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref", "not"))
-        return None if composite else "RAW"
-    if "string" not in ([types] if isinstance(types, str) else types):
-        return None
-    if "pattern" in schema or "format" in schema:
-        return None
-    lo, hi = schema.get("minLength"), schema.get("maxLength")
-    if lo is None and hi is None:
-        return "RAW"
-    span = f"{{{int(lo or 0)},{'' if hi is None else int(hi)}}}"
-    return f'(/(?s:.){span}/ & {_free_text(DSML)}) "</"'
-
-
-def _admits_non_string(schema: dict[str, Any]) -> bool:
-    if "enum" in schema or "const" in schema:
-        vals = schema.get("enum", [schema.get("const")])
-        return any(not isinstance(v, str) for v in vals)
-    types = schema.get("type")
-    if types is None:
-        return True
-    return any(t != "string" for t in ([types] if isinstance(types, str) else types))
 
 
 class GrammarMatcher:
@@ -319,7 +171,7 @@ class GrammarCompiler:
                 raise GrammarError(f"think_first: the tokenizer has no {THINK_END} token")
             top = (
                 f"start: THINK <[{self.think_end_id}]> @answer\nANY: /(?s:.*)/\n"
-                f"THINK: {_free_text(THINK_END)}"
+                f"THINK: {free_text(THINK_END)}"
             )
             grammars = [{"lark_grammar": top}, {"name": "answer", **answer}]
         else:
@@ -341,7 +193,7 @@ class GrammarCompiler:
             if not isinstance(schema, dict | bool):
                 raise GrammarError("json schema must be an object or a boolean")
             if isinstance(schema, dict):
-                schema = {**schema, "x-guidance": {**_JSON_OPTIONS, "lenient": False}}
+                schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": False}}
             return {"json_schema": schema}
         if kind == "regex":
             return {"lark_grammar": f"start: /{llguidance.regex_to_lark(spec)}/"}
@@ -356,7 +208,7 @@ class GrammarCompiler:
         if self.dsml_id is None:
             raise GrammarError(f"tool calls: the tokenizer has no {DSML} token")
         start = "text" if kind == "tool_call" else "open" if think_first else "block"
-        return {"lark_grammar": _ToolGrammar(tools, self.arch, self.dsml_id).lark(start)}
+        return {"lark_grammar": ToolGrammar(tools, self.arch, self.dsml_id).lark(start)}
 
 
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
@@ -421,3 +273,71 @@ def apply_bitmask(
     else:
         idx = idx.to(logits.device, non_blocking=True)
         logits[idx] = logits[idx].masked_fill(disallowed, float("-inf"))
+
+
+# ---- the engine's side: one object per engine core, functions per step ----------------------
+class StructuredOutput:
+    """An engine's structured output: the compiler (built on first use, from the checkpoint's
+    tokenizer) and a fresh matcher per constrained request."""
+
+    def __init__(
+        self, tokenizer: Tokenizer | None, model_cfg: ModelConfig, eos_token_id: int
+    ) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, model_cfg.vocab_size
+        self.eos_token_id, self.arch = eos_token_id, model_cfg.arch
+        self._compiler: GrammarCompiler | None = None
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise RequestError("constraint", "this model has no tokenizer.json")
+            think = self.tokenizer.token_to_id(THINK_END)
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id,
+                                             think, arch=self.arch)  # fmt: skip
+        return self._compiler
+
+    def matcher(self, constraint: OutputConstraint | None) -> GrammarMatcher | None:
+        """A request's matcher (None when unconstrained); raises :class:`RequestError` when
+        the constraint does not compile."""
+        if constraint is None:
+            return None
+        try:
+            return self.compiler.matcher(self.compiler.compile(constraint))
+        except GrammarError as e:
+            raise RequestError("constraint", str(e)) from e
+
+
+def mask(
+    matchers: Sequence[GrammarMatcher], rows: Sequence[int], vocab_size: int
+) -> Callable[[torch.Tensor], None]:
+    """Fill the bitmask of ``matchers`` now (host); the returned hook masks logits row
+    ``rows[i]`` by ``matchers[i]`` in place (the sampler calls it after the penalties)."""
+    bitmask = allocate_bitmask(len(matchers), vocab_size)
+    own = list(range(len(matchers)))
+    fill_bitmasks(matchers, bitmask, own)
+    where = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+
+    def apply(logits: torch.Tensor) -> None:
+        idx = (where.pin_memory() if logits.is_cuda else where).to(logits.device, non_blocking=True)
+        sub = logits[idx]
+        apply_bitmask(sub, bitmask.to(sub.device), own)
+        logits[idx] = sub
+
+    return apply
+
+
+def accept(matcher: GrammarMatcher | None, token_id: int) -> str | None:
+    """Advance a request's matcher by a sampled token: None, or the error that ends the
+    request (the token violates its constraint)."""
+    if matcher is None or matcher.accept(token_id):
+        return None
+    return f"token {token_id} violates the output constraint"
+
+
+def replay(matcher: GrammarMatcher | None, token_ids: Sequence[int]) -> None:
+    """Bring a request's matcher to the end of output it already has (a handoff); raises
+    :class:`RequestError` when a token violates the constraint."""
+    for tok in token_ids if matcher is not None else ():
+        if not matcher.accept(tok):
+            raise RequestError("constraint", f"output token {tok} violates the constraint")

@@ -17,24 +17,41 @@ What :class:`DecodeState` carries and where the rest comes from:
                   request's draws are counters of (seed, output index); unseeded requests
                   draw from each engine's own generator
   grammar         the constraint (in the request) replayed over the output ids on import
+                  (``app.engine.grammar.replay``)
   speculation     the pending drafts and their proposal logits (the decode engine's first
                   step verifies them, as the prefill engine's next step would have)
+
+An engine core's side of this is its :class:`HandoffPort`, which reaches back into the core
+only through the :class:`Engine` protocol (make a request's sequence, enter it).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from app.cache.block_pool import NoFreeBlocks
-from app.cache.transfer import KVState, KVTransferError, gather, scatter
-from app.engine.request import EngineRequest, RequestError
-from app.engine.scheduler import SeqStatus, Sequence
+from app.cache.manager import CacheManager
+from app.cache.transfer import (
+    KVState,
+    KVTransferError,
+    LayoutHeader,
+    gather,
+    model_fingerprint,
+    scatter,
+)
+from app.config import EngineConfig
+from app.engine import grammar
+from app.engine.metrics import EngineStats
+from app.engine.request import EngineRequest, FinishReason, RequestError, RequestOutput
+from app.engine.sequence import SeqStatus, Sequence
+from app.model.config import ModelConfig
 
-if TYPE_CHECKING:
-    from app.engine.core import EngineCore
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,62 +94,121 @@ class Handoff:
     state: DecodeState | None = None
 
 
-def export_state(core: EngineCore, seq: Sequence) -> DecodeState:
-    """The decode state of ``seq`` right after its first output token (copies; the caller
-    frees the request's cache afterwards)."""
-    cache, rid = core.cache, seq.request_id
-    kv = gather(cache.pools, cache.layout, core.kv_header, cache.slot_of(rid),
-                cache.blocks_of(rid), seq.num_prompt, cache.window_floor(rid),
-                seq.num_cached)  # fmt: skip
-    logits = seq.draft_logits.detach().clone() if seq.draft_logits is not None else None
-    state = DecodeState(rid, tuple(seq.output_ids), kv, tuple(seq.drafts), logits)
-    if core.device.type == "cuda":
-        state.ready = torch.cuda.Event()
-        state.ready.record()
-    return state
+class Engine(Protocol):
+    """What an import needs of the engine core that continues a request."""
+
+    def new_sequence(self, req: EngineRequest) -> Sequence:
+        """A validated request's engine state (not queued yet)."""
+
+    def enter(self, seq: Sequence, running: bool = False) -> None:
+        """Register ``seq``: into the waiting queue, or (``running``: its cache is in
+        place) straight into the running batch."""
 
 
-def import_state(core: EngineCore, req: EngineRequest, handoff: Handoff) -> str | None:
-    """Queue ``req`` on ``core`` continuing from ``handoff``. Returns None when the state was
-    installed (the request decodes in the next step), else why it resumes as a local
-    prefill ("no_state", "no_room"). Raises :class:`KVTransferError` on a header mismatch
-    and :class:`RequestError` when the output does not fit the request."""
-    state, out = handoff.state, list(handoff.output_ids)
-    if state is not None:
-        state.kv.header.check(core.kv_header)
-        if state.request_id != req.request_id or list(state.output_ids) != out:
-            raise KVTransferError(f"the KV state is {state.request_id!r}'s, not this request's")
-    if not out:
-        raise RequestError("handoff", "a handoff needs the output tokens so far")
-    seq = core.new_sequence(req)
-    seq.tokens += out
-    if seq.matcher is not None:
-        for tok in out:
-            if not seq.matcher.accept(tok):
-                raise RequestError("constraint", f"output token {tok} violates the constraint")
-    if state is None:
-        core.queue_sequence(seq)
-        return "no_state"
-    cache, rid = core.cache, req.request_id
-    kv = state.kv
-    try:
-        slot, blocks = cache.adopt(rid, kv.num_blocks, req.extra_key, kv.window_floor,
-                                   kv.num_cached)  # fmt: skip
-    except (NoFreeBlocks, RuntimeError):
-        core.queue_sequence(seq)
-        return "no_room"
-    try:
-        scatter(cache.pools, cache.layout, kv, slot, blocks)
-    except BaseException:
-        cache.free(rid)
-        raise
-    seq.num_computed = seq.num_done = kv.num_computed
-    seq.num_cached = kv.num_cached
-    if state.drafts:
-        seq.drafts = list(state.drafts)
-        lg = state.draft_logits
-        seq.draft_logits = lg.to(core.device) if lg is not None else None
-    cache.commit(rid, seq.tokens, kv.num_computed)  # the prompt's blocks join the prefix index
-    seq.status = SeqStatus.RUNNING
-    core.run_sequence(seq)
-    return None
+class HandoffPort:
+    """One engine core's side of handoffs: requests marked to export after their first
+    token, their export, and the import of requests another engine prefilled (counted in
+    ``stats``)."""
+
+    def __init__(
+        self, cfg: EngineConfig, model_cfg: ModelConfig, cache: CacheManager,
+        device: torch.device, stats: EngineStats,
+    ) -> None:  # fmt: skip
+        self.cfg, self.model_cfg, self.cache = cfg, model_cfg, cache
+        self.device, self.stats = device, stats
+        self.exporting: set[str] = set()  # requests handed off after their first token
+        self._header: LayoutHeader | None = None
+
+    @property
+    def header(self) -> LayoutHeader:
+        """The layout header of this engine's KV states (what an import must match): its
+        cache layout, the checkpoint's fingerprint and the drafter."""
+        if self._header is None:
+            path, spec = Path(self.cfg.model), self.cfg.speculative
+            fp = model_fingerprint(path) if path.is_dir() else repr(self.model_cfg)
+            draft = f"{spec.method}:{spec.num_draft_tokens}" if spec is not None else ""
+            self._header = LayoutHeader.of(self.cache.layout, fp, draft)
+        return self._header
+
+    def after_token(self, seq: Sequence, out: RequestOutput) -> None:
+        """A step's delta ``out`` of ``seq``: an exporting request's first tokens end it with
+        its decode state (unless they end it anyway)."""
+        if out.token_ids and not out.finished and seq.request_id in self.exporting:
+            self.export(seq, out)
+
+    def export(self, seq: Sequence, out: RequestOutput) -> None:
+        """End an exporting request after its first token with its decode state in ``out``
+        (None when the export fails: the decode side then prefills it itself)."""
+        try:
+            out.handoff = state = self.state_of(seq)
+            self.stats.kv_exports += 1
+            self.stats.kv_export_bytes += state.nbytes
+        except Exception:
+            logger.exception("request %s: KV export failed", seq.request_id)
+        seq.finish_reason = FinishReason.HANDOFF
+        out.finished, out.finish_reason = True, FinishReason.HANDOFF
+
+    def state_of(self, seq: Sequence) -> DecodeState:
+        """The decode state of ``seq`` right after its first output token (copies; the
+        caller frees the request's cache afterwards)."""
+        cache, rid = self.cache, seq.request_id
+        kv = gather(cache.pools, cache.layout, self.header, cache.slot_of(rid),
+                    cache.blocks_of(rid), seq.num_prompt, cache.window_floor(rid),
+                    seq.num_cached)  # fmt: skip
+        logits = seq.draft_logits.detach().clone() if seq.draft_logits is not None else None
+        state = DecodeState(rid, tuple(seq.output_ids), kv, tuple(seq.drafts), logits)
+        if self.device.type == "cuda":
+            state.ready = torch.cuda.Event()
+            state.ready.record()
+        return state
+
+    def install(self, engine: Engine, req: EngineRequest, handoff: Handoff) -> str | None:
+        """Queue ``req`` on ``engine`` continuing from ``handoff``. Returns None when the
+        state was installed (the request decodes in the next step), else why it resumes as
+        a local prefill ("no_state", "no_room"). Raises :class:`KVTransferError` on a header
+        mismatch and :class:`RequestError` when the output does not fit the request."""
+        why = self._install(engine, req, handoff)
+        if why is None:
+            self.stats.kv_imports += 1
+        else:
+            self.stats.kv_import_local += 1
+        return why
+
+    def _install(self, engine: Engine, req: EngineRequest, handoff: Handoff) -> str | None:
+        state, out = handoff.state, list(handoff.output_ids)
+        if state is not None:
+            state.kv.header.check(self.header)
+            if state.request_id != req.request_id or list(state.output_ids) != out:
+                raise KVTransferError(
+                    f"the KV state is {state.request_id!r}'s, not this request's"
+                )
+        if not out:
+            raise RequestError("handoff", "a handoff needs the output tokens so far")
+        seq = engine.new_sequence(req)
+        seq.tokens += out
+        grammar.replay(seq.matcher, out)
+        if state is None:
+            engine.enter(seq)
+            return "no_state"
+        cache, rid, kv = self.cache, req.request_id, state.kv
+        try:
+            slot, blocks = cache.adopt(rid, kv.num_blocks, req.extra_key, kv.window_floor,
+                                       kv.num_cached)  # fmt: skip
+        except (NoFreeBlocks, RuntimeError):
+            engine.enter(seq)
+            return "no_room"
+        try:
+            scatter(cache.pools, cache.layout, kv, slot, blocks)
+        except BaseException:
+            cache.free(rid)
+            raise
+        seq.num_computed = seq.num_done = kv.num_computed
+        seq.num_cached = kv.num_cached
+        if state.drafts:
+            seq.drafts = list(state.drafts)
+            lg = state.draft_logits
+            seq.draft_logits = lg.to(self.device) if lg is not None else None
+        cache.commit(rid, seq.tokens, kv.num_computed)  # the prompt's blocks join the index
+        seq.status = SeqStatus.RUNNING
+        engine.enter(seq, running=True)
+        return None

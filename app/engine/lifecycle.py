@@ -2,7 +2,7 @@
 
 The rank registers a :class:`RequestTrace` for a sampled request before it submits it
 (``EngineCore.traces[request_id] = trace``, a dict write that is safe from another thread);
-``add_request`` takes it onto the request's :class:`~app.engine.scheduler.Sequence` and the
+``add_request`` takes it onto the request's :class:`~app.engine.sequence.Sequence` and the
 core calls :meth:`RequestTrace.event` at each phase:
 
     queued         the request entered the waiting queue (prompt_tokens)

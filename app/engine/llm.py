@@ -117,7 +117,7 @@ class LLM:
                 r = rids.index(rid)
                 got[rid] = (block.ids[r].tolist(), block.logits[r].float().cpu())
 
-        k = eng.num_drafts
+        k = eng.spec.num_drafts
         params = SamplingParams(temperature=0.0, max_tokens=k + 2, ignore_eos=True)
         eng.on_draft = record
         try:

@@ -1,4 +1,5 @@
-"""Engine metrics of one DP rank, exported through Ray's metrics (``ray.util.metrics``), so
+"""Engine metrics of one DP rank: the core's counters (:class:`EngineStats`, read by the
+router and ``AsyncEngine.stats``), exported through Ray's metrics (``ray.util.metrics``), so
 Prometheus scraping Ray's metrics endpoint (and the Ray dashboard) sees one series per rank.
 
 :class:`StepRecorder` is the engine's ``on_step`` hook: per step it appends one tuple to a
@@ -38,9 +39,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from app.engine.scheduler import SchedulerOutput
+from app.engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from app.cache.manager import CacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,95 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TAG_KEYS = ("deployment", "rank", "replica")
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine core, for metrics and the router."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_free_blocks: int = 0
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    num_preemptions: int = 0
+    steps: int = 0
+    graph_steps: int = 0
+    last_step_s: float = 0.0
+    # cumulative host seconds per phase: schedule, prepare, launch (forward + sampling
+    # launches; on CPU the compute itself), wait (blocked on a step's sampled tokens), update
+    t_schedule: float = 0.0
+    t_prepare: float = 0.0
+    t_launch: float = 0.0
+    t_wait: float = 0.0
+    t_update: float = 0.0
+    # speculative decoding: verify chunks, drafts they checked, drafts accepted (also per
+    # draft position: accepted_at[j] = verifies whose draft j + 1 was accepted)
+    spec_verifies: int = 0
+    spec_drafts: int = 0
+    spec_accepted: int = 0
+    spec_accepted_at: list[int] = field(default_factory=list)
+    spec_verify_tokens: int = 0  # tokens of verify chunks (1 + drafts each)
+    # host KV tier (app.cache.host_tier; zero when off): admissions that loaded blocks back,
+    # their tokens, bytes copied each way, summed load latency (issue -> ready), blocks held
+    host_hits: int = 0
+    host_hit_tokens: int = 0
+    host_load_bytes: int = 0
+    host_load_s: float = 0.0
+    host_offload_bytes: int = 0
+    host_blocks: int = 0
+    # KV handoffs (app.engine.handoff): states exported and their bytes; handoffs installed,
+    # and handoffs resumed as a local prefill (no state, or no room for it)
+    kv_exports: int = 0
+    kv_export_bytes: int = 0
+    kv_imports: int = 0
+    kv_import_local: int = 0
+
+    def report(self) -> dict[str, float | int]:
+        """Flat numbers for metrics: the counters, the draft acceptance per position
+        (``spec_accepted_at_j``: verifies whose draft j was accepted) and the means:
+        ``spec_accept_length`` tokens emitted per verify (accepted drafts + the bonus),
+        ``spec_acceptance`` accepted / proposed drafts, ``spec_verify_tokens_per_step``."""
+        out: dict[str, float | int] = {
+            k: v for k, v in self.__dict__.items() if isinstance(v, int | float)
+        }
+        if self.spec_accepted_at:
+            for j, n in enumerate(self.spec_accepted_at, 1):
+                out[f"spec_accepted_at_{j}"] = n
+            v, d = self.spec_verifies, self.spec_drafts
+            out["spec_accept_length"] = (1 + self.spec_accepted / v) if v else 0.0
+            out["spec_acceptance"] = self.spec_accepted / d if d else 0.0
+            out["spec_verify_tokens_per_step"] = (
+                self.spec_verify_tokens / self.steps if self.steps else 0.0
+            )
+        return out
+
+    def count_verify(self, drafts: int, accepted: int) -> None:
+        """One verify chunk of ``drafts`` drafts, ``accepted`` of them accepted."""
+        self.spec_verifies += 1
+        self.spec_drafts += drafts
+        self.spec_accepted += accepted
+        self.spec_verify_tokens += drafts + 1
+        for j in range(accepted):
+            self.spec_accepted_at[j] += 1
+
+    def end_step(self, dt: float, scheduler: Scheduler, cache: CacheManager) -> None:
+        """A step of ``dt`` seconds ended: the levels of the scheduler and the cache now."""
+        self.steps += 1
+        self.last_step_s = dt
+        self.num_running = len(scheduler.running)
+        self.num_waiting = scheduler.num_waiting
+        self.num_free_blocks = cache.num_free_blocks
+        self.kv_usage = cache.pool.usage
+        if cache.index is not None:
+            self.prefix_hit_tokens = cache.index.stats.hit_tokens
+        if (host := cache.host) is not None:
+            h = host.stats
+            self.host_hits, self.host_hit_tokens = h.hits, h.hit_tokens
+            self.host_load_bytes, self.host_load_s = h.load_bytes, h.load_s
+            self.host_offload_bytes, self.host_blocks = h.offload_bytes, host.num_used
 
 
 class StepRecorder:
@@ -92,7 +186,7 @@ class EngineMetrics:
     def __init__(
         self, core: Any, tags: dict[str, str], interval_s: float = 1.0, metrics: Any = None
     ) -> None:
-        if metrics is None:
+        if metrics is None:  # Ray, imported where used: the engine itself runs without it
             from ray.util import metrics
         self.core, self.tags, self.interval_s = core, dict(tags), interval_s
         self.recorder = StepRecorder()
@@ -222,7 +316,7 @@ def install_engine_metrics(core: Any, interval_s: float = 1.0) -> EngineMetrics 
     """On a Serve replica: export ``core``'s metrics tagged with the replica's deployment,
     rank and id (None, logged, when Ray's metrics are unavailable)."""
     try:
-        from ray import serve
+        from ray import serve  # only on a Serve replica (the engine runs without Ray)
 
         ctx = serve.get_replica_context()
         rank = getattr(getattr(ctx, "rank", None), "rank", None)

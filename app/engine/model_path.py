@@ -18,7 +18,7 @@ def resolve_model(model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
     ``tiny-v4`` (made into ``cache_dir`` on first use), or ``tiny-v41-chat`` (``models/``)."""
     if model in TINY_MODELS:
         path = Path(cache_dir).expanduser() / model
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").is_file():  # making one needs torch; resolving does not
             from app.model.tiny import make_tiny_checkpoint
 
             make_tiny_checkpoint(path, arch=TINY_MODELS[model], seed=0)

@@ -3,31 +3,90 @@ logprobs, and the RequestOutput deltas a step emits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer
 
+from app.engine import grammar
+from app.engine.flight import Flight, HostResult
 from app.engine.request import FinishReason, RequestOutput, TokenLogprob
-from app.engine.sampler import SampleOutput
-from app.engine.scheduler import Sequence
+from app.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from app.cache.manager import CacheManager
+    from app.engine.spec.speculator import Speculator
+
+
+def checkpoint_text(model_dir: Path, eos_token_id: int) -> tuple[Tokenizer | None, tuple[int, ...]]:
+    """A checkpoint's tokenizer (None without ``tokenizer.json``) and its stop ids: the
+    model's EOS and the EOS ids of ``generation_config.json``."""
+    tok_file = model_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
+    ids = {eos_token_id}
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tokenizer, tuple(sorted(ids))
 
 
 class OutputProcessor:
-    """Applies sampled tokens to requests and builds their output deltas."""
+    """Applies sampled tokens to requests and builds their output deltas; commits what a
+    step computed to the prefix cache (``cache``) and settles its drafts (``spec``)."""
 
     def __init__(
-        self, tokenizer: Tokenizer | None, eos_ids: tuple[int, ...], max_model_len: int
-    ) -> None:
+        self, tokenizer: Tokenizer | None, eos_ids: tuple[int, ...], max_model_len: int,
+        cache: CacheManager, spec: Speculator | None = None,
+    ) -> None:  # fmt: skip
         self.tokenizer, self.eos_ids, self.max_model_len = tokenizer, eos_ids, max_model_len
+        self.cache, self.spec = cache, spec
+
+    def apply(
+        self, flight: Flight, host: HostResult | None
+    ) -> Iterator[tuple[Sequence, RequestOutput]]:
+        """Apply a finished step, request by request: advance it, append its tokens (a verify
+        chunk's accepted drafts and its correction or bonus; rejected positions roll back),
+        take its next drafts, and yield its delta (if it has one) before the next request."""
+        sampled = flight.sampled_rows() if host is not None else {}
+        for it in flight.items:
+            seq = it.seq
+            rid = seq.request_id
+            seq.num_in_flight -= 1
+            seq.num_done = max(seq.num_done, it.start + it.num_tokens)
+            if it.samples:
+                seq.num_pending -= 1
+            if seq.finish_reason is not None:  # finished or aborted meanwhile: drop
+                continue
+            plp = None
+            if rid in flight.inputs.prompt_rows:
+                first, pos = flight.inputs.prompt_rows[rid]
+                plp = self.prompt_logprobs(seq, pos, flight.logits[first : first + len(pos)],
+                                           it.start)  # fmt: skip
+            if rid not in sampled:
+                self.cache.commit(rid, seq.tokens, seq.num_done)
+                if plp is not None:
+                    yield seq, self.output(seq, [], None, prompt_logprobs=plp)
+                continue
+            r0, c = sampled[rid]
+            m = self.spec.verify(seq, it, host.accepted[r0 : r0 + c - 1]) if c > 1 else 0
+            seq.drafts, seq.draft_logits = [], None
+            new, lps = self.emit(seq, host, r0, m + 1)
+            self.cache.commit(rid, seq.tokens, min(seq.num_done, len(seq.tokens)))
+            finished = seq.finish_reason is not None
+            if not finished and rid in flight.draft_rows:
+                self.spec.take(seq, host.drafts[flight.draft_rows[rid]], flight)
+            yield seq, self.output(seq, new, lps, finished, plp)
 
     def append(self, seq: Sequence, tok: int) -> list[int]:
         """Add a sampled token; set the finish reason when the request is done. Returns the
         tokens to emit (stop tokens are not emitted)."""
         p = seq.req.params
-        if seq.matcher is not None and not seq.matcher.accept(tok):
-            seq.finish_reason = FinishReason.ERROR
-            seq.error = f"token {tok} violates the output constraint"
+        if (error := grammar.accept(seq.matcher, tok)) is not None:
+            seq.finish_reason, seq.error = FinishReason.ERROR, error
             return []
         n_out = len(seq.tokens) - seq.num_prompt
         if n_out >= p.min_tokens and (
@@ -49,6 +108,25 @@ class OutputProcessor:
         ):
             seq.finish_reason = FinishReason.LENGTH
         return [tok]
+
+    def emit(
+        self, seq: Sequence, host: HostResult, first: int, rows: int
+    ) -> tuple[list[int], list[TokenLogprob] | None]:
+        """Append the sampled ``rows`` of ``seq`` from row ``first`` of a step's ``host``
+        samples, until it finishes -> (the tokens to emit, their logprobs when wanted)."""
+        new, lps = [], []
+        want = seq.req.params.logprobs
+        for r in range(first, first + rows):
+            tok = host.tokens[r]
+            got = self.append(seq, tok)
+            if got and want is not None:
+                top_ids = host.top_ids[r] if host.top_ids is not None else None
+                top_lp = host.top_logprobs[r] if host.top_logprobs is not None else None
+                lps.append(self.token_logprob(host.logprobs[r], top_ids, top_lp, tok, want))
+            new += got
+            if seq.finish_reason is not None:
+                break
+        return new, (lps if new and want is not None else None)
 
     def _stop_string(self, seq: Sequence) -> str | None:
         stops = seq.req.params.stop
@@ -106,37 +184,3 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached,
             error=seq.error,
         )
-
-
-@dataclass
-class HostResult:
-    """A step's samples on the host: one entry per sampled row (``accepted``: the row's draft
-    was accepted; ``accept_lengths`` / ``drafts``: per sampled request, speculation on)."""
-
-    tokens: list[int]
-    logprobs: list[float] | None = None
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
-    accepted: list[bool] | None = None
-    accept_lengths: list[int] | None = None
-    drafts: list[list[int]] | None = None
-
-
-class HostSamples:
-    """A step's sampled tokens (logprobs, accept flags, next drafts) copied to the host
-    without blocking; ``wait`` blocks on the copy's event."""
-
-    def __init__(self, res: SampleOutput, extra: list[torch.Tensor] | None = None) -> None:
-        self._event = None
-        extra = list(extra or []) + [None] * (2 - len(extra or []))
-        parts = [res.tokens, res.logprobs, res.top_ids, res.top_logprobs, res.accepted, *extra]
-        if res.tokens.is_cuda:
-            parts = [p.to("cpu", non_blocking=True) if p is not None else None for p in parts]
-            self._event = torch.cuda.Event()
-            self._event.record()
-        self._parts = parts
-
-    def wait(self) -> HostResult:
-        if self._event is not None:
-            self._event.synchronize()
-        return HostResult(*(p.tolist() if p is not None else None for p in self._parts))

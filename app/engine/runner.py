@@ -28,6 +28,7 @@ import torch
 
 from app.cache.manager import CacheManager
 from app.engine.batch import BatchBuilder, StepSpec
+from app.engine.graphs import CudaGraphRunner
 from app.engine.scheduler import Scheduled
 from app.model.layers import prepare_fp8_linears, stack_projections
 from app.model.model import DeepseekModel
@@ -100,8 +101,6 @@ class ModelRunner:
                         if refused else "")  # fmt: skip
         if cuda_graphs and device.type == "cuda":
             if capturable(model):
-                from app.engine.graphs import CudaGraphRunner
-
                 self.graphs = CudaGraphRunner(model, self.builder, max_graph_batch, features)
             else:
                 logger.info(

@@ -24,11 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from app.engine import grammar
 from app.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from app.engine.scheduler import Scheduled
 
 
 @dataclass
@@ -267,6 +272,41 @@ def sample(
             top = torch.topk(logp, k, dim=-1)
             out.top_ids, out.top_logprobs = top.indices, top.values
     return out
+
+
+def sample_chunks(
+    items: Sequence[Scheduled], counts: np.ndarray, logits: torch.Tensor,
+    eos_ids: tuple[int, ...], vocab_size: int,
+) -> SampleOutput:  # fmt: skip
+    """Sample the ``counts[i]`` rows of each chunk of ``items``: a verify chunk's row j sees
+    its drafts before j as output (penalties, min_tokens, seeded counters) and checks draft
+    j + 1; the last row of a constrained request is masked by its grammar."""
+    rows, drafts, lookups, matchers, constrained = [], [], [], [], []
+    for it, c in zip(items, counts, strict=True):
+        s = it.seq
+        p = s.req.params
+        n_out = len(s.tokens) - s.num_prompt
+        eos = (() if p.ignore_eos else eos_ids) + tuple(p.stop_token_ids)
+        d = s.drafts[: c - 1]
+        if c > 1 and not p.greedy:
+            lookups.append((len(rows), s.draft_logits[: c - 1]))
+        for j in range(c):
+            out_ids = s.output_ids + d[:j] if j else s.output_ids
+            rows.append(RowState(p, s.req.prompt_token_ids, out_ids,
+                                 mask_eos=n_out + j < p.min_tokens, eos_ids=eos))  # fmt: skip
+            drafts.append(d[j] if j < c - 1 else -1)
+        if s.matcher is not None:
+            matchers.append(s.matcher)
+            constrained.append(len(rows) - 1)
+    apply = grammar.mask(matchers, constrained, vocab_size) if matchers else None
+    if not any(t >= 0 for t in drafts):
+        return sample(logits, rows, apply)
+    draft_logits = None
+    if lookups:
+        draft_logits = torch.zeros_like(logits)
+        for r0, lg in lookups:
+            draft_logits[r0 : r0 + lg.shape[0]] = lg
+    return sample(logits, rows, apply, np.asarray(drafts, dtype=np.int64), draft_logits)
 
 
 def _verify_random(probs, q, rp: _RowParams, draft_logits, d, ps, ctr, verify):

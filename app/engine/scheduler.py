@@ -19,74 +19,13 @@ are in device memory, then runs like any admitted request; nobody else waits for
 
 from __future__ import annotations
 
-import enum
-import itertools
 from dataclasses import dataclass, field
 
 from app.cache.block_pool import NoFreeBlocks
 from app.cache.manager import CacheManager
 from app.config import SchedulerConfig
 from app.engine.fairness import LongPrefillShare
-from app.engine.lifecycle import RequestTrace
-from app.engine.request import EngineRequest, FinishReason
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    LOADING = "loading"  # admitted; its cached blocks are still being copied to the device
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-_arrivals = itertools.count()
-
-
-@dataclass(eq=False)
-class Sequence:
-    """Engine-side state of one request."""
-
-    req: EngineRequest
-    tokens: list[int]  # prompt + output tokens known on the host
-    matcher: object | None = None  # app.engine.grammar.GrammarMatcher
-    status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0  # positions whose KV is in the cache or in the step in flight
-    num_pending: int = 0  # sampled on the device, not yet appended to ``tokens``
-    num_in_flight: int = 0  # launched steps that include this request
-    num_cached: int = 0  # prompt tokens served from the prefix cache (last admission)
-    num_done: int = 0  # positions whose KV a completed step wrote (prefix-cache commits)
-    prompt_logprobs_done: int = 0  # prompt positions whose logprobs were already emitted
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    order: int = field(default_factory=lambda: next(_arrivals))
-    num_preemptions: int = 0
-    drafts: list[int] = field(default_factory=list)  # proposed tokens after ``tokens``
-    draft_logits: object | None = None  # their proposal logits [k, V] (device tensor)
-    arrived: float = 0.0  # perf_counter() at add_request (queue wait)
-    trace: RequestTrace | None = None  # phase events of a traced request (app.engine.lifecycle)
-
-    @property
-    def request_id(self) -> str:
-        return self.req.request_id
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.req.prompt_token_ids)
-
-    @property
-    def num_known(self) -> int:
-        return len(self.tokens) + self.num_pending + len(self.drafts)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.req.params.prompt_logprobs is not None
-
-    def sort_key(self) -> tuple[int, int]:
-        return (self.req.priority, self.order)
+from app.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -111,6 +50,23 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(i.num_tokens for i in self.items)
+
+    def trace(self, t0: float) -> None:
+        """Phase events of the traced requests in this schedule, made at ``t0``
+        (``app.engine.lifecycle``)."""
+        for seq in self.admitted:
+            if seq.trace is not None:
+                seq.trace.event("scheduled", cached_tokens=seq.num_cached,
+                                queue_wait_s=round(t0 - seq.arrived, 6))  # fmt: skip
+        for it in self.items:
+            seq = it.seq
+            if seq.trace is not None and it.start < seq.num_prompt:
+                seq.trace.event("prefill_chunk", start=it.start,
+                                tokens=min(it.num_tokens, seq.num_prompt - it.start),
+                                cached_tokens=seq.num_cached)  # fmt: skip
+        for seq in self.preempted:
+            if seq.trace is not None:
+                seq.trace.event("preempted", preemptions=seq.num_preemptions)
 
 
 class Scheduler:
@@ -144,6 +100,12 @@ class Scheduler:
             self.loading.remove(seq)
         self.cache.free(seq.request_id)
         seq.status = SeqStatus.FINISHED
+
+    def retire(self, seq: Sequence) -> None:
+        """Take a finished request out of the running batch, its cache kept until the step
+        in flight that uses it is done (then :meth:`remove`)."""
+        if seq in self.running:
+            self.running.remove(seq)
 
     @property
     def has_work(self) -> bool:

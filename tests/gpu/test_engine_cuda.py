@@ -14,7 +14,7 @@ import torch
 from app.cache.manager import CacheManager
 from app.config import CacheConfig, EngineConfig
 from app.engine.core import EngineCore
-from app.engine.outputs import HostSamples
+from app.engine.flight import HostSamples
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
 from bench.teacher import drive

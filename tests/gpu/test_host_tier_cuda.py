@@ -11,7 +11,7 @@ from app.cache.manager import CacheManager
 from app.config import CacheConfig, EngineConfig
 from app.engine.core import EngineCore
 from app.engine.request import EngineRequest, SamplingParams
-from app.engine.scheduler import SeqStatus
+from app.engine.sequence import SeqStatus
 from app.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,6 +1,6 @@
-"""Admission control (issue 15, finding 4): bounded queues by requests and by queued prefill
-tokens, exact under a burst, released by every way a request ends; and the one resolved
-max_model_len that the ingress and the ranks share (finding 5)."""
+"""Admission control: bounded queues by requests and by queued prefill tokens, exact under a
+burst, released by every way a request ends; and the one resolved max_model_len that the
+ingress and the ranks share."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.api import EngineOverloadedError, LocalEngineClient
-from app.api.admission import Admission
 from app.config import EngineConfig
+from app.deployments.engine_host import LocalEngineClient
+from app.engine.admission import Admission, EngineOverloadedError
 from app.engine.capacity import kv_positions, resolve_max_model_len
 from app.engine.core import EngineCore
 from app.engine.request import EngineRequest, SamplingParams

@@ -21,10 +21,10 @@ from app.api import (
     EngineOverloadedError,
     EngineUnavailableError,
     FrontDoor,
-    LocalEngineClient,
     build_api,
 )
 from app.config import EngineConfig
+from app.deployments.engine_host import LocalEngineClient
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, RequestOutput
 from tests.ports import free_port

@@ -1,4 +1,4 @@
-"""Fairness for long prefills (issue 15, finding 5): short requests beside a long prompt get
+"""Fairness for long prefills: short requests beside a long prompt get
 their first token within a few steps, the long prompt still completes with the same output,
 and alone it takes each step's whole budget."""
 

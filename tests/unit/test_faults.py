@@ -1,4 +1,4 @@
-"""Fault handling without a cluster (issue 15, findings 10 and Build/faults): the Router drops
+"""Fault handling without a cluster: the Router drops
 failed, silent and unhealthy ranks; dead ranks lose their metric series; the watchdog sees a
 stuck step; a client that goes away mid-stream is a debug line, not a traceback."""
 

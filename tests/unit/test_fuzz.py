@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.api import LocalEngineClient, build_api
+from app.api import build_api
+from app.deployments.engine_host import LocalEngineClient
 from bench.fuzz import case, check_http, grpc_case
 from tests.unit.test_api import Server, api_config, engine  # noqa: F401 (fixture)
 from tests.unit.test_grpc import AUTH, METHOD, channel, client, service  # noqa: F401

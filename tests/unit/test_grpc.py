@@ -12,8 +12,9 @@ import grpc
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from app.api import ApiConfig, FrontDoor, LocalEngineClient
+from app.api import ApiConfig, FrontDoor
 from app.api.grpc_service import GenerateService
+from app.deployments.engine_host import LocalEngineClient
 from app.engine.request import SamplingParams
 from app.engine.validation import BODY, GRPC, Bool, Float, Int, Stops, TokenIds, wire_fields
 from app.grpc import fathom_pb2 as pb

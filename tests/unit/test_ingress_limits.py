@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from app.api import LocalEngineClient, build_api
+from app.api import build_api
+from app.deployments.engine_host import LocalEngineClient
 from tests.unit.test_api import (  # noqa: F401 (fixtures)
     HI,
     MODEL,

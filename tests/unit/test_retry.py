@@ -1,4 +1,4 @@
-"""The ingress's retry on another rank (issue 15, faults), over stand-ins of the two Serve
+"""The ingress's retry on another rank, over stand-ins of the two Serve
 handles (the Serve test kills a real rank; this covers each way a rank can fail): a request
 that got no token is retried on another rank, and the failed rank is dropped from the Router;
 after a token, a failure ends the stream with a retriable error."""
@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("ray")
 from ray.exceptions import ActorDiedError  # noqa: E402
 
-from app.api.client import EngineUnavailableError, Refusal  # noqa: E402
 from app.deployments.client import ServeEngineClient  # noqa: E402
 from app.deployments.routing import Decision, RouteQuery  # noqa: E402
+from app.engine.admission import EngineUnavailableError, Refusal  # noqa: E402
 from app.engine.request import (  # noqa: E402
     ENGINE_FAILED,
     EngineRequest,

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from app.config import EngineConfigError, SpeculativeConfig
+from app.config import EngineConfig, EngineConfigError, SpeculativeConfig
 from app.engine.request import SamplingParams
 from app.engine.sampler import draw_proposal
 from app.model.dspark import DraftBlock, DSparkDrafter, supports_dspark
@@ -124,3 +124,15 @@ def make_proposer(spec: SpeculativeConfig, model: DeepseekModel, pools: PagedKV)
     if spec.method == "dspark":
         return DSparkProposer(model, pools)
     return MTPProposer(model, pools)
+
+
+def cache_extras(
+    cfg: EngineConfig, model: DeepseekModel, own_drafter: bool = True
+) -> tuple[int, int]:
+    """-> (ring headroom, draft rings) of the cache layout: a verify of k drafts writes k
+    rows past the window; the checkpoint's drafter keeps a context ring per draft stage
+    (DSpark 3, MTP 1; none for a test proposer, ``own_drafter=False``)."""
+    spec = cfg.speculative
+    if spec is None:
+        return 0, 0
+    return spec.num_draft_tokens, (len(model.mtp) if own_drafter else 0)

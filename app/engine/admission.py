@@ -1,4 +1,5 @@
-"""Admission control of one engine: a bounded queue by requests and by queued prefill tokens.
+"""Admission control: a bounded queue by requests and by queued prefill tokens (a rank's own
+queue, and the ingress's in-flight bound), and how a refusal travels back to the front door.
 
     adm = Admission(max_requests=64, max_queued_tokens=131072)
     ticket = adm.admit(len(prompt))     # EngineOverloadedError when full (the API: 429)
@@ -11,13 +12,52 @@ always admitted into an empty token queue, so one long legal prompt is never ref
 a short prompt (``short_prompt_tokens``: one step's token budget) is bounded by the request
 count only, so long prompts in the queue never shut out short requests (the scheduler serves
 those beside them: ``app.engine.fairness``).
+
+A rank sends a refusal to the ingress as a value (:class:`Refusal`), not a raised exception.
+No torch here: the ingress replicas import this module.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
+from app.engine.request import RequestError
+
 
 class EngineOverloadedError(RuntimeError):
     """The engine's queue is full; the API answers 429 with ``Retry-After``."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is not ready (starting, draining or failed); the API answers 503."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request refused before it started, sent across a process boundary as a value (a
+    raised exception there costs a logged traceback per 429); :meth:`error` raises it again."""
+
+    kind: Literal["invalid", "overloaded", "unavailable"]
+    message: str
+    field: str = ""
+
+    @classmethod
+    def of(cls, e: Exception) -> Refusal | None:
+        if isinstance(e, RequestError):
+            return cls("invalid", e.message, e.field)
+        if isinstance(e, EngineOverloadedError):
+            return cls("overloaded", str(e))
+        if isinstance(e, EngineUnavailableError):
+            return cls("unavailable", str(e))
+        return None
+
+    def error(self) -> Exception:
+        if self.kind == "invalid":
+            return RequestError(self.field, self.message)
+        if self.kind == "overloaded":
+            return EngineOverloadedError(self.message)
+        return EngineUnavailableError(self.message)
 
 
 class Ticket:

@@ -1,0 +1,184 @@
+"""The engine core's speculation: after each step the proposer drafts up to k tokens per
+decoding request on the device (from the step's accept decision, which the host has not seen
+yet); the host copies tokens, accept flags and drafts in one transfer; the next step
+verifies the drafts as known tokens of their requests, and ``verify`` rolls back what the
+rejected ones wrote (``app.engine.spec.verify``).
+
+    launch   (device) accepted lengths m, the drafter's context of committed rows, the next
+             drafts: the tensors the host copies beside the sampled tokens
+    verify   (host) m of one verify chunk, counted; rejected positions computed again
+    take     (host) the drafts the next step verifies, within max_tokens and the context
+
+Constrained requests (a grammar) decode one token at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from app.cache.manager import CacheManager
+from app.config import SpeculativeConfig
+from app.engine.flight import Flight, LiveRows
+from app.engine.metrics import EngineStats
+from app.engine.runner import StepInputs
+from app.engine.sampler import SampleOutput, to_device
+from app.engine.scheduler import Scheduled
+from app.engine.sequence import Sequence
+from app.engine.spec.proposer import Proposer, make_proposer
+from app.engine.spec.verify import accepted_lengths, accepted_prefix
+from app.model.dspark import DraftBlock
+from app.model.model import DeepseekModel
+
+# called with each step's proposed blocks: (request ids, anchors [R], the block)
+OnDraft = Callable[[list[str], torch.Tensor, DraftBlock], None]
+
+
+class Speculator:
+    """Drafts with ``proposer`` over ``cache`` (module doc); counts into ``stats``."""
+
+    def __init__(
+        self, proposer: Proposer, num_drafts: int, cache: CacheManager, max_model_len: int,
+        stats: EngineStats,
+    ) -> None:  # fmt: skip
+        self.proposer, self.num_drafts, self.cache = proposer, num_drafts, cache
+        self.max_model_len, self.stats = max_model_len, stats
+
+    @classmethod
+    def build(
+        cls, spec: SpeculativeConfig | None, model: DeepseekModel, proposer: Proposer | None,
+        cache: CacheManager, max_model_len: int, stats: EngineStats,
+    ) -> Speculator | None:  # fmt: skip
+        """The speculator of ``spec`` (None: speculation off), drafting with ``proposer`` or
+        else the checkpoint's drafter over ``cache``."""
+        if spec is None:
+            return None
+        proposer = proposer or make_proposer(spec, model, cache.pools)
+        return cls(proposer, spec.num_draft_tokens, cache, max_model_len, stats)
+
+    @staticmethod
+    def speculates(seq: Sequence) -> bool:
+        """Whether ``seq`` drafts (constrained requests decode one token at a time)."""
+        return seq.matcher is None
+
+    def launch(
+        self, flight: Flight, live: LiveRows | None, res: SampleOutput | None,
+        on_draft: OnDraft | None = None,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """Device side of a step's verify: accepted lengths, the drafter's context of committed
+        rows, the next drafts. Returns the tensors the host copies (m, and the drafts). With
+        nothing sampled (a step of prefill chunks) the rows still feed the drafter."""
+        if live is None or res is None:
+            none = np.zeros(0, np.int64)
+            self._observe(flight, [], none, none, none, None, None)
+            return []
+        items, bases, counts = live.items, live.bases, live.counts
+        dev, inp = res.tokens.device, flight.inputs
+        m = accepted_lengths(res.accepted, bases, counts, dev)
+        ends = np.asarray([it.start + it.num_tokens for it in items], dtype=np.int64)
+        anchors = to_device(ends - counts, dev) + m  # last committed position
+        bonus = res.tokens[to_device(bases, dev) + m]
+        feats, where = self._observe(flight, items, ends, bases, counts, anchors, res.tokens)
+        sel = [k for k, it in enumerate(items) if self.speculates(it.seq)]
+        if not sel:
+            return [m]
+        idx = to_device(np.asarray(sel, dtype=np.int64), dev)
+        seqs = [items[k].seq for k in sel]
+        prompt = to_device(np.asarray([s.num_prompt for s in seqs], dtype=np.int64), dev)
+        slots = to_device(np.asarray([self.cache.slot_of(s.request_id) for s in seqs]), dev)
+        anchor_feats = None
+        if feats is not None:  # the anchor's feature row: its item's rows are contiguous
+            it_of = where[sel]
+            first_row = np.searchsorted(inp.feat_item, it_of)
+            first_pos = inp.feat_pos[first_row]
+            host = first_row + (ends[sel] - counts[sel]) - first_pos
+            anchor_feats = feats[to_device(host, dev) + m[idx]]
+        block = self.proposer.propose(
+            [s.request_id for s in seqs], slots, anchors[idx], bonus[idx], self.num_drafts,
+            [s.req.params for s in seqs], anchors[idx] + 2 - prompt, anchor_feats,
+        )  # fmt: skip
+        if on_draft is not None:
+            on_draft([s.request_id for s in seqs], anchors[idx], block)
+        flight.draft_rows = {s.request_id: r for r, s in enumerate(seqs)}
+        flight.drafts = block.logits
+        return [m, block.ids]
+
+    def _observe(
+        self, flight: Flight, items: list[Scheduled], ends: np.ndarray, bases: np.ndarray,
+        counts: np.ndarray, anchors: torch.Tensor | None, sampled: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, np.ndarray]:  # fmt: skip
+        """Feed the drafter the committed rows of a step: a sampling chunk's rows above its
+        anchor are not committed (written to the trash slot). -> (the step's features or
+        None, the step item of each sampled item)."""
+        inp = flight.inputs
+        index = {id(it): k for k, it in enumerate(inp.items)}
+        where = np.asarray([index[id(it)] for it in items], np.int64)
+        if flight.features is None or not inp.feat_rows.size:
+            return None, where
+        feats, dev = flight.features, flight.features.device
+        big = np.iinfo(np.int64).max
+        thr = torch.full((len(inp.items),), big, dtype=torch.int64, device=dev)
+        if where.size:
+            thr[to_device(where, dev)] = anchors
+        item = to_device(inp.feat_item, dev)
+        pos = to_device(inp.feat_pos, dev)
+        slots = to_device(inp.spec.slots[inp.feat_item], dev)
+        slots = torch.where(pos <= thr[item], slots, self.cache.pools.trash_slot)
+        nxt = None
+        if self.proposer.needs_next_tokens:
+            nxt = _next_tokens(inp, where, ends, bases, counts, sampled, dev)
+        self.proposer.observe(slots, pos, feats, nxt)
+        return feats, where
+
+    def verify(self, seq: Sequence, it: Scheduled, accepted: list[bool]) -> int:
+        """m, the leading accepted drafts of ``seq``'s verify chunk ``it`` (``accepted``: one
+        flag per draft), counted; positions past the accepted ones are computed again."""
+        m = accepted_prefix(accepted)
+        self.stats.count_verify(len(accepted), m)
+        seq.num_computed = seq.num_done = it.start + it.num_tokens - len(accepted) + m
+        return m
+
+    def take(self, seq: Sequence, ids: list[int], flight: Flight) -> None:
+        """The next step verifies up to k drafts: as many as max_tokens and the context
+        limit leave room for after them (a verify emits up to drafts + 1 tokens)."""
+        k = self.num_drafts
+        n_out = len(seq.tokens) - seq.num_prompt
+        if seq.req.params.max_tokens is not None:
+            k = min(k, seq.req.params.max_tokens - n_out - 1)
+        k = min(k, self.max_model_len - len(seq.tokens) - 1)
+        if k > 0:
+            seq.drafts = list(ids[:k])
+            seq.draft_logits = flight.drafts[flight.draft_rows[seq.request_id]]
+
+
+def _next_tokens(
+    inp: StepInputs, where: np.ndarray, ends: np.ndarray, bases: np.ndarray,
+    counts: np.ndarray, sampled: torch.Tensor | None, dev: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """The token after each feature row (device [N]): a sampled row's own sample (for an
+    accepted draft row that is the draft itself), else the next input token of the chunk,
+    or of the prompt after a mid-prefill chunk."""
+    spec, pos, item = inp.spec, inp.feat_pos, inp.feat_item
+    B = spec.num_seqs
+    flat0 = np.concatenate(([0], np.cumsum(spec.lens)[:-1]))
+    first_sampled = spec.starts + spec.lens  # per step item; sampled items below
+    base = np.zeros(B, np.int64)
+    first_sampled[where] = ends - counts
+    base[where] = bases
+    is_s = pos >= first_sampled[item]
+    sidx = np.where(is_s, base[item] + pos - first_sampled[item], -1)
+    nxt_pos = pos + 1 - spec.starts[item]  # index of the next token within the chunk
+    inside = nxt_pos < spec.lens[item]
+    host = np.full(pos.size, -1, np.int64)
+    ok = ~is_s & inside
+    host[ok] = spec.ids[flat0[item[ok]] + nxt_pos[ok]]
+    for r in np.flatnonzero(~is_s & ~inside):  # the last row of a mid-prefill chunk
+        it = inp.items[item[r]]
+        host[r] = it.seq.tokens[it.start + it.num_tokens]
+    out = to_device(host, dev)
+    if is_s.any():
+        rows = np.flatnonzero(is_s)
+        out[to_device(rows, dev)] = sampled[to_device(sidx[rows], dev)]
+    return out

@@ -1,0 +1,1 @@
+"""DeepSeek-V4 / V4.1 modules, config parsing, checkpoint loader."""
