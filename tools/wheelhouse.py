@@ -14,6 +14,7 @@ network"):
 ``lock`` and ``download`` run where pip reaches an index. ``join``, ``install`` and
 ``verify`` use the standard library and the host's pip only: ``split`` copies this file
 beside the parts, and ``join`` leaves it in the wheelhouse, so the host needs no checkout.
+That is why it is one file, with the standard library's imports only.
 """
 
 from __future__ import annotations
@@ -260,15 +261,15 @@ def requirements_text(packages: Iterable[dict[str, Any]]) -> str:
 
 def cmd_lock(args: argparse.Namespace) -> None:
     """Resolve the closure with pip for the target and write the lock."""
-    platforms = platform_tags(args.glibc, args.arch)
     roots = pyproject_roots()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "roots.txt").write_text("".join(r + "\n" for r in roots))
     interpreter = args.interpreter or find_interpreter(args.python_version)
-    run(resolve_command(interpreter, work / "roots.txt", work / "report.json",
-                        work / "target", args.python_version, platforms))
-    report = json.loads((work / "report.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "roots.txt").write_text("".join(r + "\n" for r in roots))
+        run(resolve_command(interpreter, work / "roots.txt", work / "report.json",
+                            work / "target", args.python_version,
+                            platform_tags(args.glibc, args.arch)))
+        report = json.loads((work / "report.json").read_text())
     lock = lock_from_report(report, roots, args.python_version, args.glibc, args.arch)
     if problems := check_lock(lock):
         raise SystemExit("lock does not hold:\n  " + "\n  ".join(problems))
@@ -460,10 +461,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("lock", help="resolve the pinned closure for a target into a lock")
     p.add_argument("--python-version", default=PYTHON_VERSION)
-    p.add_argument("--glibc", default=GLIBC, help="the oldest glibc the wheels may need")
+    p.add_argument("--glibc", default=GLIBC, help="the hosts' glibc: no wheel may need more")
     p.add_argument("--arch", default=ARCH)
     p.add_argument("--interpreter", help="a Python of the target version (default: found)")
-    p.add_argument("--work", default="/tmp/wheelhouse-lock", help="pip's report goes here")
     p.add_argument("--out", help="the lock file (default: deploy/wheelhouse/serve-cpXY-ARCH)")
     p = sub.add_parser("download", help="download the locked wheels and build Fathom's")
     p.add_argument("--lock", default=str(lock_path()))

@@ -121,6 +121,27 @@ def test_platform_tags_and_glibc():
     assert wh.wheel_glibc("x-1-py3-none-any.whl") == (0, 0)
 
 
+def test_lock_from_report_keeps_the_target_and_drops_the_hosts_own():
+    def item(name: str, version: str, file: str, requires: list[str]) -> dict:
+        return {"metadata": {"name": name, "version": version, "requires_dist": requires},
+                "download_info": {"url": f"https://files.example/{file}",
+                                  "archive_info": {"hashes": {"sha256": "ab" * 32}}}}
+
+    env = {k: "x" for k in wh.MARKER_KEYS} | {"platform_release": "6.1", "python_version": "3.12"}
+    report = {"pip_version": "23.2.1", "environment": env, "install": [
+        item("Zeta_Pkg", "1.0", "zeta_pkg-1.0-cp39-abi3-manylinux_2_31_x86_64.whl", ["torch"]),
+        item("torch", "2.13.0", "torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl", []),
+        item("nvidia-nccl-cu13", "2.0", "nvidia_nccl_cu13-2.0-py3-none-manylinux_2_18_x86_64.whl",
+             []),
+        item("alpha", "2.0", "alpha-2.0-py3-none-any.whl", []),
+    ]}
+    lock = wh.lock_from_report(report, ["zeta-pkg==1.0", "alpha"], "3.12", "2.31", "x86_64")
+    assert [p["name"] for p in lock["packages"]] == ["alpha", "zeta-pkg"]
+    assert lock["glibc_floor"] == "2.31" and lock["requirements"] == ["zeta-pkg==1.0", "alpha"]
+    assert "platform_release" not in lock["environment"]
+    assert wh.check_lock(lock) == []  # zeta-pkg's torch is the host's: no problem
+
+
 def _flag_values(cmd: list[str], flag: str) -> list[str]:
     return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
 
