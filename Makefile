@@ -75,3 +75,11 @@ lint: $(DEV_STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# An air-gapped GPU host: the locked wheels of the serving runtime, cut into parts of 30 MiB
+# (docs/deployment.md, "Installing on a host without network").
+WHEELHOUSE ?= ../wheelhouse-cp312
+.PHONY: wheelhouse
+wheelhouse:
+	$(PY) -m tools.wheelhouse download --dest $(WHEELHOUSE)
+	$(PY) -m tools.wheelhouse split --src $(WHEELHOUSE) --dest $(WHEELHOUSE)-parts --part-mib 30
