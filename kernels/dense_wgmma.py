@@ -35,8 +35,8 @@ kernel's, so a planned projection takes either kernel. Output as ``launch_dense`
 Gluon does not run under the interpreter: ``tests/gpu/test_dense_kernels.py`` checks this
 kernel against the fp64 reference and the other paths at every V4.1-Flash dense shape; the
 CPU tests check that the activation columns are copied in the weight fragments' order
-(:func:`_stored_cols` against ``k_perm``) and the re-basing in bf16
-(:func:`rebased_bf16_weights`, the kernel's arithmetic in torch).
+(:func:`_stored_cols` against the fragments' permutation) and the re-basing in bf16
+(``tests.support.decode_gemm``: the kernel's arithmetic in torch).
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ TOKEN_TILES = (16, 32, 64, 128)  # BT: the wgmma N
 @gluon.jit
 def _stored_cols(kk, KB: gl.constexpr):
     """The stored column of each logical MMA column ``kk`` of a KB-column block: what the
-    weight fragments hold there (``moe_decode.k_perm``), so the activation tile is copied in
-    the same order. Pairs of columns stay adjacent (4-byte copies). Plain integer arithmetic:
-    the CPU tests call it on torch tensors (``_stored_cols.fn``)."""
+    weight fragments hold there (``kernels.moe_decode``'s K permutation), so the activation
+    tile is copied in the same order. Pairs of columns stay adjacent (4-byte copies). Plain
+    integer arithmetic: the CPU tests call it on torch tensors (``_stored_cols.fn``)."""
     return (KB // 4) * ((kk // 2) % 4) + 4 * (kk // 16) + 2 * ((kk // 8) % 2) + kk % 2
 
 
@@ -74,8 +74,8 @@ def _issue(w_slot, x_slot, s_slot, w_ptrs, x_ptrs, x_mask, s_ptrs, k, k_hi, KB: 
     """cp.async the K block at ``k`` into one ring slot, unless it lies at or past ``k_hi``
     (the group is committed either way, so the waits count blocks): the weight bytes
     [BM, KB], the activations [BT, KB] (``x_ptrs`` maps logical column k of the slot to
-    stored column ``k_perm[k]`` of the block: column pairs stay adjacent, 4-byte copies) and
-    the rows' scale words."""
+    the block's stored column :func:`_stored_cols` (k): column pairs stay adjacent, 4-byte
+    copies) and the rows' scale words."""
     if k < k_hi:
         async_copy.async_copy_global_to_shared(w_slot, w_ptrs + k)
         async_copy.async_copy_global_to_shared(x_slot, x_ptrs + k, mask=x_mask)
@@ -230,13 +230,3 @@ def launch(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Te
         STAGES=stages, SB_N=b0, WARPS=warps, REDUCE=reduce, num_warps=warps,
     )  # fmt: skip
 
-
-def rebased_bf16_weights(w: torch.Tensor, codes: torch.Tensor, refs: torch.Tensor,
-                         b0: int) -> torch.Tensor:  # fmt: skip
-    """The kernel's bf16 weights: e4m3 ``w`` [N, K] converted, times the bf16 2^(c - R) of its
-    32-column group (``codes`` uint8 [ceil(N / b0), K / 32], ``refs`` [N]), rounded once to
-    bf16 as the kernel's multiply: W x 2^(127 - R), exact where the plan holds."""
-    n, k = w.shape
-    c = codes.to(torch.int32).repeat_interleave(b0, dim=0)[:n].repeat_interleave(32, dim=1)
-    mult = torch.exp2((c - refs[:, None]).double()).to(torch.bfloat16)
-    return (w.to(torch.bfloat16) * mult).to(torch.bfloat16)

@@ -571,19 +571,6 @@ def _install_dense(model: nn.Module, state: LoadedState) -> None:
         setattr(owner, child, Fp8Linear(w, s, block))
 
 
-def expert_packing(
-    path: str | Path, device: str | torch.device = "cpu", packed_experts: bool | None = None
-) -> dict[str, ExpertPacking]:
-    """Which MoE layers :func:`load_model` would keep packed, from the headers only (no
-    weight is read); raises what it would raise."""
-    cfg = ModelConfig.from_file(path)
-    specs = tensor_specs(_empty_model(path, cfg, kv_quant=False))
-    with contextlib.ExitStack() as stack:
-        ckpt = _Checkpoint(Path(path), stack)
-        loads = _plan(ckpt, specs, cfg, torch.float32)
-        return _plan_packing(ckpt, loads, packed_experts, torch.device(device))
-
-
 def checkpoint_names(path: str | Path) -> set[str]:
     """Tensor names of the checkpoint at ``path`` (from the index or the single file)."""
     with contextlib.ExitStack() as stack:

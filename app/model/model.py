@@ -378,13 +378,5 @@ class DeepseekModel(nn.Module):
         stored: products are exact in the fp32 accumulation)."""
         return linear_f32(h.to(self.head.weight.dtype), self.head.weight)
 
-    @torch.no_grad()
-    def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The full-sequence reference forward of ``token_ids`` [T] -> [T, vocab] fp32
-        (``app.model.reference``: the oracle of the batched step)."""
-        from app.model.reference import reference_logits
-
-        return reference_logits(self, token_ids)
-
 
 __all__ = ["Block", "DeepseekModel", "MTPBlock"]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe_decode import HEAD, SPREAD, k_perm, rebased_weights, row_refs
-from kernels.moe_decode import emulate as decode_emulate
+from kernels.moe_decode import HEAD, SPREAD, row_refs
 from kernels.quant import fp4_decode
+from tests.support import decode_gemm
+from tests.support.decode_gemm import emulate as decode_emulate
+from tests.support.decode_gemm import k_perm, rebased_weights
 
 
 @pytest.mark.parametrize("kb", [64, 128])
@@ -117,7 +119,7 @@ def test_fp8_plan_rebases_the_weights_exactly(block) -> None:
     assert torch.equal(codes, s.view(torch.uint8).repeat_interleave(block[1] // 32, dim=1))
     hi = s.view(torch.uint8).int().amax(1).repeat_interleave(block[0])
     assert torch.equal(plan.refs, hi - md.HEAD_FP8)
-    w16 = md.rebased_fp8_weights(q, codes, plan.refs, block[0])
+    w16 = decode_gemm.rebased_fp8_weights(q, codes, plan.refs, block[0])
     exact = dequantize_fp8_block(q, s, block, torch.float64)
     assert torch.equal(w16.double(), exact * torch.exp2(127 - plan.refs.double())[:, None])
     # the kernel's arithmetic: x as fp16 x 2^-4, fp32-exact products, the row factor after K
@@ -147,7 +149,7 @@ def test_fp8_plan_rebases_the_wgmma_kernels_bf16_weights_exactly(block) -> None:
     plan = fp8_decode_plan(q, s, block)
     assert plan is not None
     codes = plan.words.view(torch.uint8).view(-1, k // 32)
-    wb = dw.rebased_bf16_weights(q, codes, plan.refs, block[0])
+    wb = decode_gemm.rebased_bf16_weights(q, codes, plan.refs, block[0])
     assert wb.dtype == torch.bfloat16
     exact = dequantize_fp8_block(q, s, block, torch.float64)
     assert torch.equal(wb.double(), exact * torch.exp2(127 - plan.refs.double())[:, None])
@@ -155,7 +157,7 @@ def test_fp8_plan_rebases_the_wgmma_kernels_bf16_weights_exactly(block) -> None:
     # the kernel copies logical activation column k of a block from its stored column
     # _stored_cols(k): the weight fragments' order (k_perm), pairs adjacent
     cols = dw._stored_cols.fn(torch.arange(dw.KB), dw.KB)
-    assert torch.equal(cols, md.k_perm(dw.KB)) and torch.equal(cols[1::2], cols[::2] + 1)
+    assert torch.equal(cols, k_perm(dw.KB)) and torch.equal(cols[1::2], cols[::2] + 1)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).bfloat16()
     perm = (torch.arange(k) // dw.KB) * dw.KB + cols.repeat(k // dw.KB)
     got = (x[:, perm].double() @ wb[:, perm].double().T) * torch.exp2(plan.refs.double() - 127)
@@ -180,7 +182,7 @@ def test_fp8_plan_refuses_what_the_kernel_cannot_take() -> None:
         s = codes.view(torch.float8_e8m0fnu)
         assert (fp8_decode_plan(q, s, (32, 32)) is not None) == planned
         refs, _ = md.fp8_refs(codes, 32, n)
-        w16 = md.rebased_fp8_weights(q, codes, refs, 32)
+        w16 = decode_gemm.rebased_fp8_weights(q, codes, refs, 32)
         exact = dequantize_fp8_block(q, s, (32, 32), torch.float64)
         same = torch.equal(w16.double(), exact * torch.exp2(127 - refs.double())[:, None])
         assert same == planned
@@ -265,7 +267,7 @@ def test_in_kernel_routing_lays_out_the_align_launchs_tiles(t: int, offset: int,
     in each tile (there in atomic order, here in slot order), and an inverse map that
     points each local slot at its row; tokens of no local expert and repeated ids too."""
     from kernels.moe import _align
-    from kernels.moe_decode import emulate_route
+    from tests.support.decode_gemm import emulate_route
 
     g = torch.Generator().manual_seed(t * 1000 + offset)
     for trial in range(4):

@@ -25,7 +25,6 @@ from app.engine.request import SamplingParams
 from app.model.loader import (
     INDEX_FILE,
     CheckpointError,
-    expert_packing,
     load_model,
     scale_name,
 )
@@ -33,6 +32,8 @@ from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts
 from kernels.moe import fp4_to_pairs
 from kernels.quant import dequantize_fp4, e8m0_to_float, quantize_fp4
+from tests.support.loader import expert_packing
+from tests.support.reference import sequence_logits
 from tests.unit.triton_util import rel
 
 FP8 = {"expert_dtype": "fp8", "block": 32}
@@ -85,7 +86,7 @@ def test_packed_logits_equal_dequantized(ckpt: str) -> None:
     ref = load_model(ckpt, packed_experts=False)
     packed = load_model(ckpt, packed_experts=True)
     ids = _ids(41)
-    assert rel(packed.logits(ids), ref.logits(ids)) < 1e-5
+    assert rel(sequence_logits(packed, ids), sequence_logits(ref, ids)) < 1e-5
     # every MoE (mtp blocks too, which logits() does not run) gives the same output
     g = torch.Generator().manual_seed(1)
     ref_moes = _moes(ref)
@@ -162,7 +163,7 @@ def test_other_scale_and_byte_storage(tiny_ckpt, tmp_path: Path) -> None:
     assert layers[2].ffn.experts.s13.dtype == torch.float32  # one F32 expert: all fp32
     assert layers[3].ffn.experts.w13.dtype == torch.int8
     ids = _ids(41)
-    assert rel(model.logits(ids), load_model(src).logits(ids)) < 1e-5
+    assert rel(sequence_logits(model, ids), sequence_logits(load_model(src), ids)) < 1e-5
 
 
 @torch.no_grad()
@@ -217,13 +218,13 @@ def test_cuda_repack_of_the_loader(tiny_ckpt) -> None:
 
     model = load_model(tiny_ckpt("v41"), packed_experts=True)
     ids = _ids(19)
-    want = model.logits(ids)
+    want = sequence_logits(model, ids)
     packed = [m for m in model.modules() if isinstance(m, PackedExperts)]
     ptrs = [m.w13.data_ptr() for m in packed]
     _repack_fp4_for_cuda(model)
     assert {m.layout for m in packed} == {"pairs"}
     assert [m.w13.data_ptr() for m in packed] == ptrs
-    assert torch.equal(model.logits(ids), want)
+    assert torch.equal(sequence_logits(model, ids), want)
     g = torch.Generator().manual_seed(2)
     narrow = PackedExperts(
         *_stack_fp4(torch.randn(2, 64, 96, generator=g)),
