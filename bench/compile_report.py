@@ -256,30 +256,28 @@ def attention_ws() -> None:
     227 KB limit, the partitions' register counts (``setmaxnreg`` values, SASS), and local
     memory ops in the consumers' main loops and in the producer's whole region (the
     epilogue's sin/cos range reduction uses a stack frame too, outside those loops), and
-    LDL/STL in the whole kernel. ``attention-ws seesaw``: the seesaw consumers."""
+    LDL/STL in the whole kernel."""
     from bench.attention_sweep import WS_LAUNCHES
     from kernels import attention_ws as w
 
-    seesaw = "seesaw" in sys.argv[2:]
     fn = w._attn_ws_kernel
     base = {n: "i32" for n in fn.arg_names}
     base.update(q_ptr="*bf16", idx_ptr="*i64", idx2_ptr="*i64", sink_ptr="*fp32",
                 ang_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ml_ptr="*fp32",
                 scale_log2="fp32")  # fmt: skip
-    kinds = {"packed": (1, 2, 2, "*fp8e4nv", "*u8", "*u8", "*fp8e4nv"),
-             "fp8": (1, 0, 1, "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"),
-             "bf16": (0, 0, 0, "*bf16", "*fp32", "*bf16", "*fp32")}  # fmt: skip
+    kinds = {"packed": (1, True, 2, "*fp8e4nv", "*u8", "*u8", "*fp8e4nv"),
+             "fp8": (1, False, 1, "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"),
+             "bf16": (0, False, 0, "*bf16", "*fp32", "*bf16", "*fp32")}  # fmt: skip
     aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("s_")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     for kind, (f1, e8, f2, kv, sc, kv2, sc2) in kinds.items():
         for (bn, st, pr, cr), split1 in ((c, s1) for c in WS_LAUNCHES for s1 in (True, False)):
             types = dict(base, kv_ptr=kv, sc_ptr=sc, kv2_ptr=kv2, sc2_ptr=sc2)
-            consts = dict(D=512, R=64, FMT=f1, SC_E8=e8, FMT2=f2, SC2_E8=0, ROPE=True,
-                          SPLIT1=split1, BLOCK_N=bn, STAGES=st, P_REGS=pr, C_REGS=cr,
-                          SEESAW=seesaw)  # fmt: skip
+            consts = dict(D=512, R=64, FMT=f1, SC_E8=e8, FMT2=f2, SC2_E8=False, ROPE=True,
+                          SPLIT1=split1, BLOCK_N=bn, STAGES=st, P_REGS=pr, C_REGS=cr)
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             head = (f"attention-ws {kind:6} BN={bn} st={st} regs p/c={pr}/{cr} "
-                    f"split1={split1:d}{' seesaw' if seesaw else ''}")
+                    f"split1={split1:d}")
             try:
                 k, _, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": 4, "maxnreg": 168})
             except Exception as e:
@@ -378,17 +376,15 @@ def dense_wg() -> None:
 
     fn = dw._dense_wg_kernel
     base = {n: "i32" for n in fn.arg_names}
-    base.update(x_ptr="*bf16", w_ptr="*u8", s_ptr="*i32", r_ptr="*i32", cnt_ptr="*i32",
-                fin_ptr="*bf16")  # fmt: skip
+    base.update(x_ptr="*bf16", w_ptr="*u8", s_ptr="*i32", r_ptr="*i32")
     aligned = [n for n in fn.arg_names if n.endswith("_ptr")
-               or n in ("sxm", "swn", "ssn", "sos", "som", "N", "K", "k_per_split", "sfm")]
+               or n in ("sxm", "swn", "ssn", "sos", "som", "N", "K", "k_per_split")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     for bt in dw.TOKEN_TILES:
         warps, st = dw.pick_launch(bt)
-        for out in ("*bf16", "*fp32", "*fp32 sum"):
-            consts = dict(BM=16 * warps, BT=bt, KB=dw.KB, STAGES=st, SB_N=32, WARPS=warps,
-                          REDUCE=out.endswith("sum"))  # fmt: skip
-            types = dict(base, out_ptr=out.split()[0])
+        for out in ("*bf16", "*fp32"):
+            consts = dict(BM=16 * warps, BT=bt, KB=dw.KB, STAGES=st, SB_N=32, WARPS=warps)
+            types = dict(base, out_ptr=out)
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             _loop_report(f"dense-wg BT={bt:3d} warps={warps} stages={st} out={out[1:]}", fn,
                          sig, consts, attrs, warps,

@@ -18,7 +18,6 @@ and ``_combine_kernel`` merges them in fp32. The output's inverse RoPE is fused 
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -26,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_ws import HEADS, launch_ws
-from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count
+from kernels.dispatch import capability, op, sm_count
 from kernels.kv_quant import e2m1_to_f32
 
 _LOG2E = 1.4426950408889634
@@ -510,13 +509,6 @@ def _launch_tl(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K
 _KERNELS = ("auto", "ws", "tl")
 
 
-def kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
-    """The attention kernel the calls in this block take when they name none ("auto", "ws",
-    "tl"): benchmarks' before / after runs of the same engine step (set it before CUDA-graph
-    capture -- a captured graph keeps the kernel it was captured with)."""
-    return pinned_variant("attention", kernel, _KERNELS)
-
-
 def ws_applies(q: torch.Tensor) -> bool:
     """Whether the warp-specialized kernel takes queries ``q`` [T, H, D] (sm_90, bf16,
     D = 512, heads in blocks of 64); it reads every key format."""
@@ -553,7 +545,7 @@ def sparse_attention_triton(
     splits: int | None = None,
     out: torch.Tensor | None = None,
     launch: dict[str, int] | None = None,
-    kernel: str | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Triton ``sparse_attention_ref`` (same arguments). Key sources: rows in q.dtype, fp8
     e4m3 with ``kv_scale`` [N, D/32] (fp32 or e8m0 codes), or (second source) nvfp4 bytes
@@ -561,11 +553,13 @@ def sparse_attention_triton(
     (``default_splits``); ``out`` [T, H, D] (contiguous last dim) receives the result;
     ``launch`` (BLOCK_H, BLOCK_N, num_warps, num_stages) bypasses the autotuner.
 
-    ``kernel``: "ws" the warp-specialized Hopper kernel (``kernels.attention_ws``: sm_90,
-    bf16 q, D = 512, heads in blocks of 64), "tl" the portable kernel, "auto" "ws" wherever
-    it applies except plain bf16 rows at under 8 (token, 64-head) programs, where "tl" was
-    faster on the H200; None (default) takes :func:`kernel_choice`'s (normally "auto").
-    With "ws", ``launch`` holds its (block_n, stages, p_regs, c_regs) instead."""
+    ``kernel``: "auto" (the dispatch) takes the warp-specialized Hopper kernel
+    (``kernels.attention_ws``) wherever it applies (sm_90, bf16 q, D = 512, heads in blocks of
+    64, key pools under 2^31 rows) except for plain bf16 rows at under 8 (token, 64-head)
+    programs, and the portable kernel elsewhere: at those small plain-row calls it was the
+    faster of the two on the H200. "ws" / "tl" name one of the two (benchmarks and tests
+    compare them at one shape; "ws" is an error where it cannot run). With "ws", ``launch``
+    holds its (block_n, stages, p_regs, c_regs) instead."""
     T, H, D = q.shape
     if idx.dim() != 2 or idx.shape[0] != T:
         raise ValueError(f"bad shapes q{tuple(q.shape)} kv{tuple(kv.shape)} idx{tuple(idx.shape)}")
@@ -605,7 +599,6 @@ def sparse_attention_triton(
     K, K2 = idx.shape[1], idx2.shape[1]
     if T == 0:
         return out
-    kernel = kernel or pinned("attention")
     if kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
     # (the ws kernel takes row ids as int32)

@@ -17,17 +17,15 @@ to count itself in runs the finish), else as those two launches (:func:`_finish_
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import op, pinned, pinned_variant, sm_count, split_counters
+from kernels.dispatch import op, sm_count, split_counters
 from kernels.norm import rms_norm_ref
 
-_FINISH = ("auto", "fused", "tile", "loop")
 FINISH_TILE_MAX = 32768  # most stream values (n x next power of 2 of d) one-tile holds
 FUSED_MAX_TOKENS = 4  # the one-launch form up to this many tokens (each reads all of fn)
 
@@ -462,35 +460,23 @@ def _mix_and_finish(
     return y, post2, comb2, pre
 
 
-def finish_choice(form: str) -> contextlib.AbstractContextManager[None]:
-    """The form of the mHC mix + finish the calls in this block take: "auto" (below),
-    "fused" (one launch where a call fits the one-tile finish), "tile" (two launches, the
-    finish loading the token's streams once, where a call fits), "loop" (two launches, two
-    passes over d everywhere): before / after runs of the same step (set it before CUDA-graph
-    capture)."""
-    return pinned_variant("mhc_finish", form, _FINISH)
-
-
 def _finish_form(t: int, n: int, d: int, sms: int) -> str:
-    """The form of a call: "loop" unless the one-tile finish fits (a decode wave: t <= SMs,
-    n x d <= FINISH_TILE_MAX) or "loop" is pinned; then "fused" up to FUSED_MAX_TOKENS
-    tokens (or pinned), else "tile".
+    """The form of a call, by shape: "loop" (two launches, two passes over d) unless the
+    one-tile finish fits (a decode wave: t <= SMs, n x next_pow2(d) <= FINISH_TILE_MAX);
+    then "fused" (one launch) up to FUSED_MAX_TOKENS tokens, else "tile" (two launches, the
+    finish loading the token's streams once).
 
-    "tile" against "loop", H200, eighth session (``bench/decode_plumbing.py``, the pre +
-    finish pair, graph): 11.1 / 11.3 / 17.4 us at 1 / 8 / 64 tokens against 15.1 / 17.4 /
-    23.8 us; the flash rank's decode step 12.18 against 12.80 ms at batch 1 and 29.31
-    against 30.29 ms at 64 (32K context). The tile holds the token's n x d streams in
-    registers (up to 16 warps), so it applies to a decode wave only (4 x 8192 at 16 warps
-    is ~64 registers of streams per thread). "fused" is one launch of (token, d-split)
-    programs, the token's last one finishing (docs/performance.md has its figures); each
-    token reads all of ``fn``, so it stays at a few tokens."""
-    fits = n * triton.next_power_of_2(d) <= FINISH_TILE_MAX and t <= sms
-    pin = pinned("mhc_finish")
-    if pin == "loop" or not fits:
+    "tile" against "loop", H200 (``bench/decode_plumbing.py``, the pre + finish pair,
+    graph): 11.1 / 11.3 / 17.4 us at 1 / 8 / 64 tokens against 15.1 / 17.4 / 23.8 us; the
+    flash rank's decode step 12.18 against 12.80 ms at batch 1 and 29.31 against 30.29 ms at
+    64 (32K context). The tile holds the token's n x d streams in registers (up to 16
+    warps), so it applies to a decode wave only (4 x 8192 at 16 warps is ~64 registers of
+    streams per thread). "fused" is one launch of (token, d-split) programs, the token's
+    last one finishing (docs/performance.md has its figures); each token reads all of
+    ``fn``, so it stays at a few tokens."""
+    if n * triton.next_power_of_2(d) > FINISH_TILE_MAX or t > sms:
         return "loop"
-    if pin == "fused" or (pin == "auto" and t <= FUSED_MAX_TOKENS):
-        return "fused"
-    return "tile"
+    return "fused" if t <= FUSED_MAX_TOKENS else "tile"
 
 
 def hc_pre_triton(

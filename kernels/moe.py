@@ -24,7 +24,6 @@ Triton path (``moe_fp8_triton`` / ``moe_fp4_triton``), no host sync (CUDA-graph 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels import moe_decode
-from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count, split_counters
+from kernels.dispatch import capability, op, sm_count, split_counters
 from kernels.kv_quant import e2m1_to_f32
 from kernels.quant import dequantize_fp4, dequantize_fp8_block, is_e8m0
 
@@ -1041,7 +1040,6 @@ def _moe_run(
     act_group: int | None = None,
     precise_acc: bool = False,
     row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
-    decode_kernel: str = "auto",
 ) -> torch.Tensor:
     if prequant and (not act_fp8 or (act_group is None and block[1] != ACT_GROUP)):
         raise ValueError(f"prequant needs act_fp8 and {ACT_GROUP}-column scale groups "
@@ -1060,10 +1058,8 @@ def _moe_run(
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     if n_slots == 0:
         return out
-    if decode_kernel == "auto":
-        decode_kernel = pinned("moe_decode")
-    if decode_kernel == "auto" and (tiles, block_m, split_k) != (None, None, None):
-        decode_kernel = "tl"  # the test hooks shape ``_moe_gemm``'s launches
+    if (tiles, block_m, split_k) != (None, None, None):
+        row_refs = None  # the launch overrides shape ``_moe_gemm``'s launches
     if tiles is None:
         tiles = pick_tiles(n_slots, n_local, n_experts or n_local, d, inter, block[1],
                            _num_sms(x.device), act_fp8, pairs, prequant, a_q >= 2,
@@ -1084,10 +1080,9 @@ def _moe_run(
            and 0 < limit <= 1024 and not _INTERPRET)  # fmt: skip
     if fp16_mma is not None:  # test hook (the interpreter runs the path too)
         f16 = fp16_mma
-    refs = _decode_refs(x, s13, s2, d, inter, bm, pairs and f16, row_refs, decode_kernel)
-    if refs is not None:
+    if row_refs is not None and _decode_fits(x, s13, s2, d, inter, bm, pairs and f16):
         return _moe_run_decode(x, ids, weights, w13, s13, w2, s2, inter, limit, offset,
-                               n_experts or n_local, refs, out)  # fmt: skip
+                               n_experts or n_local, row_refs, out)  # fmt: skip
     xa = torch.empty(x.shape, dtype=torch.float16, device=x.device) if f16 else None
     rows, inv, tile_e = _align(ids, n_local, offset, bm, x, xa)  # + x -> xa on the F16 path
     n_tiles, n_rows = tile_e.numel(), rows.numel()
@@ -1133,71 +1128,24 @@ def _moe_run(
     return _combine(y, inv, weights, out)
 
 
-DECODE_KERNELS = ("auto", "gluon", "tl")
-
-
-def decode_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
-    """The decode GEMMs the fp4 calls in this block take when they name none ("auto": the
-    Gluon kernel where it applies, "tl": ``_moe_gemm``): before / after runs of the same
-    engine step (set it before CUDA-graph capture: a graph keeps what it captured)."""
-    return pinned_variant("moe_decode", kernel, ("auto", "tl"))
-
-
-def route_choice(where: str) -> contextlib.AbstractContextManager[None]:
-    """Where the Gluon MoE decode layer lays out its tiles and combines in this block:
-    "auto" (inside its two GEMM launches where the call has at most
-    :data:`FUSED_SLOTS` token slots and splits W13's K), "launch" (the align and combine
-    launches around them; the earlier path); "two": the two launches up to 64 slots (the
-    bound's measurement). Set it before CUDA-graph capture."""
-    return pinned_variant("moe_route", where, ("auto", "launch", "two"))
-
-
-# token slots (tokens x top-k) up to which the decode layer is two launches. H200, sixteenth
-# session (bench.moe_decode and a same-process A/B, docs/performance.md; V4.1-Flash rank,
-# top-6): 18.1 / 25.7 / 38.1 / 48.1 us at 1 / 2 / 4 / 8 tokens against 21.8 / 28.2 / 39.2 /
-# 49.6 for the four launches, 59.0 against 56.6 at 10 (60 slots, 16-row tiles)
+# token slots (tokens x top-k) up to which the decode layer is two launches. H200,
+# V4.1-Flash rank at top-6 (bench.moe_decode): 18.1 / 25.7 / 38.1 / 48.1 us at 1 / 2 / 4 / 8
+# tokens against 21.8 / 28.2 / 39.2 / 49.6 for the four launches, 59.0 against 56.6 at 10
+# tokens (60 slots, 16-row tiles)
 FUSED_SLOTS = 48
 
 
-def _decode_refs(
-    x: torch.Tensor,
-    s13: torch.Tensor,
-    s2: torch.Tensor,
-    d: int,
-    inter: int,
-    bm: int,
-    f16_pairs: bool,
-    row_refs: tuple[torch.Tensor, torch.Tensor] | None,
-    choice: str,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The row references for :mod:`kernels.moe_decode` when its kernel runs this call, else
-    None (the ``tl`` path). ``choice`` "auto": where it applies (fp4 pairs on the fp16 path at
-    decode tile heights, e8m0 scales, d and I multiples of 128, sm_80+) and the experts carry
-    exact ``row_refs``; "gluon": required (computed here when not given; an error where the
-    kernel cannot run or the scales are not exact); "tl": never."""
-    if choice not in DECODE_KERNELS:
-        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {choice!r}")
-    if choice == "tl" or (choice == "auto" and row_refs is None):
-        return None
-    fits = (
+def _decode_fits(x: torch.Tensor, s13: torch.Tensor, s2: torch.Tensor, d: int, inter: int,
+                 bm: int, f16_pairs: bool) -> bool:  # fmt: skip
+    """Whether :mod:`kernels.moe_decode`'s GEMMs take a call whose experts carry exact row
+    references: fp4 pairs on the fp16 path at decode tile heights (BM <= 32), e8m0 scales,
+    d and I multiples of 128, CUDA sm_89+ (the e4m3 -> fp16 cvt). Elsewhere ``_moe_gemm``."""
+    return (
         f16_pairs and bm <= 32 and x.is_cuda and is_e8m0(s13) and is_e8m0(s2)
         and d % moe_decode.KB == 0 and inter % moe_decode.KB == 0
         and inter % moe_decode.BR == 0 and (d // 2) % moe_decode.BR == 0
-        and capability(x.device) >= (8, 9)  # the e4m3 -> fp16 cvt
+        and capability(x.device) >= (8, 9)
     )  # fmt: skip
-    if not fits:
-        if choice == "gluon":
-            raise ValueError("decode_kernel='gluon' needs fp4 pairs experts with e8m0 scales, "
-                             "bf16 activations under a SwiGLU clamp, a decode batch, d and I "
-                             "multiples of 128, on a CUDA sm_80+ device")  # fmt: skip
-        return None
-    if row_refs is None:
-        (r13, ok13), (r2, ok2) = moe_decode.row_refs(s13), moe_decode.row_refs(s2)
-        if not (ok13 and ok2):
-            raise ValueError(f"scales of a row span more than {moe_decode.SPREAD} binades: the "
-                             "decode kernel's fp16 products would not be exact")  # fmt: skip
-        row_refs = (r13, r2)
-    return row_refs
 
 
 def _moe_run_decode(
@@ -1215,11 +1163,10 @@ def _moe_run_decode(
     refs: tuple[torch.Tensor, torch.Tensor],
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """The MoE layer with :mod:`kernels.moe_decode`'s GEMMs (fp4 pairs, decode batches):
-    align, x -> fp16 x 2^-4, W13 (+ SwiGLU; with K splits summed by the kernel's last CTA
-    of a tile, or by ``_swiglu_reduce`` where ``split_sum_choice`` pins "launch"), W2,
-    combine; at most :data:`FUSED_SLOTS` token slots with W13's K split: the two GEMM
-    launches alone (:func:`_moe_run_fused`, ``route_choice``)."""
+    """The MoE layer with :mod:`kernels.moe_decode`'s GEMMs (fp4 pairs, decode batches). Up
+    to :data:`FUSED_SLOTS` token slots, when W13 splits K: the two GEMM launches alone
+    (:func:`_moe_run_fused`); else four launches: align + x -> fp16 x 2^-4, W13 (+ SwiGLU;
+    K splits summed by the last CTA of each tile's row block), W2, combine."""
     t, d = x.shape
     topk = ids.shape[1]
     n_local, n_slots = w13.shape[0], t * topk
@@ -1232,9 +1179,7 @@ def _moe_run_decode(
     split2 = moe_decode.pick_split(tiles, d // 2, inter, sms)
     q13, q2 = s13.view(torch.uint8), s2.view(torch.uint8)
     st = moe_decode.pick_stages(bt, tiles)
-    route = pinned("moe_route")
-    if (n_slots <= (64 if route == "two" else FUSED_SLOTS) and split1 > 1 and route != "launch"
-            and pinned("split_sum") != "launch"):  # fmt: skip
+    if n_slots <= FUSED_SLOTS and split1 > 1:
         return _moe_run_fused(x, ids, weights, w13, q13, w2, q2, inter, limit, offset, refs,
                               out, bt, split1, split2, st)  # fmt: skip
     xa = torch.empty(x.shape, dtype=torch.float16, device=x.device)
@@ -1246,15 +1191,10 @@ def _moe_run_decode(
                           limit, True, True, bt, stages=st)  # fmt: skip
     else:
         part = torch.empty(split1, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
-        if pinned("split_sum") == "launch":
-            moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter,
-                              d, split1, limit, True, False, bt, stages=st)  # fmt: skip
-            _reduce_swiglu(part, h, tile_e, inter, limit, bt, True)
-        else:  # the last CTA of each tile's row block sums the splits and writes H
-            moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter,
-                              d, split1, limit, True, False, bt, stages=st, fin=h,
-                              counters=split_counters(
-                                  tile_e.numel() * (inter // moe_decode.BR), x.device))  # fmt: skip
+        cnt = split_counters(tile_e.numel() * (inter // moe_decode.BR), x.device)
+        moe_decode.launch(xa, rows, tile_e, w13, q13, refs[0], part, n_slots, topk, inter, d,
+                          split1, limit, True, False, bt, stages=st, fin=h,
+                          counters=cnt)  # fmt: skip
     y = _y_buffer(x, split2, n_rows)
     moe_decode.launch(h, rows, tile_e, w2, q2, refs[1], y, n_slots, topk, d // 2, inter, split2,
                       limit, False, False, bt, stages=st)  # fmt: skip
@@ -1269,8 +1209,8 @@ def _moe_run_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     """The decode layer in two launches (a few token slots): W13 lays out its own tiles
     from ``ids`` (the align launch's tiles, rows in slot order), converts x, sums its K
     splits and writes H; W2 writes fp32 partials and the last CTA of each row block
-    combines them into ``out`` (the combine launch's order). Same values as the four
-    launches (``route_choice("launch")``)."""
+    combines them into ``out`` (the combine launch's order). The four launches' values, bit
+    for bit."""
     t, d = x.shape
     topk = ids.shape[1]
     n_local, n_slots = w13.shape[0], t * topk
@@ -1437,7 +1377,6 @@ def moe_fp4_triton(
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
     row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
-    decode_kernel: str = "auto",
 ) -> torch.Tensor:
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
@@ -1449,8 +1388,7 @@ def moe_fp4_triton(
     ``prequant``, ``fp16_mma`` and ``out_dtype`` as in :func:`moe_fp8_triton`.
     ``row_refs`` (r13, r2) of :func:`kernels.moe_decode.row_refs` for these scales, when
     exact: decode batches in the pairs layout then run :mod:`kernels.moe_decode`'s GEMMs
-    (``decode_kernel`` "auto"; "gluon" requires them, computing the refs if not given;
-    "tl" keeps ``_moe_gemm``)."""
+    where they apply (:func:`_decode_fits`); without them ``_moe_gemm`` runs every call."""
     _check_experts(x, ids, weights, w13, w2)
     d = x.shape[1]
     inter = w13.shape[1] if pairs else w13.shape[1] // 2
@@ -1470,16 +1408,15 @@ def moe_fp4_triton(
         raise ValueError(f"fp4 scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    pairs, prequant, fp16_mma, out_dtype, row_refs=row_refs,
-                    decode_kernel=decode_kernel)  # fmt: skip
+                    pairs, prequant, fp16_mma, out_dtype, row_refs=row_refs)  # fmt: skip
 
 
 def _unused_n_experts(ref):
-    """A reference with the kernels' ``n_experts``, ``row_refs`` and ``decode_kernel``
-    keywords (they only choose and size the kernels' launches)."""
+    """A reference with the kernels' ``n_experts`` and ``row_refs`` keywords (they only
+    choose and size the kernels' launches)."""
 
     def run(*args: Any, n_experts: int | None = None, row_refs: Any = None,
-            decode_kernel: str = "auto", **kwargs: Any) -> torch.Tensor:  # fmt: skip
+            **kwargs: Any) -> torch.Tensor:  # fmt: skip
         return ref(*args, **kwargs)
 
     run.__doc__, run.__name__ = ref.__doc__, ref.__name__

@@ -518,7 +518,8 @@ def test_ws_rising_scores(splits):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_ws_e8m0_integer_decode_is_exact(splits, second):
     """fp8 rows with e8m0 codes through the ws producer's integer decode (PRMT, shift, AND
-    and one bf16 multiply per pair) give the conversion path's output bit for bit: groups
+    and one bf16 multiply per pair) give the conversion path's output bit for bit (the same
+    rows with their scales as fp32 powers of two: e4m3 -> fp32 x scale -> bf16): groups
     with e4m3 subnormals and zeros, zero rows, token 0's first rows with codes past 134
     (scales past 2^7: the second multiply is not 1), masked keys; the window source alone,
     with an fp8 second source (also e8m0) and with nvfp4 entries (the engine's)."""
@@ -545,9 +546,10 @@ def test_ws_e8m0_integer_decode_is_exact(splits, second):
         kv2, s2 = kv_pack(torch.randn(N2, D, device=DEV, generator=g), second)
         kw.update(kv2=kv2, kv2_scale=s2,
                   idx2=torch.randint(-1, N2, (T, K2), device=DEV, generator=g))  # fmt: skip
+    kw32 = {k: torch.exp2(v.float() - 127) if k.endswith("scale") and v.dtype == torch.uint8
+            else v for k, v in kw.items()}  # fmt: skip
     outs = [attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, splits=splits,
-                                         kernel="ws", launch={"e8_int": e8_int}, **kw)
-            for e8_int in (True, False)]  # fmt: skip
+                                         kernel="ws", **a) for a in (kw, kw32)]  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     ref = attn.sparse_attention_ref(q.double(), ring, win, sink.double(), D**-0.5, **kw)
     assert _rel(outs[0], ref) < 1e-2
@@ -603,44 +605,3 @@ def test_ws_bf16_partials_against_fp32(launch, splits, monkeypatch):
                                     kv_scale=s1, kv2=comp, idx2=sel.long(), kv2_scale=s2,
                                     inv_rope_angles=ang)  # fmt: skip
     assert _rel(a, ref) < 1e-2
-
-
-@pytest.mark.parametrize("launch", WS_LAUNCHES)
-@pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("K,second", [(128, "nvfp4"), (160, "nvfp4"), (160, None)])
-def test_ws_seesaw_equals_the_plain_consumers(launch, splits, K, second):
-    """The seesaw schedule (key blocks alternate between the consumers; the owner sends P
-    and (m, l, alpha) through shared memory) does the plain consumers' arithmetic in their
-    order, so its output is theirs bit for bit: odd and even block counts per split, a split
-    with no key block at all (K = 128 at 5 splits), two head blocks, a token whose keys are
-    all masked, RoPE, the engine's two sources and the window alone; repeated launches are
-    bit-equal (a race on a message slot would change a row); against the float64 reference
-    as well."""
-    from kernels.kv_quant import kv_pack
-
-    g = torch.Generator(device=DEV).manual_seed(31 + K)
-    T, H, D, K2 = 5, 128, 512, 512
-    q = torch.randn(T, H, D, device=DEV, generator=g).bfloat16()
-    ring, s1 = kv_pack(torch.randn(T * K, D, device=DEV, generator=g), "fp8")
-    win = torch.arange(T * K, device=DEV, dtype=torch.int32).view(T, K)
-    win[1] = -1
-    sink = torch.randn(H, device=DEV, generator=g)
-    ang = torch.rand(T, 32, device=DEV, generator=g) * 100
-    kw = dict(kv_scale=s1, inv_rope_angles=ang, splits=splits, kernel="ws")
-    if second:
-        comp, s2 = kv_pack(torch.randn(4096, D, device=DEV, generator=g), second)
-        sel = torch.randint(0, 4096, (T, K2), device=DEV, generator=g, dtype=torch.int32)
-        sel[1] = -1
-        kw.update(kv2=comp, idx2=sel, kv2_scale=s2)
-    plain = attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, launch=launch, **kw)
-    see = {**(launch or {}), "seesaw": True}
-    for _ in range(3):
-        out = attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, launch=see, **kw)
-        assert torch.equal(out, plain)
-    assert out[1].abs().max() == 0
-    ref_kw = {k: v for k, v in kw.items() if k not in ("splits", "kernel")}
-    if second:
-        ref_kw["idx2"] = sel.long()
-    ref = attn.sparse_attention_ref(q.double(), ring, win.long(), sink.double(), D**-0.5,
-                                    **ref_kw)  # fmt: skip
-    assert _rel(out, ref) < 1e-2

@@ -133,23 +133,19 @@ def test_moe_decode_kernel(fp4_experts: tuple[torch.Tensor, ...], t: int, all_lo
     ref = moe_fp4_ref(x.float(), ids, w, w13, s13, w2, s2, 10.0)
     err = _rel(out, ref)
     assert err < 1e-2
-    tl_ = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, decode_kernel="tl", **kw)
+    tl_ = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, **kw)  # no row refs: the tl path
     # the same fp16 weights and activations, summed in another order; H rounds to fp16 in
     # both (2^-11), so order effects flip some of its roundings: ~1e-4, not more
     assert _rel(out, tl_) < 1e-3
     assert err < 1.2 * _rel(tl_, ref)  # and no less accurate than the tl kernel
-    # "gluon" computes the references itself; "auto" without them is the tl path exactly
-    forced = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, decode_kernel="gluon", **kw)
-    assert torch.equal(forced, out)
-    auto = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, **kw)
-    assert torch.equal(auto, tl_)
 
 
-def test_moe_decode_kernel_writes_every_row_and_refuses_prefill(
+def test_moe_decode_kernel_writes_every_row_and_stays_out_of_prefill(
     fp4_experts: tuple[torch.Tensor, ...],
 ) -> None:
     """Launched directly on a poisoned H (NaN): every valid token row of every touched tile
-    is written; a prefill-sized call with decode_kernel='gluon' is an error, not a fallback."""
+    is written; a prefill-sized call with row references takes the tl path (the same output
+    as without them)."""
     from kernels import moe_decode
     from kernels.moe import _align, fp4_to_pairs, moe_fp4_triton
 
@@ -168,10 +164,11 @@ def test_moe_decode_kernel_writes_every_row_and_refuses_prefill(
     assert bool(torch.isfinite(h[valid]).all())
     x2 = torch.randn(4096, D, device="cuda").bfloat16()
     ids2 = torch.rand(4096, E_LOCAL, device="cuda").argsort(-1)[:, :TOPK]
-    with pytest.raises(ValueError, match="decode batch"):
-        moe_fp4_triton(x2, ids2, torch.rand(4096, TOPK, device="cuda"), h13, s13,
-                       fp4_to_pairs(w2), s2, 10.0, n_experts=E_LOCAL, pairs=True,
-                       decode_kernel="gluon")  # fmt: skip
+    (r2, _) = moe_decode.row_refs(s2)
+    args2 = (x2, ids2, torch.rand(4096, TOPK, device="cuda"), h13, s13, fp4_to_pairs(w2), s2,
+             10.0)  # fmt: skip
+    with_refs = moe_fp4_triton(*args2, n_experts=E_LOCAL, pairs=True, row_refs=(r13, r2))
+    assert torch.equal(with_refs, moe_fp4_triton(*args2, n_experts=E_LOCAL, pairs=True))
 
 
 @pytest.mark.parametrize(("t", "bt", "split"), [(8, 8, 1), (40, 16, 1), (64, 8, 3), (512, 16, 1),
@@ -435,9 +432,9 @@ def test_mhc(t: int, form: str) -> None:
     """The fused mHC kernels against the reference at V4.1-Flash widths, in every form
     ("auto": one launch up to 4 tokens, then the two-launch one-tile finish up to one wave
     of tokens; 4096 tokens take the loop in every form)."""
-    from kernels import mhc
+    from tests.support.forms import mhc_finish_form
 
-    with mhc.finish_choice(form):
+    with mhc_finish_form(form):
         _check_mhc(t)
 
 
@@ -449,6 +446,7 @@ def test_mhc_one_launch_replays_in_a_graph(t: int) -> None:
     partials in split order, whichever arrives last), so no replay finished early on a
     counter left over; the counters are all zero afterwards."""
     from kernels import dispatch, mhc
+    from tests.support.forms import mhc_finish_form
 
     fn = torch.randn(N * (N + 2), N * D, device="cuda") / (N * D) ** 0.5
     base, scale = 0.5 * torch.randn(24, device="cuda"), 1 + 0.2 * torch.randn(3, device="cuda")
@@ -462,7 +460,7 @@ def test_mhc_one_launch_replays_in_a_graph(t: int) -> None:
     def run():
         return mhc.hc_post_pre_triton(out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
 
-    with mhc.finish_choice("fused"):
+    with mhc_finish_form("fused"):
         run()  # compile and make the counters outside the capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -563,13 +561,12 @@ def test_ep_layer_captures_in_a_cuda_graph(fp8_experts: tuple[torch.Tensor, ...]
 @pytest.mark.parametrize("t", [1, 8, 24])
 def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor, ...],
                                                 t: int) -> None:  # fmt: skip
-    """W13's K splits summed by each tile's last CTA with the clamped SwiGLU (the default)
-    give the layer's output bit for bit as the partials + ``_swiglu_reduce`` launch
-    (``split_sum_choice("launch")``), also replayed in a CUDA graph with new inputs (the
+    """W13's K splits summed by each tile's last CTA with the clamped SwiGLU (the two-launch
+    layer at 1 and 8 tokens, the four launches at 24): the tl path's output to accumulation
+    order, and replayed in a CUDA graph with new inputs the eager layer's bit for bit (the
     counters must be back at zero after every launch); the counters are zero afterwards."""
     from kernels import dispatch, moe_decode
     from kernels.dispatch import sm_count
-    from kernels.linear import split_sum_choice
     from kernels.moe import fp4_to_pairs, moe_fp4_triton
 
     # W13 takes K splits here (about one active tile per 1-4 tokens)
@@ -580,45 +577,45 @@ def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor,
     torch.manual_seed(t)
     x = torch.randn(t, D, device="cuda").bfloat16()
     ids, w = _routing(t)
-    kw = dict(n_experts=E_ALL, pairs=True, out_dtype=torch.float32, row_refs=refs,
-              decode_kernel="gluon")  # fmt: skip
+    kw = dict(n_experts=E_ALL, pairs=True, out_dtype=torch.float32)
 
-    def layer(xx: torch.Tensor, where: str) -> torch.Tensor:
-        with split_sum_choice(where):
-            return moe_fp4_triton(xx, ids, w, h13, s13, h2, s2, 10.0, **kw)
+    def layer(xx: torch.Tensor) -> torch.Tensor:
+        return moe_fp4_triton(xx, ids, w, h13, s13, h2, s2, 10.0, row_refs=refs, **kw)
 
-    one, two = layer(x, "auto"), layer(x, "launch")
-    assert bool(torch.isfinite(one).all()) and torch.equal(one, two)
+    one = layer(x)
+    tl_ = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, **kw)  # no row refs: the tl path
+    assert bool(torch.isfinite(one).all()) and _rel(one, tl_) < 1e-3
     static = x.clone()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = layer(static, "auto")
+        out = layer(static)
     for _ in range(3):
         static.copy_(torch.randn(t, D, device="cuda").bfloat16())
         g.replay()
-        assert torch.equal(out, layer(static, "launch"))
+        assert torch.equal(out, layer(static))
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
 
 
 @pytest.mark.parametrize("t,first_local,none_local", [(1, 0, False), (2, 96, False),
                                                       (3, 96, False), (8, 0, False),
-                                                      (10, 336, False), (2, 0, True)])  # fmt: skip
+                                                      (2, 0, True)])  # fmt: skip
 def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: int,
-                                     first_local: int, none_local: bool) -> None:  # fmt: skip
+                                     first_local: int, none_local: bool,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """At a few token slots the decode layer is two launches: W13 lays out its tiles from
     the router's ids and W2's last CTA per row block combines. Its output equals the four
-    launches' (align, W13, W2, combine: ``route_choice("launch")``) bit for bit, with the
-    local experts at an offset, with tokens that take no local expert (and none that does),
-    in a CUDA graph replayed with new activations and new routing, also past the slots
-    where the default takes it ("two": up to 64); the rows, inverse map
-    and tile experts it writes are the align launch's (rows in slot order); the split
-    counters are zero afterwards."""
+    launches' (align, W13, W2, combine: what calls past ``FUSED_SLOTS`` take, forced here by
+    a bound of 0) bit for bit, with the local experts at an offset, with tokens that take no
+    local expert (and none that does), in a CUDA graph replayed with new activations and
+    new routing; the rows, inverse map and tile experts it writes are the align launch's
+    (rows in slot order); the split counters are zero afterwards."""
     from kernels import dispatch, moe_decode
-    from kernels.moe import FUSED_SLOTS, _align, fp4_to_pairs, moe_fp4_triton, route_choice
+    from kernels import moe as moe_mod
+    from kernels.moe import FUSED_SLOTS, _align, fp4_to_pairs, moe_fp4_triton
 
-    assert t * TOPK <= 64
+    assert t * TOPK <= FUSED_SLOTS
     w13, s13, w2, s2 = fp4_experts
     h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
     refs = (moe_decode.row_refs(s13)[0], moe_decode.row_refs(s2)[0])
@@ -633,28 +630,28 @@ def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: i
     ids, wt = routing()
     x = torch.randn(t, D, device="cuda").bfloat16()
 
-    def layer(xx: torch.Tensor, ii: torch.Tensor, ww: torch.Tensor, where: str) -> torch.Tensor:
-        with route_choice(where):
+    def layer(xx: torch.Tensor, ii: torch.Tensor, ww: torch.Tensor, fused: bool) -> torch.Tensor:
+        with monkeypatch.context() as m:
+            m.setattr(moe_mod, "FUSED_SLOTS", FUSED_SLOTS if fused else 0)
             return moe_fp4_triton(xx, ii, ww, h13, s13, h2, s2, 10.0, n_experts=E_ALL,
-                                  local_expert_offset=first_local, pairs=True, row_refs=refs,
-                                  decode_kernel="gluon")  # fmt: skip
+                                  local_expert_offset=first_local, pairs=True,
+                                  row_refs=refs)  # fmt: skip
 
-    two = "auto" if t * TOPK <= FUSED_SLOTS else "two"
-    fused, four = layer(x, ids, wt, two), layer(x, ids, wt, "launch")
+    fused, four = layer(x, ids, wt, True), layer(x, ids, wt, False)
     assert bool(torch.isfinite(fused).all()) and torch.equal(fused, four)
     assert (fused.abs().amax() == 0) == none_local
     static_x, static_ids, static_w = x.clone(), ids.clone(), wt.clone()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = layer(static_x, static_ids, static_w, two)
+        out = layer(static_x, static_ids, static_w, True)
     for _ in range(3):
         ids, wt = routing()
         static_x.copy_(torch.randn(t, D, device="cuda").bfloat16())
         static_ids.copy_(ids)
         static_w.copy_(wt)
         g.replay()
-        assert torch.equal(out, layer(static_x, static_ids, static_w, "launch"))
+        assert torch.equal(out, layer(static_x, static_ids, static_w, False))
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
     # the routing it writes for the launches after W13: the align launch's tiles

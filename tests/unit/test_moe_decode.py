@@ -201,21 +201,15 @@ def test_fp8_plan_refuses_what_the_kernel_cannot_take() -> None:
 
 
 def test_fp8_projection_plan_is_prepared_on_cuda_only() -> None:
-    """``Fp8Linear.prepare`` makes no plan for CPU weights (the reference runs there), and a
-    call that pins the decode kernel where it cannot run is an error, not a silent fallback."""
+    """``Fp8Linear.prepare`` makes no plan for CPU weights (the reference runs there)."""
     from app.model.layers import Fp8Linear, prepare_fp8_linears
-    from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref, fp8_linear_triton
+    from kernels.linear import fp8_linear_ref
 
     q, s = _fp8_weight(64, 256, (32, 32), 4, seed=2)
     lin = Fp8Linear(q, s, (32, 32))
     assert prepare_fp8_linears(torch.nn.Sequential(lin)) == (0, []) and lin.plan is None
     x = torch.randn(2, 256)
     assert torch.equal(lin(x), fp8_linear_ref(x, q, s, (32, 32)))
-    plan = fp8_decode_plan(q, s, (32, 32))
-    with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
-        fp8_linear_triton(x.bfloat16(), q, s, (32, 32), plan)
-    with pytest.raises(ValueError, match="fp8_linear kernel must be"), fp8_kernel_choice("x"):
-        pass
 
 
 def test_split_sum_in_the_kernel_needs_its_counters_and_shares_them() -> None:
@@ -224,7 +218,6 @@ def test_split_sum_in_the_kernel_needs_its_counters_and_shares_them() -> None:
     zeroed buffer that grows when a launch needs more (launches in stream order share it:
     each tile's last CTA sets its counter back to zero). The kernels' sums themselves are
     checked bit for bit on the GPU (tests/gpu/test_dense_kernels.py)."""
-    from kernels import dense_wgmma as dw
     from kernels import moe_decode as md
     from kernels.dispatch import split_counters
 
@@ -245,8 +238,6 @@ def test_split_sum_in_the_kernel_needs_its_counters_and_shares_them() -> None:
     with pytest.raises(ValueError, match="fin"):
         md.launch_dense(x, w, words, refs, rows, tile_e, part, m, 2, bt, 32, fin=half,
                         counters=eight)  # fmt: skip
-    with pytest.raises(ValueError, match="zeroed counters"):
-        dw.launch(x, w, words, refs, part, m, 2, 32, 32, 3, 4, fin=fin)
     dev = torch.device("cpu")
     a = split_counters(10, dev)
     assert a.dtype == torch.int32 and a.shape == (10,) and not bool(a.any())
