@@ -100,7 +100,7 @@ def _moe_line(fp4: bool, pairs: bool, act8: bool, aq: bool, f16: bool, gated: bo
     of d, so its W2 line covers twice the weights of the other layouts' W2 line.
     ``rows_gk`` > 0: fp8 weights in the rows layout (fp32 scale per row) with MMA groups of
     that many columns; -1: the rows layout with one activation scale per row (no groups)."""
-    import kernels.moe as m
+    import kernels.moe_grouped as m
 
     bm, bn, bk, w, st = tile
     rows = rows_gk != 0  # -1: rows layout with one activation scale per row (A_Q 2)
@@ -136,7 +136,7 @@ def moe() -> None:
     """The tiles ``pick_tiles`` takes for V4.1-Flash (d 5120, I 2304, 48 of 384 experts local):
     decode at 1 token, prefill at 4096 tokens on the local experts; fp8 / fp4 (MX and pairs
     layouts)."""
-    from kernels.moe import pick_tiles
+    from kernels.moe_tiles import pick_tiles
 
     def tile(t: int, n_experts: int, gated: bool, act8: bool, pairs: bool,
              aq: bool = False) -> tuple[int, ...]:  # fmt: skip
@@ -392,17 +392,19 @@ def dense_wg() -> None:
 
 
 def indexer() -> None:
-    import kernels.indexer as ix
+    """The indexer's top-k over long rows when the grid select does not take them
+    (``kernels.topk``: prefix histograms -> candidate list -> ranks -> sorted ids)."""
+    import kernels.topk as tk
 
     ptrs = dict(s_ptr="*fp32", hist_ptr="*i32", cnt_ptr="*i32", lv_ptr="*fp32", li_ptr="*i32",
                 slot_ptr="*i32", out_ptr="*i64")  # fmt: skip
     cap, kk_p2 = 4096, 512
     cases = (
-        (ix._prefix_hist_kernel, dict(LEVEL=0, CHUNK=ix._PREFIX_CHUNK), 4),
-        (ix._prefix_hist_kernel, dict(LEVEL=1, CHUNK=ix._PREFIX_CHUNK), 4),
-        (ix._prefix_gather_kernel, dict(CHUNK=ix._PREFIX_CHUNK), 4),
-        (ix._list_rank_kernel, dict(CAP=cap, KK_P2=kk_p2, BI=ix._RANK_BI, BJ=ix._RANK_BJ), 4),
-        (ix._slot_sort_kernel, dict(CAP=cap, KK_P2=kk_p2), 4),
+        (tk._prefix_hist_kernel, dict(LEVEL=0, CHUNK=tk._PREFIX_CHUNK), 4),
+        (tk._prefix_hist_kernel, dict(LEVEL=1, CHUNK=tk._PREFIX_CHUNK), 4),
+        (tk._prefix_gather_kernel, dict(CHUNK=tk._PREFIX_CHUNK), 4),
+        (tk._list_rank_kernel, dict(CAP=cap, KK_P2=kk_p2, BI=tk._RANK_BI, BJ=tk._RANK_BJ), 4),
+        (tk._slot_sort_kernel, dict(CAP=cap, KK_P2=kk_p2), 4),
     )
     for fn, consts, w in cases:
         types = {n: ptrs.get(n, "i32") for n in fn.arg_names}

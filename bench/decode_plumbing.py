@@ -103,7 +103,7 @@ def kv_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
 
 def shared_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
     from app.model.moe import Expert
-    from kernels.moe import swiglu_clamp
+    from kernels.moe_ref import swiglu_clamp
 
     e = Expert(D, INTER, 10.0).cuda().bfloat16()
     for p in e.parameters():

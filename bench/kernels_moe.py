@@ -18,15 +18,10 @@ import triton.testing
 from bench.common import machine, record, write
 from kernels import engram, mhc
 from kernels.gate import moe_gate_ref, moe_gate_triton
-from kernels.moe import (
-    GemmTiles,
-    MoeTiles,
-    fp4_to_pairs,
-    moe_experts_ref,
-    moe_fp4_triton,
-    moe_fp8_triton,
-    pick_tiles,
-)
+from kernels.moe import moe_fp4_triton, moe_fp8_triton
+from kernels.moe_formats import fp4_to_pairs
+from kernels.moe_ref import moe_experts_ref
+from kernels.moe_tiles import GemmTiles, MoeTiles, pick_tiles
 from kernels.norm import rms_norm_ref
 from kernels.quant import dequantize_fp8_block
 

@@ -35,14 +35,10 @@ from bench.common import machine, record, write
 from bench.kernels_moe import _rotating, _us, ceilings
 from bench.moe_prefill import _experts, _grouped_peers, _inputs
 from kernels import moe_decode
-from kernels.moe import (
-    _align,
-    _local_load,
-    moe_fp4_ref,
-    moe_fp4_triton,
-    moe_fp8_rows_triton,
-    rows_per_expert,
-)
+from kernels.moe import moe_fp4_triton, moe_fp8_rows_triton
+from kernels.moe_align import _align
+from kernels.moe_ref import moe_fp4_ref
+from kernels.moe_tiles import _local_load, rows_per_expert
 
 D, INTER, E_LOCAL, E_ALL, TOPK, LIMIT = 5120, 2304, 48, 384, 6, 10.0
 FP4_BYTES = 3 * INTER * D * (0.5 + 1 / 32)  # one expert: W1, W3, W2 codes + e8m0 scales

@@ -13,7 +13,7 @@ Layouts and paths (``kernels.moe``):
 - ``fp8.blocks32.act_fp8.prequant``: fp8 experts with V4.1's 32 x 32 blocks, fp8 activations
   per 32 columns (the previous best prefill figure);
 - ``fp8_rows.*``: the fp4 experts re-encoded exactly as e4m3 with one scale per row
-  (:func:`kernels.moe.fp4_to_fp8_rows`); bf16 activations, or fp8 activations per 128 / 32
+  (``kernels.moe_formats.fp4_to_fp8_rows``); bf16 activations, or fp8 activations per 128 / 32
   columns (one promotion per group, the row scale after the K loop), or with one scale per
   row (``rowwise``: both scales after the loop, the fp8 MMAs accumulate in place).
 
@@ -38,17 +38,10 @@ import torch
 
 from bench.common import machine, record, write
 from bench.kernels_moe import _rotating, _us, ceilings
-from kernels.moe import (
-    GemmTiles,
-    MoeTiles,
-    fp4_to_fp8_rows,
-    fp4_to_pairs,
-    moe_experts_ref,
-    moe_fp4_triton,
-    moe_fp8_rows_triton,
-    moe_fp8_triton,
-    swiglu_clamp,
-)
+from kernels.moe import moe_fp4_triton, moe_fp8_rows_triton, moe_fp8_triton
+from kernels.moe_formats import fp4_to_fp8_rows, fp4_to_pairs
+from kernels.moe_ref import moe_experts_ref, swiglu_clamp
+from kernels.moe_tiles import GemmTiles, MoeTiles
 from kernels.quant import dequantize_fp4
 
 D, INTER, E_LOCAL, E_ALL, TOPK, LIMIT = 5120, 2304, 48, 384, 6, 10.0

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import op, sm_count
-from kernels.indexer import topk_ref
 
 
 def moe_gate_ref(
@@ -185,5 +184,4 @@ def moe_gate_fused_ref(
 moe_gate_fused = op(moe_gate_fused_ref, moe_gate_triton)
 
 
-__all__ = ["moe_gate", "moe_gate_fused", "moe_gate_fused_ref", "moe_gate_ref", "moe_gate_triton",
-           "topk_ref"]
+__all__ = ["moe_gate", "moe_gate_fused", "moe_gate_fused_ref", "moe_gate_ref", "moe_gate_triton"]

@@ -26,8 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import dense_wgmma as dw
+from kernels import moe_decode as md
 from kernels.dispatch import capability, op, sm_count, split_counters
-from kernels.quant import is_e8m0
+from kernels.moe_grouped import _dot_dtype, _moe_gemm, _scale_arg, _scale_launch
+from kernels.moe_tiles import _gemm_tiles, _num_sms
+from kernels.quant import dequantize_fp8_block, is_e8m0
 
 
 def linear_f32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -227,8 +231,6 @@ def fp8_decode_plan(
     fp16 products hold exactly (``moe_decode.SPREAD_FP8``). Column blocks wider than 32 are
     widened to one code per 32 columns. Synchronizes with the device once: make it before any
     CUDA-graph capture (``Fp8Linear.prepare``)."""
-    from kernels import moe_decode as md
-
     n, k = w.shape
     b0, b1 = block
     fits = (is_e8m0(scale) and w.dtype == torch.float8_e4m3fn and w.stride(1) == 1
@@ -268,8 +270,6 @@ def _wgmma_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, m: int) -> bool:
     64 tokens, 128 beyond), row references up to :data:`WG_MAX_REF`."""
     if capability(x.device) != (9, 0) or m > WG_MAX_TOKENS or plan.r_max > WG_MAX_REF:
         return False
-    from kernels import dense_wgmma as dw
-
     return not n % (16 * dw.pick_launch(dw.token_tile(m))[0])
 
 
@@ -283,8 +283,6 @@ def fp8_linear_ref(
     """``x @ dequant(w)^T`` in ``x.dtype``: ``w`` [N, K] e4m3 with e8m0 (or fp32) ``scale``
     [ceil(N/b0), ceil(K/b1)] per ``block`` (b0, b1) -- what the dequantized model computes.
     ``plan`` (the decode kernel's, :func:`fp8_decode_plan`) does not change the result."""
-    from kernels.quant import dequantize_fp8_block
-
     return torch.nn.functional.linear(x, dequantize_fp8_block(w, scale, block, x.dtype))
 
 
@@ -326,11 +324,9 @@ def fp8_linear_triton(
 
 def _fp8_grouped(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                  block: tuple[int, int]) -> torch.Tensor:  # fmt: skip
-    """[M, N] in x's dtype through the MegaMoE GEMM (``kernels.moe._moe_gemm``) with one
+    """[M, N] in x's dtype through the MegaMoE GEMM (``kernels.moe_grouped._moe_gemm``) with one
     group: weights streamed as e4m3 and multiplied after the in-register conversion, each
     32-column group's fp32 partial times its scale; split-K at decode sizes."""
-    from kernels import moe
-
     M, K = x2.shape
     N = w.shape[0]
     b0, b1 = block
@@ -338,23 +334,23 @@ def _fp8_grouped(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     n_tiles = -(-M // bm)
     # any K step that is a multiple of 32 works (each 32-column group takes its block's
     # scale); a floor of the block width left K < b1 (V4's 128 blocks, K = 64) with no step
-    t = moe._gemm_tiles(bm, N, K, n_tiles, moe._num_sms(x2.device), 32, False, False)
+    t = _gemm_tiles(bm, N, K, n_tiles, _num_sms(x2.device), 32, False, False)
     if N % t.bn:
         raise ValueError(f"N = {N} is not a multiple of the tile {t.bn}")
-    s, e8 = moe._scale_arg(scale.unsqueeze(0))
+    s, e8 = _scale_arg(scale.unsqueeze(0))
     w3 = w.unsqueeze(0)
     rows, tile_e = _one_group_rows(n_tiles * bm, n_tiles, x2.device)
     # one K split: the kernel's fp32 tile is rounded to x's dtype as it is stored
     y_dt = x2.dtype if t.split == 1 else torch.float32
     y = torch.empty(t.split, n_tiles * bm, N, dtype=y_dt, device=x2.device)
     k_per = -(-(K // t.bk) // t.split) * t.bk
-    scale_args, scale_kw = moe._scale_launch(s, e8, b1, t.bk)
-    interp = moe._INTERPRET
-    moe._moe_gemm[(n_tiles, N // t.bn, t.split)](
+    scale_args, scale_kw = _scale_launch(s, e8, b1, t.bk)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    _moe_gemm[(n_tiles, N // t.bn, t.split)](
         x2, x2.stride(0), x2, x2.stride(0), rows, tile_e, w3, w3.stride(0), w3.stride(1),
         *scale_args, y, y.stride(0), y.stride(1), M, 1, N, K, k_per, 0.0,
         A_GATHER=False, GATED=False, FUSE_SWIGLU=False, FP4=False, PAIRS=False,
-        USE_ASM=not interp, SB_N=b0, SB_K=b1, HAS_LIMIT=False, CDT=moe._dot_dtype(x2),
+        USE_ASM=not interp, SB_N=b0, SB_K=b1, HAS_LIMIT=False, CDT=_dot_dtype(x2),
         A_FP8=False, A_Q=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
         num_stages=t.stages, **scale_kw,
     )  # fmt: skip
@@ -368,8 +364,6 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
     last CTA of each tile sums them (one launch; H200, the six V4.1-Flash projections at one
     token: 70.4 against 75.0 us with a second launch for the sum). The token tile, K splits
     and ring depth default to the measured choice (a sweep passes its own)."""
-    from kernels import moe_decode as md
-
     bt = bt or (8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64)
     tiles = -(-M // bt)
     split = split or md.pick_split(tiles, N, K, sm_count(x2.device))
@@ -395,8 +389,6 @@ def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N
     (:func:`_sum_splits`: here one CTA per tile summing up to 20 partials of 64 x 64 one after
     another was slower, H200 at 64 tokens 199.5 against 131.2 us for the six V4.1-Flash
     projections). The launch choices default to the measured ones (a sweep passes its own)."""
-    from kernels import dense_wgmma as dw
-
     bt = bt or dw.token_tile(M)
     warps_, stages_ = dw.pick_launch(bt)
     warps, stages = warps or warps_, stages or stages_

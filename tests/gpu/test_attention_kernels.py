@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from kernels import attention as attn  # noqa: E402
 from kernels import compressor as cp  # noqa: E402
 from kernels import indexer as ix  # noqa: E402
+from kernels import topk as tk  # noqa: E402
 from kernels.kv_quant import pow2_ceil  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -126,14 +127,14 @@ def test_topk_exact(C):
     s[3, :: max(1, C // 16)] = float("inf")  # forced blocks
     s[3, 1::7] = -0.0
     for k in (512, 2048):
-        assert torch.equal(ix.topk_triton(s, k), ix.topk_ref(s, k)), k
+        assert torch.equal(tk.topk_triton(s, k), tk.topk_ref(s, k)), k
 
 
 def test_topk_few_visible():
     s = torch.full((2, 262144), float("-inf"), device=DEV)
     s[0, 10:20] = 1.0
-    got = ix.topk_triton(s, 512)
-    assert torch.equal(got, ix.topk_ref(s, 512))
+    got = tk.topk_triton(s, 512)
+    assert torch.equal(got, tk.topk_ref(s, 512))
     assert (got[1] == -1).all() and got[0, :10].tolist() == list(range(10, 20))
 
 
@@ -160,7 +161,7 @@ def test_grid_topk_fused(T, C):
 
     s = _hard_rows(T, C, T + C)
     for k in (512, 2048):
-        ref = ix.topk_ref(s, k)
+        ref = tk.topk_ref(s, k)
         out = torch.full_like(ref, -7)
         ends = torch.full((T,), -1, device=DEV, dtype=torch.int32)
         grid_topk(s, k, out, ends=ends)
@@ -174,7 +175,7 @@ def test_grid_topk_fused(T, C):
             out.fill_(-7)
             grid_topk(s, k, out)
             assert torch.equal(out, ref), k
-        assert torch.equal(ix.topk_triton(s, k), ref)
+        assert torch.equal(tk.topk_triton(s, k), ref)
         split = torch.full_like(ref, -7)
         assert torch.equal(grid_topk(s, k, split, fused=False), ref)
 
@@ -193,7 +194,7 @@ def test_grid_topk_randn_row_bucket():
             out = torch.full((1, k), -7, device=DEV, dtype=torch.int64)
             ends = torch.full((1,), -1, device=DEV, dtype=torch.int32)
             grid_topk(s, k, out, ends=ends)
-            assert torch.equal(out, ix.topk_ref(s, k)), k
+            assert torch.equal(out, tk.topk_ref(s, k)), k
             seen += ends.tolist()
     assert set(seen) <= {1, 5} and 5 in seen, seen
 
@@ -224,7 +225,7 @@ def test_grid_topk_bucket_edges(programs, cap, sub, ends):
     from kernels.topk_grid import grid_topk
 
     s = _cluster_rows((256, 257))
-    ref = ix.topk_ref(s, 105)
+    ref = tk.topk_ref(s, 105)
     for _ in range(20):
         out = torch.full_like(ref, -7)
         where = torch.full((2,), -1, device=DEV, dtype=torch.int32)
@@ -239,7 +240,7 @@ def test_grid_topk_few_programs_long_spans():
 
     s = _hard_rows(4, 131072, 5)
     s[0, 700:] = float("-inf")
-    ref = ix.topk_ref(s, 1024)
+    ref = tk.topk_ref(s, 1024)
     out = torch.full_like(ref, -7)
     assert torch.equal(grid_topk(s, 1024, out, programs=4), ref)
 

@@ -49,7 +49,8 @@ def fp4_experts() -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("t", [1, 8, 64, 512])
 def test_moe_fp8(fp8_experts: tuple[torch.Tensor, ...], t: int) -> None:
-    from kernels.moe import moe_fp8_ref, moe_fp8_triton
+    from kernels.moe import moe_fp8_triton
+    from kernels.moe_ref import moe_fp8_ref
 
     x = torch.randn(t, D, device="cuda").bfloat16()
     ids, w = _routing(t)
@@ -60,7 +61,8 @@ def test_moe_fp8(fp8_experts: tuple[torch.Tensor, ...], t: int) -> None:
 
 @pytest.mark.parametrize("t", [1, 8, 64, 512])
 def test_moe_fp4(fp4_experts: tuple[torch.Tensor, ...], t: int) -> None:
-    from kernels.moe import moe_fp4_ref, moe_fp4_triton
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_ref import moe_fp4_ref
 
     x = torch.randn(t, D, device="cuda").bfloat16()
     ids, w = _routing(t, first_local=96)  # this rank holds global experts 96..143
@@ -76,7 +78,9 @@ def test_moe_fp4_pairs_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
     """Experts repacked to the pairs layout at load time = the MX layout's reference: one
     byte tile gives W1 and W3 (W2: both halves of d), on every path (fp16 MMA at decode,
     bf16 or fp8 x fp8 at prefill)."""
-    from kernels.moe import fp4_to_pairs, moe_fp4_ref, moe_fp4_triton
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_formats import fp4_to_pairs
+    from kernels.moe_ref import moe_fp4_ref
 
     w13, s13, w2, s2 = fp4_experts
     h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
@@ -110,7 +114,9 @@ def test_moe_decode_kernel(fp4_experts: tuple[torch.Tensor, ...], t: int, all_lo
     several K splits, row scales spanning 4 or 30 binades (``wide``). Each call's output is
     poisoned first; every element must be written."""
     from kernels import moe_decode
-    from kernels.moe import fp4_to_pairs, moe_fp4_ref, moe_fp4_triton
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_formats import fp4_to_pairs
+    from kernels.moe_ref import moe_fp4_ref
 
     w13, s13, w2, s2 = fp4_experts
     if wide:  # every row: scales over 30 binades (R re-basing; fp16 would overflow otherwise)
@@ -147,7 +153,9 @@ def test_moe_decode_kernel_writes_every_row_and_stays_out_of_prefill(
     is written; a prefill-sized call with row references takes the tl path (the same output
     as without them)."""
     from kernels import moe_decode
-    from kernels.moe import _align, fp4_to_pairs, moe_fp4_triton
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_align import _align
+    from kernels.moe_formats import fp4_to_pairs
 
     w13, s13, w2, s2 = fp4_experts
     h13 = fp4_to_pairs(w13)
@@ -180,7 +188,8 @@ def test_moe_decode_grid_orders_are_bit_identical(fp4_experts: tuple[torch.Tenso
     rows, fused SwiGLU, or fp32 split partials) and W2 are bit-identical in both orders, on
     poisoned outputs, every valid row written."""
     from kernels import moe_decode
-    from kernels.moe import _align, fp4_to_pairs
+    from kernels.moe_align import _align
+    from kernels.moe_formats import fp4_to_pairs
 
     w13, s13, w2, s2 = fp4_experts
     h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
@@ -215,7 +224,9 @@ def test_moe_fp8_rows_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
     """fp4 experts re-encoded exactly in the fp8 rows layout: with bf16 activations the fp4
     reference (decode and prefill tiles); with fp8 activations per ``act_group`` columns the
     reference with that rounding, and pre-quantized = quantized in the loop."""
-    from kernels.moe import fp4_to_fp8_rows, moe_fp4_ref, moe_fp8_rows_ref, moe_fp8_rows_triton
+    from kernels.moe import moe_fp8_rows_triton
+    from kernels.moe_formats import fp4_to_fp8_rows
+    from kernels.moe_ref import moe_fp4_ref, moe_fp8_rows_ref
 
     w13, s13, w2, s2 = fp4_experts
 
@@ -272,7 +283,8 @@ def test_moe_prequantized_activations(fp4: bool, t: int, fp8_experts: tuple,
 
 def test_moe_fp8_v4_blocks_and_fp32_scales() -> None:
     """V4 layout: 128x128 weight blocks (scales as e8m0 and as fp32)."""
-    from kernels.moe import moe_fp8_ref, moe_fp8_triton
+    from kernels.moe import moe_fp8_triton
+    from kernels.moe_ref import moe_fp8_ref
     from kernels.quant import e8m0_to_float
 
     e, inter = 8, 2048
@@ -294,7 +306,9 @@ def test_moe_fp8_v4_blocks_and_fp32_scales() -> None:
 def test_moe_prefill_tiles(fp4: bool, fp8_experts: tuple, fp4_experts: tuple) -> None:
     """All experts local and ~128 rows each: the large-tile (no split) path, at the picked
     BM (64) and at BM=128."""
-    from kernels.moe import moe_fp4_ref, moe_fp4_triton, moe_fp8_ref, moe_fp8_triton, pick_tiles
+    from kernels.moe import moe_fp4_triton, moe_fp8_triton
+    from kernels.moe_ref import moe_fp4_ref, moe_fp8_ref
+    from kernels.moe_tiles import pick_tiles
 
     t = 1024
     x = torch.randn(t, D, device="cuda").bfloat16()
@@ -320,7 +334,8 @@ def test_moe_fp8_activations(fp4: bool, t: int, all_local: bool, fp8_experts: tu
     """fp8 tensor-core path: against the reference with the same activation rounding, and
     closer to it than to bf16 activations (a group's scale can follow a differently rounded
     max, so the agreement is statistical)."""
-    from kernels.moe import moe_fp4_ref, moe_fp4_triton, moe_fp8_ref, moe_fp8_triton
+    from kernels.moe import moe_fp4_triton, moe_fp8_triton
+    from kernels.moe_ref import moe_fp4_ref, moe_fp8_ref
 
     x = torch.randn(t, D, device="cuda").bfloat16()
     n_all = E_LOCAL if all_local else E_ALL
@@ -398,7 +413,7 @@ def test_dequant_tiles_exact(block_m: int | None, limit: float) -> None:
 def test_shared_expert_swiglu_on_gpu(t: int) -> None:
     """The fused SwiGLU of the stacked W1/W3 GEMM = torch's four launches: the same bf16
     bits but for the rare element where the two exp implementations round apart (one step)."""
-    from kernels.moe import swiglu_clamp
+    from kernels.moe_ref import swiglu_clamp
     from kernels.swiglu import swiglu_halves_triton
 
     inter = 2304
@@ -567,7 +582,8 @@ def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor,
     counters must be back at zero after every launch); the counters are zero afterwards."""
     from kernels import dispatch, moe_decode
     from kernels.dispatch import sm_count
-    from kernels.moe import fp4_to_pairs, moe_fp4_triton
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_formats import fp4_to_pairs
 
     # W13 takes K splits here (about one active tile per 1-4 tokens)
     assert moe_decode.pick_split(max(1.0, t / 4), INTER, D, sm_count(0)) > 1
@@ -613,7 +629,9 @@ def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: i
     (rows in slot order); the split counters are zero afterwards."""
     from kernels import dispatch, moe_decode
     from kernels import moe as moe_mod
-    from kernels.moe import FUSED_SLOTS, _align, fp4_to_pairs, moe_fp4_triton
+    from kernels.moe import FUSED_SLOTS, moe_fp4_triton
+    from kernels.moe_align import _align
+    from kernels.moe_formats import fp4_to_pairs
 
     assert t * TOPK <= FUSED_SLOTS
     w13, s13, w2, s2 = fp4_experts

@@ -49,7 +49,7 @@ def emulate_route(ids: torch.Tensor, offset: int, n_local: int, bt: int
     formulation (counts per expert, their running tile sum, a running count of the tile's expert's
     slots): (rows [tiles * bt] slot per tile row, pad = the slot count; inv per slot, the
     tile row, -1 = not local; tile_e [tiles], -1 = idle) over the graph-static tile count
-    of ``kernels.moe._align`` (whose tiles these are, rows in slot order)."""
+    of ``kernels.moe_align._align`` (whose tiles these are, rows in slot order)."""
     e = ids.reshape(-1).long() - offset
     n = e.numel()
     s = torch.arange(n)

@@ -17,8 +17,9 @@ from app.model.model import DeepseekModel
 from app.model.mtp import MTPDrafter
 from app.model.rope import apply_rope
 from kernels.attention import sparse_attention_ref
-from kernels.indexer import indexer_scores_ref, topk_ref
+from kernels.indexer import indexer_scores_ref
 from kernels.mhc import hc_post
+from kernels.topk import topk_ref
 
 
 class _State:

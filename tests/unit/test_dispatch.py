@@ -15,8 +15,11 @@ from kernels import (
     linear,
     mhc,
     moe,
+    moe_formats,
+    moe_ref,
     norm,
     swiglu,
+    topk,
 )
 from kernels.dispatch import op, reference_kernels
 from kernels.moe_decode import row_refs
@@ -95,7 +98,7 @@ def test_reference_kernels_by_name_bisects_one_op(monkeypatch):
     "fn",
     [attention.sparse_attention, compressor.compress_pool, engram.engram_rows,
      engram.engram_gather, engram.engram_gate, gate.moe_gate_fused, indexer.indexer_scores,
-     indexer.indexer_scores_paged, indexer.topk, kv_quant.kv_pack, kv_quant.kv_pack_into,
+     indexer.indexer_scores_paged, topk.topk, kv_quant.kv_pack, kv_quant.kv_pack_into,
      kv_quant.kv_qdq, linear.linear_f32, linear.fp8_linear, linear.dense_linear, mhc.hc_pre,
      mhc.hc_post, mhc.hc_post_pre, moe.moe_fp8, moe.moe_fp4, moe.moe_fp8_rows, norm.norm_rope,
      norm.rms_norm, swiglu.swiglu_halves],
@@ -114,9 +117,9 @@ def test_moe_row_refs_off_the_gpu_take_the_portable_path():
     run) take the portable path, which matches the reference."""
     g = torch.Generator().manual_seed(0)
     e, d, inter, t = 4, 128, 128, 3
-    w13 = moe.fp4_to_pairs(torch.randint(-128, 128, (e, 2 * inter, d // 2), generator=g,
+    w13 = moe_formats.fp4_to_pairs(torch.randint(-128, 128, (e, 2 * inter, d // 2), generator=g,
                                          dtype=torch.int8))  # fmt: skip
-    w2 = moe.fp4_to_pairs(torch.randint(-128, 128, (e, d, inter // 2), generator=g,
+    w2 = moe_formats.fp4_to_pairs(torch.randint(-128, 128, (e, d, inter // 2), generator=g,
                                         dtype=torch.int8))  # fmt: skip
     s13 = torch.randint(120, 124, (e, 2 * inter, d // 32), generator=g).to(torch.uint8)
     s2 = torch.randint(120, 124, (e, d, inter // 32), generator=g).to(torch.uint8)
@@ -130,5 +133,5 @@ def test_moe_row_refs_off_the_gpu_take_the_portable_path():
     (r13, ok13), (r2, ok2) = row_refs(s13), row_refs(s2)
     assert ok13 and ok2
     out = moe.moe_fp4_triton(*args, pairs=True, row_refs=(r13, r2))
-    ref = moe.moe_fp4_ref(x.float(), ids, w, w13, s13, w2, s2, 10.0, pairs=True)
+    ref = moe_ref.moe_fp4_ref(x.float(), ids, w, w13, s13, w2, s2, 10.0, pairs=True)
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-2

@@ -254,10 +254,10 @@ def test_in_kernel_routing_lays_out_the_align_launchs_tiles(t: int, offset: int,
                                                             bt: int) -> None:  # fmt: skip
     """The two-launch decode layer's W13 lays out its tiles from the router's ids with
     counts per expert and running sums (``emulate_route``, the kernel's formulation): the same
-    tile experts as the align launch (``kernels.moe._align``, interpreter), the same slots
+    tile experts as the align launch (``kernels.moe_align._align``, interpreter), the same slots
     in each tile (there in atomic order, here in slot order), and an inverse map that
     points each local slot at its row; tokens of no local expert and repeated ids too."""
-    from kernels.moe import _align
+    from kernels.moe_align import _align
     from tests.support.decode_gemm import emulate_route
 
     g = torch.Generator().manual_seed(t * 1000 + offset)

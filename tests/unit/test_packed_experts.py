@@ -30,7 +30,7 @@ from app.model.loader import (
 )
 from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts
-from kernels.moe import fp4_to_pairs
+from kernels.moe_formats import fp4_to_pairs
 from kernels.quant import dequantize_fp4, e8m0_to_float, quantize_fp4
 from tests.support.loader import expert_packing
 from tests.support.reference import sequence_logits
@@ -359,7 +359,7 @@ def test_fp8_rows_layout_gives_the_same_layer(tiny_ckpt) -> None:
     forward's choice, checked against the rows reference called with those arguments; the
     kernel itself is tested in test_triton_moe_rows) and a smaller one does not. One way: it
     does not convert back."""
-    from kernels.moe import moe_fp8_rows_ref
+    from kernels.moe_ref import moe_fp8_rows_ref
 
     pe = load_model(tiny_ckpt("v41"), packed_experts=True).layers[1].ffn.experts
     assert isinstance(pe, PackedExperts)
