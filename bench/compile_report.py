@@ -191,10 +191,10 @@ def moe_all() -> None:
 
 
 def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> None:
-    """The autotune configs of ``kernels.attention`` (or ``shapes``: (BLOCK_H, BLOCK_N,
+    """The autotune configs of ``kernels.attention_tl`` (or ``shapes``: (BLOCK_H, BLOCK_N,
     num_warps, num_stages) tuples), D 512 with RoPE as in decode: window and compressed rows
     in bf16, and in the released formats (fp8 window + e8m0, nvfp4 entries + e4m3)."""
-    import kernels.attention as a
+    import kernels.attention_tl as a
 
     fn = a._sparse_attn_kernel.fn
     types = {n: "i32" for n in fn.arg_names}

@@ -51,7 +51,7 @@ def mhc_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
 
 
 def _mhc_timed(t: int, g: torch.Generator, run) -> tuple[callable, float, float]:
-    from kernels import mhc
+    from kernels import mhc_ref
 
     dev = "cuda"
     x = torch.randn(t, N, D, device=dev, generator=g).bfloat16()
@@ -65,7 +65,7 @@ def _mhc_timed(t: int, g: torch.Generator, run) -> tuple[callable, float, float]
     eps = (20, 1e-6, 1e-6, 1e-6)
     args = (out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
     got = run(*args)
-    ref = mhc.hc_post_pre_ref(*args)
+    ref = mhc_ref.hc_post_pre_ref(*args)
     err = max(_rel(got[0], ref[0]), _rel(got[1], ref[1]), _rel(got[3], ref[3]),
               _rel(got[4], ref[4]))  # fmt: skip
     byt = x.numel() * 2 * 2 + out.numel() * 2 + fn.numel() * 4 + t * D * 2

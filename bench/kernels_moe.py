@@ -16,7 +16,7 @@ import torch
 import triton.testing
 
 from bench.common import machine, record, write
-from kernels import engram, mhc
+from kernels import engram, mhc, mhc_ref
 from kernels.gate import moe_gate_ref, moe_gate_triton
 from kernels.moe import moe_fp4_triton, moe_fp8_triton
 from kernels.moe_formats import fp4_to_pairs
@@ -249,8 +249,8 @@ def mhc_sweep(tokens: list[int], ceil: dict[str, float], recs: list[dict]) -> li
     eps = (20, 1e-6, 1e-6, 1e-6)
 
     def unfused(x: torch.Tensor) -> torch.Tensor:
-        pre, post, comb = mhc.hc_mix_ref(x, fn, base, scale, *eps[:3])
-        return rms_norm_ref(mhc.hc_collapse_ref(x, pre), nw, eps[3])
+        pre, post, comb = mhc_ref.hc_mix_ref(x, fn, base, scale, *eps[:3])
+        return rms_norm_ref(mhc_ref.hc_collapse_ref(x, pre), nw, eps[3])
 
     lines = []
     for t in tokens:

@@ -4,8 +4,8 @@ N.
 
 The ``mma.sync`` decode kernel (``kernels.moe_decode``, ``FP8``) takes the tokens in 8-64-row
 tiles and converts the activations to fp16 in every warp: at 64-row tiles that is most of
-its 905 SASS instructions per block, and it loses to cuBLAS bf16 (docs/performance.md,
-eighth and ninth sessions).
+its 905 SASS instructions per block, and it loses to cuBLAS bf16 there (H200,
+docs/performance.md).
 Here one CTA takes BM = 16 x warps weight rows (one or two warpgroups) and BT (16 / 32 / 64
 / 128) token rows, so up to 128 rows each stored byte is read and converted once per call
 (twice at 129-256 rows: two token tiles):
@@ -23,7 +23,7 @@ Here one CTA takes BM = 16 x warps weight rows (one or two warpgroups) and BT (1
   before the next block's conversion: ptxas reuses the registers of an in-flight wgmma's A
   operand (seen in the sm_90 SASS; NaNs on the H200 with a 3-slot ring).
 
-Measured (H200, docs/performance.md "ninth session"): faster than the mma.sync kernel from
+Measured (H200, docs/performance.md): faster than the mma.sync kernel from
 32 rows, but not than cuBLAS on the same weights in bf16 at 64 and 128 rows -- about 30% of
 the copy rate: one or two warpgroups per CTA convert every byte (e4m3 -> f16 -> bf16, scale)
 on the path between the copy and the MMA, and do not hide that latency.

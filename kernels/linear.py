@@ -145,9 +145,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, k_per, sxm, sw
 def gemv_launch(n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BN, BK, K splits, ring depth, warps) of :func:`dense_linear_triton`: 64 weight rows
     per program, 128-column blocks in a 4-deep ring, and K splits for about 1.2 programs per
-    SM, each split keeping at least four blocks. H200 sweep at 1 token (docs/performance.md,
-    nineteenth session): each V4.1-Flash shape was fastest with 80-216 programs; more splits
-    lost (their partials and the serial sum), 2-3x the programs by up to 1.7x."""
+    SM, each split keeping at least four blocks. H200 sweep at 1 token
+    (``bench/decode_plumbing.py --sweep-gemv``): each V4.1-Flash shape was fastest with
+    80-216 programs; more splits lost (their partials and the serial sum), 2-3x the programs
+    by up to 1.7x."""
     bn, bk = 64, 128
     blocks = triton.cdiv(n, bn)
     split = max(1, min(k // (4 * bk), round(1.2 * sms / blocks)))

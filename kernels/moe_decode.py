@@ -409,8 +409,8 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
     and n + N of the row sets), ``s`` e8m0 codes [E, 2N, K/32] (uint8; read as one int32
     word per row and K block), ``ref`` int32 [E, 2N] (:func:`row_refs`), ``out`` as
     ``_moe_gemm`` writes it. K a multiple of KB = 128, N of BR. ``tiles_last``: the grid's
-    order (``_moe_dec_kernel``'s ``TILES_LAST``). H200, tenth session (``bench.moe_decode
-    --sweep-form``, the two GEMMs): on, 8 / 64 / 512 tokens 40.1 / 183.7 / 317.2 us against
+    order (``_moe_dec_kernel``'s ``TILES_LAST``). H200 (``bench.moe_decode --sweep-form``,
+    the two GEMMs): on, 8 / 64 / 512 tokens 40.1 / 183.7 / 317.2 us against
     43.1 / 188.8 / 327.9 off, each at its ring depth. With ``fin`` (fp16 H [rows, N]) and
     ``counters`` (int32, zero, at least tiles x N / br) a W13 launch with K splits also sums
     them and writes H (``REDUCE``).

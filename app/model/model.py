@@ -25,7 +25,8 @@ from app.model.forward_batch import ForwardBatch
 from app.model.layers import Linear, RMSNorm
 from app.model.moe import MoE
 from kernels.linear import linear_f32
-from kernels.mhc import hc_collapse, hc_post, hc_post_pre, hc_pre
+from kernels.mhc import hc_post, hc_post_pre, hc_pre
+from kernels.mhc_ref import hc_collapse
 
 # The post update of the last sublayer, not applied yet: (sublayer output, post, comb). The
 # batched step fuses it with the next sublayer's mix (kernels.mhc.hc_post_pre).

@@ -460,7 +460,7 @@ def test_mhc_one_launch_replays_in_a_graph(t: int) -> None:
     replay equals an eager launch on the same inputs bit for bit (the last program sums the
     partials in split order, whichever arrives last), so no replay finished early on a
     counter left over; the counters are all zero afterwards."""
-    from kernels import dispatch, mhc
+    from kernels import dispatch, mhc, mhc_ref
     from tests.support.forms import mhc_finish_form
 
     fn = torch.randn(N * (N + 2), N * D, device="cuda") / (N * D) ** 0.5
@@ -488,14 +488,14 @@ def test_mhc_one_launch_replays_in_a_graph(t: int) -> None:
             want = run()
             for o, w in zip(res, want, strict=True):
                 assert torch.equal(o, w)
-            ref = mhc.hc_post_pre_ref(out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
+            ref = mhc_ref.hc_post_pre_ref(out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
             assert _rel(res[0], ref[0]) < 1e-2 and _rel(res[1], ref[1]) < 1e-2
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
 
 
 def _check_mhc(t: int) -> None:
-    from kernels import mhc
+    from kernels import mhc, mhc_ref
 
     x = torch.randn(t, N, D, device="cuda").bfloat16()
     fn = torch.randn(N * (N + 2), N * D, device="cuda") / (N * D) ** 0.5
@@ -504,15 +504,15 @@ def _check_mhc(t: int) -> None:
     eps = (20, 1e-6, 1e-6, 1e-6)
     out = torch.randn(t, D, device="cuda").bfloat16()
     pre_in = torch.rand(t, N, device="cuda")
-    res = mhc.hc_post_pre_triton(out, x, *mhc.hc_mix_ref(x, fn, base, scale, *eps[:3])[1:],
+    res = mhc.hc_post_pre_triton(out, x, *mhc_ref.hc_mix_ref(x, fn, base, scale, *eps[:3])[1:],
                                  fn, base, scale, nw, *eps, pre_in)  # fmt: skip
-    ref = mhc.hc_post_pre_ref(out, x, *mhc.hc_mix_ref(x, fn, base, scale, *eps[:3])[1:],
+    ref = mhc_ref.hc_post_pre_ref(out, x, *mhc_ref.hc_mix_ref(x, fn, base, scale, *eps[:3])[1:],
                               fn, base, scale, nw, *eps, pre_in)  # fmt: skip
     assert _rel(res[0], ref[0]) < 1e-2 and _rel(res[1], ref[1]) < 1e-2
     for o, r in zip(res[2:], ref[2:], strict=True):
         assert _rel(o, r) < 1e-4
     pre_out = mhc.hc_pre_triton(x, fn, base, scale, nw, *eps)
-    pre_ref = mhc.hc_pre_ref(x, fn, base, scale, nw, *eps)
+    pre_ref = mhc_ref.hc_pre_ref(x, fn, base, scale, nw, *eps)
     assert _rel(pre_out[0], pre_ref[0]) < 1e-2 and _rel(pre_out[2], pre_ref[2]) < 1e-4
 
 

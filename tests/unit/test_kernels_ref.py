@@ -11,7 +11,7 @@ from kernels.attention import sparse_attention_ref
 from kernels.gate import moe_gate_ref
 from kernels.indexer import indexer_scores_ref
 from kernels.kv_quant import kv_qdq, pow2_ceil
-from kernels.mhc import hc_collapse_ref, hc_expand_ref, hc_mix_ref, sinkhorn_ref
+from kernels.mhc_ref import hc_collapse_ref, hc_expand_ref, hc_mix_ref, sinkhorn_ref
 from kernels.moe_ref import moe_experts_ref
 from kernels.rope import apply_rope_ref
 from kernels.topk import topk_ref

@@ -103,7 +103,7 @@ def test_official_parameter_names(tiny_model):
 def test_tiny_v41_exercises_every_mode(tiny_model):
     """A 40-token prompt closes windows, selects top-k among more than k entries, and the
     candidate mask of layer 4 removes entries that Reindex layer 6 would otherwise pick."""
-    from app.model import reference
+    from tests.support import reference
 
     model = tiny_model("v41")
     cfg = model.cfg

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported before the env
     pytest.skip("run with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
 
-from kernels import dispatch, mhc  # noqa: E402
+from kernels import dispatch, mhc, mhc_ref  # noqa: E402
 from tests.support.forms import mhc_finish_form  # noqa: E402
 from tests.unit.triton_util import rel  # noqa: E402
 
@@ -47,7 +47,7 @@ def test_hc_pre(dtype: torch.dtype, tol: float, v41: bool) -> None:
     params = _params(g)
     pre_in = torch.rand(T, N, generator=g) + 0.1 if v41 else None
     eps = (ITERS, HC_EPS, NORM_EPS, RMS_EPS)
-    ref = mhc.hc_pre_ref(x.double(), *_f64(params), *eps, pre_in)
+    ref = mhc_ref.hc_pre_ref(x.double(), *_f64(params), *eps, pre_in)
     out = mhc.hc_pre_triton(x, *params, *eps, pre_in)
     assert out[0].dtype == dtype and out[0].shape == (T, D)
     for o, r in zip(out[1:], ref[1:], strict=True):  # post, comb, pre: fp32 math
@@ -60,7 +60,7 @@ def test_hc_post() -> None:
     x = torch.randn(T, N, D, generator=g)
     out = torch.randn(T, D, generator=g)
     post, comb = torch.rand(T, N, generator=g), torch.rand(T, N, N, generator=g)
-    ref = mhc.hc_expand_ref(out.double(), x.double(), post, comb)  # refs mix in fp32
+    ref = mhc_ref.hc_expand_ref(out.double(), x.double(), post, comb)  # refs mix in fp32
     assert rel(mhc.hc_post_triton(out, x, post, comb), ref) < 1e-6
 
 
@@ -73,7 +73,7 @@ def test_hc_post_pre(v41: bool) -> None:
     params = _params(g)
     pre_in = torch.rand(T, N, generator=g) + 0.1 if v41 else None
     eps = (ITERS, HC_EPS, NORM_EPS, RMS_EPS)
-    ref = mhc.hc_post_pre_ref(out.double(), x.double(), post, comb, *_f64(params), *eps, pre_in)
+    ref = mhc_ref.hc_post_pre_ref(out.double(), x.double(), post, comb, *_f64(params), *eps, pre_in)
     res = mhc.hc_post_pre_triton(out, x, post, comb, *params, *eps, pre_in)
     for o, r in zip(res, ref, strict=True):
         assert rel(o, r) < 1e-5
@@ -98,8 +98,8 @@ def test_finish_forms_match_reference(v41: bool, t: int, d: int, form: str) -> N
     params = _params(g, d)
     pre_in = torch.rand(t, N, generator=g) + 0.1 if v41 else None
     eps = (ITERS, HC_EPS, NORM_EPS, RMS_EPS)
-    ref_pre = mhc.hc_pre_ref(x.double(), *_f64(params), *eps, pre_in)
-    ref_pp = mhc.hc_post_pre_ref(out.double(), x.double(), post, comb, *_f64(params), *eps,
+    ref_pre = mhc_ref.hc_pre_ref(x.double(), *_f64(params), *eps, pre_in)
+    ref_pp = mhc_ref.hc_post_pre_ref(out.double(), x.double(), post, comb, *_f64(params), *eps,
                                  pre_in)  # fmt: skip
     with mhc_finish_form(form, forms):
         got_pre = mhc.hc_pre_triton(x, *params, *eps, pre_in)
