@@ -113,14 +113,8 @@ def moe_sweep(
             return moe_fp4_triton(s[0], s[1], s[2], r13, q13, r2, q2, 10.0, n_experts=n_all,
                                   pairs=True, **kw)  # fmt: skip
 
-        a8, pq = {"act_fp8": True}, {"act_fp8": True, "prequant": True}
         variants = (("moe.fp8", fp8, {}, fp8_bytes), ("moe.fp4", fp4, {}, fp4_bytes),
-                    ("moe.fp4.pairs", fp4p, {}, fp4_bytes),
-                    ("moe.fp8.act_fp8", fp8, a8, fp8_bytes),
-                    ("moe.fp4.act_fp8", fp4, a8, fp4_bytes),
-                    ("moe.fp8.act_fp8.prequant", fp8, pq, fp8_bytes),
-                    ("moe.fp4.act_fp8.prequant", fp4, pq, fp4_bytes),
-                    ("moe.fp4.pairs.act_fp8.prequant", fp4p, pq, fp4_bytes))  # fmt: skip
+                    ("moe.fp4.pairs", fp4p, {}, fp4_bytes))  # fmt: skip
         tref = _us(
             _rotating(lambda s: moe_experts_ref(s[0], s[1], s[2], w1l, w2l, w3l, 10.0), sets),
             30,
@@ -158,10 +152,9 @@ def moe_sweep(
     return lines
 
 
-def _tile_choices(t: int, act_fp8: bool, n_all: int, pairs: bool) -> list[MoeTiles]:
-    """The heuristic's pick and neighbours (BM, BN, BK, split, warps, stages); fp8
-    activations are pre-quantized (as :func:`tile_sweep` runs them)."""
-    base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, act_fp8, pairs, act_fp8)
+def _tile_choices(t: int, n_all: int, pairs: bool) -> list[MoeTiles]:
+    """The heuristic's pick and neighbours (BM, BN, BK, split, warps, stages)."""
+    base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, pairs=pairs)
     out = [base]
     if base.bm <= 32:
         for bn, bk, w, st in ((64, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3)):
@@ -178,14 +171,14 @@ def _tile_choices(t: int, act_fp8: bool, n_all: int, pairs: bool) -> list[MoeTil
     return out
 
 
-def tile_sweep(cases: list[tuple[int, bool, bool]], formats: tuple[str, ...]) -> None:
-    """Time tile choices around the heuristic for (tokens, all_local, act_fp8) cases (fp8, fp4
-    and fp4 in the pairs layout; fp8 activations pre-quantized, as prefill would run them);
-    the first row of each format is its pick. Prints each row as it is measured."""
+def tile_sweep(cases: list[tuple[int, bool]], formats: tuple[str, ...]) -> None:
+    """Time tile choices around the heuristic for (tokens, all_local) cases (fp8, fp4 and fp4
+    in the pairs layout); the first row of each format is its pick. Prints each row as it
+    is measured."""
     dev = "cuda"
     w13, s13, w2, s2, p13, q13, p2, q2 = _experts(dev)
     r13, r2 = fp4_to_pairs(p13), fp4_to_pairs(p2)
-    for t, all_local, act8 in cases:
+    for t, all_local in cases:
         n_all = E_LOCAL if all_local else E_ALL
         sets = []
         for _ in range(4):
@@ -193,18 +186,17 @@ def tile_sweep(cases: list[tuple[int, bool, bool]], formats: tuple[str, ...]) ->
             ids[0, 0] = torch.where((ids[0] < E_LOCAL).any(), ids[0, 0], 0)
             sets.append((torch.randn(t, D, device=dev).bfloat16(), ids,
                          torch.rand(t, TOPK, device=dev)))  # fmt: skip
-        kw = {"act_fp8": act8, "prequant": act8}
         for name, fn in (
-            ("fp8", lambda s, tl_, kw=kw: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2,
-                                                         (32, 32), 10.0, tiles=tl_, **kw)),
-            ("fp4", lambda s, tl_, kw=kw: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2,
-                                                         10.0, tiles=tl_, **kw)),
-            ("fp4p", lambda s, tl_, kw=kw: moe_fp4_triton(s[0], s[1], s[2], r13, q13, r2, q2,
-                                                          10.0, tiles=tl_, pairs=True, **kw)),
+            ("fp8", lambda s, tl_: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2,
+                                                  (32, 32), 10.0, tiles=tl_)),
+            ("fp4", lambda s, tl_: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0,
+                                                  tiles=tl_)),
+            ("fp4p", lambda s, tl_: moe_fp4_triton(s[0], s[1], s[2], r13, q13, r2, q2, 10.0,
+                                                   tiles=tl_, pairs=True)),
         ):  # fmt: skip
             if name not in formats:
                 continue
-            for i, tiles in enumerate(_tile_choices(t, act8, n_all, name == "fp4p")):
+            for i, tiles in enumerate(_tile_choices(t, n_all, name == "fp4p")):
                 try:
                     us = _us(_rotating(lambda s, fn=fn, tiles=tiles: fn(s, tiles), sets))
                 except Exception as e:  # resources exceeded for this tile shape
@@ -212,7 +204,7 @@ def tile_sweep(cases: list[tuple[int, bool, bool]], formats: tuple[str, ...]) ->
                     print(f"  ({type(e).__name__}: {str(e)[:80]})")
                 g1, g2 = tiles.gate_up, tiles.down
                 print(
-                    f"tiles {name:4s} act8={act8:d} T={t:5d}{' local' if all_local else '      '} "
+                    f"tiles {name:4s} T={t:5d}{' local' if all_local else '      '} "
                     f"{'pick' if i == 0 else '    '} bm={tiles.bm:3d} "
                     f"up=({g1.bn},{g1.bk},s{g1.split},w{g1.warps},st{g1.stages}) "
                     f"down=({g2.bn},{g2.bk},s{g2.split},w{g2.warps},st{g2.stages}) {us:9.1f} us",
@@ -308,8 +300,8 @@ def main() -> None:
                     help="only the MoE tile sweep")  # fmt: skip
     args = ap.parse_args()
     if args.tiles:
-        decode = [(1, False, False), (64, False, False)]
-        prefill = [(4096, True, True), (4096, True, False)]  # all local: ~512 rows per expert
+        decode = [(1, False), (64, False)]
+        prefill = [(4096, True)]  # all local: ~512 rows per expert
         cases = {"decode": decode, "prefill": prefill, "all": decode + prefill}[args.tiles]
         # the MX fp4 layout runs only where the pairs layout cannot (d % 64 != 0)
         tile_sweep(cases, ("fp8", "fp4", "fp4p") if args.tiles == "decode" else ("fp8", "fp4p"))

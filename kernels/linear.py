@@ -352,7 +352,7 @@ def _fp8_grouped(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         *scale_args, y, y.stride(0), y.stride(1), M, 1, N, K, k_per, 0.0,
         A_GATHER=False, GATED=False, FUSE_SWIGLU=False, FP4=False, PAIRS=False,
         USE_ASM=not interp, SB_N=b0, SB_K=b1, HAS_LIMIT=False, CDT=_dot_dtype(x2),
-        A_FP8=False, A_Q=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
+        A_FP8=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
         num_stages=t.stages, **scale_kw,
     )  # fmt: skip
     return _sum_splits(y, M, N, x2.dtype)

@@ -35,9 +35,9 @@ import triton.language as tl
 
 from kernels import moe_decode
 from kernels.dispatch import capability, op, split_counters
-from kernels.moe_align import _align, _combine, _quant_act, _reduce_swiglu, _y_buffer
+from kernels.moe_align import _align, _combine, _quant_rows, _reduce_swiglu, _y_buffer
 from kernels.moe_grouped import _INTERPRET, _dot_dtype, _moe_gemm, _scale_arg, _scale_launch
-from kernels.moe_ref import ACT_GROUP, moe_fp4_ref, moe_fp8_ref, moe_fp8_rows_ref
+from kernels.moe_ref import moe_fp4_ref, moe_fp8_ref, moe_fp8_rows_ref
 from kernels.moe_tiles import MoeTiles, _local_load, _num_sms, pick_tiles, rows_per_expert
 from kernels.quant import is_e8m0
 
@@ -72,24 +72,17 @@ def _moe_run(
     tiles: MoeTiles | None,
     block_m: int | None,
     split_k: int | None,
-    act_fp8: bool,
+    act_fp8: bool = False,
     pairs: bool = False,
-    prequant: bool = False,
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
-    act_group: int | None = None,
-    precise_acc: bool = False,
     row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    if prequant and (not act_fp8 or (act_group is None and block[1] != ACT_GROUP)):
-        raise ValueError(f"prequant needs act_fp8 and {ACT_GROUP}-column scale groups "
-                         "(or an explicit act_group)")  # fmt: skip
-    if act_group is not None and not act_fp8:
-        act_group = None  # bf16 / fp16 activations have no groups
-    if act_group == 0 and (block[1] != 0 or not prequant):
-        raise ValueError("row activation scales (act_group 0) need row weight scales and "
-                         "prequant")  # fmt: skip
-    a_q = (3 if precise_acc else 2) if act_group == 0 else int(prequant)
+    """The MoE layer's launches. ``act_fp8`` (the fp8 rows layout only, ``block[1]`` 0): x and
+    H quantized to e4m3 with one scale per row, once each, and multiplied on the fp8 tensor
+    cores."""
+    if act_fp8 and block[1] != 0:
+        raise ValueError("fp8 activations (one scale per row) need the fp8 rows layout")
     if fp16_mma and (act_fp8 or not 0 < limit <= 1024):
         raise ValueError("fp16_mma needs bf16 activations and a SwiGLU clamp in (0, 1024]")
     t, d = x.shape
@@ -102,7 +95,7 @@ def _moe_run(
         row_refs = None  # the launch overrides shape ``_moe_gemm``'s launches
     if tiles is None:
         tiles = pick_tiles(n_slots, n_local, n_experts or n_local, d, inter, block[1],
-                           _num_sms(x.device), act_fp8, pairs, prequant, a_q >= 2,
+                           _num_sms(x.device), act_fp8, pairs,
                            _dot_dtype(x) != tl.float32)  # fmt: skip
     tiles = _override(tiles, block_m, split_k)
     bm, g1, g2 = tiles.bm, tiles.gate_up, tiles.down
@@ -118,7 +111,7 @@ def _moe_run(
     rows_layout = block[1] == 0
     f16 = (cdt == tl.bfloat16 and not act_fp8 and (bm < 64 or rows_layout)
            and 0 < limit <= 1024 and not _INTERPRET)  # fmt: skip
-    if fp16_mma is not None:  # test hook (the interpreter runs the path too)
+    if fp16_mma is not None:  # forced (the interpreter tests run the path too)
         f16 = fp16_mma
     if row_refs is not None and _decode_fits(x, s13, s2, d, inter, bm, pairs and f16):
         return _moe_run_decode(x, ids, weights, w13, s13, w2, s2, inter, limit, offset,
@@ -129,17 +122,17 @@ def _moe_run(
     s13, e8_13 = _scale_arg(s13)
     s2, e8_2 = _scale_arg(s2)
     common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, PAIRS=pairs, SB_N=block[0],
-                  SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8, A_Q=a_q,
+                  SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8,
                   F16=f16)  # fmt: skip
     h_dtype = torch.float16 if f16 else torch.float32 if cdt == tl.float32 else torch.bfloat16
     h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
     k1 = -(-(d // g1.bk) // g1.split) * g1.bk
-    scale_args, scale_kw = _scale_launch(s13, e8_13, block[1], g1.bk, act_group)
-    xs = x  # the scales of the activations (A_Q)
+    scale_args, scale_kw = _scale_launch(s13, e8_13, block[1], g1.bk)
+    xs = x  # the activations' row scales (A_FP8)
     if xa is None:  # F16: converted by the align launch
         xa = x
-        if prequant:
-            xa, xs = _quant_act(x, 0 if a_q >= 2 else scale_kw["GK"])
+        if act_fp8:
+            xa, xs = _quant_rows(x)
     gate_args = (xa, xa.stride(0), xs, xs.stride(0), rows, tile_e, w13, w13.stride(0),
                  w13.stride(1))  # fmt: skip
     gate_args += scale_args
@@ -157,8 +150,8 @@ def _moe_run(
         _reduce_swiglu(part, h, tile_e, inter, limit, bm, f16)
     y = _y_buffer(x, g2.split, n_rows)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
-    scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk, act_group)
-    ha, hs = _quant_act(h, 0 if a_q >= 2 else scale_kw["GK"]) if prequant else (h, h)
+    scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk)
+    ha, hs = _quant_rows(h) if act_fp8 else (h, h)
     _moe_gemm[(n_tiles, n2 // g2.bn, g2.split)](
         ha, ha.stride(0), hs, hs.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
         *scale_args, y, y.stride(0), y.stride(1),
@@ -274,7 +267,7 @@ def _moe_run_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 def _override(tiles: MoeTiles, block_m: int | None, split_k: int | None) -> MoeTiles:
-    """Test hooks: force BM and/or the K splits of both GEMMs."""
+    """The launch overrides of tests and sweeps: BM and/or the K splits of both GEMMs."""
     if split_k is not None:
         tiles = replace(tiles, gate_up=replace(tiles.gate_up, split=split_k),
                         down=replace(tiles.down, split=split_k))  # fmt: skip
@@ -297,35 +290,21 @@ def moe_fp8_triton(
     *,
     n_experts: int | None = None,
     tiles: MoeTiles | None = None,
-    act_fp8: bool = False,
-    prequant: bool = False,
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
-    act_group: int | None = None,
 ) -> torch.Tensor:
     """MegaMoE over fp8 e4m3 block-scaled experts: ``w13`` [E, 2I, d] (W1 rows then W3 rows),
     ``s13`` [E, 2I/b0, d/b1], ``w2`` [E, d, I], ``s2`` [E, d/b0, I/b1] (e8m0 or fp32).
 
     ``x`` [T, d] bf16/fp32, ``ids``/``weights`` [T, k]; returns [T, d] in ``out_dtype``
     (default x.dtype; fp32 keeps the combine's fp32 sums, what an EP rank sends back).
-    ``n_experts`` (all experts, local or not) sizes the tiles; ``tiles`` overrides them.
-    ``act_fp8``: activations rounded to e4m3 per row and 32 columns (``moe_ref.fake_quant_act``)
-    and multiplied on the fp8 tensor cores, as DeepSeek's own inference does; else bf16.
-    (With 128-column weight blocks (V4) the kernel's activation groups follow the weight
-    group, min(128, BK) columns, not the reference's 32: only V4.1 blocks and fp4 experts
-    match ``moe_ref.moe_fp8_ref`` there.)
-    ``prequant`` (with ``act_fp8``, 32-column scale groups): x and H are quantized once, in
-    their own launches, instead of in every GEMM tile's loop (same rounding; meant for
-    prefill tiles, where the loop should be loads, fp8 MMAs and promotion only).
-    ``fp16_mma`` (test hook; None = auto): force the fp16-MMA path on or off (auto takes it at
-    decode tile heights for bf16 activations under a clamp, on the GPU).
-    ``act_group`` (with ``act_fp8``): fp8 activation groups of 32, 64 or 128 columns (must
-    divide the weight group; V4's reference rounds activations per 128), also with
-    ``prequant``.
+    ``n_experts`` (all experts, local or not) sizes the tiles; ``tiles`` overrides them,
+    as ``block_m`` / ``split_k`` override BM and the K splits (tests and sweeps).
+    ``fp16_mma`` (None = the dispatch's choice: at decode tile heights for bf16 activations
+    under a clamp, on the GPU) forces the fp16-MMA path on or off, so that the CPU
+    interpreter tests cover it.
     """
     _check_experts(x, ids, weights, w13, w2)
-    if act_group is not None and act_group not in (32, 64, 128):
-        raise ValueError(f"act_group must be 32, 64 or 128, got {act_group}")
     inter = w13.shape[1] // 2
     if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8 e4m3 experts expected, got {w13.dtype} / {w2.dtype}")
@@ -339,9 +318,8 @@ def moe_fp8_triton(
     if tuple(s13.shape) != want13 or tuple(s2.shape) != want2:
         raise ValueError(f"scales {tuple(s13.shape)} {tuple(s2.shape)}, want {want13} {want2}")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, block, limit,
-                    local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    prequant=prequant, fp16_mma=fp16_mma, out_dtype=out_dtype,
-                    act_group=act_group)  # fmt: skip
+                    local_expert_offset, n_experts, tiles, block_m, split_k,
+                    fp16_mma=fp16_mma, out_dtype=out_dtype)  # fmt: skip
 
 
 def moe_fp8_rows_triton(
@@ -356,27 +334,20 @@ def moe_fp8_rows_triton(
     local_expert_offset: int = 0,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
-    act_group: int = 128,
     *,
     n_experts: int | None = None,
     tiles: MoeTiles | None = None,
     block_m: int | None = None,
     split_k: int | None = None,
-    prequant: bool | None = None,
     fp16_mma: bool | None = None,
-    precise_acc: bool = False,
 ) -> torch.Tensor:
-    """MegaMoE over experts in the *fp8 rows* layout (``moe_formats.fp4_to_fp8_rows``): e4m3 ``w13``
-    [E, 2I, d] and ``w2`` [E, d, I] with one fp32 scale per row, ``s13`` [E, 2I], ``s2``
-    [E, d]. The row scale goes on the accumulators after the K loop, so with ``act_fp8`` the
-    loop's only promotion is the activations' scale, once per ``act_group`` columns (128:
-    four fp8 MMAs per promotion; 0: one scale per row of x and of H, applied after the loop
-    too, and the fp8 MMAs accumulate in place), and with bf16 activations the MMAs
-    accumulate in place.
-    ``prequant`` (default: with ``act_fp8``) quantizes x and H once, in their own launches.
-    With one activation scale per row the fp8 MMAs accumulate in the tensor cores' fast
-    mode over all of K; ``precise_acc`` promotes to fp32 every 128 columns instead.
-    Same routing arguments and result as :func:`moe_fp8_triton`."""
+    """MegaMoE over experts in the *fp8 rows* layout (``moe_formats.fp4_to_fp8_rows``): e4m3
+    ``w13`` [E, 2I, d] and ``w2`` [E, d, I] with one fp32 scale per row, ``s13`` [E, 2I],
+    ``s2`` [E, d]. The row scale goes on the accumulators after the K loop, so the MMAs
+    accumulate in place. ``act_fp8``: x and H quantized to e4m3 with one scale per row
+    (``moe_ref.fake_quant_act``'s rounding), once each in their own launch, and multiplied
+    on the fp8 tensor cores, which accumulate in their fast mode over all of K (both row
+    scales after the loop). Same routing arguments and result as :func:`moe_fp8_triton`."""
     _check_experts(x, ids, weights, w13, w2)
     d, inter = x.shape[1], w13.shape[1] // 2
     if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
@@ -387,13 +358,9 @@ def moe_fp8_rows_triton(
     if tuple(s13.shape) != tuple(w13.shape[:2]) or tuple(s2.shape) != tuple(w2.shape[:2]):
         raise ValueError(f"row scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit the "
                          f"experts {tuple(w13.shape)} {tuple(w2.shape)}")  # fmt: skip
-    if act_fp8 and act_group not in (0, 32, 64, 128):
-        raise ValueError(f"act_group must be 0 (one scale per row), 32, 64 or 128, got {act_group}")
-    prequant = act_fp8 if prequant is None else prequant
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, (1, 0), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    prequant=prequant, fp16_mma=fp16_mma, out_dtype=out_dtype,
-                    act_group=act_group, precise_acc=precise_acc)  # fmt: skip
+                    fp16_mma=fp16_mma, out_dtype=out_dtype)  # fmt: skip
 
 
 def moe_fp4_triton(
@@ -411,9 +378,7 @@ def moe_fp4_triton(
     *,
     n_experts: int | None = None,
     tiles: MoeTiles | None = None,
-    act_fp8: bool = False,
     pairs: bool = False,
-    prequant: bool = False,
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
     row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -421,11 +386,10 @@ def moe_fp4_triton(
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
     ``w2`` int8 [E, d, I/2], ``s2`` [E, d, I/32]. Split-K fills the GPU at 1-64 tokens.
-    ``act_fp8`` as in :func:`moe_fp8_triton` (fp4 codes re-encoded as e4m3 in-kernel).
     ``pairs``: ``w13`` [E, I, d] and ``w2`` [E, d/2, I] in the layout of
     ``moe_formats.fp4_to_pairs`` (one byte = the same column of two rows; the conversion is
     elementwise in the MMA operand's layout, for every path); d a multiple of 64.
-    ``prequant``, ``fp16_mma`` and ``out_dtype`` as in :func:`moe_fp8_triton`.
+    ``fp16_mma`` and ``out_dtype`` as in :func:`moe_fp8_triton`.
     ``row_refs`` (r13, r2) of ``moe_decode.row_refs`` for these scales, when
     exact: decode batches in the pairs layout then run :mod:`kernels.moe_decode`'s GEMMs
     where they apply (:func:`_decode_fits`); without them ``_moe_gemm`` runs every call."""
@@ -447,8 +411,8 @@ def moe_fp4_triton(
     ):
         raise ValueError(f"fp4 scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
-                    local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    pairs, prequant, fp16_mma, out_dtype, row_refs=row_refs)  # fmt: skip
+                    local_expert_offset, n_experts, tiles, block_m, split_k, pairs=pairs,
+                    fp16_mma=fp16_mma, out_dtype=out_dtype, row_refs=row_refs)  # fmt: skip
 
 
 def _unused_n_experts(ref):

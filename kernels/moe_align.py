@@ -6,8 +6,8 @@
 - ``_reduce_swiglu``: the W13 GEMM's K-split partials summed, then the clamped SwiGLU;
 - ``_combine``: ``out[t] = sum_j w[t,j] * sum_s Y[s, row(t,j)]`` in a fixed order
   (deterministic; no atomics);
-- ``_quant_act``: fp8 activations quantized once per launch (one scale per row and group,
-  or per row).
+- ``_quant_rows``: the fp8 rows layout's fp8 activations, quantized once per launch with
+  one scale per row.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import moe_decode
-from kernels.moe_grouped import _as_gemm_input, _e4m3_rne, _e4m3_rows, _f16_sixteenth
+from kernels.moe_grouped import _as_gemm_input, _e4m3_rne, _f16_sixteenth
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -122,26 +122,12 @@ def _moe_align(
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, sx, q_ptr, sq, sc_ptr, ssc, n_rows, USE_ASM: tl.constexpr,
-                      G: tl.constexpr, BR: tl.constexpr):  # fmt: skip
-    """One group of ``G`` columns for ``BR`` rows quantized by ``moe_grouped._e4m3_rows``, as the
-    in-loop A_FP8 path does (the interpreter stores the e4m3 values in fp32)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    g = tl.program_id(1)
-    rmask = r < n_rows
-    c = g * G + tl.arange(0, G)
-    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx + c[None, :], mask=rmask[:, None],
-                other=0.0).to(tl.float32)  # fmt: skip
-    q, sc = _e4m3_rows(x, USE_ASM)
-    tl.store(q_ptr + r.to(tl.int64)[:, None] * sq + c[None, :], q, mask=rmask[:, None])
-    tl.store(sc_ptr + r.to(tl.int64) * ssc + g, sc, mask=rmask)
-
-
-@triton.jit
 def _quant_rows_kernel(x_ptr, sx, q_ptr, sq, sc_ptr, K, USE_ASM: tl.constexpr,
                        BK: tl.constexpr):  # fmt: skip
-    """One row quantized with one scale over all of it (amax / 448, as ``moe_grouped._e4m3_rows``):
-    a pass for the amax, a pass to round."""
+    """One row quantized with one scale over all of it: scale = max(amax, 1e-30) / 448 in fp32,
+    values e4m3(x / scale) with ties to even (``moe_ref.fake_quant_act``'s rounding; the
+    interpreter stores the e4m3 values in fp32: its fp8 casts misround); a pass for the amax,
+    a pass to round."""
     r = tl.program_id(0).to(tl.int64)
     amax = tl.zeros((BK,), tl.float32)
     for k0 in range(0, K, BK):
@@ -157,24 +143,16 @@ def _quant_rows_kernel(x_ptr, sx, q_ptr, sq, sc_ptr, K, USE_ASM: tl.constexpr,
     tl.store(sc_ptr + r, sc)
 
 
-def _quant_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [R, K] -> (e4m3 values [R, K], fp32 scales [R, K / group]); ``group`` 0: one
-    scale per row ([R, 1]). fp32 values under the interpreter."""
+def _quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [R, K] -> (e4m3 values [R, K], fp32 scales [R, 1]): one scale per row (fp32
+    values under the interpreter)."""
     r, k = x.shape
     q = torch.empty(r, k, device=x.device,
                     dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn)  # fmt: skip
-    if group == 0:
-        sc = torch.empty(r, 1, device=x.device, dtype=torch.float32)
-        if r:
-            _quant_rows_kernel[(r,)](x, x.stride(0), q, q.stride(0), sc, k,
-                                     USE_ASM=not _INTERPRET, BK=1024)  # fmt: skip
-        return q, sc
-    sc = torch.empty(r, k // group, device=x.device, dtype=torch.float32)
+    sc = torch.empty(r, 1, device=x.device, dtype=torch.float32)
     if r:
-        _quant_act_kernel[(triton.cdiv(r, 32), k // group)](
-            x, x.stride(0), q, q.stride(0), sc, sc.stride(0), r, USE_ASM=not _INTERPRET,
-            G=group, BR=32,
-        )  # fmt: skip
+        _quant_rows_kernel[(r,)](x, x.stride(0), q, q.stride(0), sc, k,
+                                 USE_ASM=not _INTERPRET, BK=1024)  # fmt: skip
     return q, sc
 
 

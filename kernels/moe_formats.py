@@ -39,8 +39,8 @@ def fp4_to_fp8_rows(
     448, so a row is exact whenever its 32-column scales span at most 14 binades (the
     smallest nonzero code, 0.5, then stays at or above e4m3's 2^-9; sufficient, not
     necessary: ``exact`` checks each row's round trip); an inexact row is rounded to nearest
-    even. The prefill kernels multiply it on the fp8 tensor cores with one
-    promotion per activation group and the row scale applied once, in the epilogue."""
+    even. The kernels apply the row scale once, after the K loop (with fp8 activations on the
+    fp8 tensor cores, the activations' row scale too)."""
     w = dequantize_fp4(packed, scales, torch.float32)
     amax = w.abs().amax(-1)
     e = torch.ceil(torch.log2(torch.where(amax > 0, amax, 448.0) / 448.0))

@@ -4,10 +4,10 @@ One program per (tile of BM routed rows of one expert, N block, K split): ``acc 
 rows] @ W_e^T``, the weights dequantized in registers (fp8 blocks or packed fp4: two values
 per PTX op), one MMA per scale group (32 or 128 K columns) with its block scales applied to
 the fp32 partial. The MMA is fp16 at decode tile heights (activations stored as fp16 x
-2^-4), bf16 at prefill tiles, or fp8 x fp8 with fp8 activations (quantized per row and 32
-columns in the loop or, pre-quantized, once per launch). Gated (W1|W3) with the clamped
-SwiGLU in the epilogue, or plain (W2). ``kernels.moe`` launches it for the MoE layer,
-``kernels.linear`` with one group for the fp8 dense projections.
+2^-4), bf16 at prefill tiles, or fp8 x fp8 for the fp8 rows layout's fp8 activations
+(quantized once per launch, one scale per row on each side, both after the K loop). Gated
+(W1|W3) with the clamped SwiGLU in the epilogue, or plain (W2). ``kernels.moe`` launches it
+for the MoE layer, ``kernels.linear`` with one group for the fp8 dense projections.
 """
 
 from __future__ import annotations
@@ -113,16 +113,6 @@ def _e4m3_rne(v):
 
 
 @triton.jit
-def _e4m3_rows(x, USE_ASM: tl.constexpr):
-    """fp32 rows ``x`` as ``moe_ref.fake_quant_act`` rounds them: (e4m3(x / scale) with ties to
-    even, scale = max(row amax, 1e-30) / 448 in fp32). The interpreter returns the e4m3 values
-    in fp32 (its fp8 casts misround)."""
-    sc = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) / 448.0
-    v = x / sc[:, None]
-    return (v.to(tl.float8e4nv) if USE_ASM else _e4m3_rne(v)), sc
-
-
-@triton.jit
 def _scale(s_ptrs, SCALE_E8M0: tl.constexpr, LOG2_MUL: tl.constexpr):
     """Scales as fp32, times ``2^LOG2_MUL`` (the power-of-two factors of the F16 and e4m3
     re-encodings): e8m0 code c -> bits ``(c + LOG2_MUL) << 23`` = 2^(c - 127 + LOG2_MUL), the
@@ -146,15 +136,15 @@ def _word_scale(word, J: tl.constexpr, LOG2_MUL: tl.constexpr):
 
 @triton.jit
 def _fp4_split(w_base, n, kb, swn, USE_ASM: tl.constexpr, CDT: tl.constexpr,
-               NB: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr):  # fmt: skip
+               NB: tl.constexpr, F16: tl.constexpr):  # fmt: skip
     """The packed fp4 bytes [BN, NB] of rows ``n`` from byte column ``kb``: their low-nibble
-    and high-nibble values [BN, NB] each. Codes become e4m3 x 2^-6 when ``A_FP8`` or ``F16``
-    (then fp16: e4m3 -> fp16 is exact, one ``cvt`` per two values on sm_90), else CDT. Which
+    and high-nibble values [BN, NB] each. With ``F16`` the codes become e4m3 x 2^-6, then
+    fp16 (e4m3 -> fp16 is exact, one ``cvt`` per two values on sm_90), else CDT. Which
     weights the nibbles hold is the layout's business (:func:`_w_group`, :func:`_group_dot`,
     :func:`_pair_dot`)."""
     kh = kb + tl.arange(0, NB)
     q = tl.load(w_base + n[:, None] * swn + kh[None, :])  # [BN, NB] packed bytes
-    if A_FP8 or F16:
+    if F16:
         if USE_ASM:
             lo, hi = tl.inline_asm_elementwise(
                 _FP4_E4M3_ASM, "=r,=r,r", [q], dtype=(tl.float8e4nv, tl.float8e4nv),
@@ -164,9 +154,8 @@ def _fp4_split(w_base, n, kb, swn, USE_ASM: tl.constexpr, CDT: tl.constexpr,
             b = q.to(tl.int32) & 0xFF
             lo = e2m1_to_f32(b & 0xF) * 0.015625
             hi = e2m1_to_f32(b >> 4) * 0.015625
-        if F16:
-            lo = lo.to(tl.float16)
-            hi = hi.to(tl.float16)
+        lo = lo.to(tl.float16)
+        hi = hi.to(tl.float16)
     elif USE_ASM:
         lo, hi = tl.inline_asm_elementwise(
             _FP4_ASM, "=r,=r,=r,=r,r", [q], dtype=(tl.bfloat16, tl.bfloat16),
@@ -185,13 +174,12 @@ def _w_group(w_base, n, kg, swn, FP4: tl.constexpr, USE_ASM: tl.constexpr,
              F16: tl.constexpr):  # fmt: skip
     """One scale group of weight rows ``n``, columns ``[kg, kg+GK)``: the unscaled tile
     [BN, GK] (W = tile * scale[:, None], the scales from :func:`_moe_gemm`). The tile is
-    e4m3 when ``A_FP8`` (fp8 weights as stored; fp4 codes re-encoded exactly as e4m3 * 2^-6),
-    fp16 when ``F16`` (e4m3 -> fp16 is exact and one ``cvt`` per two values on sm_90; fp4 goes
-    through the same e4m3 re-encoding first), else CDT. Packed fp4 in the MX layout (even
-    column in the low nibble) is interleaved back (the pairs layout needs no interleave:
-    :func:`_pair_dot`)."""
+    e4m3 when ``A_FP8`` (fp8 weights as stored), fp16 when ``F16`` (e4m3 -> fp16 is exact and
+    one ``cvt`` per two values on sm_90; fp4 codes go through an exact e4m3 x 2^-6
+    re-encoding first), else CDT. Packed fp4 in the MX layout (even column in the low
+    nibble) is interleaved back (the pairs layout needs no interleave: :func:`_pair_dot`)."""
     if FP4:
-        lo, hi = _fp4_split(w_base, n, kg // 2, swn, USE_ASM, CDT, GK // 2, A_FP8, F16)
+        lo, hi = _fp4_split(w_base, n, kg // 2, swn, USE_ASM, CDT, GK // 2, F16)
         w = tl.reshape(tl.join(lo, hi), (n.shape[0], GK))  # even column = low nibble
     else:
         q = tl.load(w_base + n[:, None] * swn + (kg + tl.arange(0, GK))[None, :])
@@ -210,64 +198,42 @@ def _w_group(w_base, n, kg, swn, FP4: tl.constexpr, USE_ASM: tl.constexpr,
 
 
 @triton.jit
-def _group_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s, acc, FP4: tl.constexpr,
+def _group_dot(a_base, rmask, kg, w_base, n, swn, s, acc, FP4: tl.constexpr,
                USE_ASM: tl.constexpr, CDT: tl.constexpr,
                GK: tl.constexpr, SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr,
-               A_Q: tl.constexpr, F16: tl.constexpr):  # fmt: skip
+               F16: tl.constexpr):  # fmt: skip
     """``acc + A[:, kg:kg+GK] @ W[n, kg:kg+GK]^T`` for one scale group (GK = 32 or 128), with
     the group's row scales ``s`` [BN] (fp32; see :func:`_moe_gemm` for their factors).
 
-    A_FP8: the activation group is quantized in registers (row amax / 448 -> e4m3, the
-    rounding of ``moe_ref.fake_quant_act``) and multiplied on the fp8 tensor cores; both scales
-    go on the fp32 partial. A_Q (with A_FP8): the activations come quantized already
-    (``moe_align._quant_act_kernel``: e4m3 values, one fp32 scale per row and group at
-    ``sa_base``), so the loop is loads, the fp8 MMA and the promotion of its partial.
-    F16 (bf16 activations, scales on the partial): fp16 MMA on activations stored as fp16
-    times 2^-4 (converted by the align launch, ``moe_align._align``; the 2^4 goes back in the
-    scale), so the weights' dequantization is one ``cvt`` per two values instead of
-    integer bit surgery. Else bf16 MMA: scales on the weight tile when many rows share it
-    (BM >= 64: fewer multiplies, no second accumulator), else on the partial."""
+    A_FP8 (fp8 rows layout): e4m3 activations quantized with one scale per row
+    (``moe_align._quant_rows``) times the e4m3 weights on the fp8 tensor cores, both row
+    scales after the K loop, so the MMAs accumulate in place. F16 (bf16 activations, scales
+    on the partial): fp16 MMA on activations stored as fp16 times 2^-4 (converted by the
+    align launch, ``moe_align._align``; the 2^4 goes back in the scale), so the weights'
+    dequantization is one ``cvt`` per two values instead of integer bit surgery. Else bf16
+    MMA: scales on the weight tile when many rows share it (BM >= 64: fewer multiplies, no
+    second accumulator), else on the partial."""
     w = _w_group(w_base, n, kg, swn, FP4, USE_ASM, CDT, GK, A_FP8, F16)
-    a, sa = _a_group(a_base, sa_base, rmask, kg, USE_ASM, GK, A_FP8, A_Q)
-    return _w_dot(a, sa, w, s, acc, USE_ASM, CDT, SCALE_ON_W, A_FP8, F16, A_Q)
+    a = _a_group(a_base, rmask, kg, GK)
+    return _w_dot(a, w, s, acc, USE_ASM, CDT, SCALE_ON_W, A_FP8, F16)
 
 
 @triton.jit
-def _a_group(a_base, sa_base, rmask, kg, USE_ASM: tl.constexpr, GK: tl.constexpr,
-             A_FP8: tl.constexpr, A_Q: tl.constexpr):  # fmt: skip
-    """The activation group [BM, GK] at column ``kg`` as the MMA takes it, with its per-row
-    scales under ``A_FP8`` (quantized here, or loaded when ``A_Q``; else a placeholder 1)."""
-    a = tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
-    sa = 1.0
+def _a_group(a_base, rmask, kg, GK: tl.constexpr):
+    """The activation group [BM, GK] at column ``kg`` as the MMA takes it."""
+    return tl.load(a_base + (kg + tl.arange(0, GK))[None, :], mask=rmask[:, None], other=0.0)
+
+
+@triton.jit
+def _w_dot(a, w, s, acc, USE_ASM: tl.constexpr, CDT: tl.constexpr,
+           SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr):  # fmt: skip
+    """``acc + (a @ w^T)`` with the weight group's row scales ``s`` [BN] (see
+    :func:`_group_dot`; A_FP8: the row scales of both sides come after the loop)."""
     if A_FP8:
-        if A_Q >= 2:  # one scale per row over all of K: applied after the loop
-            pass
-        elif A_Q:  # one scale per row and GK columns (the host quantizes with the same group)
-            sa = tl.load(sa_base + kg // GK, mask=rmask, other=0.0)
-        else:
-            a, sa = _e4m3_rows(a.to(tl.float32), USE_ASM)
-    return a, sa
-
-
-@triton.jit
-def _w_dot(a, sa, w, s, acc, USE_ASM: tl.constexpr, CDT: tl.constexpr,
-           SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr, F16: tl.constexpr,
-           A_Q: tl.constexpr = 0):  # fmt: skip
-    """``acc + (a @ w^T)`` with the activation scales ``sa`` [BM] (A_FP8) and the weight
-    group's row scales ``s`` [BN] (see :func:`_group_dot`). ``A_Q == 2`` (row scales on
-    both sides, applied after the loop): the fp8 MMAs accumulate in place."""
-    if A_FP8 and A_Q >= 2:
         # the interpreter holds e4m3 values in fp32. On sm_90 Triton accumulates fp8 MMAs in
-        # the tensor cores' fast (reduced-precision) mode across the whole K loop (A_Q 2), or
-        # promotes to fp32 every 128 columns (A_Q 3, as CUTLASS without fast accumulation)
+        # the tensor cores' fast (reduced-precision) mode across the whole K loop
         wt = tl.trans(w) if USE_ASM else tl.trans(w.to(tl.float32))
-        if A_Q == 3:
-            return tl.dot(a, wt, acc, max_num_imprecise_acc=128)
         return tl.dot(a, wt, acc)
-    elif A_FP8:
-        # the interpreter holds e4m3 values in fp32
-        part = tl.dot(a, tl.trans(w)) if USE_ASM else tl.dot(a, tl.trans(w.to(tl.float32)))
-        return acc + part * sa[:, None] * s[None, :]
     elif F16:
         return acc + tl.dot(a, tl.trans(w)) * s[None, :]
     elif SCALE_ON_W:
@@ -278,18 +244,17 @@ def _w_dot(a, sa, w, s, acc, USE_ASM: tl.constexpr, CDT: tl.constexpr,
 
 
 @triton.jit
-def _pair_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s1, s3, acc1, acc3,
+def _pair_dot(a_base, rmask, kg, w_base, n, swn, s1, s3, acc1, acc3,
               USE_ASM: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr,
-              SCALE_ON_W: tl.constexpr, A_FP8: tl.constexpr, A_Q: tl.constexpr,
-              F16: tl.constexpr):  # fmt: skip
+              SCALE_ON_W: tl.constexpr, F16: tl.constexpr):  # fmt: skip
     """One scale group of fp4 experts in the *pairs* layout (``moe_formats.fp4_to_pairs``): byte
     (n, k) holds W[n, k] in its low nibble and W[n + P, k] in its high one, so one byte tile
     [BN, GK] gives both row sets' tiles with the same (row, column) per element — the
     conversion is elementwise where the MMA operand lives, no interleave or shuffle."""
-    lo, hi = _fp4_split(w_base, n, kg, swn, USE_ASM, CDT, GK, A_FP8, F16)
-    a, sa = _a_group(a_base, sa_base, rmask, kg, USE_ASM, GK, A_FP8, A_Q)
-    acc1 = _w_dot(a, sa, lo, s1, acc1, USE_ASM, CDT, SCALE_ON_W, A_FP8, F16)
-    acc3 = _w_dot(a, sa, hi, s3, acc3, USE_ASM, CDT, SCALE_ON_W, A_FP8, F16)
+    lo, hi = _fp4_split(w_base, n, kg, swn, USE_ASM, CDT, GK, F16)
+    a = _a_group(a_base, rmask, kg, GK)
+    acc1 = _w_dot(a, lo, s1, acc1, USE_ASM, CDT, SCALE_ON_W, False, F16)
+    acc3 = _w_dot(a, hi, s3, acc3, USE_ASM, CDT, SCALE_ON_W, False, F16)
     return acc1, acc3
 
 
@@ -303,20 +268,17 @@ def _moe_gemm(
     FP4: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
     SCALE_E8M0: tl.constexpr, SCALE_WORDS: tl.constexpr, SB_N: tl.constexpr,
     SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr, CDT: tl.constexpr, A_FP8: tl.constexpr,
-    A_Q: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GK: tl.constexpr,
+    F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GK: tl.constexpr,
 ):  # fmt: skip
     """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``; with
-    ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked). ``A_Q``: A is e4m3 with one scale
-    per row and group at ``sa_ptr`` (row stride ``ssa``). ``GK``: K columns per MMA group
-    (one weight scale group, and with fp8 activations one activation scale group).
+    ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked). ``GK``: K columns per MMA group
+    (one weight scale group).
 
-    ``SB_K == 0``: one weight scale per row (the fp8 rows layout, ``moe_formats.fp4_to_fp8_rows``),
-    applied to the accumulators once, after the K loop; the loop promotes only by the
-    activation scales (fp8) or not at all (bf16 / fp16: the MMAs accumulate in place).
-    ``A_Q`` 2 / 3 (with ``SB_K == 0``): fp8 activations with one scale per row over all of K
-    (``ssa``-strided [rows, 1]), applied with the weights' after the loop: no promotion
-    (3: fp32 promotion of the MMA accumulator every 128 columns).
+    ``SB_K == 0``: one weight scale per row (the fp8 rows layout,
+    ``moe_formats.fp4_to_fp8_rows``), applied to the accumulators once, after the K loop, so
+    the MMAs accumulate in place. ``A_FP8`` (with ``SB_K == 0``): A is e4m3 with one scale
+    per row over all of K at ``sa_ptr`` (row stride ``ssa``), applied with the weights'
+    after the loop: no promotion.
 
     Scales: the re-encoding's 2^6 (fp4 codes as e4m3) and, under ``F16``, the 2^4 of the
     activations' fp16 x 2^-4 are folded into the scales' exponents (no multiply).
@@ -337,7 +299,7 @@ def _moe_gemm(
     w_base, s_base = w_ptr + e * swe, s_ptr + e * sse
     acc1 = tl.zeros((BM, BN), tl.float32)
     acc3 = tl.zeros((BM, BN), tl.float32)
-    L2: tl.constexpr = (6 if FP4 and (A_FP8 or F16) else 0) + (4 if F16 else 0)
+    L2: tl.constexpr = (6 if FP4 and F16 else 0) + (4 if F16 else 0)
     s_row1 = s_base + (n // SB_N) * ssn
     s_row3 = s_base + ((n + N) // SB_N) * ssn
     k_lo = pid_k * k_per_split
@@ -357,21 +319,19 @@ def _moe_gemm(
                 s1 = _scale(s_row1 + (kg // SB_K) * ssk, SCALE_E8M0, L2)
                 s3 = _scale(s_row3 + (kg // SB_K) * ssk, SCALE_E8M0, L2) if GATED else s1
             if PAIRS:
-                acc1, acc3 = _pair_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s1, s3, acc1,
-                                       acc3, USE_ASM, CDT, GK, BM >= 64, A_FP8, A_Q,
-                                       F16)  # fmt: skip
+                acc1, acc3 = _pair_dot(a_base, rmask, kg, w_base, n, swn, s1, s3, acc1, acc3,
+                                       USE_ASM, CDT, GK, BM >= 64, F16)  # fmt: skip
             else:
-                acc1 = _group_dot(a_base, sa_base, rmask, kg, w_base, n, swn, s1, acc1, FP4,
-                                  USE_ASM, CDT, GK, BM >= 64, A_FP8, A_Q, F16)  # fmt: skip
+                acc1 = _group_dot(a_base, rmask, kg, w_base, n, swn, s1, acc1, FP4, USE_ASM,
+                                  CDT, GK, BM >= 64, A_FP8, F16)  # fmt: skip
                 if GATED:
-                    acc3 = _group_dot(a_base, sa_base, rmask, kg, w_base, n + N, swn, s3, acc3,
-                                      FP4, USE_ASM, CDT, GK, BM >= 64, A_FP8, A_Q,
-                                      F16)  # fmt: skip
+                    acc3 = _group_dot(a_base, rmask, kg, w_base, n + N, swn, s3, acc3, FP4,
+                                      USE_ASM, CDT, GK, BM >= 64, A_FP8, F16)  # fmt: skip
     if SB_K == 0:
         acc1 = acc1 * _scale(s_row1, SCALE_E8M0, L2)[None, :]
         if GATED:
             acc3 = acc3 * _scale(s_row3, SCALE_E8M0, L2)[None, :]
-    if A_Q >= 2:
+    if A_FP8:
         tl.static_assert(SB_K == 0, "row activation scales go with row weight scales")
         sa_row = tl.load(sa_base, mask=rmask, other=0.0)[:, None]
         acc1 = acc1 * sa_row
@@ -403,19 +363,12 @@ def _scale_arg(s: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return s.contiguous(), False
 
 
-def _scale_launch(
-    s: torch.Tensor, e8: bool, sb_k: int, bk: int, act_group: int | None = None
-) -> tuple[tuple, dict]:
+def _scale_launch(s: torch.Tensor, e8: bool, sb_k: int, bk: int) -> tuple[tuple, dict]:
     """The scale arguments of one ``_moe_gemm`` launch: e8m0 codes per 32 columns with BK a
     multiple of 128 go as int32 words (four groups per load, ``SCALE_WORDS``); ``sb_k`` 0 =
-    one scale per row ([E, N] scales). The MMA group ``GK``: the weight scale group (at most
-    BK), or ``act_group`` (fixed fp8 activation groups), which must divide it."""
+    one scale per row ([E, N] scales). The MMA group ``GK``: the weight scale group, at most
+    BK (one group per K tile for row scales)."""
     gk = bk if sb_k == 0 or sb_k >= bk else sb_k
-    if act_group:  # 0: one activation scale per row (rows layout), no MMA groups
-        if gk % act_group:
-            raise ValueError(f"activation groups of {act_group} columns do not divide the "
-                             f"weight group / K tile ({gk})")  # fmt: skip
-        gk = act_group
     if sb_k == 0:
         s = s.unsqueeze(-1)  # [E, N, 1]: the kernel's (expert, row, group) strides
     words = (

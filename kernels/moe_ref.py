@@ -32,18 +32,15 @@ def moe_experts_ref(
     limit: float,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
-    act_group: int | None = None,
 ) -> torch.Tensor:
     """``x`` [T, d], ``ids``/``weights`` [T, k]; per-expert weights w1/w3 [I, d], w2 [d, I]
     -> [T, d] in ``out_dtype`` (default ``x.dtype``; the sum over experts is fp32).
 
     Experts absent from ``w1`` (None) are not local to this rank and contribute nothing;
     neither does id -1 (an empty slot).
-    ``act_fp8``: both GEMMs' activations rounded by :func:`fake_quant_act` (h after a bf16
-    round trip, as the kernels store it), per ``act_group`` columns (default ``ACT_GROUP``;
-    0 = one scale per row).
+    ``act_fp8``: both GEMMs' activations rounded by :func:`fake_quant_act`, one scale per
+    row (h after a bf16 round trip, as the kernels store it).
     """
-    group = ACT_GROUP if act_group is None else act_group
     out = torch.zeros(
         x.shape[0], w2[0].shape[0] if w2 else x.shape[1], dtype=torch.float32, device=x.device
     )
@@ -55,10 +52,10 @@ def moe_experts_ref(
             continue
         sel = (flat_ids == e).nonzero(as_tuple=True)[0]
         t = tok[sel]
-        xe = fake_quant_act(x[t], group) if act_fp8 else x[t]
+        xe = fake_quant_act(x[t]) if act_fp8 else x[t]
         h = swiglu_clamp(xe @ w1[e].t(), xe @ w3[e].t(), limit)
         if act_fp8:
-            h = fake_quant_act(h.to(torch.bfloat16).to(h.dtype), group)
+            h = fake_quant_act(h.to(torch.bfloat16).to(h.dtype))
         y = (h @ w2[e].t()).float() * flat_w[sel].unsqueeze(-1)
         out.index_add_(0, t, y)
     return out.to(out_dtype or x.dtype)
@@ -66,17 +63,14 @@ def moe_experts_ref(
 
 moe_experts = moe_experts_ref
 
-ACT_GROUP = 32  # fp8 activations: one scale per row and 32 columns
 
-
-def fake_quant_act(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
-    """Round ``x`` [..., K] like the kernels' fp8 activations: per row and ``group`` columns
-    (0: the whole row), scale = amax / 448 (fp32), values rounded to e4m3; returns
-    dequantized values."""
-    xf = x.float().unflatten(-1, (-1, group or x.shape[-1]))
+def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
+    """Round ``x`` [..., K] like the kernels' fp8 activations: one scale per row, scale =
+    amax / 448 (fp32), values rounded to e4m3; returns dequantized values."""
+    xf = x.float()
     scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0
     q = (xf / scale).to(torch.float8_e4m3fn).float() * scale
-    return q.flatten(-2).to(x.dtype)
+    return q.to(x.dtype)
 
 
 def _stacked_ref(
@@ -89,7 +83,6 @@ def _stacked_ref(
     offset: int,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
-    act_group: int | None = None,
 ) -> torch.Tensor:
     n_exp = max(int(ids.max()) + 1, offset + w13.shape[0])
     inter = w13.shape[1] // 2
@@ -100,7 +93,7 @@ def _stacked_ref(
         w1[offset + i], w3[offset + i] = w13[i, :inter], w13[i, inter:]
         w2s[offset + i] = w2[i]
     w2s = [w if w is not None else w2[0] for w in w2s]  # only shapes are read for non-local
-    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit, act_fp8, out_dtype, act_group)
+    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit, act_fp8, out_dtype)
 
 
 def moe_fp8_ref(
@@ -114,16 +107,14 @@ def moe_fp8_ref(
     block: tuple[int, int],
     limit: float,
     local_expert_offset: int = 0,
-    act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
-    act_group: int | None = None,
 ) -> torch.Tensor:
     """Dequantize stacked fp8 experts (``w13`` [E, 2I, d] = W1|W3, ``w2`` [E, d, I]) to
     ``x.dtype`` and run :func:`moe_experts_ref`; expert ``offset + i`` is ``w13[i]``."""
     w13f = dequantize_fp8_block(w13, s13, block, x.dtype)
     w2f = dequantize_fp8_block(w2, s2, block, x.dtype)
-    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8,
-                        out_dtype, act_group)
+    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset,
+                        out_dtype=out_dtype)
 
 
 def moe_fp8_rows_ref(
@@ -138,15 +129,15 @@ def moe_fp8_rows_ref(
     local_expert_offset: int = 0,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
-    act_group: int = 128,
 ) -> torch.Tensor:
-    """Experts in the *fp8 rows* layout (``moe_formats.fp4_to_fp8_rows``): e4m3 ``w13`` [E, 2I, d]
-    and ``w2`` [E, d, I], one fp32 scale per row (``s13`` [E, 2I], ``s2`` [E, d]), dequantized
-    to ``x.dtype``; ``act_fp8`` rounds the activations per ``act_group`` columns."""
+    """Experts in the *fp8 rows* layout (``moe_formats.fp4_to_fp8_rows``): e4m3 ``w13``
+    [E, 2I, d] and ``w2`` [E, d, I], one fp32 scale per row (``s13`` [E, 2I], ``s2``
+    [E, d]), dequantized to ``x.dtype``; ``act_fp8`` rounds the activations with one scale
+    per row."""
     w13f = (w13.float() * s13.float().unsqueeze(-1)).to(x.dtype)
     w2f = (w2.float() * s2.float().unsqueeze(-1)).to(x.dtype)
     return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8,
-                        out_dtype, act_group)
+                        out_dtype)
 
 
 def moe_fp4_ref(
@@ -159,16 +150,16 @@ def moe_fp4_ref(
     s2: torch.Tensor,
     limit: float,
     local_expert_offset: int = 0,
-    act_fp8: bool = False,
     pairs: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Packed fp4 experts (``w13`` [E, 2I, d/2] int8 + [E, 2I, d/32] scales, ``w2``
     [E, d, I/2] + [E, d, I/32]) dequantized to ``x.dtype``, then :func:`moe_experts_ref`.
-    ``pairs``: the weights are in the ``moe_formats.fp4_to_pairs`` layout (unpacked here first)."""
+    ``pairs``: the weights are in the ``moe_formats.fp4_to_pairs`` layout (unpacked here
+    first)."""
     if pairs:
         w13, w2 = fp4_from_pairs(w13), fp4_from_pairs(w2)
     w13f = dequantize_fp4(w13, s13, x.dtype)
     w2f = dequantize_fp4(w2, s2, x.dtype)
-    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8,
-                        out_dtype)
+    return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset,
+                        out_dtype=out_dtype)

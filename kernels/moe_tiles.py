@@ -45,27 +45,23 @@ def _gemm_tiles(
     min_bk: int,
     gated: bool,
     act_fp8: bool,
-    prequant: bool = False,
     pairs: bool = False,
     rows: bool = False,
-    row_act: bool = False,
 ) -> GemmTiles:
     bk = max(min_bk, next(b for b in (128, 64, 32) if k % b == 0))
     if bm >= 64:  # many rows per expert: no split (H200 sweeps, bench.kernels_moe --tiles)
         if rows and bm >= 128:  # H200 sweeps (bench.moe_prefill --sweep), 4096 tokens all
-            # local: row activation scales 2.10 ms with these (2.31 with W2 128 wide, 3
-            # stages); 128-column groups 2.93 ms; bf16 activations (fp16 MMA) 4.90 ms with W2
-            # 256 wide, 3 stages (5.24 with the 64-row tiles)
+            # local: fp8 activations (one scale per row) 2.10 ms with these (2.31 with W2 128
+            # wide, 3 stages; per-128-column activation scales 2.93 ms); bf16 activations
+            # (fp16 MMA) 4.90 ms with W2 256 wide, 3 stages (5.24 with the 64-row tiles)
             bn = next(b for b in (128, 64, 32) if n % b == 0)
             wide = 256 if not gated and n % 256 == 0 else bn
-            if act_fp8 and row_act:
+            if act_fp8:
                 return GemmTiles(wide, bk, 1, 8, 4)
-            return GemmTiles(bn if act_fp8 else wide, bk, 1, 8, 3)
-        if act_fp8:  # fp8 MMA, scales on fp32 partials: gated keeps three accumulators
+            return GemmTiles(wide, bk, 1, 8, 3)
+        if act_fp8:  # fp8 MMA on pre-quantized rows, narrower N tiles when gated
             bn = next(b for b in ((64, 32) if gated else (128, 64, 32)) if n % b == 0)
-            # pre-quantized: 4 warps, two CTAs per SM (one's MMAs under the other's scaling;
-            # 4096 tokens all local: 6.8 ms vs 7.9 ms with the in-loop tile below)
-            return GemmTiles(bn, bk, 1, 4, 3) if prequant else GemmTiles(bn, bk, 1, 8, 3)
+            return GemmTiles(bn, bk, 1, 4, 3)  # 4 warps, two CTAs per SM
         bn = next(b for b in (128, 64, 32) if n % b == 0)
         if pairs:  # fp4 pairs, bf16 MMA: 7.8 ms vs 10.6 ms with the fp8 tile (4096, all local)
             return GemmTiles(bn, bk, 1, 4, 3)
@@ -89,43 +85,30 @@ def pick_tiles(
     sms: int,
     act_fp8: bool = False,
     pairs: bool = False,
-    prequant: bool = False,
-    row_act: bool = False,
     half: bool = True,
 ) -> MoeTiles:
     """Heuristic tiles: BM from the expected rows per touched local expert; at decode sizes
     small N tiles and split-K so that the weight stream fills every SM. ``pairs`` (fp4 in
-    the ``moe_formats.fp4_to_pairs`` layout): a W2 tile covers two row sets, N is d/2. ``prequant``:
-    fp8 activations quantized before the GEMMs (``act_fp8``). ``sb_k`` 0: the fp8 rows
-    layout (one weight scale per row); ``row_act``: with one activation scale per row;
-    ``half``: 16-bit MMA operands (fp32 ones keep the rows layout off its 128-row tiles, whose
-    shared memory they would not fit)."""
+    the ``moe_formats.fp4_to_pairs`` layout): a W2 tile covers two row sets, N is d/2.
+    ``sb_k`` 0: the fp8 rows layout (one weight scale per row), with ``act_fp8`` its fp8
+    activations (one scale per row, quantized before the GEMMs); ``half``: 16-bit MMA
+    operands (fp32 ones keep the rows layout off its 128-row tiles, whose shared memory they
+    would not fit)."""
     rows = sb_k == 0
+    if act_fp8 and not rows:
+        raise ValueError("fp8 activations go with the fp8 rows layout (sb_k 0)")
     local_slots, touched = _local_load(n_slots, n_local, n_experts)
     per_expert = local_slots / touched
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    if ((rows and (act_fp8 or half)) or (act_fp8 and not prequant)) and per_expert > 96:
+    if rows and (act_fp8 or half) and per_expert > 96:
         bm = 128
     tiles = int(touched) + int(local_slots // bm)
     min_bk = 0 if rows else min(sb_k, 128)
     return MoeTiles(
         bm,
-        _gemm_tiles(bm, inter, d, tiles, sms, min_bk, True, act_fp8, prequant, pairs, rows,
-                    row_act),  # fmt: skip
-        _gemm_tiles(
-            bm,
-            d // 2 if pairs else d,
-            inter,
-            tiles,
-            sms,
-            min_bk,
-            pairs,
-            act_fp8,
-            prequant,
-            pairs,
-            rows,
-            row_act,
-        ),
+        _gemm_tiles(bm, inter, d, tiles, sms, min_bk, True, act_fp8, pairs, rows),
+        _gemm_tiles(bm, d // 2 if pairs else d, inter, tiles, sms, min_bk, pairs, act_fp8,
+                    pairs, rows),  # fmt: skip
     )
 
 

@@ -285,7 +285,7 @@ class PackedExperts(nn.Module):
                 rows_per_expert(ids.numel(), self.n_local, n_all) > PREFILL_ROWS
             )
             return moe_fp8_rows(x, ids, weights, self.w13, self.s13, self.w2, self.s2,
-                                self.limit, off, act_fp8=act8, act_group=0, **kw)  # fmt: skip
+                                self.limit, off, act_fp8=act8, **kw)  # fmt: skip
         return moe_fp4(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.limit, off,
                        pairs=self.layout == "pairs", row_refs=self.row_refs, **kw)  # fmt: skip
 

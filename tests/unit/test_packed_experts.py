@@ -378,8 +378,7 @@ def test_fp8_rows_layout_gives_the_same_layer(tiny_ckpt) -> None:
     pe.prefill_act_fp8 = True
     assert "prefill_act_fp8" in repr(pe)
     fp8 = pe(x, ids, w)
-    ref = moe_fp8_rows_ref(x, ids, w, pe.w13, pe.s13, pe.w2, pe.s2, pe.limit, act_fp8=True,
-                           act_group=0)  # fmt: skip
+    ref = moe_fp8_rows_ref(x, ids, w, pe.w13, pe.s13, pe.w2, pe.s2, pe.limit, act_fp8=True)
     assert torch.equal(fp8, ref) and 1e-3 < rel(fp8, want) < 0.1
     assert torch.equal(pe(x[:40], ids[:40], w[:40]), small)  # 10 rows per expert: bf16
     with pytest.raises(ValueError, match="does not convert back"):

@@ -130,76 +130,24 @@ def test_align_converts_the_activations_in_the_same_launch() -> None:
     assert torch.equal(rows.sort().values, r2.sort().values)
 
 
-@pytest.mark.parametrize(("fp4", "bm"), [(False, 16), (False, 64), (True, 16)])
-def test_moe_fp8_activations(fp4: bool, bm: int) -> None:
-    """fp8 activations (per row and 32 columns) against the reference with the same rounding,
-    and the rounding itself: small but nonzero against bf16 activations. Quantized once in
-    their own launches (``prequant``) they round the same: the in-loop result up to the
-    order of accumulation."""
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(T, D, generator=g).bfloat16()
-    ids, w = _routing(g, T, E)
-    if fp4:
-        experts = _fp4_experts(g)
-        ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT, act_fp8=True)
-        plain = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT)
-        run = lambda **kw: moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, block_m=bm, **kw)  # noqa: E731
-    else:
-        experts = _fp8_experts(g, (32, 32))
-        ref = moe_ref.moe_fp8_ref(x.double(), ids, w.double(), *experts, (32, 32), LIMIT,
-                                  act_fp8=True)
-        plain = moe_ref.moe_fp8_ref(x.double(), ids, w.double(), *experts, (32, 32), LIMIT)
-        run = lambda **kw: moe.moe_fp8_triton(x, ids, w, *experts, (32, 32), LIMIT, block_m=bm,  # noqa: E731
-                                              **kw)  # fmt: skip
-    out = run(act_fp8=True)
-    # A group's scale follows its largest |h|, which fp32 vs fp64 accumulation can round to
-    # a different bf16: whole groups then requantize differently. So: close to the reference
-    # with the same rounding, and clearly closer to it than to bf16 activations.
-    assert rel(out, ref) < 5e-2
-    assert rel(out, ref) < 0.6 * rel(out, plain)
-    assert rel(run(act_fp8=True, prequant=True), out) < 1e-3
-    with pytest.raises(ValueError, match="prequant needs act_fp8"):
-        run(prequant=True)
-
-
-def test_fake_quant_act_groups() -> None:
-    x = torch.tensor([[448.0, -1.0] + [0.0] * 30, [0.0] * 32]).repeat(1, 2)
-    q = moe_ref.fake_quant_act(x)
-    assert torch.equal(q, x)  # exactly representable after scaling by amax/448 = 1
-    y = torch.randn(4, 64) * torch.logspace(-6, 6, 64)  # every group has its own scale
-    err = (moe_ref.fake_quant_act(y) - y).abs()
-    amax = y.abs().unflatten(-1, (-1, 32)).amax(-1).repeat_interleave(32, -1)
-    # e4m3: 3 mantissa bits; values under 2^-6 of the group's amax go subnormal
-    assert bool((err <= torch.maximum(y.abs() * 2**-4, amax * 2**-9 / 448 * 2**-1 * 2)).all())
-
-
 def test_decode_tiles_take_256_wide_k_blocks() -> None:
     """V4.1-Flash decode shapes (1 token, 48 of 384 experts local): 256-wide K blocks with
-    the split-K of the H200 tile sweep; fp8 activations keep 128."""
+    the split-K of the H200 tile sweep."""
     t = moe_tiles.pick_tiles(6, 48, 384, 5120, 2304, 32, 132)
     assert t.bm == 16
     assert t.gate_up == GemmTiles(64, 256, 8, 4, 3)
     assert t.down == GemmTiles(64, 256, 4, 4, 3)
-    assert moe_tiles.pick_tiles(6, 48, 384, 5120, 2304, 32, 132, act_fp8=True).gate_up.bk == 128
 
 
 def test_prefill_tiles() -> None:
     """V4.1-Flash prefill (4096 tokens, all 48 experts local, ~512 rows each), the picks of
     the H200 prefill sweep: bf16 fp8 weights BM 64 x BN 128 x BK 64; fp4 pairs BK 128, three
-    stages; pre-quantized fp8 activations 4-warp tiles (two CTAs per SM), in-loop ones BM 128."""
+    stages."""
     args = (4096 * 6, 48, 48, 5120, 2304, 32, 132)
     t = moe_tiles.pick_tiles(*args)
     assert t.bm == 64 and t.gate_up == t.down == GemmTiles(128, 64, 1, 4, 4)
     t = moe_tiles.pick_tiles(*args, pairs=True)
     assert t.bm == 64 and t.gate_up == t.down == GemmTiles(128, 128, 1, 4, 3)
-    t = moe_tiles.pick_tiles(*args, act_fp8=True, prequant=True)
-    assert t.bm == 64
-    assert (t.gate_up, t.down) == (
-        GemmTiles(64, 128, 1, 4, 3),
-        GemmTiles(128, 128, 1, 4, 3),
-    )
-    t = moe_tiles.pick_tiles(*args, act_fp8=True)
-    assert t.bm == 128 and t.gate_up == GemmTiles(64, 128, 1, 8, 3)
 
 
 @pytest.mark.parametrize("fp4", [False, True])
@@ -239,23 +187,20 @@ def test_fp4_pairs_layout() -> None:
     assert torch.equal(vals * scale, quant.dequantize_fp4(p, s, torch.float32))
 
 
-@pytest.mark.parametrize(
-    ("bm", "act_fp8", "prequant"), [(16, False, False), (64, False, False), (16, True, False),
-                                    (64, True, True)]
-)  # fmt: skip
-def test_moe_fp4_pairs(bm: int, act_fp8: bool, prequant: bool) -> None:
+@pytest.mark.parametrize("bm", [16, 64])
+def test_moe_fp4_pairs(bm: int) -> None:
     """Experts in the pairs layout give the MX layout's result on every path (bf16 MMA with
-    scales on the partial or on the weights, fp8 activations in the loop or pre-quantized),
-    W2 as two row sets per tile; and the nibbles' rows matter."""
+    scales on the partial or on the weights), W2 as two row sets per tile; and the nibbles'
+    rows matter."""
     g = torch.Generator().manual_seed(14)
     w13, s13, w2, s2 = _fp4_experts(g)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g, T, E)
-    ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT, act_fp8=act_fp8)
+    ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT)
     p13, p2 = moe_formats.fp4_to_pairs(w13), moe_formats.fp4_to_pairs(w2)
-    kw = dict(block_m=bm, split_k=2, act_fp8=act_fp8, prequant=prequant, pairs=True)
+    kw = dict(block_m=bm, split_k=2, pairs=True)
     out = moe.moe_fp4_triton(x, ids, w, p13, s13, p2, s2, LIMIT, **kw)
-    assert rel(out, ref) < (5e-2 if act_fp8 else 1e-2)
+    assert rel(out, ref) < 1e-2
     swap = (p2.view(torch.uint8) >> 4 | p2.view(torch.uint8) << 4).view(torch.int8)
     wrong = moe.moe_fp4_triton(x, ids, w, p13, s13, swap, s2, LIMIT, **kw)
     assert rel(wrong, ref) > 0.3
@@ -289,12 +234,12 @@ def test_moe_fp4_pairs_several_blocks(f16: bool) -> None:
         moe_formats.fp4_to_pairs(q13[:, :3])
 
 
-def test_quant_act_matches_fake_quant() -> None:
+def test_quant_rows_matches_fake_quant() -> None:
+    """The fp8 rows layout's activation quantizer rounds as the reference: one scale per row."""
     g = torch.Generator().manual_seed(19)
     x = (torch.randn(40, 96, generator=g) * torch.logspace(-3, 3, 96)).bfloat16()
-    q, sc = moe_align._quant_act(x, 32)
-    deq = (q.unflatten(-1, (3, 32)) * sc[..., None]).flatten(-2)
-    torch.testing.assert_close(deq, moe_ref.fake_quant_act(x.float()), rtol=0, atol=0)
+    q, sc = moe_align._quant_rows(x)
+    torch.testing.assert_close(q * sc, moe_ref.fake_quant_act(x.float()), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
