@@ -283,13 +283,6 @@ def engram_sweep(tokens: list[int], recs: list[dict]) -> list[str]:
             )
             recs.append(record("engram.lookup", val, "us", {"tokens": t, "table": name}))
             lines.append(f"engram     T={t:5d} {name:9s} {val:9.1f} us")
-        val = _us(
-            _rotating(lambda r: engram.engram_gather_host(host, r, hscale, torch.bfloat16), rows),
-            30,
-            False,
-        )
-        recs.append(record("engram.lookup", val, "us", {"tokens": t, "table": "host_copy"}))
-        lines.append(f"engram     T={t:5d} host_copy {val:9.1f} us")
     return lines
 
 

@@ -58,9 +58,7 @@ def hc_expand_ref(
     return (upd + mixed).to(out.dtype)
 
 
-hc_mix = hc_mix_ref
 hc_collapse = hc_collapse_ref
-hc_expand = hc_expand_ref
 
 
 def hc_pre_ref(
@@ -96,7 +94,7 @@ def hc_post_pre_ref(
     rms_eps: float,
     pre_in: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``X' = hc_expand(out, x, post, comb)`` then :func:`hc_pre_ref` on X'.
+    """``X' = hc_expand_ref(out, x, post, comb)`` then :func:`hc_pre_ref` on X'.
 
     -> (X', normed, post', comb', pre')."""
     x_new = hc_expand_ref(out, x, post, comb)

@@ -8,15 +8,9 @@ from pathlib import Path
 
 import torch
 
+from app.model.checkpoint import Checkpoint, ExpertPacking, plan_loads, plan_packing
 from app.model.config import ModelConfig
-from app.model.loader import (
-    ExpertPacking,
-    _Checkpoint,
-    _empty_model,
-    _plan,
-    _plan_packing,
-    tensor_specs,
-)
+from app.model.loader import _empty_model, tensor_specs
 
 
 def expert_packing(
@@ -27,6 +21,6 @@ def expert_packing(
     cfg = ModelConfig.from_file(path)
     specs = tensor_specs(_empty_model(path, cfg, kv_quant=False))
     with contextlib.ExitStack() as stack:
-        ckpt = _Checkpoint(Path(path), stack)
-        loads = _plan(ckpt, specs, cfg, torch.float32)
-        return _plan_packing(ckpt, loads, packed_experts, torch.device(device))
+        ckpt = Checkpoint(Path(path), stack)
+        loads = plan_loads(ckpt, specs, cfg, torch.float32)
+        return plan_packing(ckpt, loads, packed_experts, torch.device(device))

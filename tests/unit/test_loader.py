@@ -11,14 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from app.model.checkpoint import INDEX_FILE, CheckpointError, checkpoint_quant_kind, scale_name
 from app.model.config import ConfigError, ModelConfig
-from app.model.loader import (
-    INDEX_FILE,
-    CheckpointError,
-    checkpoint_quant_kind,
-    load_model,
-    scale_name,
-)
+from app.model.loader import load_model
 from app.model.tiny import make_tiny_checkpoint
 from app.model.tiny_config import tiny_config_v4
 from kernels.quant import (

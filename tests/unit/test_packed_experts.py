@@ -22,12 +22,8 @@ from safetensors.torch import load_file, save_file
 from app.config import EngineConfig, EngineConfigError
 from app.engine.llm import LLM
 from app.engine.request import SamplingParams
-from app.model.loader import (
-    INDEX_FILE,
-    CheckpointError,
-    load_model,
-    scale_name,
-)
+from app.model.checkpoint import INDEX_FILE, CheckpointError, scale_name
+from app.model.loader import load_model
 from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts
 from kernels.moe_formats import fp4_to_pairs
@@ -275,7 +271,7 @@ def test_unquantized_experts(tiny_ckpt, tmp_path: Path, caplog) -> None:
     msg = str(e.value)
     assert "packed_experts" in msg and "layers.0.ffn.experts" in msg and "mtp.2.ffn.experts" in msg
     assert "unquantized (BF16)" in msg
-    with caplog.at_level(logging.INFO, logger="app.model.loader"):
+    with caplog.at_level(logging.INFO, logger="app.model.checkpoint"):
         assert expert_packing(path, device="cuda") == {}  # auto falls back
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert isinstance(load_model(path).layers[0].ffn.experts, torch.nn.ModuleList)
@@ -288,7 +284,7 @@ def test_fp8_block_the_kernels_cannot_take(tiny_ckpt, caplog) -> None:
     msg = str(e.value)
     assert "layers.0.ffn.experts" in msg and "mtp.0.ffn.experts" in msg
     assert "expert width 32 is not a multiple of the fp8 block rows 128" in msg
-    with caplog.at_level(logging.WARNING, logger="app.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="app.model.checkpoint"):
         assert expert_packing(path, device="cuda") == {}  # auto: dequantized, with a warning
     assert any("cannot be packed" in r.getMessage() for r in caplog.records)
     load_model(path)  # still loads dequantized
