@@ -7,7 +7,7 @@ window-KV write (fp8 pack + store into the ring) and the shared expert (W1/W3, S
 
 Run as a file, it imports ``kernels`` / ``app`` from PYTHONPATH first, so the same script
 times an older checkout (``PYTHONPATH=/old/tree python bench/decode_plumbing.py --label
-before``) beside the current one in the same device session. Each op is checked against its
+before``) beside the current one on the same machine. Each op is checked against its
 torch reference before it is timed. Floor: the op's bytes at the measured copy rate.
 """
 
