@@ -1,5 +1,5 @@
 """Decode attention launch sweep on one GPU: KV splits x (heads per program, keys per step,
-warps, pipeline stages) at batch >= 32. Used to set ``kernels.attention`` autotune configs and
+warps, pipeline stages) at batch >= 32. Used to set ``kernels.attention_tl`` autotune configs and
 ``default_splits``; every row is a median time against the bytes floor. ``--ws`` sweeps the
 warp-specialized kernel's launches instead (keys per ring stage, stages, producer /
 consumer registers), CUDA-graph replays.
@@ -24,7 +24,7 @@ from bench.kernels_attention import (
     rotating,
     triton_attention,
 )
-from kernels import attention as attn
+from kernels import attention_tl as attn_tl
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages)
 LAUNCHES = [
@@ -33,7 +33,7 @@ LAUNCHES = [
     (16, 64, 4, 3), (16, 16, 4, 4), (16, 32, 4, 3), (16, 32, 4, 2),
 ]  # fmt: skip
 QUICK = [(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-         for c in attn._attn_configs()]  # fmt: skip
+         for c in attn_tl._attn_configs()]  # fmt: skip
 # warp-specialized: (block_n, stages, p_regs, c_regs); 3 * 168 - p - c registers go to
 # consumer 0, the default partition
 WS_LAUNCHES = [(32, 2, 96, 208), (32, 3, 96, 208), (16, 4, 96, 208), (32, 2, 112, 200)]

@@ -92,43 +92,39 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: i
             f"loop LDL/STL {loop_ldst} loop instrs {loop_n}")  # fmt: skip
 
 
-def _moe_line(fp4: bool, pairs: bool, act8: bool, aq: bool, f16: bool, gated: bool,
-              fuse: bool, tile: tuple[int, ...], rows_gk: int = 0) -> str:  # fmt: skip
+def _moe_line(fp4: bool, pairs: bool, f16: bool, gated: bool, fuse: bool,
+              tile: tuple[int, ...], rows: bool = False, act8: bool = False) -> str:  # fmt: skip
     """One ``_moe_gemm`` variant compiled as a launch specializes it (16-byte divisibility of
     pointers, strides and sizes; e8m0 scales, read as int32 words when BK allows). ``pairs``
     (fp4 in the pairs layout): every tile computes two row sets, W1|W3 or W2's two halves
-    of d, so its W2 line covers twice the weights of the other layouts' W2 line.
-    ``rows_gk`` > 0: fp8 weights in the rows layout (fp32 scale per row) with MMA groups of
-    that many columns; -1: the rows layout with one activation scale per row (no groups)."""
-    import kernels.moe as m
+    of d, so its W2 line covers twice the weights of the other layouts' W2 line. ``rows``:
+    fp8 weights in the rows layout (fp32 scale per row), with ``act8`` its fp8 activations
+    (one scale per row, pre-quantized)."""
+    import kernels.moe_grouped as m
 
     bm, bn, bk, w, st = tile
-    rows = rows_gk != 0  # -1: rows layout with one activation scale per row (A_Q 2)
     words = bk % 128 == 0 and not rows
     t = {n: "i32" for n in m._moe_gemm.arg_names}
     t.update(rows_ptr="*i32", tile_e_ptr="*i32", sa_ptr="*fp32", limit="fp32",
              w_ptr="*i8" if fp4 else "*fp8e4nv",
              s_ptr="*fp32" if rows else "*i32" if words else "*u8",
              out_ptr=("*fp16" if f16 else "*bf16") if fuse else "*fp32",
-             a_ptr="*fp8e4nv" if aq else "*fp16" if f16 else "*bf16")  # fmt: skip
+             a_ptr="*fp8e4nv" if act8 else "*fp16" if f16 else "*bf16")  # fmt: skip
     consts = dict(A_GATHER=gated, GATED=gated or pairs, FUSE_SWIGLU=fuse, FP4=fp4, PAIRS=pairs,
                   USE_ASM=True, SCALE_E8M0=not rows, SCALE_WORDS=words,
                   SB_N=1 if fp4 or rows else 32, SB_K=0 if rows else 32, HAS_LIMIT=True,
-                  CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk, A_FP8=act8, A_Q=aq, F16=f16,
-                  GK=bk if rows_gk < 0 else rows_gk if rows else min(32, bk))  # fmt: skip
-    if rows_gk < 0:
-        consts["A_Q"] = 2
+                  CDT=tl.bfloat16, BM=bm, BN=bn, BK=bk, A_FP8=act8, F16=f16,
+                  GK=bk if rows else min(32, bk))  # fmt: skip
     aligned = tuple(n for n in m._moe_gemm.arg_names if n.endswith("_ptr")
                     or n in ("sam", "ssa", "swe", "swn", "sse", "ssn", "sos", "som", "N", "K",
                              "k_per_split"))  # fmt: skip
     try:
         rep = compile_one(m._moe_gemm, t, consts, w, st, aligned=aligned,
-                          name=f"moe_g{gated:d}_{bm}_{bn}_{bk}_{w}_{st}_gk{rows_gk}_a{act8:d}")
+                          name=f"moe_g{gated:d}_{bm}_{bn}_{bk}_{w}_{st}_r{rows:d}_a{act8:d}")
     except Exception as e:  # report and go on
         rep = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-    return (f"{'W13' if gated else 'W2 '} fp4={fp4:d} pairs={pairs:d} rows_gk={rows_gk} "
-            f"act8={act8:d} "
-            f"prequant={aq:d} f16={f16:d} fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} "
+    return (f"{'W13' if gated else 'W2 '} fp4={fp4:d} pairs={pairs:d} rows={rows:d} "
+            f"act8={act8:d} f16={f16:d} fuse={fuse:d} BM={bm} BN={bn} BK={bk} w={w} "
             f"st={st}: {rep}")  # fmt: skip
 
 
@@ -136,65 +132,57 @@ def moe() -> None:
     """The tiles ``pick_tiles`` takes for V4.1-Flash (d 5120, I 2304, 48 of 384 experts local):
     decode at 1 token, prefill at 4096 tokens on the local experts; fp8 / fp4 (MX and pairs
     layouts)."""
-    from kernels.moe import pick_tiles
+    from kernels.moe_tiles import pick_tiles
 
-    def tile(t: int, n_experts: int, gated: bool, act8: bool, pairs: bool,
-             aq: bool = False) -> tuple[int, ...]:  # fmt: skip
-        p = pick_tiles(t * 6, 48, n_experts, 5120, 2304, 32, 132, act8, pairs, aq)
+    def tile(t: int, n_experts: int, gated: bool, pairs: bool) -> tuple[int, ...]:
+        p = pick_tiles(t * 6, 48, n_experts, 5120, 2304, 32, 132, pairs=pairs)
         g = p.gate_up if gated else p.down
         return p.bm, g.bn, g.bk, g.warps, g.stages
 
     layouts = ((False, False), (True, False), (True, True))  # (fp4, pairs)
     for fp4, pairs in layouts:
         for gated in (True, False):
-            dec = tile(1, 384, gated, False, pairs)
-            print("decode", _moe_line(fp4, pairs, False, False, True, gated, gated, dec))
+            dec = tile(1, 384, gated, pairs)
+            print("decode", _moe_line(fp4, pairs, True, gated, gated, dec))
     for fp4, pairs in layouts:
-        for act8, aq in ((False, False), (True, False), (True, True)):
-            for gated in (True, False):
-                pre = tile(4096, 48, gated, act8, pairs, aq)
-                print("prefill", _moe_line(fp4, pairs, act8, aq, False, gated, gated, pre))
+        for gated in (True, False):
+            pre = tile(4096, 48, gated, pairs)
+            print("prefill", _moe_line(fp4, pairs, False, gated, gated, pre))
 
 
 def moe_rows() -> None:
-    """The fp8 rows layout (prefill): bf16 activations (no promotion) and fp8 activations
-    per 128 / 32 columns, at the tiles ``bench.moe_prefill --sweep`` times."""
+    """The fp8 rows layout (prefill): bf16 activations (fp16 MMA, no promotion) and fp8
+    activations with one scale per row, at the tiles ``bench.moe_prefill --sweep`` times."""
     from bench.moe_prefill import TILES
 
     for bm, bn1, bn2, bk, w, st in TILES:
-        for act8, gk in ((True, -1), (True, 128), (True, 32), (False, bk)):
+        for act8 in (True, False):
             for gated, bn in ((True, bn1), (False, bn2)):
-                if act8 and gk > bk:
-                    continue
                 tile = (bm, bn, bk, w, st)  # bf16 activations: fp16 MMA, as the runtime
-                print(_moe_line(False, False, act8, act8, not act8, gated, gated, tile, gk),
-                      flush=True)  # fmt: skip
+                print(_moe_line(False, False, not act8, gated, gated, tile, rows=True,
+                                act8=act8), flush=True)  # fmt: skip
 
 
 def moe_all() -> None:
     """A wider sweep: every path at several tile shapes, fused and split-K epilogues."""
-    # (fp4, pairs layout, fp8 activations, quantized before the GEMM, fp16 MMA at BM < 64)
-    for fp4, pairs, act8, aq, f16 in (
-        (False, False, False, False, True), (True, False, False, False, True),
-        (True, True, False, False, True), (False, False, False, False, False),
-        (True, False, False, False, False), (True, True, False, False, False),
-        (False, False, True, False, False), (True, False, True, False, False),
-        (True, True, True, False, False), (False, False, True, True, False),
-        (True, False, True, True, False), (True, True, True, True, False),
+    # (fp4, pairs layout, fp16 MMA at BM < 64)
+    for fp4, pairs, f16 in (
+        (False, False, True), (True, False, True), (True, True, True), (False, False, False),
+        (True, False, False), (True, True, False),
     ):  # fmt: skip
         for gated, fuse in ((True, True), (True, False), (False, False)):
             for tile in ((16, 64, 256, 4, 3), (16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
                          (128, 128, 128, 8, 3), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3),
                          (64, 128, 64, 4, 4)):  # fmt: skip
                 h16 = f16 and tile[0] < 64  # the fp16 MMA path runs at decode tile heights only
-                print(_moe_line(fp4, pairs, act8, aq, h16, gated, fuse, tile), flush=True)
+                print(_moe_line(fp4, pairs, h16, gated, fuse, tile), flush=True)
 
 
 def attention(shapes: tuple[tuple[int, int, int, int], ...] | None = None) -> None:
-    """The autotune configs of ``kernels.attention`` (or ``shapes``: (BLOCK_H, BLOCK_N,
+    """The autotune configs of ``kernels.attention_tl`` (or ``shapes``: (BLOCK_H, BLOCK_N,
     num_warps, num_stages) tuples), D 512 with RoPE as in decode: window and compressed rows
     in bf16, and in the released formats (fp8 window + e8m0, nvfp4 entries + e4m3)."""
-    import kernels.attention as a
+    import kernels.attention_tl as a
 
     fn = a._sparse_attn_kernel.fn
     types = {n: "i32" for n in fn.arg_names}
@@ -256,30 +244,28 @@ def attention_ws() -> None:
     227 KB limit, the partitions' register counts (``setmaxnreg`` values, SASS), and local
     memory ops in the consumers' main loops and in the producer's whole region (the
     epilogue's sin/cos range reduction uses a stack frame too, outside those loops), and
-    LDL/STL in the whole kernel. ``attention-ws seesaw``: the seesaw consumers."""
+    LDL/STL in the whole kernel."""
     from bench.attention_sweep import WS_LAUNCHES
     from kernels import attention_ws as w
 
-    seesaw = "seesaw" in sys.argv[2:]
     fn = w._attn_ws_kernel
     base = {n: "i32" for n in fn.arg_names}
     base.update(q_ptr="*bf16", idx_ptr="*i64", idx2_ptr="*i64", sink_ptr="*fp32",
                 ang_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ml_ptr="*fp32",
                 scale_log2="fp32")  # fmt: skip
-    kinds = {"packed": (1, 2, 2, "*fp8e4nv", "*u8", "*u8", "*fp8e4nv"),
-             "fp8": (1, 0, 1, "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"),
-             "bf16": (0, 0, 0, "*bf16", "*fp32", "*bf16", "*fp32")}  # fmt: skip
+    kinds = {"packed": (1, True, 2, "*fp8e4nv", "*u8", "*u8", "*fp8e4nv"),
+             "fp8": (1, False, 1, "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"),
+             "bf16": (0, False, 0, "*bf16", "*fp32", "*bf16", "*fp32")}  # fmt: skip
     aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("s_")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     for kind, (f1, e8, f2, kv, sc, kv2, sc2) in kinds.items():
         for (bn, st, pr, cr), split1 in ((c, s1) for c in WS_LAUNCHES for s1 in (True, False)):
             types = dict(base, kv_ptr=kv, sc_ptr=sc, kv2_ptr=kv2, sc2_ptr=sc2)
-            consts = dict(D=512, R=64, FMT=f1, SC_E8=e8, FMT2=f2, SC2_E8=0, ROPE=True,
-                          SPLIT1=split1, BLOCK_N=bn, STAGES=st, P_REGS=pr, C_REGS=cr,
-                          SEESAW=seesaw)  # fmt: skip
+            consts = dict(D=512, R=64, FMT=f1, SC_E8=e8, FMT2=f2, SC2_E8=False, ROPE=True,
+                          SPLIT1=split1, BLOCK_N=bn, STAGES=st, P_REGS=pr, C_REGS=cr)
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             head = (f"attention-ws {kind:6} BN={bn} st={st} regs p/c={pr}/{cr} "
-                    f"split1={split1:d}{' seesaw' if seesaw else ''}")
+                    f"split1={split1:d}")
             try:
                 k, _, sass = _gluon_sass(fn, sig, consts, attrs, {"num_warps": 4, "maxnreg": 168})
             except Exception as e:
@@ -378,17 +364,15 @@ def dense_wg() -> None:
 
     fn = dw._dense_wg_kernel
     base = {n: "i32" for n in fn.arg_names}
-    base.update(x_ptr="*bf16", w_ptr="*u8", s_ptr="*i32", r_ptr="*i32", cnt_ptr="*i32",
-                fin_ptr="*bf16")  # fmt: skip
+    base.update(x_ptr="*bf16", w_ptr="*u8", s_ptr="*i32", r_ptr="*i32")
     aligned = [n for n in fn.arg_names if n.endswith("_ptr")
-               or n in ("sxm", "swn", "ssn", "sos", "som", "N", "K", "k_per_split", "sfm")]
+               or n in ("sxm", "swn", "ssn", "sos", "som", "N", "K", "k_per_split")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     for bt in dw.TOKEN_TILES:
         warps, st = dw.pick_launch(bt)
-        for out in ("*bf16", "*fp32", "*fp32 sum"):
-            consts = dict(BM=16 * warps, BT=bt, KB=dw.KB, STAGES=st, SB_N=32, WARPS=warps,
-                          REDUCE=out.endswith("sum"))  # fmt: skip
-            types = dict(base, out_ptr=out.split()[0])
+        for out in ("*bf16", "*fp32"):
+            consts = dict(BM=16 * warps, BT=bt, KB=dw.KB, STAGES=st, SB_N=32, WARPS=warps)
+            types = dict(base, out_ptr=out)
             sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
             _loop_report(f"dense-wg BT={bt:3d} warps={warps} stages={st} out={out[1:]}", fn,
                          sig, consts, attrs, warps,
@@ -396,17 +380,19 @@ def dense_wg() -> None:
 
 
 def indexer() -> None:
-    import kernels.indexer as ix
+    """The indexer's top-k over long rows when the grid select does not take them
+    (``kernels.topk``: prefix histograms -> candidate list -> ranks -> sorted ids)."""
+    import kernels.topk as tk
 
     ptrs = dict(s_ptr="*fp32", hist_ptr="*i32", cnt_ptr="*i32", lv_ptr="*fp32", li_ptr="*i32",
                 slot_ptr="*i32", out_ptr="*i64")  # fmt: skip
     cap, kk_p2 = 4096, 512
     cases = (
-        (ix._prefix_hist_kernel, dict(LEVEL=0, CHUNK=ix._PREFIX_CHUNK), 4),
-        (ix._prefix_hist_kernel, dict(LEVEL=1, CHUNK=ix._PREFIX_CHUNK), 4),
-        (ix._prefix_gather_kernel, dict(CHUNK=ix._PREFIX_CHUNK), 4),
-        (ix._list_rank_kernel, dict(CAP=cap, KK_P2=kk_p2, BI=ix._RANK_BI, BJ=ix._RANK_BJ), 4),
-        (ix._slot_sort_kernel, dict(CAP=cap, KK_P2=kk_p2), 4),
+        (tk._prefix_hist_kernel, dict(LEVEL=0, CHUNK=tk._PREFIX_CHUNK), 4),
+        (tk._prefix_hist_kernel, dict(LEVEL=1, CHUNK=tk._PREFIX_CHUNK), 4),
+        (tk._prefix_gather_kernel, dict(CHUNK=tk._PREFIX_CHUNK), 4),
+        (tk._list_rank_kernel, dict(CAP=cap, KK_P2=kk_p2, BI=tk._RANK_BI, BJ=tk._RANK_BJ), 4),
+        (tk._slot_sort_kernel, dict(CAP=cap, KK_P2=kk_p2), 4),
     )
     for fn, consts, w in cases:
         types = {n: ptrs.get(n, "i32") for n in fn.arg_names}

@@ -51,24 +51,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def mhc_case(t: int, g: torch.Generator, form: str = "auto") -> tuple[callable, float, float]:
+def mhc_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
     from kernels import mhc
 
-    if form != "auto":  # a pinned finish form (kernels.mhc.finish_choice) of this tree
-        if not hasattr(mhc, "finish_choice"):
-            return None, 0.0, 0.0
-        run = mhc.hc_post_pre_triton
-
-        def pinned_run(*a):
-            with mhc.finish_choice(form):
-                return run(*a)
-
-        return _mhc_timed(t, g, pinned_run)
     return _mhc_timed(t, g, mhc.hc_post_pre_triton)
 
 
 def _mhc_timed(t: int, g: torch.Generator, run) -> tuple[callable, float, float]:
-    from kernels import mhc
+    from kernels import mhc_ref
 
     dev = "cuda"
     x = torch.randn(t, N, D, device=dev, generator=g).bfloat16()
@@ -82,7 +72,7 @@ def _mhc_timed(t: int, g: torch.Generator, run) -> tuple[callable, float, float]
     eps = (20, 1e-6, 1e-6, 1e-6)
     args = (out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
     got = run(*args)
-    ref = mhc.hc_post_pre_ref(*args)
+    ref = mhc_ref.hc_post_pre_ref(*args)
     err = max(_rel(got[0], ref[0]), _rel(got[1], ref[1]), _rel(got[3], ref[3]),
               _rel(got[4], ref[4]))  # fmt: skip
     byt = x.numel() * 2 * 2 + out.numel() * 2 + fn.numel() * 4 + t * D * 2
@@ -120,7 +110,7 @@ def kv_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
 
 def shared_case(t: int, g: torch.Generator) -> tuple[callable, float, float]:
     from app.model.moe import Expert
-    from kernels.moe import swiglu_clamp
+    from kernels.moe_ref import swiglu_clamp
 
     e = Expert(D, INTER, 10.0).cuda().bfloat16()
     for p in e.parameters():
@@ -139,13 +129,11 @@ DENSE = ((1280, D), (64 * 512, 1280), (512, D), (D, 8 * 1024), (2 * INTER, D), (
 
 def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, float]:
     """The layer's dense projections at t tokens: the checkpoint's e4m3 weights with 32 x 32
-    e8m0 blocks through ``fp8_linear``, planned as ``Fp8Linear`` plans them ("fp8": the
-    mma.sync decode kernel, up to 64 tokens; "fp8_wg": the wgmma kernel, sm_90; "fp8_auto":
-    the dispatch's choice; "fp8_auto_launch": the same with the K splits summed by a second
-    launch, the earlier path; "fp8_tl": the MegaMoE GEMM), or bf16 through
-    cuBLAS ("bf16", the peer). (None, 0, 0) where the pinned kernel does not take t tokens
-    or this tree lacks it."""
-    from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    e8m0 blocks through ``fp8_linear``, planned as ``Fp8Linear`` plans them ("fp8_auto": the
+    dispatch's kernel), or bf16 through cuBLAS ("bf16", the peer) or the plain projections'
+    decode kernel ("bf16_gemv", up to 16 tokens). (None, 0, 0) where that kernel does not
+    take t tokens."""
+    from kernels.linear import fp8_decode_plan, fp8_linear_ref
     from kernels.linear import fp8_linear_triton as fp8_linear
     from kernels.quant import dequantize_fp8_block, quantize_fp8_block
 
@@ -153,24 +141,8 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
     ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) / k**0.5, (32, 32))
           for n, k in DENSE]  # fmt: skip
     if fmt.startswith("fp8"):
-        kernel = {"fp8": "gluon", "fp8_wg": "wgmma", "fp8_auto": "auto", "fp8_tl": "tl",
-                  "fp8_auto_launch": "auto"}[fmt]  # fmt: skip
-        try:
-            with fp8_kernel_choice(kernel):
-                pass
-            from kernels.linear import split_sum_choice
-        except (ValueError, ImportError):  # an older tree without this kernel
-            return None, 0.0, 0.0
-        where = "launch" if fmt.endswith("_launch") else "auto"
-        if (kernel == "gluon" and t > 64) or (kernel == "wgmma" and t > 256):
-            return None, 0.0, 0.0
         plans = [fp8_decode_plan(q, s, (32, 32)) for q, s in ws]
-
-        def one(q, s, k, p):
-            with fp8_kernel_choice(kernel), split_sum_choice(where):
-                return fp8_linear(x[k], q, s, (32, 32), p)
-
-        calls = [(lambda q=q, s=s, k=k, p=p: one(q, s, k, p))
+        calls = [(lambda q=q, s=s, k=k, p=p: fp8_linear(x[k], q, s, (32, 32), p))
                  for (q, s), (_, k), p in zip(ws, DENSE, plans, strict=True)]  # fmt: skip
         err = max(_rel(c(), fp8_linear_ref(x[k].float(), q, s, (32, 32)))
                   for c, (q, s), (_, k) in zip(calls, ws, DENSE, strict=True))  # fmt: skip
@@ -199,15 +171,8 @@ def dense_case(t: int, g: torch.Generator, fmt: str) -> tuple[callable, float, f
     return run, err, byt
 
 
-CASES = {"mhc": mhc_case, "mhc_loop": lambda t, g: mhc_case(t, g, "loop"),
-         "mhc_tile": lambda t, g: mhc_case(t, g, "tile"),
-         "mhc_fused": lambda t, g: mhc_case(t, g, "fused"), "gate": gate_case,
-         "kv_write": kv_case, "shared_expert": shared_case,
-         "dense_fp8": lambda t, g: dense_case(t, g, "fp8"),
-         "dense_fp8_wg": lambda t, g: dense_case(t, g, "fp8_wg"),
+CASES = {"mhc": mhc_case, "gate": gate_case, "kv_write": kv_case, "shared_expert": shared_case,
          "dense_fp8_auto": lambda t, g: dense_case(t, g, "fp8_auto"),
-         "dense_fp8_tl": lambda t, g: dense_case(t, g, "fp8_tl"),
-         "dense_fp8_auto_launch": lambda t, g: dense_case(t, g, "fp8_auto_launch"),
          "dense_bf16": lambda t, g: dense_case(t, g, "bf16"),
          "dense_bf16_gemv": lambda t, g: dense_case(t, g, "bf16_gemv")}  # fmt: skip
 
@@ -383,7 +348,7 @@ def main() -> None:
             case = CASES[name]
             for t in (int(v) for v in args.tokens.split(",")):
                 fn, err, byt = case(t, g)
-                if fn is None:  # not in this tree
+                if fn is None:  # the case does not take t tokens
                     continue
                 us = _us(fn)
                 floor = byt / rate * 1e6

@@ -563,45 +563,8 @@ def main() -> None:
     ap.add_argument("--replay-only", action="store_true",
                     help="prefill: decoder replay on only (the engine's default)")
     ap.add_argument("--kv-gib", type=int, default=40, help="flash-rank KV pool size")
-    ap.add_argument("--attention", default="auto", choices=("auto", "ws", "tl"),
-                    help="decode attention kernel for the whole run (before / after A/B: "
-                         "tl = the portable kernel, ws = warp-specialized)")  # fmt: skip
-    ap.add_argument("--moe-decode", default="auto", choices=("auto", "tl"),
-                    help="decode MoE GEMMs of the decode part (before / after A/B: tl = "
-                         "_moe_gemm, auto = the Gluon decode kernel where it applies)")  # fmt: skip
-    ap.add_argument("--mhc-finish", default="auto", choices=("auto", "fused", "tile", "loop"),
-                    help="mHC form for the whole run (before / after A/B: fused = one "
-                         "launch, tile = two launches, the finish in one tile, at decode "
-                         "waves; loop = two passes over d; auto = fused up to 4 tokens, "
-                         "then tile)")  # fmt: skip
-    ap.add_argument("--dense-kernel", default="auto", choices=("auto", "gluon", "tl"),
-                    help="with --dense fp8: the projections' kernel at decode sizes (before / "
-                         "after A/B: tl = the MegaMoE GEMM, gluon = the mma.sync decode kernel, "
-                         "an error over 64 rows: keep --batches and --verify-batches at <= 64 "
-                         "rows; auto = the wgmma kernel from 17 rows on sm_90, else the decode "
-                         "kernel)")  # fmt: skip
-    ap.add_argument("--split-sum", default="auto", choices=("auto", "launch", "kernel"),
-                    help="with --dense fp8: where the Gluon kernels' K splits are summed "
-                         "(kernels.linear.split_sum_choice)")  # fmt: skip
-    ap.add_argument("--moe-route", default="auto", choices=("auto", "launch", "two"),
-                    help="the Gluon MoE decode layer at a few token slots (before / after A/B: "
-                         "launch = align + combine launches around the GEMMs, two = the two "
-                         "GEMM launches lay out and combine up to 64 slots; "
-                         "kernels.moe.route_choice)")  # fmt: skip
-    ap.add_argument("--dense-linear", default="auto", choices=("auto", "cublas"),
-                    help="the plain (bf16) projections at decode sizes (before / after A/B: "
-                         "cublas = nn.Linear's product, auto = kernels.linear's decode kernel "
-                         "up to 16 rows; kernels.linear.gemv_choice)")  # fmt: skip
     args = ap.parse_args()
-    from kernels.attention import kernel_choice
-    from kernels.linear import fp8_kernel_choice, gemv_choice, split_sum_choice
-    from kernels.mhc import finish_choice
-    from kernels.moe import route_choice
-
-    with (kernel_choice(args.attention), finish_choice(args.mhc_finish),
-          fp8_kernel_choice(args.dense_kernel), split_sum_choice(args.split_sum),
-          route_choice(args.moe_route), gemv_choice(args.dense_linear)):  # fmt: skip
-        _run(args)
+    _run(args)
 
 
 def _run(args) -> None:
@@ -617,14 +580,7 @@ def _run(args) -> None:
                record("ceiling.bf16_matmul", rate / 1e12, "TFLOP/s")]  # fmt: skip
     rank = Rank(max_seqs=256, kv_bytes=args.kv_gib << 30, ep=8, max_tokens=32768,
                 dense=args.dense)  # fmt: skip
-    def decodes() -> list[dict]:
-        from kernels.moe import decode_kernel_choice
-
-        with decode_kernel_choice(args.moe_decode):
-            return [dict(r, params={**r.get("params", {}), "moe_decode": args.moe_decode})
-                    for r in decode(rank, args, bw)]  # fmt: skip
-
-    parts = {"decode": decodes, "profile": lambda: profile(rank, args),
+    parts = {"decode": lambda: decode(rank, args, bw), "profile": lambda: profile(rank, args),
              "origins": lambda: origins(rank, args),
              "gap": lambda: [r for b in args.gap_batches.split(",")
                              for o in args.gap_overlap.split(",")
@@ -632,13 +588,7 @@ def _run(args) -> None:
              "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip
     for part, fn in parts.items():
         if part in what:
-            records += [dict(r, params={**r.get("params", {}), "attention": args.attention,
-                                        "mhc_finish": args.mhc_finish,
-                                        "dense_kernel": args.dense_kernel,
-                                        "split_sum": args.split_sum,
-                                        "moe_route": args.moe_route,
-                                        "dense_linear": args.dense_linear})
-                        for r in fn()]  # fmt: skip
+            records += fn()
             write("engine_steps", records, args.out)  # kept if a later part runs out of time
             gc.collect()
             torch.cuda.empty_cache()

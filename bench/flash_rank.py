@@ -140,8 +140,8 @@ def build_rank(
 
 def _fp8_dense(model: DeepseekModel) -> None:
     """The loader's ``packed_dense`` set of projections as Fp8Linear (quantized weights)."""
+    from app.model.checkpoint import _DENSE_PACKABLE
     from app.model.layers import Fp8Linear
-    from app.model.loader import _DENSE_PACKABLE
     from kernels.quant import quantize_fp8_block
 
     for name, mod in list(model.named_modules()):

@@ -33,6 +33,7 @@ from bench.kernels_attention import (
 )
 from kernels import compressor as cp
 from kernels import indexer as ix
+from kernels import topk as tk
 
 CALLS = 20
 
@@ -78,7 +79,7 @@ def topk_cases() -> list:
         q, k, w, vis = _idx_inputs(T, C, 0)
         s = ix.indexer_scores_triton(q, k, w, vis)
         out = torch.empty((T, TOP), device=s.device, dtype=torch.int64)
-        recs += case("topk", lambda s=s, out=out: ix.topk_triton(s, TOP, out=out),
+        recs += case("topk", lambda s=s, out=out: tk.topk_triton(s, TOP, out=out),
                      {"batch": T, "candidates": C, "k": TOP})  # fmt: skip
     return recs
 
@@ -114,7 +115,8 @@ def attention_cases() -> list:
 
 def moe_cases() -> list:
     from bench import kernels_moe as km
-    from kernels.moe import fp4_to_pairs, moe_fp4_triton, moe_fp8_triton
+    from kernels.moe import moe_fp4_triton, moe_fp8_triton
+    from kernels.moe_formats import fp4_to_pairs
 
     w13, s13, w2, s2, p13, q13, p2, q2 = km._experts("cuda")
     r13, r2 = fp4_to_pairs(p13), fp4_to_pairs(p2)

@@ -24,6 +24,7 @@ from bench.common import machine, record, write
 from kernels import attention as attn
 from kernels import compressor as cp
 from kernels import indexer as ix
+from kernels import topk as tk
 from kernels.kv_quant import pow2_ceil
 from kernels.rope import apply_rope_ref
 
@@ -242,10 +243,10 @@ def sweep_indexer(ceil: dict[str, float], batches: list[int], sizes: list[int]) 
         s = ix.indexer_scores_triton(*a)
         s_sets = rotating(lambda i, s=s: s.clone(), T * C * 4)
         us_s = bench_us(lambda nxt=nxt: ix.indexer_scores_triton(*nxt()))
-        us_k = bench_us(lambda s_sets=s_sets: ix.topk_triton(s_sets(), TOP))
-        us_k_graph = graph_us(lambda s_sets=s_sets: ix.topk_triton(s_sets(), TOP))
+        us_k = bench_us(lambda s_sets=s_sets: tk.topk_triton(s_sets(), TOP))
+        us_k_graph = graph_us(lambda s_sets=s_sets: tk.topk_triton(s_sets(), TOP))
         us_all = bench_us(lambda nxt=nxt: ix.indexer_topk_triton(*nxt(), TOP))
-        eager = _time_or_none(lambda a=a: ix.topk_ref(ix.indexer_scores_ref(*a), TOP))
+        eager = _time_or_none(lambda a=a: tk.topk_ref(ix.indexer_scores_ref(*a), TOP))
         flops = 2 * T * HI * DI * C
         f_s = max(score_bytes / bw, flops / fl) * 1e6
         f_k = T * C * 4 / bw * 1e6

@@ -16,17 +16,12 @@ import torch
 import triton.testing
 
 from bench.common import machine, record, write
-from kernels import engram, mhc
+from kernels import engram, mhc, mhc_ref
 from kernels.gate import moe_gate_ref, moe_gate_triton
-from kernels.moe import (
-    GemmTiles,
-    MoeTiles,
-    fp4_to_pairs,
-    moe_experts_ref,
-    moe_fp4_triton,
-    moe_fp8_triton,
-    pick_tiles,
-)
+from kernels.moe import moe_fp4_triton, moe_fp8_triton
+from kernels.moe_formats import fp4_to_pairs
+from kernels.moe_ref import moe_experts_ref
+from kernels.moe_tiles import GemmTiles, MoeTiles, pick_tiles
 from kernels.norm import rms_norm_ref
 from kernels.quant import dequantize_fp8_block
 
@@ -118,14 +113,8 @@ def moe_sweep(
             return moe_fp4_triton(s[0], s[1], s[2], r13, q13, r2, q2, 10.0, n_experts=n_all,
                                   pairs=True, **kw)  # fmt: skip
 
-        a8, pq = {"act_fp8": True}, {"act_fp8": True, "prequant": True}
         variants = (("moe.fp8", fp8, {}, fp8_bytes), ("moe.fp4", fp4, {}, fp4_bytes),
-                    ("moe.fp4.pairs", fp4p, {}, fp4_bytes),
-                    ("moe.fp8.act_fp8", fp8, a8, fp8_bytes),
-                    ("moe.fp4.act_fp8", fp4, a8, fp4_bytes),
-                    ("moe.fp8.act_fp8.prequant", fp8, pq, fp8_bytes),
-                    ("moe.fp4.act_fp8.prequant", fp4, pq, fp4_bytes),
-                    ("moe.fp4.pairs.act_fp8.prequant", fp4p, pq, fp4_bytes))  # fmt: skip
+                    ("moe.fp4.pairs", fp4p, {}, fp4_bytes))  # fmt: skip
         tref = _us(
             _rotating(lambda s: moe_experts_ref(s[0], s[1], s[2], w1l, w2l, w3l, 10.0), sets),
             30,
@@ -163,10 +152,9 @@ def moe_sweep(
     return lines
 
 
-def _tile_choices(t: int, act_fp8: bool, n_all: int, pairs: bool) -> list[MoeTiles]:
-    """The heuristic's pick and neighbours (BM, BN, BK, split, warps, stages); fp8
-    activations are pre-quantized (as :func:`tile_sweep` runs them)."""
-    base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, act_fp8, pairs, act_fp8)
+def _tile_choices(t: int, n_all: int, pairs: bool) -> list[MoeTiles]:
+    """The heuristic's pick and neighbours (BM, BN, BK, split, warps, stages)."""
+    base = pick_tiles(t * TOPK, E_LOCAL, n_all, D, INTER, 32, 132, pairs=pairs)
     out = [base]
     if base.bm <= 32:
         for bn, bk, w, st in ((64, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3)):
@@ -183,14 +171,14 @@ def _tile_choices(t: int, act_fp8: bool, n_all: int, pairs: bool) -> list[MoeTil
     return out
 
 
-def tile_sweep(cases: list[tuple[int, bool, bool]], formats: tuple[str, ...]) -> None:
-    """Time tile choices around the heuristic for (tokens, all_local, act_fp8) cases (fp8, fp4
-    and fp4 in the pairs layout; fp8 activations pre-quantized, as prefill would run them);
-    the first row of each format is its pick. Prints each row as it is measured."""
+def tile_sweep(cases: list[tuple[int, bool]], formats: tuple[str, ...]) -> None:
+    """Time tile choices around the heuristic for (tokens, all_local) cases (fp8, fp4 and fp4
+    in the pairs layout); the first row of each format is its pick. Prints each row as it
+    is measured."""
     dev = "cuda"
     w13, s13, w2, s2, p13, q13, p2, q2 = _experts(dev)
     r13, r2 = fp4_to_pairs(p13), fp4_to_pairs(p2)
-    for t, all_local, act8 in cases:
+    for t, all_local in cases:
         n_all = E_LOCAL if all_local else E_ALL
         sets = []
         for _ in range(4):
@@ -198,18 +186,17 @@ def tile_sweep(cases: list[tuple[int, bool, bool]], formats: tuple[str, ...]) ->
             ids[0, 0] = torch.where((ids[0] < E_LOCAL).any(), ids[0, 0], 0)
             sets.append((torch.randn(t, D, device=dev).bfloat16(), ids,
                          torch.rand(t, TOPK, device=dev)))  # fmt: skip
-        kw = {"act_fp8": act8, "prequant": act8}
         for name, fn in (
-            ("fp8", lambda s, tl_, kw=kw: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2,
-                                                         (32, 32), 10.0, tiles=tl_, **kw)),
-            ("fp4", lambda s, tl_, kw=kw: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2,
-                                                         10.0, tiles=tl_, **kw)),
-            ("fp4p", lambda s, tl_, kw=kw: moe_fp4_triton(s[0], s[1], s[2], r13, q13, r2, q2,
-                                                          10.0, tiles=tl_, pairs=True, **kw)),
+            ("fp8", lambda s, tl_: moe_fp8_triton(s[0], s[1], s[2], w13, s13, w2, s2,
+                                                  (32, 32), 10.0, tiles=tl_)),
+            ("fp4", lambda s, tl_: moe_fp4_triton(s[0], s[1], s[2], p13, q13, p2, q2, 10.0,
+                                                  tiles=tl_)),
+            ("fp4p", lambda s, tl_: moe_fp4_triton(s[0], s[1], s[2], r13, q13, r2, q2, 10.0,
+                                                   tiles=tl_, pairs=True)),
         ):  # fmt: skip
             if name not in formats:
                 continue
-            for i, tiles in enumerate(_tile_choices(t, act8, n_all, name == "fp4p")):
+            for i, tiles in enumerate(_tile_choices(t, n_all, name == "fp4p")):
                 try:
                     us = _us(_rotating(lambda s, fn=fn, tiles=tiles: fn(s, tiles), sets))
                 except Exception as e:  # resources exceeded for this tile shape
@@ -217,7 +204,7 @@ def tile_sweep(cases: list[tuple[int, bool, bool]], formats: tuple[str, ...]) ->
                     print(f"  ({type(e).__name__}: {str(e)[:80]})")
                 g1, g2 = tiles.gate_up, tiles.down
                 print(
-                    f"tiles {name:4s} act8={act8:d} T={t:5d}{' local' if all_local else '      '} "
+                    f"tiles {name:4s} T={t:5d}{' local' if all_local else '      '} "
                     f"{'pick' if i == 0 else '    '} bm={tiles.bm:3d} "
                     f"up=({g1.bn},{g1.bk},s{g1.split},w{g1.warps},st{g1.stages}) "
                     f"down=({g2.bn},{g2.bk},s{g2.split},w{g2.warps},st{g2.stages}) {us:9.1f} us",
@@ -254,8 +241,8 @@ def mhc_sweep(tokens: list[int], ceil: dict[str, float], recs: list[dict]) -> li
     eps = (20, 1e-6, 1e-6, 1e-6)
 
     def unfused(x: torch.Tensor) -> torch.Tensor:
-        pre, post, comb = mhc.hc_mix_ref(x, fn, base, scale, *eps[:3])
-        return rms_norm_ref(mhc.hc_collapse_ref(x, pre), nw, eps[3])
+        pre, post, comb = mhc_ref.hc_mix_ref(x, fn, base, scale, *eps[:3])
+        return rms_norm_ref(mhc_ref.hc_collapse_ref(x, pre), nw, eps[3])
 
     lines = []
     for t in tokens:
@@ -296,13 +283,6 @@ def engram_sweep(tokens: list[int], recs: list[dict]) -> list[str]:
             )
             recs.append(record("engram.lookup", val, "us", {"tokens": t, "table": name}))
             lines.append(f"engram     T={t:5d} {name:9s} {val:9.1f} us")
-        val = _us(
-            _rotating(lambda r: engram.engram_gather_host(host, r, hscale, torch.bfloat16), rows),
-            30,
-            False,
-        )
-        recs.append(record("engram.lookup", val, "us", {"tokens": t, "table": "host_copy"}))
-        lines.append(f"engram     T={t:5d} host_copy {val:9.1f} us")
     return lines
 
 
@@ -313,8 +293,8 @@ def main() -> None:
                     help="only the MoE tile sweep")  # fmt: skip
     args = ap.parse_args()
     if args.tiles:
-        decode = [(1, False, False), (64, False, False)]
-        prefill = [(4096, True, True), (4096, True, False)]  # all local: ~512 rows per expert
+        decode = [(1, False), (64, False)]
+        prefill = [(4096, True)]  # all local: ~512 rows per expert
         cases = {"decode": decode, "prefill": prefill, "all": decode + prefill}[args.tiles]
         # the MX fp4 layout runs only where the pairs layout cannot (d % 64 != 0)
         tile_sweep(cases, ("fp8", "fp4", "fp4p") if args.tiles == "decode" else ("fp8", "fp4p"))

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from bench.common import record, write
 from bench.kernels_attention import bench_us, graph_us, rotating
-from kernels import indexer as ix
+from kernels import topk as tk
 from kernels import topk_grid as tg
 
 DEV = "cuda"
@@ -59,7 +59,7 @@ def _paths(T: int, k: int, s_cols) -> dict[str, Any]:
 
     def coarse(s):
         out = torch.empty((s.shape[0], k), device=DEV, dtype=torch.int64)
-        return ix._topk_coarse(s, k, out)
+        return tk._topk_coarse(s, k, out)
 
     def grid(block: int, warps: int, fused: bool = True, stop=None, cap: int = tg._CAP):
         def run(s, ends=None):
@@ -73,7 +73,7 @@ def _paths(T: int, k: int, s_cols) -> dict[str, Any]:
         "coarse (previous)": coarse,
         "torch.topk + sort": lambda s: _torch_topk(s, k),
     }
-    paths["dispatch (topk_triton)"] = lambda s: ix.topk_triton(s, k)
+    paths["dispatch (topk_triton)"] = lambda s: tk.topk_triton(s, k)
     for block, warps in ((1024, 4), (2048, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16)):
         if T * triton.cdiv(s_cols(), block) <= sms:
             paths[f"grid fused b{block} w{warps}"] = grid(block, warps)
@@ -120,7 +120,7 @@ def main() -> None:
                     nxt = rotating(lambda i, T=T, C=C, kind=kind: _scores(T, C, i, kind),
                                    T * C * 4)  # fmt: skip
                     s0 = nxt()
-                    ref = ix.topk_ref(s0, k)
+                    ref = tk.topk_ref(s0, k)
                     floor = T * C * 4 / bw * 1e6
                     for name, fn in _paths(T, k, lambda C=C: C).items():
                         ok, ends = None, None

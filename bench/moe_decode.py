@@ -1,5 +1,5 @@
 """MoE decode on one GPU: the Gluon decode GEMMs (``kernels.moe_decode``) against the
-previous Fathom paths and torch's grouped GEMMs, in one run.
+portable Fathom paths and torch's grouped GEMMs, in one run.
 
     python -m bench.moe_decode [--tokens 1,8,64,512] [--stages 3,4] [--out DIR]
 
@@ -9,11 +9,11 @@ decode), random fp4 experts with e8m0 scales over four binades (the fixture of
 Every Fathom row is the whole layer (align, activation conversion, both GEMMs, split-K
 reduce, combine), checked against the fp32 torch reference before it is timed:
 
-- ``gluon``: fp4 pairs through ``kernels.moe_decode`` (the decode kernel; up to
+- ``gluon``: fp4 pairs through ``kernels.moe_decode`` (the layer's decode path; up to
   ``kernels.moe.FUSED_SLOTS`` token slots two launches: W13 lays out its own tiles, W2
   combines)
-- ``gluon.four_launches``: the same GEMMs with the align and combine launches around them
-- ``tl.pairs``: fp4 pairs through ``_moe_gemm`` (the previous path)
+- ``tl.pairs``: fp4 pairs through ``_moe_gemm`` (what experts without exact row
+  references take)
 - ``tl.fp8_rows``: the same weights re-encoded as e4m3 rows (twice the bytes)
 - ``gluon.gemms``: the two decode GEMM launches alone, on pre-aligned inputs
 - peer ``torch._scaled_grouped_mm`` rowwise on the fp8 rows copy (its two GEMM launches
@@ -35,15 +35,10 @@ from bench.common import machine, record, write
 from bench.kernels_moe import _rotating, _us, ceilings
 from bench.moe_prefill import _experts, _grouped_peers, _inputs
 from kernels import moe_decode
-from kernels.moe import (
-    _align,
-    _local_load,
-    moe_fp4_ref,
-    moe_fp4_triton,
-    moe_fp8_rows_triton,
-    route_choice,
-    rows_per_expert,
-)
+from kernels.moe import moe_fp4_triton, moe_fp8_rows_triton
+from kernels.moe_align import _align
+from kernels.moe_ref import moe_fp4_ref
+from kernels.moe_tiles import _local_load, rows_per_expert
 
 D, INTER, E_LOCAL, E_ALL, TOPK, LIMIT = 5120, 2304, 48, 384, 6, 10.0
 FP4_BYTES = 3 * INTER * D * (0.5 + 1 / 32)  # one expert: W1, W3, W2 codes + e8m0 scales
@@ -51,8 +46,8 @@ FP4_BYTES = 3 * INTER * D * (0.5 + 1 / 32)  # one expert: W1, W3, W2 codes + e8m
 
 def _gemms_only(ex: dict[str, Any], refs: tuple, sets: list, **launch: Any) -> Callable:
     """The two decode GEMM launches on inputs aligned and converted outside the timed call
-    (split-K partials + reduce are part of it when the heuristic splits)."""
-    from kernels.moe import _swiglu_reduce
+    (with K splits, W13's last CTA of each tile sums them, as in the layer)."""
+    from kernels.dispatch import split_counters
 
     prepared = []
     for x, ids, _ in sets:
@@ -70,24 +65,22 @@ def _gemms_only(ex: dict[str, Any], refs: tuple, sets: list, **launch: Any) -> C
         h = torch.empty(rows.numel(), INTER, dtype=torch.float16, device=x.device)
         part = torch.empty(s1, rows.numel(), 2 * INTER, device=x.device)
         y = torch.empty(s2, rows.numel(), D, device=x.device)
+        cnt = split_counters(tile_e.numel() * (INTER // br), x.device)
         lk = dict(launch)
         if not lk.get("stages"):
             lk["stages"] = moe_decode.pick_stages(bt, tiles)
-        prepared.append((xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots, lk))
+        prepared.append((xa, rows, tile_e, h, part, y, cnt, bt, s1, s2, n_slots, lk))
 
     def run(p: tuple) -> None:
-        xa, rows, tile_e, h, part, y, bt, s1, s2, n_slots, lk = p
+        xa, rows, tile_e, h, part, y, cnt, bt, s1, s2, n_slots, lk = p
         kw = dict(bt=bt, **lk)
         if s1 == 1:
             moe_decode.launch(xa, rows, tile_e, ex["r13"], ex["q13"], refs[0], h, n_slots,
                               TOPK, INTER, D, 1, LIMIT, True, True, **kw)  # fmt: skip
         else:
             moe_decode.launch(xa, rows, tile_e, ex["r13"], ex["q13"], refs[0], part, n_slots,
-                              TOPK, INTER, D, s1, LIMIT, True, False, **kw)  # fmt: skip
-            _swiglu_reduce[(tile_e.numel(), INTER // 64)](
-                part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, INTER, LIMIT,
-                SPLIT=s1, HAS_LIMIT=True, F16=True, USE_ASM=True, BM=bt, BN=64,
-            )  # fmt: skip
+                              TOPK, INTER, D, s1, LIMIT, True, False, fin=h, counters=cnt,
+                              **kw)  # fmt: skip
         moe_decode.launch(h, rows, tile_e, ex["r2"], ex["q2"], refs[1], y, n_slots, TOPK,
                           D // 2, INTER, s2, LIMIT, False, False, **kw)  # fmt: skip
 
@@ -159,14 +152,9 @@ def main() -> None:
             return moe_fp4_triton(s[0], s[1], s[2], ex["r13"], ex["q13"], ex["r2"], ex["q2"],
                                   LIMIT, n_experts=E_ALL, pairs=True, row_refs=refs)  # fmt: skip
 
-        def four(s: tuple) -> torch.Tensor:
-            with route_choice("launch"):
-                return gl_(s)
-
         def tlp(s: tuple) -> torch.Tensor:
             return moe_fp4_triton(s[0], s[1], s[2], ex["r13"], ex["q13"], ex["r2"], ex["q2"],
-                                  LIMIT, n_experts=E_ALL, pairs=True,
-                                  decode_kernel="tl")  # fmt: skip
+                                  LIMIT, n_experts=E_ALL, pairs=True)  # fmt: skip
 
         def rws(s: tuple) -> torch.Tensor:
             return moe_fp8_rows_triton(s[0], s[1], s[2], rows["w13"], rows["s13"], rows["w2"],
@@ -176,8 +164,7 @@ def main() -> None:
         ref = moe_fp4_ref(s0[0].float(), s0[1], s0[2], ex["p13"], ex["q13"], ex["p2"],
                           ex["q2"], LIMIT)  # fmt: skip
         timed: dict[str, float] = {}
-        for name, fn in (("moe.decode.gluon", gl_), ("moe.decode.gluon.four_launches", four),
-                         ("moe.decode.tl.pairs", tlp),
+        for name, fn in (("moe.decode.gluon", gl_), ("moe.decode.tl.pairs", tlp),
                          ("moe.decode.tl.fp8_rows", rws)):  # fmt: skip
             out = fn(s0).float()
             err = float((out - ref).norm() / ref.norm())

@@ -9,13 +9,12 @@ all on the 48 local experts (a rank's dispatched prefill tokens, ~512 rows per e
 Every Fathom row is the whole MoE (align, activation quantization, both GEMMs, combine).
 
 Layouts and paths (``kernels.moe``):
-- ``fp4.pairs.bf16``: the engine's path today (fp4 pairs, dequantized in registers, bf16 MMA);
-- ``fp8.blocks32.act_fp8.prequant``: fp8 experts with V4.1's 32 x 32 blocks, fp8 activations
-  per 32 columns (the previous best prefill figure);
+- ``fp4.pairs.bf16``: the engine's default layout (fp4 pairs, dequantized in registers,
+  bf16 MMA);
 - ``fp8_rows.*``: the fp4 experts re-encoded exactly as e4m3 with one scale per row
-  (:func:`kernels.moe.fp4_to_fp8_rows`); bf16 activations, or fp8 activations per 128 / 32
-  columns (one promotion per group, the row scale after the K loop), or with one scale per
-  row (``rowwise``: both scales after the loop, the fp8 MMAs accumulate in place).
+  (``kernels.moe_formats.fp4_to_fp8_rows``, ``expert_layout: fp8_rows``); bf16 activations,
+  or fp8 activations with one scale per row (``act_fp8.rowwise``, ``moe_prefill_act: fp8``:
+  both scales after the loop, the fp8 MMAs accumulate in place).
 
 Peers in the same run, GEMM launches only (inputs already sorted by expert and quantized,
 which favours them): ``torch._scaled_grouped_mm`` (rowwise fp8: per-token activation scales,
@@ -38,17 +37,10 @@ import torch
 
 from bench.common import machine, record, write
 from bench.kernels_moe import _rotating, _us, ceilings
-from kernels.moe import (
-    GemmTiles,
-    MoeTiles,
-    fp4_to_fp8_rows,
-    fp4_to_pairs,
-    moe_experts_ref,
-    moe_fp4_triton,
-    moe_fp8_rows_triton,
-    moe_fp8_triton,
-    swiglu_clamp,
-)
+from kernels.moe import moe_fp4_triton, moe_fp8_rows_triton
+from kernels.moe_formats import fp4_to_fp8_rows, fp4_to_pairs
+from kernels.moe_ref import moe_experts_ref, swiglu_clamp
+from kernels.moe_tiles import GemmTiles, MoeTiles
 from kernels.quant import dequantize_fp4
 
 D, INTER, E_LOCAL, E_ALL, TOPK, LIMIT = 5120, 2304, 48, 384, 6, 10.0
@@ -57,7 +49,7 @@ DEV = "cuda"
 
 def _experts() -> dict[str, Any]:
     """Random fp4 experts (e8m0 per 32 columns over four binades, as a real row's spread),
-    their pairs and fp8-rows layouts, bf16 copies, and fp8 experts with 32 x 32 blocks."""
+    their pairs and fp8-rows layouts, and bf16 copies."""
     g = torch.Generator(device=DEV).manual_seed(0)
 
     def fp4(r: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +71,6 @@ def _experts() -> dict[str, Any]:
         [dequantize_fp4(p13[e], q13[e], torch.bfloat16) for e in range(E_LOCAL)]
     )
     ex["bf2"] = torch.stack([dequantize_fp4(p2[e], q2[e], torch.bfloat16) for e in range(E_LOCAL)])
-    ex["f13"] = (torch.randn(E_LOCAL, 2 * INTER, D, device=DEV, generator=g) * 64).to(
-        torch.float8_e4m3fn
-    )
-    ex["g13"] = torch.randint(117, 121, (E_LOCAL, 2 * INTER // 32, D // 32), device=DEV).byte()
-    ex["f2"] = (torch.randn(E_LOCAL, D, INTER, device=DEV, generator=g) * 64).to(
-        torch.float8_e4m3fn
-    )
-    ex["g2"] = torch.randint(117, 121, (E_LOCAL, D // 32, INTER // 32), device=DEV).byte()
     return ex
 
 
@@ -167,42 +151,13 @@ def _paths(ex: dict[str, Any], n_all: int) -> dict[str, Callable[..., torch.Tens
             **kw,
         )
 
-    def fp8b(s: tuple, **kw: Any) -> torch.Tensor:
-        return moe_fp8_triton(
-            s[0],
-            s[1],
-            s[2],
-            ex["f13"],
-            ex["g13"],
-            ex["f2"],
-            ex["g2"],
-            (32, 32),
-            LIMIT,
-            n_experts=n_all,
-            act_fp8=True,
-            prequant=True,
-            **kw,
-        )
-
     def rows_(s: tuple, **kw: Any) -> torch.Tensor:
         return moe_fp8_rows_triton(s[0], s[1], s[2], *r, LIMIT, n_experts=n_all, **kw)
 
     return {
         "moe.prefill.fp4.pairs.bf16": fp4p,
-        "moe.prefill.fp8.blocks32.act_fp8.prequant": fp8b,
         "moe.prefill.fp8_rows.bf16": rows_,
-        "moe.prefill.fp8_rows.act_fp8.g128": lambda s, **kw: rows_(
-            s, act_fp8=True, act_group=128, **kw
-        ),
-        "moe.prefill.fp8_rows.act_fp8.g32": lambda s, **kw: rows_(
-            s, act_fp8=True, act_group=32, **kw
-        ),
-        "moe.prefill.fp8_rows.act_fp8.rowwise": lambda s, **kw: rows_(
-            s, act_fp8=True, act_group=0, **kw
-        ),
-        "moe.prefill.fp8_rows.act_fp8.rowwise.precise_acc": lambda s, **kw: rows_(
-            s, act_fp8=True, act_group=0, precise_acc=True, **kw
-        ),
+        "moe.prefill.fp8_rows.act_fp8.rowwise": lambda s, **kw: rows_(s, act_fp8=True, **kw),
     }
 
 
@@ -242,7 +197,7 @@ def main() -> None:
         "--sweep",
         default="",
         help="comma-separated fp8-rows paths to tile-sweep "
-        "(e.g. moe.prefill.fp8_rows.act_fp8.g128)",
+        "(e.g. moe.prefill.fp8_rows.act_fp8.rowwise)",
     )
     ap.add_argument("--quick", action="store_true", help="all-local routing only")
     args = ap.parse_args()

@@ -8,10 +8,10 @@ row load, and no warpgroup waits on memory):
     producer (4 warps, 96 registers): Q -> smem (cp.async), then one software pipeline over
         the token's key blocks of BLOCK_N rows (the window source's, then the compressed
         source's): ids two blocks ahead -> cp.async of the stored rows and their scale rows
-        into three raw slots -> the landed block decoded to bf16 (fp8 e4m3 x 2^e per 32
-        channels, with integer ops for e8m0 codes; nvfp4 through ``fp4_to_fp`` x its e4m3
-        scale per 16, exact in bf16; plain bf16 rows) -> K tile [BLOCK_N, D] in the ring
-        + the keys' bias (0 / -inf) -> mbarrier ``ready``
+        into three raw slots -> the landed block decoded to bf16 (``kernels.attention_ws_keys``:
+        fp8 e4m3 x 2^e per 32 channels, with integer ops for e8m0 codes; nvfp4 through
+        ``fp4_to_fp`` x its e4m3 scale per 16, exact in bf16; plain bf16 rows) -> K tile
+        [BLOCK_N, D] in the ring + the keys' bias (0 / -inf) -> mbarrier ``ready``
     consumer h = 0, 1 (one warpgroup each, D/2 output channels each, 208 registers):
         wait ``ready`` -> S = Q K^T (wgmma, A and B from smem; each consumer computes the
         whole S, so there is no exchange between them) -> online softmax (exp2; the sink
@@ -19,21 +19,13 @@ row load, and no warpgroup waits on memory):
         P from registers) -> arrive ``empty`` (count 2: the producer refills a stage once
         both consumers are done with it)
 
-``seesaw`` (a launch option, off by default): FlashMLA's schedule for the consumers
-(:func:`_seesaw_blocks`). The key blocks alternate between them; the owner of a block
-computes its S and softmax once and sends P (bf16) and (m, l, alpha) to the other through
-two shared-memory message slots; each still adds P K[:, half] of every block. Same outputs
-bit for bit. On the H200 (twenty-first session, docs/performance.md) it beats the plain
-consumers at 16-key blocks x 4 stages but not the default 32 x 2, where the default
-partition's consumer spills (ptxas gives only the first worker partition its registers).
-
 The output's inverse RoPE (the last R channels: consumer 1) is fused into the epilogue;
 with KV splits each split's unnormalized O goes out in bf16 (fp32 for a fp32 ``part``) and
 ``kernels.attention``'s combine kernel merges the splits with their (m, l) in fp32. bf16
 tiles leave through the key ring as whole-row stores (``_store_staged``). Gluon does not
-run under the interpreter: the Triton ``tl`` kernel stays the portable path and the
-interpreter-tested implementation of the same contract; tests/gpu checks this one against
-the torch reference and the ``tl`` kernel at real shapes.
+run under the interpreter: the Triton ``tl`` kernel (``kernels.attention_tl``) stays the
+portable path and the interpreter-tested implementation of the same contract; tests/gpu
+checks this one against the torch reference and the ``tl`` kernel at real shapes.
 """
 
 from __future__ import annotations
@@ -48,190 +40,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.runtime.jit import constexpr_function
+
+from kernels.attention_ws_keys import _block_ids, _decode_block, _issue_block
 
 HEADS = 64  # heads per CTA: one wgmma M
-_LOG2E = 1.4426950408889634
-
-
-@constexpr_function
-def _raw_layout(FMT):
-    """Register layout of one stored key tile: bf16 [N, D]; fp8 [N, D/32 groups, 32];
-    nvfp4 bytes [N, D/16 groups, 8]. Each thread owns 16 (nvfp4: 8) contiguous bytes."""
-    if FMT == 2:
-        return gl.BlockedLayout([1, 1, 8], [1, 32, 1], [4, 1, 1], [2, 1, 0])
-    if FMT == 1:
-        return gl.BlockedLayout([1, 1, 16], [1, 16, 2], [4, 1, 1], [2, 1, 0])
-    return gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-
-
-@gluon.jit
-def _raw_view(raw_buf, kv_ptr, D: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One slot of the byte ring viewed as a stored key tile of format FMT."""
-    if FMT == 2:
-        return raw_buf._reinterpret(gl.uint8, [BLOCK_N, D // 16, 8],
-                                    gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # fmt: skip
-    elif FMT == 1:
-        return raw_buf._reinterpret(kv_ptr.dtype.element_ty, [BLOCK_N, D // 32, 32],
-                                    gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # fmt: skip
-    else:
-        return raw_buf._reinterpret(kv_ptr.dtype.element_ty, [BLOCK_N, D],
-                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # fmt: skip
-
-
-@gluon.jit
-def _row_ids(idx_row, n0, hi, BLOCK_N: gl.constexpr):
-    """Key row ids of columns [n0, n0 + BLOCK_N) (-1 past ``hi``) as int32 (pool rows stay
-    under 2^31; the byte offsets are formed in int64 from them), spread over the
-    partition's 128 threads (replicated when BLOCK_N < 128)."""
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    return gl.load(idx_row + n, mask=n < hi, other=-1).to(gl.int32)
-
-
-@constexpr_function
-def _scale_layout(G, esize):
-    """Register layout of a scale tile [N, G] whose rows are copied 16 bytes per thread."""
-    v = min(G, 16 // esize)
-    tpr = G // v
-    return gl.BlockedLayout([1, v], [32 // tpr, tpr], [4, 1], [1, 0])
-
-
-@gluon.jit
-def _scale_view(sc_buf, sc_ptr, D: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One slot of the scale ring viewed as [BLOCK_N, groups] of the source's scale dtype."""
-    G: gl.constexpr = D // 16 if FMT == 2 else D // 32
-    return sc_buf._reinterpret(sc_ptr.dtype.element_ty, [BLOCK_N, G],
-                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # fmt: skip
-
-
-@gluon.jit
-def _issue_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, ids, s_kv, s_sc, D: gl.constexpr,
-                FMT: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """cp.async the stored rows ``ids`` and their scale rows into one ring slot, then commit
-    the group. Rows with id -1 are masked copies, which zero-fill their bytes."""
-    bl: gl.constexpr = _raw_layout(FMT)
-    dst = _raw_view(raw_buf, kv_ptr, D, FMT, BLOCK_N)
-    if FMT == 0:
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, bl))
-        r2 = gl.expand_dims(gl.convert_layout(ids, gl.SliceLayout(1, bl)), 1)
-        async_copy.async_copy_global_to_shared(
-            dst, kv_ptr + gl.maximum(r2, 0).to(gl.int64) * s_kv + gl.expand_dims(d, 0), mask=r2 >= 0
-        )
-    else:
-        G: gl.constexpr = D // 16 if FMT == 2 else D // 32
-        W: gl.constexpr = 8 if FMT == 2 else 32
-        g = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, bl)))
-        c = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, bl)))
-        r2 = gl.expand_dims(gl.convert_layout(ids, gl.SliceLayout(1, gl.SliceLayout(2, bl))), 1)
-        row = gl.maximum(r2, 0).to(gl.int64) * s_kv
-        off = gl.expand_dims(row + gl.expand_dims(g, 0) * W, 2) + gl.expand_dims(
-            gl.expand_dims(c, 0), 1
-        )
-        async_copy.async_copy_global_to_shared(dst, kv_ptr + off, mask=gl.expand_dims(r2 >= 0, 2))
-        sl: gl.constexpr = _scale_layout(G, sc_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        gs = gl.arange(0, G, layout=gl.SliceLayout(0, sl))
-        rs = gl.expand_dims(gl.convert_layout(ids, gl.SliceLayout(1, sl)), 1)
-        async_copy.async_copy_global_to_shared(
-            _scale_view(sc_buf, sc_ptr, D, FMT, BLOCK_N),
-            sc_ptr + gl.maximum(rs, 0).to(gl.int64) * s_sc + gl.expand_dims(gs, 0),
-            mask=rs >= 0,
-        )
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _e4m3_bits_bf16(raw):
-    """e4m3 codes -> bf16 of the value x 2^-120, exact (subnormals too), with no conversion
-    instruction: per 4 bytes, PRMT spreads each byte with its sign replicated above it, a
-    shift puts the exponent and mantissa bits at bf16's (the 4 exponent bits become the
-    low ones of bf16's 8), an AND keeps them and the sign. (The conversion path,
-    e4m3 -> f16 -> f32 x scale -> bf16, spends two conversion instructions per pair on
-    the SM's quarter-rate conversion pipe, which bounds the producer.) NaN codes are not
-    kept (the KV quantizer never writes them)."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 t0, t1;\n"
-        "prmt.b32 t0, $2, 0, 0x9180;\n"
-        "prmt.b32 t1, $2, 0, 0xB3A2;\n"
-        "shl.b32 t0, t0, 4;\n"
-        "shl.b32 t1, t1, 4;\n"
-        "and.b32 $0, t0, 0x87F087F0;\n"
-        "and.b32 $1, t1, 0x87F087F0; }",
-        "=r,=r,r", [raw.to(gl.uint8, bitcast=True)], dtype=gl.bfloat16, is_pure=True, pack=4,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _decode_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, r0, D: gl.constexpr, FMT: gl.constexpr,
-                 SC_E8: gl.constexpr, BLOCK_N: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
-    """Rows [r0, r0 + SUB) of a landed ring slot -> bf16 [SUB, D] (masked rows: zeros).
-    fp8 with e8m0 codes c (``SC_E8`` 2): the integer path, x 2^(c - 127) as two exact bf16x2
-    multiplies, 2^(min(c, 134) - 7) then 2^(max(c, 134) - 134) (each factor finite; the
-    first product is the value x 2^(min(c, 134) - 127), rounded only where it is subnormal,
-    where the second factor is 1): the conversion path's values bit for bit (tests/gpu)."""
-    bl: gl.constexpr = _raw_layout(FMT)
-    raw = _raw_view(raw_buf, kv_ptr, D, FMT, BLOCK_N).slice(r0, SUB, dim=0).load(bl)
-    if FMT == 1 and SC_E8 == 2:
-        sv = _scale_view(sc_buf, sc_ptr, D, FMT, BLOCK_N).slice(r0, SUB, dim=0)
-        c = sv.load(gl.SliceLayout(2, bl)).to(gl.int32)
-        m1 = ((gl.minimum(c, 134) + 120) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        m2 = ((gl.maximum(c, 134) - 7) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        k = _e4m3_bits_bf16(raw) * gl.expand_dims(m1, 2) * gl.expand_dims(m2, 2)
-        return gl.reshape(k, [SUB, D])
-    elif FMT == 0:
-        return raw.to(gl.bfloat16)
-    elif FMT == 2:  # e2m1 pairs -> bf16 (channel 2j low nibble); x e4m3 is exact in bf16
-        k = gl.fp4_to_fp(raw, gl.bfloat16, 2)
-        sv = _scale_view(sc_buf, sc_ptr, D, FMT, BLOCK_N).slice(r0, SUB, dim=0)
-        sc = sv.load(gl.SliceLayout(2, k.type.layout)).to(gl.bfloat16)
-        return gl.reshape(k * gl.expand_dims(sc, 2), [SUB, D])
-    else:
-        sv = _scale_view(sc_buf, sc_ptr, D, FMT, BLOCK_N).slice(r0, SUB, dim=0)
-        sc = sv.load(gl.SliceLayout(2, bl)).to(gl.float32)
-        if SC_E8:
-            sc = gl.exp2(sc - 127.0)
-        return gl.reshape((raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16), [SUB, D])
-
-
-@gluon.jit
-def _decode_block(k_buf, raw_buf, sc_buf, kv_ptr, sc_ptr, D: gl.constexpr, FMT: gl.constexpr,
-                  SC_E8: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """A landed ring slot -> its bf16 K tile, 16 rows at a time (fewer live registers)."""
-    SUB: gl.constexpr = 16
-    for r0 in gl.static_range(0, BLOCK_N, SUB):
-        k = _decode_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, r0, D, FMT, SC_E8, BLOCK_N, SUB)
-        k_buf.slice(r0, SUB, dim=0).store(k)
-
-
-@gluon.jit
-def _block_ids(idx1, lo, hi, nb1, idx2, lo2, hi2, b, BLOCK_N: gl.constexpr):
-    """Row ids of key block ``b`` of the token's sequence: source 1's blocks, then source
-    2's (all -1 past the last block)."""
-    if b < nb1:
-        ids = _row_ids(idx1, lo + b * BLOCK_N, hi, BLOCK_N)
-    else:
-        ids = _row_ids(idx2, lo2 + (b - nb1) * BLOCK_N, hi2, BLOCK_N)
-    return ids
-
-
-@gluon.jit
-def _issue_block(raw_buf, sc_buf, kv_ptr, sc_ptr, kv2_ptr, sc2_ptr, ids, s_kv, s_sc, s_kv2,
-                 s_sc2, first: gl.constexpr, D: gl.constexpr, FMT: gl.constexpr,
-                 FMT2: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    if first:
-        _issue_rows(raw_buf, sc_buf, kv_ptr, sc_ptr, ids, s_kv, s_sc, D, FMT, BLOCK_N)
-    else:
-        _issue_rows(raw_buf, sc_buf, kv2_ptr, sc2_ptr, ids, s_kv2, s_sc2, D, FMT2, BLOCK_N)
 
 
 @gluon.jit
 def _producer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
               out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
               s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-              raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free,
-              D: gl.constexpr, R: gl.constexpr, FMT: gl.constexpr, SC_E8: gl.constexpr,
-              FMT2: gl.constexpr, SC2_E8: gl.constexpr, ROPE: gl.constexpr,
-              SPLIT1: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              HALF: gl.constexpr, SEESAW: gl.constexpr):  # fmt: skip
+              raw_bufs, sc_bufs, ready, empty, q_bar, D: gl.constexpr, R: gl.constexpr,
+              FMT: gl.constexpr, SC_E8: gl.constexpr, FMT2: gl.constexpr, SC2_E8: gl.constexpr,
+              ROPE: gl.constexpr, SPLIT1: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
     """Q into smem (cp.async), then every key block of both sources into the ring.
 
     One software pipeline over the token's key blocks b (source 1's, then source 2's, so
@@ -302,15 +124,13 @@ def _producer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
 def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
               out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
               s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-              raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free,
-              D: gl.constexpr, R: gl.constexpr, FMT: gl.constexpr, SC_E8: gl.constexpr,
-              FMT2: gl.constexpr, SC2_E8: gl.constexpr, ROPE: gl.constexpr,
-              SPLIT1: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              HALF: gl.constexpr, SEESAW: gl.constexpr):  # fmt: skip
-    """One warpgroup: the whole S of every key block, output channels [HALF*D/2, +D/2)
-    (``SEESAW``: the seesaw's blocks, :func:`_seesaw_blocks`). Consumer 0 is the default
-    partition, consumer 1 a worker (workers share a signature: the producer's, which this
-    one has too)."""
+              raw_bufs, sc_bufs, ready, empty, q_bar, D: gl.constexpr, R: gl.constexpr,
+              FMT: gl.constexpr, SC_E8: gl.constexpr, FMT2: gl.constexpr, SC2_E8: gl.constexpr,
+              ROPE: gl.constexpr, SPLIT1: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
+    """One warpgroup: the whole S of every key block, output channels [HALF*D/2, +D/2).
+    Consumer 0 is the default partition, consumer 1 a worker (workers share a signature:
+    the producer's, which this one has too)."""
     h0 = gl.program_id(1) * 64
     split = gl.program_id(2)
     DH: gl.constexpr = D // 2
@@ -325,136 +145,28 @@ def _consumer(q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_p
     acc = gl.zeros([64, DH], gl.float32, o_l)
     n_blocks = gl.cdiv(hi - lo, BLOCK_N) + gl.cdiv(hi2 - lo2, BLOCK_N)
     mbarrier.wait(q_bar, 0)
-    if SEESAW:
-        acc, m_i, l_i = _seesaw_blocks(acc, m_i, l_i, n_blocks, scale_log2, q_smem, k_bufs,
-                                       bias_bufs, ready, empty, p_bufs, st_bufs, msg_full,
-                                       msg_free, s_l, BLOCK_N, STAGES, HALF)  # fmt: skip
-    else:
-        for i in range(n_blocks):
-            st = i % STAGES
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            kb = k_bufs.index(st)
-            s = warpgroup_mma(q_smem, kb.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_l),
-                              use_acc=False, is_async=True)  # fmt: skip
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            bias = bias_bufs.index(st).load(gl.SliceLayout(0, s_l))
-            s = s * scale_log2 + gl.expand_dims(bias, 0)
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_l)), 1)
-            pa = gl.convert_layout(p.to(gl.bfloat16), p_l)
-            acc = warpgroup_mma(pa, kb.slice(HALF * DH, DH, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(st), count=1)
-            m_i = m_new
+    for i in range(n_blocks):
+        st = i % STAGES
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        kb = k_bufs.index(st)
+        s = warpgroup_mma(q_smem, kb.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_l),
+                          use_acc=False, is_async=True)  # fmt: skip
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        bias = bias_bufs.index(st).load(gl.SliceLayout(0, s_l))
+        s = s * scale_log2 + gl.expand_dims(bias, 0)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_l)), 1)
+        pa = gl.convert_layout(p.to(gl.bfloat16), p_l)
+        acc = warpgroup_mma(pa, kb.slice(HALF * DH, DH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(st), count=1)
+        m_i = m_new
 
     _epilogue(acc, m_i, l_i, ang_ptr, out_ptr, part_ptr, ml_ptr, T, H, s_at, s_ot, s_oh,
               k_bufs, empty, n_blocks, D, R, ROPE, SPLIT1, STAGES, HALF)
-
-
-@gluon.jit
-def _peer_pv(acc, p_bufs, st_bufs, msg_full, k_bufs, j, HALF: gl.constexpr,
-             DH: gl.constexpr, STAGES: gl.constexpr, s_l: gl.constexpr):  # fmt: skip
-    """Seesaw: the other consumer's key block ``j``: wait for its message, take the running
-    (m, l) after the block, scale O by the block's alpha and issue O += P K[:, half] (wgmma,
-    P from the message in shared memory; the caller waits for it, then frees the message
-    slot and the key stage)."""
-    o_l: gl.constexpr = acc.type.layout
-    slot = j % 2
-    mbarrier.wait(msg_full.index(slot), (j // 2) & 1)
-    m_i = st_bufs.index(4 * slot).load(gl.SliceLayout(1, s_l))
-    l_i = st_bufs.index(4 * slot + 1).load(gl.SliceLayout(1, s_l))
-    alpha = st_bufs.index(4 * slot + 2).load(gl.SliceLayout(1, o_l))
-    acc = acc * gl.expand_dims(alpha, 1)
-    acc = warpgroup_mma(p_bufs.index(slot), k_bufs.index(j % STAGES).slice(HALF * DH, DH, dim=1),
-                        acc, is_async=True)  # fmt: skip
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _own_softmax(s, m_i, l_i, bias_bufs, p_bufs, st_bufs, msg_free, msg_full, i, scale_log2,
-                 STAGES: gl.constexpr):  # fmt: skip
-    """Seesaw: the online softmax of this consumer's key block ``i`` (S in registers), and
-    its message to the other consumer: P in bf16 and (m, l, alpha) into slot i % 2 (once
-    the other consumer has freed it: its use two blocks back). -> (P bf16, alpha, m, l)."""
-    s_l: gl.constexpr = s.type.layout
-    bias = bias_bufs.index(i % STAGES).load(gl.SliceLayout(0, s_l))
-    s = s * scale_log2 + gl.expand_dims(bias, 0)
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - gl.expand_dims(m_new, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    pb = p.to(gl.bfloat16)
-    slot = i % 2
-    if i >= 2:
-        mbarrier.wait(msg_free.index(slot), ((i // 2) - 1) & 1)
-    p_bufs.index(slot).store(pb)
-    st_bufs.index(4 * slot).store(m_new)
-    st_bufs.index(4 * slot + 1).store(l_i)
-    st_bufs.index(4 * slot + 2).store(alpha)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(msg_full.index(slot), count=1)
-    return pb, alpha, m_new, l_i
-
-
-@gluon.jit
-def _seesaw_blocks(acc, m_i, l_i, n_blocks, scale_log2, q_smem, k_bufs, bias_bufs, ready,
-                   empty, p_bufs, st_bufs, msg_full, msg_free, s_l: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   HALF: gl.constexpr):  # fmt: skip
-    """One consumer's key blocks in the seesaw schedule (FlashMLA's): the blocks alternate
-    between the consumers, block i's S and softmax computed once, by consumer i % 2, which
-    sends P and (m, l, alpha) to the other through shared memory; each consumer still owns
-    output channels [HALF*D/2, +D/2) and adds P K[:, half] of every block. At its own block a
-    consumer issues S first, then the other's previous block's P K (whose message it waits
-    for), so one wgmma runs while it waits or does the softmax. The arithmetic and its
-    order are :func:`_consumer`'s: the outputs are the same bit for bit. -> (O, m, l)."""
-    DH: gl.constexpr = acc.shape[1]
-    o_l: gl.constexpr = acc.type.layout
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    if HALF == 0:  # block 0: no block of the other consumer before it  # noqa: SIM102
-        if n_blocks > 0:
-            mbarrier.wait(ready.index(0), 0)
-            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
-                              gl.zeros([64, BLOCK_N], gl.float32, s_l), use_acc=False,
-                              is_async=True)  # fmt: skip
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            pb, alpha, m_i, l_i = _own_softmax(s, m_i, l_i, bias_bufs, p_bufs, st_bufs,
-                                               msg_free, msg_full, 0, scale_log2, STAGES)
-            acc = warpgroup_mma(gl.convert_layout(pb, p_l), k_bufs.index(0).slice(0, DH, dim=1),
-                                acc, is_async=True)  # fmt: skip
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(0), count=1)
-    for i in range(2 - HALF, n_blocks, 2):  # own blocks; block i - 1 is the other's
-        st = i % STAGES
-        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)),
-                          gl.zeros([64, BLOCK_N], gl.float32, s_l), use_acc=False,
-                          is_async=True)  # fmt: skip
-        acc, m_i, l_i = _peer_pv(acc, p_bufs, st_bufs, msg_full, k_bufs, i - 1, HALF, DH,
-                                 STAGES, s_l)  # fmt: skip
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        pb, alpha, m_i, l_i = _own_softmax(s, m_i, l_i, bias_bufs, p_bufs, st_bufs, msg_free,
-                                           msg_full, i, scale_log2, STAGES)  # fmt: skip
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(msg_free.index((i - 1) % 2), count=1)
-        mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_l)), 1)
-        acc = warpgroup_mma(gl.convert_layout(pb, p_l),
-                            k_bufs.index(st).slice(HALF * DH, DH, dim=1), acc,
-                            is_async=True)  # fmt: skip
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(st), count=1)
-    if n_blocks > 0 and (n_blocks - 1) % 2 != HALF:  # the last block is the other's
-        acc, m_i, l_i = _peer_pv(acc, p_bufs, st_bufs, msg_full, k_bufs, n_blocks - 1, HALF,
-                                 DH, STAGES, s_l)  # fmt: skip
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(msg_free.index((n_blocks - 1) % 2), count=1)
-        mbarrier.arrive(empty.index((n_blocks - 1) % STAGES), count=1)
-    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -526,7 +238,7 @@ def _store_staged(v, k_bufs, empty, n_blocks, rows_ptr, s_row, HALF: gl.constexp
     key ring: once both consumers have released the ring's last blocks, this half's 32 KB of
     it takes the tile (stmatrix) and is written back as whole-row 16-byte stores. From the
     wgmma layout each thread holds 4-byte pieces, and those half-sector stores took longer
-    than fp32's whole sectors (H200, fifteenth session)."""
+    than fp32's whole sectors (H200)."""
     gl.static_assert(STAGES * k_bufs.shape[1] * k_bufs.shape[2] >= 2 * 64 * DH,
                      "the key ring must hold both consumers' tiles")  # fmt: skip
     for st in gl.static_range(STAGES):
@@ -549,7 +261,7 @@ def _attn_ws_kernel(
     s_sc2, s_it2, s_at, s_ot, s_oh, D: gl.constexpr, R: gl.constexpr, FMT: gl.constexpr,
     SC_E8: gl.constexpr, FMT2: gl.constexpr, SC2_E8: gl.constexpr, ROPE: gl.constexpr,
     SPLIT1: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    P_REGS: gl.constexpr, C_REGS: gl.constexpr, SEESAW: gl.constexpr = False,
+    P_REGS: gl.constexpr, C_REGS: gl.constexpr,
 ):  # fmt: skip
     split = gl.program_id(2)
     q_smem = gl.allocate_shared_memory(
@@ -576,24 +288,6 @@ def _attn_ws_kernel(
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
     mbarrier.init(q_bar, count=1)
-    if SEESAW:  # the messages: two slots, one writer and one reader each; P of a key block
-        # in bf16 and the running (m, l) after it with its alpha (a row to spare)
-        p_bufs = gl.allocate_shared_memory(
-            gl.bfloat16, [2, 64, BLOCK_N],
-            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16),
-        )  # fmt: skip
-        st_bufs = gl.allocate_shared_memory(gl.float32, [8, 64],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))  # fmt: skip
-        msg_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        msg_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
-            mbarrier.init(msg_full.index(s), count=1)
-            mbarrier.init(msg_free.index(s), count=1)
-    else:  # placeholders: the plain partitions never touch them
-        p_bufs = k_bufs
-        st_bufs = bias_bufs
-        msg_full = ready
-        msg_free = empty
 
     # A split takes whole blocks of each source in proportion (as the tl kernel does).
     per = gl.cdiv(gl.cdiv(K, BLOCK_N), SPLITS) * BLOCK_N
@@ -610,47 +304,42 @@ def _attn_ws_kernel(
             q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
             out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
             s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-            raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
-            R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 0, SEESAW)),
+            raw_bufs, sc_bufs, ready, empty, q_bar, D, R, FMT, SC_E8, FMT2, SC2_E8, ROPE,
+            SPLIT1, BLOCK_N, STAGES, 0)),
         (_consumer, (
             q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
             out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
             s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-            raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
-            R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 1, SEESAW)),
+            raw_bufs, sc_bufs, ready, empty, q_bar, D, R, FMT, SC_E8, FMT2, SC2_E8, ROPE,
+            SPLIT1, BLOCK_N, STAGES, 1)),
         (_producer, (
             q_ptr, kv_ptr, sc_ptr, idx_ptr, kv2_ptr, sc2_ptr, idx2_ptr, sink_ptr, ang_ptr,
             out_ptr, part_ptr, ml_ptr, T, H, lo, hi, lo2, hi2, scale_log2, s_qt, s_qh, s_kv,
             s_sc, s_it, s_kv2, s_sc2, s_it2, s_at, s_ot, s_oh, q_smem, k_bufs, bias_bufs,
-            raw_bufs, sc_bufs, ready, empty, q_bar, p_bufs, st_bufs, msg_full, msg_free, D,
-            R, FMT, SC_E8, FMT2, SC2_E8, ROPE, SPLIT1, BLOCK_N, STAGES, 1, SEESAW)),
+            raw_bufs, sc_bufs, ready, empty, q_bar, D, R, FMT, SC_E8, FMT2, SC2_E8, ROPE,
+            SPLIT1, BLOCK_N, STAGES, 1)),
     ], [4, 4], [C_REGS, P_REGS])  # fmt: skip
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 CTA may hold
 
 
-def smem_bytes(block_n: int, stages: int, plain: bool, scaled: bool, D: int = 512,
-               seesaw: bool = False) -> int:  # fmt: skip
+def smem_bytes(block_n: int, stages: int, plain: bool, scaled: bool, D: int = 512) -> int:
     """Shared memory of one CTA (an upper bound: 1 KB over the compiler's count): Q, the
     bf16 key ring + its biases, three slots of stored rows (``plain`` bf16 rows take twice
-    the bytes) and, when a source is ``scaled``, of scale rows; the barriers; the seesaw's
-    two message slots (P in bf16, four rows of fp32 per head)."""
+    the bytes) and, when a source is ``scaled``, of scale rows; the barriers."""
     raw = block_n * D * (2 if plain else 1)
-    msg = 2 * (HEADS * block_n * 2 + 4 * HEADS * 4 + 16) if seesaw else 0
     return (HEADS * D * 2 + stages * (block_n * D * 2 + block_n * 4) + 3 * raw
-            + (3 * block_n * D // 8 if scaled else 0) + (2 * stages + 1) * 8 + msg
-            + 1024)  # fmt: skip
+            + (3 * block_n * D // 8 if scaled else 0) + (2 * stages + 1) * 8 + 1024)  # fmt: skip
 
 
-def fit_block_n(block_n: int, stages: int, plain: bool, scaled: bool, D: int = 512,
-                seesaw: bool = False) -> int:  # fmt: skip
+def fit_block_n(block_n: int, stages: int, plain: bool, scaled: bool, D: int = 512) -> int:
     """The launch's key block: ``block_n`` halved (down to 16) until the CTA fits in shared
     memory; a ValueError when it does not, or when the key ring (``stages`` x the block)
     holds fewer than 64 rows: the epilogue stages two [64, D/2] bf16 tiles in it."""
-    while smem_bytes(block_n, stages, plain, scaled, D, seesaw) > SMEM_LIMIT and block_n > 16:
+    while smem_bytes(block_n, stages, plain, scaled, D) > SMEM_LIMIT and block_n > 16:
         block_n //= 2
-    if smem_bytes(block_n, stages, plain, scaled, D, seesaw) > SMEM_LIMIT:
+    if smem_bytes(block_n, stages, plain, scaled, D) > SMEM_LIMIT:
         raise ValueError(f"block_n {block_n} x {stages} stages exceeds shared memory")
     if stages * block_n < HEADS:
         raise ValueError(f"block_n {block_n} x {stages} stages: the key ring must hold at "
@@ -660,21 +349,18 @@ def fit_block_n(block_n: int, stages: int, plain: bool, scaled: bool, D: int = 5
 
 def launch_ws(q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K, K2, S,
               scale_log2, strides, *, D, R, fmt, e8, fmt2, e82, block_n=32, stages=2,
-              p_regs=96, c_regs=208, e8_int=True, seesaw=False):  # fmt: skip
+              p_regs=96, c_regs=208):  # fmt: skip
     """Launch over (T, H / 64, S); ``strides`` as ``sparse_attention_triton`` passes them.
     Plain bf16 rows, twice the bytes of fp8 in the copy ring, halve ``block_n`` when the
-    default tile would not fit (an explicit one that does not fit raises). ``e8_int``:
-    fp8 rows with e8m0 codes take the integer decode (``SC_E8`` 2; 1: the conversion path,
-    which gives the same values; 0: fp32 scales). ``seesaw``: the seesaw consumers
-    (:func:`_seesaw_blocks`), the same outputs bit for bit."""
+    default tile would not fit (an explicit one that does not fit raises). fp8 rows with
+    e8m0 codes take the integer decode (``SC_E8``)."""
     block_n = fit_block_n(block_n, stages, plain=fmt == 0 or fmt2 == 0,
-                          scaled=fmt != 0 or fmt2 != 0, D=D, seesaw=seesaw)  # fmt: skip
+                          scaled=fmt != 0 or fmt2 != 0, D=D)  # fmt: skip
     # maxnreg x 12 warps x 32 lanes must fit the 64K-register file; the default partition
     # (consumer 0) gets 3 * maxnreg - c_regs - p_regs.
     _attn_ws_kernel[(T, triton.cdiv(H, HEADS), S)](
         q, kv, sc, idx, kv2, sc2, idx2, sink, ang, out, part, ml, T, H, K, K2, S, scale_log2,
-        *strides, D=D, R=R, FMT=fmt, SC_E8=int(e8) * (1 + e8_int), FMT2=fmt2,
-        SC2_E8=int(e82) * (1 + e8_int), ROPE=R > 0,
+        *strides, D=D, R=R, FMT=fmt, SC_E8=e8, FMT2=fmt2, SC2_E8=e82, ROPE=R > 0,
         SPLIT1=S == 1, BLOCK_N=block_n, STAGES=stages, P_REGS=p_regs, C_REGS=c_regs,
-        SEESAW=seesaw, num_warps=4, maxnreg=168,
+        num_warps=4, maxnreg=168,
     )  # fmt: skip

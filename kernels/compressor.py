@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import rope_pairs
 from kernels.dispatch import op
 from kernels.indexer import _pool_rows, entry_rows_ref
+from kernels.rope import rope_pairs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

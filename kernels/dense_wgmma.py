@@ -4,8 +4,8 @@ N.
 
 The ``mma.sync`` decode kernel (``kernels.moe_decode``, ``FP8``) takes the tokens in 8-64-row
 tiles and converts the activations to fp16 in every warp: at 64-row tiles that is most of
-its 905 SASS instructions per block, and it loses to cuBLAS bf16 (docs/performance.md,
-eighth and ninth sessions).
+its 905 SASS instructions per block, and it loses to cuBLAS bf16 there (H200,
+docs/performance.md).
 Here one CTA takes BM = 16 x warps weight rows (one or two warpgroups) and BT (16 / 32 / 64
 / 128) token rows, so up to 128 rows each stored byte is read and converted once per call
 (twice at 129-256 rows: two token tiles):
@@ -23,7 +23,7 @@ Here one CTA takes BM = 16 x warps weight rows (one or two warpgroups) and BT (1
   before the next block's conversion: ptxas reuses the registers of an in-flight wgmma's A
   operand (seen in the sm_90 SASS; NaNs on the H200 with a 3-slot ring).
 
-Measured (H200, docs/performance.md "ninth session"): faster than the mma.sync kernel from
+Measured (H200, docs/performance.md): faster than the mma.sync kernel from
 32 rows, but not than cuBLAS on the same weights in bf16 at 64 and 128 rows -- about 30% of
 the copy rate: one or two warpgroups per CTA convert every byte (e4m3 -> f16 -> bf16, scale)
 on the path between the copy and the MMA, and do not hide that latency.
@@ -35,8 +35,8 @@ kernel's, so a planned projection takes either kernel. Output as ``launch_dense`
 Gluon does not run under the interpreter: ``tests/gpu/test_dense_kernels.py`` checks this
 kernel against the fp64 reference and the other paths at every V4.1-Flash dense shape; the
 CPU tests check that the activation columns are copied in the weight fragments' order
-(:func:`_stored_cols` against ``k_perm``) and the re-basing in bf16
-(:func:`rebased_bf16_weights`, the kernel's arithmetic in torch).
+(:func:`_stored_cols` against the fragments' permutation) and the re-basing in bf16
+(``tests.support.decode_gemm``: the kernel's arithmetic in torch).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.moe_decode import _fragments, _last_sums, _quarters_layout, _tile_layout
+from kernels.moe_decode import _fragments, _quarters_layout, _tile_layout
 
 KB = 128  # K columns per ring slot; a thread's quarter of a row is one 32-column scale group
 WARPS = 4  # one warpgroup, 64 weight rows per CTA (pick_launch: two at 128-token tiles)
@@ -63,9 +63,9 @@ TOKEN_TILES = (16, 32, 64, 128)  # BT: the wgmma N
 @gluon.jit
 def _stored_cols(kk, KB: gl.constexpr):
     """The stored column of each logical MMA column ``kk`` of a KB-column block: what the
-    weight fragments hold there (``moe_decode.k_perm``), so the activation tile is copied in
-    the same order. Pairs of columns stay adjacent (4-byte copies). Plain integer arithmetic:
-    the CPU tests call it on torch tensors (``_stored_cols.fn``)."""
+    weight fragments hold there (``kernels.moe_decode``'s K permutation), so the activation
+    tile is copied in the same order. Pairs of columns stay adjacent (4-byte copies). Plain
+    integer arithmetic: the CPU tests call it on torch tensors (``_stored_cols.fn``)."""
     return (KB // 4) * ((kk // 2) % 4) + 4 * (kk // 16) + 2 * ((kk // 8) % 2) + kk % 2
 
 
@@ -74,8 +74,8 @@ def _issue(w_slot, x_slot, s_slot, w_ptrs, x_ptrs, x_mask, s_ptrs, k, k_hi, KB: 
     """cp.async the K block at ``k`` into one ring slot, unless it lies at or past ``k_hi``
     (the group is committed either way, so the waits count blocks): the weight bytes
     [BM, KB], the activations [BT, KB] (``x_ptrs`` maps logical column k of the slot to
-    stored column ``k_perm[k]`` of the block: column pairs stay adjacent, 4-byte copies) and
-    the rows' scale words."""
+    the block's stored column :func:`_stored_cols` (k): column pairs stay adjacent, 4-byte
+    copies) and the rows' scale words."""
     if k < k_hi:
         async_copy.async_copy_global_to_shared(w_slot, w_ptrs + k)
         async_copy.async_copy_global_to_shared(x_slot, x_ptrs + k, mask=x_mask)
@@ -86,14 +86,11 @@ def _issue(w_slot, x_slot, s_slot, w_ptrs, x_ptrs, x_mask, s_ptrs, k, k_hi, KB: 
 @gluon.jit
 def _dense_wg_kernel(
     x_ptr, sxm, w_ptr, swn, s_ptr, ssn, r_ptr, out_ptr, sos, som, M, N, K, k_per_split,
-    cnt_ptr, fin_ptr, sfm,
     BM: gl.constexpr, BT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-    SB_N: gl.constexpr, WARPS: gl.constexpr, REDUCE: gl.constexpr = False,
+    SB_N: gl.constexpr, WARPS: gl.constexpr,
 ):  # fmt: skip
     """One (BM weight rows, K split, BT token rows): out[split, t, n] = sum over the split's
-    K of x[t, k] W[n, k] (see the module docstring). ``REDUCE``: the last CTA of each (row
-    block, token tile) also sums the splits into ``fin_ptr`` [t, n] (``moe_decode._last_sums``;
-    counters at ``cnt_ptr``, zero between launches)."""
+    K of x[t, k] W[n, k] (see the module docstring)."""
     pid_n, pid_k, pid_t = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BT, 16])  # fmt: skip
@@ -165,10 +162,6 @@ def _dense_wg_kernel(
     tp = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
     o_ptrs = out_ptr + pid_k * sos + tp.to(gl.int64)[None, :] * som + rm[:, None]
     gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(tp < M)[None, :])
-    if REDUCE:
-        _last_sums(o_ptrs - pid_k * sos, sos, fin_ptr + tp.to(gl.int64)[None, :] * sfm
-                   + rm[:, None], cnt_ptr + pid_t * (N // BM) + pid_n, gl.num_programs(1),
-                   (tp < M)[None, :])  # fmt: skip
 
 
 def token_tile(m: int) -> int:
@@ -203,14 +196,12 @@ def pick_stages(bt: int, bm: int = 16 * WARPS, smem: int = 200 * 1024) -> int:
 
 def launch(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Tensor,
            out: torch.Tensor, m: int, split: int, bt: int, b0: int, stages: int,
-           warps: int = WARPS, fin: torch.Tensor | None = None,
-           counters: torch.Tensor | None = None) -> None:  # fmt: skip
+           warps: int = WARPS) -> None:  # fmt: skip
     """``out[s, :m] (+)= x @ W^T`` over K split s: ``x`` bf16 / fp16 [m, K] (16-byte aligned
     rows), ``w`` e4m3 [N, K], ``words`` int32 [ceil(N / b0), K / 128] (four e8m0 codes per
     128 columns), ``refs`` int32 [N] (``moe_decode.fp8_refs``), ``out`` [split, >= m, N]: x's
-    dtype when ``split`` is 1, else fp32. With ``fin`` [>= m, N] (x's dtype) and ``counters``
-    (int32, zero, at least N / (16 x warps) per token tile) the launch also sums the splits
-    into ``fin``. K a multiple of KB, N of 16 x ``warps``."""
+    dtype when ``split`` is 1, else fp32 partials (the caller sums them). K a multiple of KB,
+    N of 16 x ``warps``."""
     n, k = w.shape
     bm = 16 * warps
     if k % KB or n % bm or x.dtype not in (torch.bfloat16, torch.float16) or bt not in TOKEN_TILES:
@@ -218,25 +209,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Te
                          f"token tile {bt}")  # fmt: skip
     per = -(-(k // KB) // split) * KB
     grid = (n // bm, split, -(-m // bt))
-    reduce = fin is not None and split > 1
-    if reduce and (counters is None or counters.numel() < grid[0] * grid[2]
-                   or fin.shape[1] != n or fin.stride(1) != 1):  # fmt: skip
-        raise ValueError("dense wgmma GEMM: the in-kernel split sum needs fin [rows, N] and "
-                         f"{grid[0] * grid[2]} zeroed counters")  # fmt: skip
     _dense_wg_kernel[grid](
         x, x.stride(0), w.view(torch.uint8), w.stride(0), words, words.stride(0), refs, out,
-        out.stride(0), out.stride(1), m, n, k, per, counters if reduce else refs,
-        fin if reduce else out, fin.stride(0) if reduce else 0, BM=bm, BT=bt, KB=KB,
-        STAGES=stages, SB_N=b0, WARPS=warps, REDUCE=reduce, num_warps=warps,
+        out.stride(0), out.stride(1), m, n, k, per, BM=bm, BT=bt, KB=KB, STAGES=stages,
+        SB_N=b0, WARPS=warps, num_warps=warps,
     )  # fmt: skip
 
-
-def rebased_bf16_weights(w: torch.Tensor, codes: torch.Tensor, refs: torch.Tensor,
-                         b0: int) -> torch.Tensor:  # fmt: skip
-    """The kernel's bf16 weights: e4m3 ``w`` [N, K] converted, times the bf16 2^(c - R) of its
-    32-column group (``codes`` uint8 [ceil(N / b0), K / 32], ``refs`` [N]), rounded once to
-    bf16 as the kernel's multiply: W x 2^(127 - R), exact where the plan holds."""
-    n, k = w.shape
-    c = codes.to(torch.int32).repeat_interleave(b0, dim=0)[:n].repeat_interleave(32, dim=1)
-    mult = torch.exp2((c - refs[:, None]).double()).to(torch.bfloat16)
-    return (w.to(torch.bfloat16) * mult).to(torch.bfloat16)

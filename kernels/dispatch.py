@@ -52,31 +52,6 @@ def _use_reference(name: str) -> bool:
     return ref is True or (bool(ref) and name in ref)
 
 
-@contextlib.contextmanager
-def pinned_variant(op_name: str, variant: str, variants: tuple[str, ...]) -> Iterator[None]:
-    """Pin the kernel variant op ``op_name`` takes in this block (this thread) when a call names
-    none: before / after benchmarks of the same engine step, e.g. the attention kernel ("auto",
-    "ws", "tl") or the MoE decode GEMMs ("auto", "tl"). Set it before CUDA-graph capture: a
-    captured graph keeps the kernels it was captured with."""
-    if variant not in variants:
-        raise ValueError(f"{op_name} kernel must be one of {variants}, got {variant!r}")
-    pins = _state.__dict__.setdefault("pins", {})
-    prev = pins.get(op_name)
-    pins[op_name] = variant
-    try:
-        yield
-    finally:
-        if prev is None:
-            del pins[op_name]
-        else:
-            pins[op_name] = prev
-
-
-def pinned(op_name: str) -> str:
-    """The variant :func:`pinned_variant` pins for ``op_name`` here, else "auto"."""
-    return getattr(_state, "pins", {}).get(op_name, "auto")
-
-
 def sm_count(device: torch.device | int | None) -> int:
     """Streaming multiprocessors of a CUDA device (index None: device 0), for the launch
     heuristics; cached, as they ask at every call."""

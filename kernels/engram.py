@@ -196,19 +196,6 @@ def engram_gather_triton(
     return out.view(rows.shape[0], -1)
 
 
-def engram_gather_host(
-    table: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """Fallback host gather: index_select on the CPU, one non_blocking copy of the raw rows."""
-    idx = rows.reshape(-1).cpu()
-    raw = table.index_select(0, idx).pin_memory().to(rows.device, non_blocking=True)
-    sc = None
-    if scale is not None:
-        sc = scale.index_select(0, idx).pin_memory().to(rows.device, non_blocking=True)
-    local = torch.arange(idx.numel(), device=rows.device)
-    return engram_gather_ref(raw, local.view(rows.shape), sc, dtype)
-
-
 def engram_gate_triton(
     x: torch.Tensor,
     key: torch.Tensor,

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import op, sm_count
-from kernels.indexer import topk_ref
 
 
 def moe_gate_ref(
@@ -156,9 +155,9 @@ def moe_gate_triton(
     )  # fmt: skip
     # one token per program: each of the k rounds is three reductions along a row, and a
     # 4-token, 4-warp program (before) spent ~17 us at 8 tokens on their barriers (H200).
-    # Warps: 2 per 512 experts below 8 tokens, 4 from 8 (H200, 384 experts, top-6, graph,
-    # `.dev` probe of session 18: 1 / 2 / 4 warps 8.1 / 7.15 / 9.7 us at 1 token, 8.4 / 7.3
-    # / 6.2 at 8, 8.8 / 7.5 / 6.4 at 64; outputs equal)
+    # Warps: 2 per 512 experts below 8 tokens, 4 from 8 (H200, 384 experts, top-6, graph:
+    # 1 / 2 / 4 warps 8.1 / 7.15 / 9.7 us at 1 token, 8.4 / 7.3 / 6.2 at 8, 8.8 / 7.5 / 6.4
+    # at 64; outputs equal)
     be = triton.next_power_of_2(n_exp)
     warps = max(1, min(8, be // (128 if t >= 8 else 256)))
     _gate_topk[(t,)](
@@ -185,5 +184,4 @@ def moe_gate_fused_ref(
 moe_gate_fused = op(moe_gate_fused_ref, moe_gate_triton)
 
 
-__all__ = ["moe_gate", "moe_gate_fused", "moe_gate_fused_ref", "moe_gate_ref", "moe_gate_triton",
-           "topk_ref"]
+__all__ = ["moe_gate", "moe_gate_fused", "moe_gate_fused_ref", "moe_gate_ref", "moe_gate_triton"]

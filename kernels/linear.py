@@ -19,7 +19,6 @@ MegaMoE GEMM.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -27,8 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import capability, op, pinned, pinned_variant, sm_count, split_counters
-from kernels.quant import is_e8m0
+from kernels import dense_wgmma as dw
+from kernels import moe_decode as md
+from kernels.dispatch import capability, op, sm_count, split_counters
+from kernels.moe_grouped import _dot_dtype, _moe_gemm, _scale_arg, _scale_launch
+from kernels.moe_tiles import _gemm_tiles, _num_sms
+from kernels.quant import dequantize_fp8_block, is_e8m0
 
 
 def linear_f32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -87,7 +90,6 @@ linear_f32 = op(linear_f32_ref, lambda x, w: linear_f32_triton(x.contiguous(), w
 
 # ---- bf16 / fp16 dense projections at decode sizes ----------------------------------------
 GEMV_MAX_ROWS = 16  # rows up to which a plain projection takes the split-K decode kernel
-_GEMV = ("auto", "cublas")
 
 
 def dense_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -143,9 +145,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, k_per, sxm, sw
 def gemv_launch(n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BN, BK, K splits, ring depth, warps) of :func:`dense_linear_triton`: 64 weight rows
     per program, 128-column blocks in a 4-deep ring, and K splits for about 1.2 programs per
-    SM, each split keeping at least four blocks. H200 sweep at 1 token (docs/performance.md,
-    nineteenth session): each V4.1-Flash shape was fastest with 80-216 programs; more splits
-    lost (their partials and the serial sum), 2-3x the programs by up to 1.7x."""
+    SM, each split keeping at least four blocks. H200 sweep at 1 token
+    (``bench/decode_plumbing.py --sweep-gemv``): each V4.1-Flash shape was fastest with
+    80-216 programs; more splits lost (their partials and the serial sum), 2-3x the programs
+    by up to 1.7x."""
     bn, bk = 64, 128
     blocks = triton.cdiv(n, bn)
     split = max(1, min(k // (4 * bk), round(1.2 * sms / blocks)))
@@ -186,19 +189,13 @@ def dense_linear_triton(x: torch.Tensor, w: torch.Tensor,
     return y.reshape(*x.shape[:-1], n)
 
 
-def gemv_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
-    """Pin the plain projections' decode kernel in this block: "auto" (``_gemv_kernel`` up to
-    :data:`GEMV_MAX_ROWS` rows) or "cublas" (``nn.Linear``'s product everywhere; before /
-    after A/B). Set it before a CUDA-graph capture."""
-    return pinned_variant("dense_linear", kernel, _GEMV)
-
-
 def _gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The dispatch's rule: the decode kernel for at most :data:`GEMV_MAX_ROWS` rows of
+    bf16 / fp16 (K a multiple of 8, 16-byte aligned weight rows), cuBLAS above."""
     k = x.shape[-1]
     return (x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
             and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1 and k % 8 == 0
-            and w.stride(0) % 8 == 0 and x.numel() <= GEMV_MAX_ROWS * k
-            and pinned("dense_linear") == "auto")  # fmt: skip
+            and w.stride(0) % 8 == 0 and x.numel() <= GEMV_MAX_ROWS * k)  # fmt: skip
 
 
 dense_linear = op(dense_linear_ref, dense_linear_triton, when=_gemv_fits)
@@ -207,9 +204,10 @@ dense_linear = op(dense_linear_ref, dense_linear_triton, when=_gemv_fits)
 # ---- fp8 dense projections with the checkpoint's block scales ----------------------------------
 DECODE_MAX_TOKENS = 64  # rows up to which a planned projection takes the mma.sync kernel
 WG_MAX_TOKENS = 256  # ... the wgmma kernel (sm_90; two 128-token tiles)
-WG_MIN_TOKENS = 17  # "auto" takes the wgmma kernel from here (measured: docs/performance.md)
+# the wgmma kernel from here on sm_90 (its 32-row token tile; H200, the six V4.1-Flash dense
+# projections: 99.4 against the mma.sync kernel's 110.9 us at 32 rows, 92.0 against 76.4 at 8)
+WG_MIN_TOKENS = 17
 WG_MAX_REF = 190  # its row factor 2^(R - 127) is built as fp32 bits (R + 64) << 23
-_KERNELS = ("auto", "gluon", "wgmma", "tl")
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,8 +232,6 @@ def fp8_decode_plan(
     fp16 products hold exactly (``moe_decode.SPREAD_FP8``). Column blocks wider than 32 are
     widened to one code per 32 columns. Synchronizes with the device once: make it before any
     CUDA-graph capture (``Fp8Linear.prepare``)."""
-    from kernels import moe_decode as md
-
     n, k = w.shape
     b0, b1 = block
     fits = (is_e8m0(scale) and w.dtype == torch.float8_e4m3fn and w.stride(1) == 1
@@ -251,26 +247,6 @@ def fp8_decode_plan(
     if not exact:
         return None
     return Fp8DecodePlan(codes.contiguous().view(torch.int32), refs, b0, int(refs.max()))
-
-
-def fp8_kernel_choice(kernel: str) -> contextlib.AbstractContextManager[None]:
-    """The kernel planned fp8 projections take in this block ("auto": the wgmma kernel from
-    :data:`WG_MIN_TOKENS` to :data:`WG_MAX_TOKENS` rows on sm_90, else the mma.sync decode
-    kernel up to :data:`DECODE_MAX_TOKENS` rows; "gluon" / "wgmma": that one kernel, an error
-    where it cannot run; "tl": the MegaMoE GEMM): before / after runs of the same step (set it
-    before CUDA-graph capture)."""
-    return pinned_variant("fp8_linear", kernel, _KERNELS)
-
-
-def split_sum_choice(where: str) -> contextlib.AbstractContextManager[None]:
-    """Where the Gluon decode kernels' K splits are summed in this block: "kernel" (each
-    tile's last CTA), "launch" (a second launch: ``_split_sum_cast``, the MoE's
-    ``_swiglu_reduce``; the earlier path) or "auto": the kernel for the mma.sync decode
-    kernel (fp8 projections at 1-16 rows, the MoE's W13), a launch for the wgmma
-    kernel (H200, twelfth session: 70.4 against 75.0 us for the six V4.1-Flash projections
-    at 1 token, but 199.5 against 131.2 at 64, where one CTA per tile reads up to 20
-    partials of 64 x 64 one after another). Set it before CUDA-graph capture."""
-    return pinned_variant("split_sum", where, ("auto", "launch", "kernel"))
 
 
 def _decode_kernel_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, k: int,
@@ -295,8 +271,6 @@ def _wgmma_runs(x: torch.Tensor, plan: Fp8DecodePlan, n: int, m: int) -> bool:
     64 tokens, 128 beyond), row references up to :data:`WG_MAX_REF`."""
     if capability(x.device) != (9, 0) or m > WG_MAX_TOKENS or plan.r_max > WG_MAX_REF:
         return False
-    from kernels import dense_wgmma as dw
-
     return not n % (16 * dw.pick_launch(dw.token_tile(m))[0])
 
 
@@ -310,8 +284,6 @@ def fp8_linear_ref(
     """``x @ dequant(w)^T`` in ``x.dtype``: ``w`` [N, K] e4m3 with e8m0 (or fp32) ``scale``
     [ceil(N/b0), ceil(K/b1)] per ``block`` (b0, b1) -- what the dequantized model computes.
     ``plan`` (the decode kernel's, :func:`fp8_decode_plan`) does not change the result."""
-    from kernels.quant import dequantize_fp8_block
-
     return torch.nn.functional.linear(x, dequantize_fp8_block(w, scale, block, x.dtype))
 
 
@@ -322,17 +294,13 @@ def fp8_linear_triton(
     block: tuple[int, int],
     plan: Fp8DecodePlan | None = None,
 ) -> torch.Tensor:
-    """Triton :func:`fp8_linear_ref`. With a ``plan``: on sm_90 from :data:`WG_MIN_TOKENS` to
-    :data:`WG_MAX_TOKENS` rows the wgmma kernel (``kernels.dense_wgmma``: the weights in
-    registers, all the rows as the MMA's N; N a multiple of 64, of 128 past 64 rows); else
-    up to :data:`DECODE_MAX_TOKENS` rows on
-    sm_89+ the decode kernel (``kernels.moe_decode``: weights as the MMA's A, each 32-column
-    scale re-based onto the fp16 weights, one accumulation over all of K). Else
-    the MegaMoE GEMM (``kernels.moe._moe_gemm``) with one group, weights streamed as e4m3 and
-    multiplied after the in-register conversion, each 32-column group's fp32 partial times
-    its scale; split-K at decode sizes."""
-    from kernels import moe
-
+    """Triton :func:`fp8_linear_ref`. The dispatch by shape: with a ``plan``, on sm_90 from
+    :data:`WG_MIN_TOKENS` to :data:`WG_MAX_TOKENS` rows the wgmma kernel
+    (``kernels.dense_wgmma``: the weights in registers, all the rows as the MMA's N; N a
+    multiple of 64, of 128 past 64 rows); else up to :data:`DECODE_MAX_TOKENS` rows on sm_89+
+    the decode kernel (``kernels.moe_decode``: weights as the MMA's A, each 32-column scale
+    re-based onto the fp16 weights, one accumulation over all of K); else (no plan, more
+    rows, another GPU) the one-group MegaMoE GEMM (:func:`_fp8_grouped`)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -347,55 +315,56 @@ def fp8_linear_triton(
                          f"{tuple(scale.shape)} does not fit the kernel")  # fmt: skip
     if M == 0:
         return x.new_empty(*shape[:-1], N)
-    kernel = pinned("fp8_linear")
-    if kernel != "tl":
-        runs = plan is not None and _decode_kernel_runs(x2, plan, N, K, b0)
-        wg = runs and (kernel == "wgmma" or M >= WG_MIN_TOKENS) and _wgmma_runs(x2, plan, N, M)
-        if wg and (kernel == "wgmma" or (kernel == "auto" and M >= WG_MIN_TOKENS)):
+    if plan is not None and _decode_kernel_runs(x2, plan, N, K, b0):
+        if M >= WG_MIN_TOKENS and _wgmma_runs(x2, plan, N, M):
             return _fp8_wgmma(x2, w, plan, M, N, K).view(*shape[:-1], N)
-        if runs and kernel != "wgmma" and M <= DECODE_MAX_TOKENS:
+        if M <= DECODE_MAX_TOKENS:
             return _fp8_decode(x2, w, plan, M, N, K).view(*shape[:-1], N)
-        if kernel != "auto":
-            raise ValueError(f"the fp8 decode kernel ({kernel}) cannot take this call (plan: "
-                             f"{plan is not None}, rows {M}, N {N}, {x2.dtype} on "
-                             f"{x2.device})")  # fmt: skip
+    return _fp8_grouped(x2, w, scale, block).view(*shape[:-1], N)
+
+
+def _fp8_grouped(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                 block: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """[M, N] in x's dtype through the MegaMoE GEMM (``kernels.moe_grouped._moe_gemm``) with one
+    group: weights streamed as e4m3 and multiplied after the in-register conversion, each
+    32-column group's fp32 partial times its scale; split-K at decode sizes."""
+    M, K = x2.shape
+    N = w.shape[0]
+    b0, b1 = block
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
     n_tiles = -(-M // bm)
     # any K step that is a multiple of 32 works (each 32-column group takes its block's
     # scale); a floor of the block width left K < b1 (V4's 128 blocks, K = 64) with no step
-    t = moe._gemm_tiles(bm, N, K, n_tiles, moe._num_sms(x.device), 32, False, False)
+    t = _gemm_tiles(bm, N, K, n_tiles, _num_sms(x2.device), 32, False, False)
     if N % t.bn:
         raise ValueError(f"N = {N} is not a multiple of the tile {t.bn}")
-    s, e8 = moe._scale_arg(scale.unsqueeze(0))
+    s, e8 = _scale_arg(scale.unsqueeze(0))
     w3 = w.unsqueeze(0)
-    rows, tile_e = _one_group_rows(n_tiles * bm, n_tiles, x.device)
+    rows, tile_e = _one_group_rows(n_tiles * bm, n_tiles, x2.device)
     # one K split: the kernel's fp32 tile is rounded to x's dtype as it is stored
     y_dt = x2.dtype if t.split == 1 else torch.float32
-    y = torch.empty(t.split, n_tiles * bm, N, dtype=y_dt, device=x.device)
+    y = torch.empty(t.split, n_tiles * bm, N, dtype=y_dt, device=x2.device)
     k_per = -(-(K // t.bk) // t.split) * t.bk
-    scale_args, scale_kw = moe._scale_launch(s, e8, b1, t.bk)
-    interp = moe._INTERPRET
-    moe._moe_gemm[(n_tiles, N // t.bn, t.split)](
+    scale_args, scale_kw = _scale_launch(s, e8, b1, t.bk)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    _moe_gemm[(n_tiles, N // t.bn, t.split)](
         x2, x2.stride(0), x2, x2.stride(0), rows, tile_e, w3, w3.stride(0), w3.stride(1),
         *scale_args, y, y.stride(0), y.stride(1), M, 1, N, K, k_per, 0.0,
         A_GATHER=False, GATED=False, FUSE_SWIGLU=False, FP4=False, PAIRS=False,
-        USE_ASM=not interp, SB_N=b0, SB_K=b1, HAS_LIMIT=False, CDT=moe._dot_dtype(x2),
-        A_FP8=False, A_Q=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
+        USE_ASM=not interp, SB_N=b0, SB_K=b1, HAS_LIMIT=False, CDT=_dot_dtype(x2),
+        A_FP8=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
         num_stages=t.stages, **scale_kw,
     )  # fmt: skip
-    return _sum_splits(y, M, N, x2.dtype).view(*shape[:-1], N)
+    return _sum_splits(y, M, N, x2.dtype)
 
 
 def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N: int,
                 K: int, bt: int | None = None, split: int | None = None,
-                stages: int | None = None,
-                fused_sum: bool | None = None) -> torch.Tensor:  # fmt: skip
+                stages: int | None = None) -> torch.Tensor:  # fmt: skip
     """[M, N] in x's dtype through ``moe_decode.launch_dense``; with K splits the kernel's
-    last CTA of each tile sums them (``fused_sum``; by default unless
-    :func:`split_sum_choice` pins "launch"), else a second launch does. The token
-    tile, K splits and ring depth default to the measured choice (a sweep passes its own)."""
-    from kernels import moe_decode as md
-
+    last CTA of each tile sums them (one launch; H200, the six V4.1-Flash projections at one
+    token: 70.4 against 75.0 us with a second launch for the sum). The token tile, K splits
+    and ring depth default to the measured choice (a sweep passes its own)."""
     bt = bt or (8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64)
     tiles = -(-M // bt)
     split = split or md.pick_split(tiles, N, K, sm_count(x2.device))
@@ -403,9 +372,7 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
     rows, tile_e = _one_group_rows(tiles * bt, tiles, x2.device)
     y = torch.empty(split, tiles * bt, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
-    if fused_sum is None:
-        fused_sum = pinned("split_sum") != "launch"
-    if split > 1 and fused_sum:
+    if split > 1:
         fin = torch.empty(tiles * bt, N, device=x2.device, dtype=x2.dtype)
         cnt = split_counters(tiles * (N // md.BR), x2.device)
         md.launch_dense(x2, w, plan.words, plan.refs, rows, tile_e, y, M, split, bt, plan.b0,
@@ -418,28 +385,17 @@ def _fp8_decode(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, 
 
 def _fp8_wgmma(x2: torch.Tensor, w: torch.Tensor, plan: Fp8DecodePlan, M: int, N: int,
                K: int, bt: int | None = None, split: int | None = None,
-               stages: int | None = None, warps: int | None = None,
-               fused_sum: bool | None = None) -> torch.Tensor:  # fmt: skip
-    """[M, N] in x's dtype through ``dense_wgmma.launch``; K splits summed by a second
-    launch, or by the kernel's last CTA of each tile with ``fused_sum`` (by default only
-    where :func:`split_sum_choice` pins "kernel": slower here). The launch choices
-    default to the measured ones (a sweep passes its own)."""
-    from kernels import dense_wgmma as dw
-
+               stages: int | None = None, warps: int | None = None) -> torch.Tensor:  # fmt: skip
+    """[M, N] in x's dtype through ``dense_wgmma.launch``; K splits summed by a second launch
+    (:func:`_sum_splits`: here one CTA per tile summing up to 20 partials of 64 x 64 one after
+    another was slower, H200 at 64 tokens 199.5 against 131.2 us for the six V4.1-Flash
+    projections). The launch choices default to the measured ones (a sweep passes its own)."""
     bt = bt or dw.token_tile(M)
     warps_, stages_ = dw.pick_launch(bt)
     warps, stages = warps or warps_, stages or stages_
     split = split or dw.pick_split(N, K, sm_count(x2.device), 16 * warps)
     y = torch.empty(split, M, N, device=x2.device,
                     dtype=x2.dtype if split == 1 else torch.float32)  # fmt: skip
-    if fused_sum is None:
-        fused_sum = pinned("split_sum") == "kernel"
-    if split > 1 and fused_sum:
-        fin = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
-        n_cnt = (N // (16 * warps)) * -(-M // bt)
-        dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps, fin,
-                  split_counters(n_cnt, x2.device))  # fmt: skip
-        return fin
     dw.launch(x2, w, plan.words, plan.refs, y, M, split, bt, plan.b0, stages, warps)
     return _sum_splits(y, M, N, x2.dtype)
 

@@ -1,4 +1,5 @@
-"""Manifold-constrained hyper-connections: torch references and the fused Triton Mega-mHC.
+"""Manifold-constrained hyper-connections: the fused Triton Mega-mHC (references:
+``kernels.mhc_ref``).
 
 From the flattened streams ``v`` [T, n*d]: ``m = (fn @ v) * rsqrt(mean(v^2) + eps)``;
 ``pre = sigmoid(m[:n]*s0 + b) + hc_eps``, ``post = 2*sigmoid(m[n:2n]*s1 + b)``,
@@ -17,114 +18,17 @@ to count itself in runs the finish), else as those two launches (:func:`_finish_
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import op, pinned, pinned_variant, sm_count, split_counters
-from kernels.norm import rms_norm_ref
+from kernels.dispatch import op, sm_count, split_counters
+from kernels.mhc_ref import hc_expand_ref, hc_post_pre_ref, hc_pre_ref
 
-_FINISH = ("auto", "fused", "tile", "loop")
 FINISH_TILE_MAX = 32768  # most stream values (n x next power of 2 of d) one-tile holds
 FUSED_MAX_TOKENS = 4  # the one-launch form up to this many tokens (each reads all of fn)
-
-
-def sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax + eps, then alternate column / row normalization (``iters`` column passes)."""
-    x = logits.softmax(dim=-1) + eps
-    x = x / (x.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        x = x / (x.sum(dim=-1, keepdim=True) + eps)
-        x = x / (x.sum(dim=-2, keepdim=True) + eps)
-    return x
-
-
-def hc_mix_ref(
-    x: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` [T, n, d] -> (pre [T, n], post [T, n], comb [T, n, n]), all fp32."""
-    n = x.shape[1]
-    flat = x.flatten(1).float()
-    m = (flat @ fn.float().t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    s = scale.float()
-    scales = torch.cat((s[0].expand(n), s[1].expand(n), s[2].expand(n * n)))
-    logits = m * scales + base.float()
-    pre = torch.sigmoid(logits[:, :n]) + hc_eps
-    post = 2 * torch.sigmoid(logits[:, n : 2 * n])
-    comb = sinkhorn_ref(logits[:, 2 * n :].unflatten(-1, (n, n)), iters, hc_eps)
-    return pre, post, comb
-
-
-def hc_collapse_ref(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """``sum_j pre_j x_j``: [T, n, d], [T, n] -> [T, d] (fp32 math, x.dtype out)."""
-    return (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
-
-
-def hc_expand_ref(
-    out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> torch.Tensor:
-    """``X'_k = post_k * out + sum_j comb[j, k] X_j``: -> [T, n, d] in out.dtype."""
-    upd = post.unsqueeze(-1) * out.float().unsqueeze(1)
-    mixed = torch.einsum("tjk,tjd->tkd", comb, x.float())
-    return (upd + mixed).to(out.dtype)
-
-
-hc_mix = hc_mix_ref
-hc_collapse = hc_collapse_ref
-hc_expand = hc_expand_ref
-
-
-def hc_pre_ref(
-    x: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    norm_w: torch.Tensor,
-    iters: int,
-    hc_eps: float,
-    norm_eps: float,
-    rms_eps: float,
-    pre_in: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (RMSNorm(sum_j p_j X_j) [T, d], post, comb, pre); ``p = pre_in`` or the mix's pre."""
-    pre, post, comb = hc_mix_ref(x, fn, base, scale, iters, hc_eps, norm_eps)
-    collapsed = hc_collapse_ref(x, pre if pre_in is None else pre_in)
-    return rms_norm_ref(collapsed, norm_w, rms_eps), post, comb, pre
-
-
-def hc_post_pre_ref(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    norm_w: torch.Tensor,
-    iters: int,
-    hc_eps: float,
-    norm_eps: float,
-    rms_eps: float,
-    pre_in: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``X' = hc_expand(out, x, post, comb)`` then :func:`hc_pre_ref` on X'.
-
-    -> (X', normed, post', comb', pre')."""
-    x_new = hc_expand_ref(out, x, post, comb)
-    return (x_new, *hc_pre_ref(x_new, fn, base, scale, norm_w, iters, hc_eps, norm_eps,
-                               rms_eps, pre_in))  # fmt: skip
-
-
-# ---- Triton ---------------------------------------------------------------------------
 
 
 @triton.jit
@@ -462,35 +366,23 @@ def _mix_and_finish(
     return y, post2, comb2, pre
 
 
-def finish_choice(form: str) -> contextlib.AbstractContextManager[None]:
-    """The form of the mHC mix + finish the calls in this block take: "auto" (below),
-    "fused" (one launch where a call fits the one-tile finish), "tile" (two launches, the
-    finish loading the token's streams once, where a call fits), "loop" (two launches, two
-    passes over d everywhere): before / after runs of the same step (set it before CUDA-graph
-    capture)."""
-    return pinned_variant("mhc_finish", form, _FINISH)
-
-
 def _finish_form(t: int, n: int, d: int, sms: int) -> str:
-    """The form of a call: "loop" unless the one-tile finish fits (a decode wave: t <= SMs,
-    n x d <= FINISH_TILE_MAX) or "loop" is pinned; then "fused" up to FUSED_MAX_TOKENS
-    tokens (or pinned), else "tile".
+    """The form of a call, by shape: "loop" (two launches, two passes over d) unless the
+    one-tile finish fits (a decode wave: t <= SMs, n x next_pow2(d) <= FINISH_TILE_MAX);
+    then "fused" (one launch) up to FUSED_MAX_TOKENS tokens, else "tile" (two launches, the
+    finish loading the token's streams once).
 
-    "tile" against "loop", H200, eighth session (``bench/decode_plumbing.py``, the pre +
-    finish pair, graph): 11.1 / 11.3 / 17.4 us at 1 / 8 / 64 tokens against 15.1 / 17.4 /
-    23.8 us; the flash rank's decode step 12.18 against 12.80 ms at batch 1 and 29.31
-    against 30.29 ms at 64 (32K context). The tile holds the token's n x d streams in
-    registers (up to 16 warps), so it applies to a decode wave only (4 x 8192 at 16 warps
-    is ~64 registers of streams per thread). "fused" is one launch of (token, d-split)
-    programs, the token's last one finishing (docs/performance.md has its figures); each
-    token reads all of ``fn``, so it stays at a few tokens."""
-    fits = n * triton.next_power_of_2(d) <= FINISH_TILE_MAX and t <= sms
-    pin = pinned("mhc_finish")
-    if pin == "loop" or not fits:
+    "tile" against "loop", H200 (``bench/decode_plumbing.py``, the pre + finish pair,
+    graph): 11.1 / 11.3 / 17.4 us at 1 / 8 / 64 tokens against 15.1 / 17.4 / 23.8 us; the
+    flash rank's decode step 12.18 against 12.80 ms at batch 1 and 29.31 against 30.29 ms at
+    64 (32K context). The tile holds the token's n x d streams in registers (up to 16
+    warps), so it applies to a decode wave only (4 x 8192 at 16 warps is ~64 registers of
+    streams per thread). "fused" is one launch of (token, d-split) programs, the token's
+    last one finishing (docs/performance.md has its figures); each token reads all of
+    ``fn``, so it stays at a few tokens."""
+    if n * triton.next_power_of_2(d) > FINISH_TILE_MAX or t > sms:
         return "loop"
-    if pin == "fused" or (pin == "auto" and t <= FUSED_MAX_TOKENS):
-        return "fused"
-    return "tile"
+    return "fused" if t <= FUSED_MAX_TOKENS else "tile"
 
 
 def hc_pre_triton(

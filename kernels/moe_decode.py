@@ -1,13 +1,13 @@
 """Decode GEMMs over stored low-precision weights (Gluon, sm_89+; tuned on sm_90): the MoE's
 fp4 experts in the pairs layout, and the dense fp8 projections (e4m3 + e8m0 blocks).
 
-At decode a local expert sees a few token rows (1-16), so its GEMM is a weight stream:
-every fp4 byte is read once, converted, and multiplied by a handful of activation columns.
-``kernels.moe._moe_gemm`` (``tl``) takes the tokens as the MMA's M and the weights as B: its
-converted weight tile goes through Triton's operand shuffles, and each 32-column scale goes
-on an fp32 partial. This kernel swaps the operands (weights = A, M = weight rows; tokens =
-B, N = 8, 16 or 32, ``mma.sync`` m16n8k16 in fp16) and permutes K inside each KB-column block so
-that every thread's share of the A fragments is KB/4 contiguous bytes of a row:
+At decode a local expert sees a few token rows (1-16), so its GEMM is a weight stream: every
+fp4 byte is read once, converted, and multiplied by a handful of activation columns.
+``kernels.moe_grouped._moe_gemm`` (``tl``) takes the tokens as the MMA's M and the weights as
+B: its converted weight tile goes through Triton's operand shuffles, and each 32-column scale
+goes on an fp32 partial. This kernel swaps the operands (weights = A, M = weight rows; tokens =
+B, N = 8, 16 or 32, ``mma.sync`` m16n8k16 in fp16) and permutes K inside each KB-column block
+so that every thread's share of the A fragments is KB/4 contiguous bytes of a row:
 
     logical k = 16 s + 8 h + 2 t + b   <->   stored column (KB/4) t + 4 s + 2 h + b
 
@@ -42,7 +42,8 @@ activations are the model's bf16 / fp16, converted to fp16 x 2^-4 in the kernel.
 
 Gluon does not run under the interpreter: ``tests/gpu`` checks this kernel against the
 torch reference and the ``tl`` kernel; the CPU tests check the K permutation and the scale
-re-basing (``row_refs`` / :func:`emulate`), which are what this kernel adds.
+re-basing (``row_refs`` and ``tests.support.decode_gemm``'s emulation), which are what this
+kernel adds.
 """
 
 from __future__ import annotations
@@ -55,7 +56,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.runtime.jit import constexpr_function
 
-WARPS = gl.constexpr(4)
+from kernels.moe_decode_fused import (
+    WARPS,
+    _arrived_last,
+    _combine_last,
+    _idle_tile,
+    _last_sums,
+    _local_slots,
+    _route_tile,
+    _store_rows,
+)
+
 KB = 128  # K columns per block (a ring slot); a thread's quarter is one 32-column scale group
 BR = 64  # weight rows per CTA (16 per warp); a byte holds one row of each of the two row sets
 STAGES = 2  # ring slots (pick_stages): one block in flight while the other is multiplied
@@ -70,7 +81,7 @@ SPREAD_FP8 = 21
 # fp4 -> e4m3 x 2^-6, four bytes (eight codes) at a time (the low nibbles -> $0, the high
 # nibbles -> $1): the code's magnitude bits e1 e0 m land on e4m3's low exponent bits and top
 # mantissa bit (e = 0 lands on the e4m3 subnormal of the same value), the sign on bit 7. Both
-# MoE GEMM kernels use it (kernels.moe wraps it for tl).
+# MoE GEMM kernels use it (``kernels.moe_grouped`` wraps it for tl).
 FP4_TO_E4M3_PTX = """{
 .reg .b32 a, u;
 and.b32 a, $2, 0x07070707;  shl.b32 a, a, 2;
@@ -93,74 +104,10 @@ def row_refs(scales: torch.Tensor, head: int = HEAD, spread: int = SPREAD
     return (hi - head).contiguous(), ok
 
 
-def k_perm(kb: int) -> torch.Tensor:
-    """The stored column of each logical MMA column k in a KB-column block (see the module
-    docstring): ``stored[k]``."""
-    k = torch.arange(kb)
-    s, h, t, b = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
-    return (kb // 4) * t + 4 * s + 2 * h + b
-
-
-def rebased_weights(codes: torch.Tensor, c: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """The kernel's fp16 weights: e2m1 ``codes`` [R, K] (fp32 values) x 2^-6 in fp16 (the
-    e4m3 re-encoding's ``cvt``), times the fp16 2^(6 + c - R) of their group (``c`` [R, K/32]
-    e8m0 codes, ``ref`` [R]): code x 2^(c - R), i.e. W x 2^(127 - R) when exact."""
-    g = torch.arange(codes.shape[1]) // 32
-    mult = torch.exp2((6 + c[:, g] - ref[:, None]).double()).to(torch.float16)
-    return (codes * 2.0**-6).to(torch.float16) * mult  # one fp16 rounding, as HMUL2
-
-
-def emulate(x16: torch.Tensor, codes: torch.Tensor, c: torch.Tensor, ref: torch.Tensor,
-            kb: int) -> torch.Tensor:  # fmt: skip
-    """What the kernel computes for one row set, in torch: ``x16`` [T, K] fp16 activations
-    (x 2^-4), ``codes`` [R, K] e2m1 values (fp32), ``c`` [R, K/32] e8m0 codes, ``ref`` [R]
-    reference exponents. The weights are scaled in fp16 as the kernel does, the columns
-    permuted per KB block as the kernel's fragments take them, the products summed in
-    fp64 (the MMA's fp32 accumulation order is not modelled), and the row factor applied.
-    Returns [T, R] fp32 (= x @ W^T when the scales are exact)."""
-    k = codes.shape[1]
-    w16 = rebased_weights(codes, c, ref)
-    perm = (torch.arange(k) // kb) * kb + k_perm(kb).repeat(k // kb)
-    acc = x16[:, perm].double() @ w16[:, perm].double().T
-    return (acc * torch.exp2((ref - 127 + 4).double())[None, :]).float()
-
-
 def tile_count(n_slots: int, n_local: int, bm: int) -> int:
     """The most BM-row expert tiles ``n_slots`` token slots over ``n_local`` experts can
     need (the graph-static grids of the align launch and of the routing in W13)."""
     return min(n_slots, -(-n_slots // bm) + n_local)
-
-
-def emulate_route(ids: torch.Tensor, offset: int, n_local: int, bt: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """What ``_route_tile`` computes for every tile, in torch and the same formulation
-    (counts per expert, their running tile sum, a running count of the tile's expert's
-    slots): (rows [tiles * bt] slot per tile row, pad = the slot count; inv per slot, the
-    tile row, -1 = not local; tile_e [tiles], -1 = idle) over the graph-static tile count
-    of ``kernels.moe._align`` (whose tiles these are, rows in slot order)."""
-    e = ids.reshape(-1).long() - offset
-    n = e.numel()
-    s = torch.arange(n)
-    loc = (e >= 0) & (e < n_local)
-    cnt = torch.bincount(e[loc], minlength=n_local)
-    tiles = (cnt + bt - 1) // bt
-    end = torch.cumsum(tiles, 0)
-    n_tiles = tile_count(n, n_local, bt)
-    rows = torch.full((n_tiles * bt,), n, dtype=torch.int32)
-    inv = torch.full((n,), -1, dtype=torch.int32)
-    tile_e = torch.full((n_tiles,), -1, dtype=torch.int32)
-    for m in range(n_tiles):
-        em = int((end <= m).sum())
-        if em >= n_local:
-            continue
-        j0 = (m - int(end[em] - tiles[em])) * bt
-        match = (loc & (e == em)).long()
-        rank = torch.cumsum(match, 0) - match
-        mine = (match > 0) & (rank >= j0) & (rank < j0 + bt)
-        tile_e[m] = em
-        rows[m * bt + rank[mine] - j0] = s[mine].int()
-        inv[mine] = (m * bt + rank[mine] - j0).int()
-    return rows, inv, tile_e
 
 
 @constexpr_function
@@ -260,24 +207,23 @@ def _moe_dec_kernel(
     S_P2: gl.constexpr = 1, TOPK: gl.constexpr = 1, T_P2: gl.constexpr = 1,
     NB_P2: gl.constexpr = 1,
 ):  # fmt: skip
-    """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x
-    2^-4; ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations
-    bf16 / fp16 as the model holds them, converted here to fp16 x 2^-4 (exact for normalized
-    activations: it overflows from |x| ~ 1e6 and drops low bits below ~2^-13), no gather, no
-    SwiGLU. The scale ring still copies a second half of words that FP8 never reads.
-    ``TILES_LAST``: the grid is (row blocks, splits, token tiles), so the CTAs of one token
-    tile run together and the idle tiles past the last expert's (``tile_e`` -1: the
-    graph-static grid holds the most tiles a call can need) are scheduled after every
-    working CTA; else (token tiles, row blocks, splits). ``REDUCE`` (with K splits): the
-    split-K sum in the epilogue -- each CTA stores its fp32 partial and counts itself in at
-    its (tile, row block) counter (``cnt_ptr``, zero between launches); the last to arrive
-    sums the partials in split order and sets the counter back to zero. ``FP8``: it writes
-    the sum to ``fin_ptr`` in its dtype (as ``kernels.linear._split_sum_cast``); W13 (fp4
-    pairs): the clamped SwiGLU of the two sums as fp16 x 2^-4 H (as
-    ``kernels.moe._swiglu_reduce``). ``ROUTE`` (W13): the tile's expert and rows come from
-    the router's ids (:func:`_route_tile`), the activations are the model's rows; ``COMBINE``
-    (W2): the last CTA of each row block combines the partials into the layer's output
-    (:func:`_combine_last`)."""
+    """One (token tile, BR weight rows, K split). fp4 pairs (default): activations fp16 x 2^-4;
+    ``FP8``: one row set of e4m3 rows whose scale row is ``r // SB_N``, activations bf16 / fp16
+    as the model holds them, converted here to fp16 x 2^-4 (exact for normalized activations:
+    it overflows from |x| ~ 1e6 and drops low bits below ~2^-13), no gather, no SwiGLU. The
+    scale ring still copies a second half of words that FP8 never reads. ``TILES_LAST``: the
+    grid is (row blocks, splits, token tiles), so the CTAs of one token tile run together and
+    the idle tiles past the last expert's (``tile_e`` -1: the graph-static grid holds the most
+    tiles a call can need) are scheduled after every working CTA; else (token tiles, row
+    blocks, splits). ``REDUCE`` (with K splits): the split-K sum in the epilogue -- each CTA
+    stores its fp32 partial and counts itself in at its (tile, row block) counter (``cnt_ptr``,
+    zero between launches); the last to arrive sums the partials in split order and sets the
+    counter back to zero. ``FP8``: it writes the sum to ``fin_ptr`` in its dtype (as
+    ``kernels.linear._split_sum_cast``); W13 (fp4 pairs): the clamped SwiGLU of the two sums as
+    fp16 x 2^-4 H (as ``kernels.moe_align._swiglu_reduce``). ``ROUTE`` (W13): the tile's expert
+    and rows come from the router's ids (``moe_decode_fused._route_tile``), the activations are
+    the model's rows; ``COMBINE`` (W2): the last CTA of each row block combines the partials
+    into the layer's output (``moe_decode_fused._combine_last``)."""
     if TILES_LAST:
         pid_n, pid_k, pid_m = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     else:
@@ -435,145 +381,6 @@ def _moe_dec_kernel(
                 gl.store(c_ptr, 0)
 
 
-@gluon.jit
-def _local_slots(ids_ptr, n_slots, offset, n_local, S: gl.constexpr):
-    """How many of the ``n_slots`` router ids fall on a local expert (a bound on the tiles)."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    s = gl.arange(0, S, layout=lay)
-    e = gl.load(ids_ptr + s, mask=s < n_slots, other=-1).to(gl.int32) - offset
-    return gl.sum(((s < n_slots) & (e >= 0) & (e < n_local)).to(gl.int32), axis=0)
-
-
-@gluon.jit
-def _idle_tile(rows_ptr, tile_e_ptr, inv_ptr, m, n_slots, S: gl.constexpr, BT: gl.constexpr):
-    """What the align launch writes for an idle tile ``m`` (expert -1, pad rows); tile 0 is
-    idle only when no slot is local: then also the -1 of every slot's row."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    gl.store(tile_e_ptr + m, -1)
-    j = gl.arange(0, BT, layout=lay)
-    gl.store(rows_ptr + m * BT + j, gl.full([BT], 0, gl.int32, lay) + n_slots)
-    s = gl.arange(0, S, layout=lay)
-    gl.store(inv_ptr + s, gl.full([S], -1, gl.int32, lay), mask=(s < n_slots) & (m == 0))
-
-
-@gluon.jit
-def _plus(a, b):
-    return a + b
-
-
-@gluon.jit
-def _route_tile(ids_ptr, n_slots, offset, n_local, m, rows_ptr, tile_e_ptr, inv_ptr, write,
-                S: gl.constexpr, NB: gl.constexpr, BT: gl.constexpr,
-                out_l: gl.constexpr):  # fmt: skip
-    """``kernels.moe._align`` for one tile, in registers: -> (tile ``m``'s local expert, -1
-    when idle; its BT token slots, pad = ``n_slots``, in ``out_l``). The same tiles as the
-    align launch (local experts in order, ceil(count / BT) tiles each, every slot a row of
-    its expert's tiles), with the rows of an expert in slot order: the experts' counts (a
-    histogram over ``NB`` >= n_local bins) and their running tile sum give tile m's expert
-    and its first rank; a running count of that expert's slots gives each its rank. O(S +
-    NB) per CTA. ``write``: also store the tile's expert, rows and its slots' rows
-    (``tile_e``, ``rows``, ``inv``; tile 0 also the -1 of the slots no local expert takes),
-    as the align launch does, for the launches after this one."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    s = gl.arange(0, S, layout=lay)
-    e = gl.load(ids_ptr + s, mask=s < n_slots, other=-1).to(gl.int32) - offset
-    loc = (s < n_slots) & (e >= 0) & (e < n_local)
-    cnt = gl.histogram(gl.where(loc, e, 0), NB, mask=loc, layout=lay)
-    tiles = (cnt + BT - 1) // BT
-    end = gl.associative_scan(tiles, 0, _plus)  # tiles of experts 0..b
-    em = gl.sum((end <= m).to(gl.int32), axis=0)  # tile m's expert (NB: past the last tile)
-    b = gl.arange(0, NB, layout=lay)
-    j0 = (m - gl.sum(gl.where(b == em, end - tiles, 0), axis=0)) * BT  # its first rank
-    match = (loc & (e == em)).to(gl.int32)
-    rank = gl.associative_scan(match, 0, _plus) - match  # among the expert's slots
-    mine = (match > 0) & (rank >= j0) & (rank < j0 + BT)
-    row = rank - j0
-    L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0])
-    s2 = gl.convert_layout(s, gl.SliceLayout(1, L))
-    j = gl.arange(0, BT, layout=gl.SliceLayout(0, L))
-    hit = (gl.convert_layout(mine, gl.SliceLayout(1, L))[:, None]
-           & (gl.convert_layout(row, gl.SliceLayout(1, L))[:, None] == j[None, :]))  # fmt: skip
-    has = gl.sum(hit.to(gl.int32), axis=0)
-    slot = gl.where(has > 0, gl.sum(gl.where(hit, s2[:, None], 0), axis=0), n_slots)
-    e_tile = gl.where(em < n_local, em, -1)
-    if write:
-        gl.store(tile_e_ptr + m, e_tile)
-        gl.store(rows_ptr + m * BT + j, slot)
-        gl.store(inv_ptr + s, m * BT + row, mask=mine)
-        gl.store(inv_ptr + s, gl.full([S], -1, gl.int32, lay),
-                 mask=(s < n_slots) & ~loc & (m == 0))  # fmt: skip
-    return e_tile, gl.convert_layout(slot, out_l)
-
-
-@gluon.jit
-def _combine_last(y_ptr, sys, sym, inv_ptr, wt_ptr, out_ptr, som, n_tok, n0, N, c_ptr,
-                  n_arrive, n_split, TOPK: gl.constexpr, TP: gl.constexpr,
-                  BR: gl.constexpr):  # fmt: skip
-    """``kernels.moe._moe_combine`` for W2's row block (columns n0 + [0, BR) and N + those),
-    in its order, by the last of ``n_arrive`` CTAs to store their partials ``y``:
-    ``out[t, c] = sum_j w[t, j] * sum_s y[s, inv[t * TOPK + j], c]``."""
-    if _arrived_last(c_ptr, n_arrive):
-        L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [WARPS, 1], [1, 0])
-        t = gl.arange(0, TP, layout=gl.SliceLayout(1, L))
-        c = n0 + gl.arange(0, BR, layout=gl.SliceLayout(0, L))
-        tm = t < n_tok
-        acc_lo = gl.zeros([TP, BR], gl.float32, L)
-        acc_hi = gl.zeros([TP, BR], gl.float32, L)
-        for j in range(TOPK):  # (a static loop hoists every load: 96-168 registers)
-            p = gl.load(inv_ptr + t * TOPK + j, mask=tm, other=-1)
-            w = gl.load(wt_ptr + t * TOPK + j, mask=tm, other=0.0)
-            msk = (p >= 0)[:, None] & (c < N)[None, :]
-            base = y_ptr + p.to(gl.int64)[:, None] * sym + c[None, :]
-            part_lo = gl.zeros([TP, BR], gl.float32, L)
-            part_hi = gl.zeros([TP, BR], gl.float32, L)
-            for k in range(n_split):
-                part_lo += gl.load(base + k * sys, mask=msk, other=0.0, cache_modifier=".cg")
-                part_hi += gl.load(base + k * sys + N, mask=msk, other=0.0, cache_modifier=".cg")
-            acc_lo += w[:, None] * part_lo
-            acc_hi += w[:, None] * part_hi
-        _store_rows(out_ptr, som, n_tok, n0, N, acc_lo, acc_hi)
-        gl.store(c_ptr, 0)
-
-
-@gluon.jit
-def _store_rows(out_ptr, som, n_tok, n0, N, lo, hi):
-    """``out[t, n0 + c]`` = lo[t, c] and ``out[t, N + n0 + c]`` = hi[t, c] for t < n_tok."""
-    lay: gl.constexpr = lo.type.layout
-    t = gl.arange(0, lo.shape[0], layout=gl.SliceLayout(1, lay))
-    c = n0 + gl.arange(0, lo.shape[1], layout=gl.SliceLayout(0, lay))
-    o = out_ptr + t.to(gl.int64)[:, None] * som + c[None, :]
-    om = (t < n_tok)[:, None] & (c < N)[None, :]
-    gl.store(o, lo.to(out_ptr.dtype.element_ty), mask=om)
-    gl.store(o + N, hi.to(out_ptr.dtype.element_ty), mask=om)
-
-
-@gluon.jit
-def _arrived_last(c_ptr, n_split):
-    """Count this CTA in at ``c_ptr`` after its stores; -> whether it arrived last of
-    ``n_split`` (then it may read what the others stored; it resets the counter itself)."""
-    gl.thread_barrier()
-    old = gl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
-    last = old == n_split - 1
-    gl.thread_barrier()
-    return last
-
-
-@gluon.jit
-def _last_sums(p_ptrs, sps, f_ptrs, c_ptr, n_split, mask):
-    """Split-K in the epilogue: after this CTA's partial is stored at ``p_ptrs + k * sps``,
-    count the CTA in at ``c_ptr``; the last of ``n_split`` sums the partials in split order
-    into ``f_ptrs`` (its dtype) and resets the counter. The barrier puts every thread's
-    store before the gpu-scope release of the count (CUDA's threadfence-reduction pattern),
-    and the partials are read from L2 (``.cg``): other SMs wrote them. ``mask``: the
-    elements stored (None: all)."""
-    if _arrived_last(c_ptr, n_split):
-        tot = gl.load(p_ptrs, mask=mask, cache_modifier=".cg")
-        for k in range(1, n_split):
-            tot += gl.load(p_ptrs + k * sps, mask=mask, cache_modifier=".cg")
-        gl.store(f_ptrs, tot.to(f_ptrs.dtype.element_ty), mask=mask)
-        gl.store(c_ptr, 0)
-
-
 def pick_stages(bt: int, tiles: float) -> int:
     """Ring slots: 2, or 3 for many 8-row tiles. H200 sweep (``bench.moe_decode --sweep``,
     the two GEMMs, 48 of 384 experts local): 1 / 8 / 512 tokens 18.2 / 42.8 / 317 us with 2
@@ -602,8 +409,8 @@ def launch(a: torch.Tensor, rows: torch.Tensor, tile_e: torch.Tensor, w: torch.T
     and n + N of the row sets), ``s`` e8m0 codes [E, 2N, K/32] (uint8; read as one int32
     word per row and K block), ``ref`` int32 [E, 2N] (:func:`row_refs`), ``out`` as
     ``_moe_gemm`` writes it. K a multiple of KB = 128, N of BR. ``tiles_last``: the grid's
-    order (``_moe_dec_kernel``'s ``TILES_LAST``). H200, tenth session (``bench.moe_decode
-    --sweep-form``, the two GEMMs): on, 8 / 64 / 512 tokens 40.1 / 183.7 / 317.2 us against
+    order (``_moe_dec_kernel``'s ``TILES_LAST``). H200 (``bench.moe_decode --sweep-form``,
+    the two GEMMs): on, 8 / 64 / 512 tokens 40.1 / 183.7 / 317.2 us against
     43.1 / 188.8 / 327.9 off, each at its ring depth. With ``fin`` (fp16 H [rows, N]) and
     ``counters`` (int32, zero, at least tiles x N / br) a W13 launch with K splits also sums
     them and writes H (``REDUCE``).
@@ -669,17 +476,6 @@ def fp8_refs(codes: torch.Tensor, b0: int, n: int) -> tuple[torch.Tensor, bool]:
     largest keeps the fp32 row factor 2^(R - 123) a normal number)."""
     refs, ok = row_refs(codes, HEAD_FP8, SPREAD_FP8)  # per block row
     return refs.repeat_interleave(b0)[:n].contiguous(), ok
-
-
-def rebased_fp8_weights(w: torch.Tensor, codes: torch.Tensor, refs: torch.Tensor,
-                        b0: int) -> torch.Tensor:  # fmt: skip
-    """The dense kernel's fp16 weights: e4m3 ``w`` [N, K] (``cvt``, exact) times the fp16
-    2^(c - R) of its 32-column group (``codes`` uint8 [ceil(N / b0), K / 32] e8m0, ``refs``
-    [N] from :func:`fp8_refs`), one fp16 rounding as HMUL2: W x 2^(127 - R) when exact."""
-    n, k = w.shape
-    c = codes.to(torch.int32).repeat_interleave(b0, dim=0)[:n].repeat_interleave(32, dim=1)
-    mult = torch.exp2((c - refs[:, None]).double()).to(torch.float16)
-    return w.to(torch.float16) * mult
 
 
 def launch_dense(x: torch.Tensor, w: torch.Tensor, words: torch.Tensor, refs: torch.Tensor,

@@ -2,7 +2,7 @@
 
 ``h13`` [T, 2I] holds ``W1 x`` in its first I columns and ``W3 x`` in the last I (the product
 with the stacked ``[W1; W3]``); the result is ``silu(min(h1, L)) * clamp(h3, -L, L)`` [T, I]
-(``kernels.moe.swiglu_clamp``). The torch form is four elementwise launches; the Triton kernel
+(``kernels.moe_ref.swiglu_clamp``). The torch form is four elementwise launches; the Triton kernel
 is one, which at decode batch sizes is what the shared expert of every layer pays.
 """
 
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import op
-from kernels.moe import swiglu_clamp
+from kernels.moe_ref import swiglu_clamp
 
 
 def swiglu_halves_ref(h13: torch.Tensor, limit: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
 from app.model.tiny import make_tiny_checkpoint
 from kernels.dispatch import OPS, reference_kernels
+from tests.support.reference import sequence_logits
 
 
 def prompts(lens, seed: int = 0) -> list[list[int]]:
@@ -39,7 +40,7 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     """``n`` greedy tokens of the model's full-sequence forward (no cache)."""
     seq = list(prompt)
     for _ in range(n):
-        seq.append(int(model.logits(torch.tensor(seq))[-1].argmax()))
+        seq.append(int(sequence_logits(model, torch.tensor(seq))[-1].argmax()))
     return seq[len(prompt) :]
 
 

@@ -10,7 +10,7 @@ rendered with deepseek-recipe's V4.1 encoding, a held-out split by document); (2
 BPE on the training split with DeepSeek's special tokens (``app.model.tokenizer``'s spellings
 at the same ids, plus a DSpark noise token at the last id); (3) the target model
 (``app.model.model.DeepseekModel``, the serving model's own modules) trained with plain torch
-through the full-sequence reference forward (``app.model.reference``: pure torch, autograd
+through the full-sequence reference forward (``tests.support.reference``: pure torch, autograd
 works; on CUDA inside ``reference_kernels()`` so no Triton kernel runs), packed sequences,
 next-token loss, AdamW, router biases balanced without an auxiliary loss (noaux_tc: the
 bias moves against each expert's load); (4) the ``mtp.*`` DSpark stages on the frozen
@@ -55,10 +55,10 @@ from app.model.engram_hash import compressed_token_map  # noqa: E402
 from app.model.kv_store import KVRows  # noqa: E402
 from app.model.model import DeepseekModel  # noqa: E402
 from app.model.moe import Gate  # noqa: E402
-from app.model.reference import reference_logits  # noqa: E402
 from app.model.tiny_config import v41_schedule_config  # noqa: E402
 from app.model.tokenizer import SPECIAL_TOKENS  # noqa: E402
 from kernels.dispatch import reference_kernels  # noqa: E402
+from tests.support.reference import reference_logits  # noqa: E402
 from tools import demo_data  # noqa: E402
 
 NOISE_TOKEN = "<｜dspark▁noise｜>"

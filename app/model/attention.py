@@ -28,9 +28,10 @@ from app.model.kv_store import KVRows
 from app.model.layers import Linear, RMSNorm, StackingModule, stacked_projection
 from app.model.rope import Rotary, apply_rope
 from kernels.attention import sparse_attention
-from kernels.indexer import indexer_scores_paged, topk
+from kernels.indexer import indexer_scores_paged
 from kernels.kv_quant import kv_qdq
 from kernels.norm import norm_rope, norm_rope_pair, rms_norm_ref
+from kernels.topk import topk
 
 
 @dataclass

@@ -27,7 +27,7 @@ from app.model.kv_store import KVRows
 from app.model.model import DeepseekModel, apply_pending
 from kernels.attention import sparse_attention
 from kernels.kv_quant import kv_qdq
-from kernels.mhc import hc_collapse
+from kernels.mhc_ref import hc_collapse
 from kernels.norm import norm_rope
 
 

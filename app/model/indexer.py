@@ -8,7 +8,8 @@ from torch import nn
 from app.model.compressor import CompressorV4
 from app.model.config import ModelConfig
 from app.model.layers import Linear, RMSNorm
-from kernels.indexer import indexer_scores, topk
+from kernels.indexer import indexer_scores
+from kernels.topk import topk
 
 
 class Indexer(nn.Module):

@@ -25,7 +25,8 @@ from app.model.forward_batch import ForwardBatch
 from app.model.layers import Linear, RMSNorm
 from app.model.moe import MoE
 from kernels.linear import linear_f32
-from kernels.mhc import hc_collapse, hc_post, hc_post_pre, hc_pre
+from kernels.mhc import hc_post, hc_post_pre, hc_pre
+from kernels.mhc_ref import hc_collapse
 
 # The post update of the last sublayer, not applied yet: (sublayer output, post, comb). The
 # batched step fuses it with the next sublayer's mix (kernels.mhc.hc_post_pre).
@@ -377,14 +378,6 @@ class DeepseekModel(nn.Module):
         """fp32 head over final hidden states [R, d] -> [R, vocab] (bf16 weights are read as
         stored: products are exact in the fp32 accumulation)."""
         return linear_f32(h.to(self.head.weight.dtype), self.head.weight)
-
-    @torch.no_grad()
-    def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The full-sequence reference forward of ``token_ids`` [T] -> [T, vocab] fp32
-        (``app.model.reference``: the oracle of the batched step)."""
-        from app.model.reference import reference_logits
-
-        return reference_logits(self, token_ids)
 
 
 __all__ = ["Block", "DeepseekModel", "MTPBlock"]

@@ -15,17 +15,11 @@ from torch import nn
 from app.model.ep import EPGroup, ExpertPlacement, ExpertShard, ep_moe, pair_slots
 from app.model.layers import Linear, StackingModule, stack_problem, stacked_projection
 from kernels.gate import moe_gate_fused
-from kernels.moe import (
-    fp4_from_pairs,
-    fp4_to_fp8_rows,
-    fp4_to_pairs,
-    moe_experts,
-    moe_fp4,
-    moe_fp8,
-    moe_fp8_rows,
-    rows_per_expert,
-)
+from kernels.moe import moe_fp4, moe_fp8, moe_fp8_rows
 from kernels.moe_decode import row_refs
+from kernels.moe_formats import fp4_from_pairs, fp4_to_fp8_rows, fp4_to_pairs
+from kernels.moe_ref import moe_experts
+from kernels.moe_tiles import rows_per_expert
 from kernels.quant import is_e8m0
 from kernels.swiglu import swiglu_halves
 
@@ -134,15 +128,15 @@ class PackedExperts(nn.Module):
               w2  [n, d, I/2]  int8   s2  [n, d, I/32]
 
     fp4 weights may be repacked (:meth:`repack`, the loader does it on CUDA) to the *pairs*
-    layout of ``kernels.moe.fp4_to_pairs``: w13 [n, I, d], w2 [n, d/2, I], one byte = the same
-    column of two rows (W1 and W3; W2's rows r and r + d/2), which the CUDA kernels
-    dequantize without shuffles; the scales keep their shapes. Or to the *fp8 rows* layout
-    of ``kernels.moe.fp4_to_fp8_rows`` (the prefill layout, twice the bytes): e4m3 w13
+    layout of ``kernels.moe_formats.fp4_to_pairs``: w13 [n, I, d], w2 [n, d/2, I], one byte =
+    the same column of two rows (W1 and W3; W2's rows r and r + d/2), which the CUDA kernels
+    dequantize without shuffles; the scales keep their shapes. Or to the *fp8 rows* layout of
+    ``kernels.moe_formats.fp4_to_fp8_rows`` (the prefill layout, twice the bytes): e4m3 w13
     [n, 2I, d] and w2 [n, d, I] with one fp32 scale per row, s13 [n, 2I] and s2 [n, d]; the
     same weights exactly (a layer whose rows are not all exact refuses it). There, with
-    ``prefill_act_fp8``, steps of more than ``PREFILL_ROWS`` rows per local expert multiply
-    fp8 activations (one scale per token row) on the fp8 tensor cores; decode-sized steps keep
-    bf16 activations. ``layout`` says which.
+    ``prefill_act_fp8``, steps of more than ``PREFILL_ROWS`` rows per local expert multiply fp8
+    activations (one scale per token row) on the fp8 tensor cores; decode-sized steps keep bf16
+    activations. ``layout`` says which.
 
     Scales are e8m0 (``float8_e8m0fnu``) or fp32. On CUDA the Triton MegaMoE kernels dequantize
     in registers; on CPU the kernels' torch reference dequantizes per call. Experts outside
@@ -291,7 +285,7 @@ class PackedExperts(nn.Module):
                 rows_per_expert(ids.numel(), self.n_local, n_all) > PREFILL_ROWS
             )
             return moe_fp8_rows(x, ids, weights, self.w13, self.s13, self.w2, self.s2,
-                                self.limit, off, act_fp8=act8, act_group=0, **kw)  # fmt: skip
+                                self.limit, off, act_fp8=act8, **kw)  # fmt: skip
         return moe_fp4(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.limit, off,
                        pairs=self.layout == "pairs", row_refs=self.row_refs, **kw)  # fmt: skip
 

@@ -95,17 +95,3 @@ class MTPDrafter:
         mtp = self.block
         return self.model.compute_logits(mtp.norm(self.model.hc_head(X, mtp)))
 
-
-def reference_mtp_logits(model: DeepseekModel, token_ids: torch.Tensor) -> torch.Tensor:
-    """The full-sequence reference of MTP: fp32 logits [L - 1, V] of the token at p + 2 for
-    every position p < L - 1 of ``token_ids`` [L] (the block over the whole sequence with
-    causal window attention, ``app.model.reference``)."""
-    from app.model.reference import _block, _State, reference_logits
-
-    ids = token_ids.to(model.embed.weight.device).reshape(-1)
-    streams: list[torch.Tensor] = []
-    reference_logits(model, ids, streams)
-    drafter = MTPDrafter(model)
-    X = drafter.block_input(streams[0][:-1], ids[1:])
-    X, _ = _block(drafter.block, X, None, ids[1:], _State(), None, -1)
-    return drafter.logits(X)

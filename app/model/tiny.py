@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from app.model.checkpoint import INDEX_FILE, checkpoint_quant_kind, scale_name
 from app.model.config import ModelConfig
-from app.model.loader import INDEX_FILE, build_empty_model, checkpoint_quant_kind, scale_name
+from app.model.loader import build_empty_model
 from app.model.tiny_config import tiny_config_v4, tiny_config_v41
 from app.model.tokenizer import write_tiny_tokenizer
 from kernels.quant import quantize_fp4, quantize_fp8_block, quantize_fp8_rowwise

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from kernels import attention as attn  # noqa: E402
 from kernels import compressor as cp  # noqa: E402
 from kernels import indexer as ix  # noqa: E402
+from kernels import topk as tk  # noqa: E402
 from kernels.kv_quant import pow2_ceil  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -126,14 +127,14 @@ def test_topk_exact(C):
     s[3, :: max(1, C // 16)] = float("inf")  # forced blocks
     s[3, 1::7] = -0.0
     for k in (512, 2048):
-        assert torch.equal(ix.topk_triton(s, k), ix.topk_ref(s, k)), k
+        assert torch.equal(tk.topk_triton(s, k), tk.topk_ref(s, k)), k
 
 
 def test_topk_few_visible():
     s = torch.full((2, 262144), float("-inf"), device=DEV)
     s[0, 10:20] = 1.0
-    got = ix.topk_triton(s, 512)
-    assert torch.equal(got, ix.topk_ref(s, 512))
+    got = tk.topk_triton(s, 512)
+    assert torch.equal(got, tk.topk_ref(s, 512))
     assert (got[1] == -1).all() and got[0, :10].tolist() == list(range(10, 20))
 
 
@@ -160,7 +161,7 @@ def test_grid_topk_fused(T, C):
 
     s = _hard_rows(T, C, T + C)
     for k in (512, 2048):
-        ref = ix.topk_ref(s, k)
+        ref = tk.topk_ref(s, k)
         out = torch.full_like(ref, -7)
         ends = torch.full((T,), -1, device=DEV, dtype=torch.int32)
         grid_topk(s, k, out, ends=ends)
@@ -174,7 +175,7 @@ def test_grid_topk_fused(T, C):
             out.fill_(-7)
             grid_topk(s, k, out)
             assert torch.equal(out, ref), k
-        assert torch.equal(ix.topk_triton(s, k), ref)
+        assert torch.equal(tk.topk_triton(s, k), ref)
         split = torch.full_like(ref, -7)
         assert torch.equal(grid_topk(s, k, split, fused=False), ref)
 
@@ -193,7 +194,7 @@ def test_grid_topk_randn_row_bucket():
             out = torch.full((1, k), -7, device=DEV, dtype=torch.int64)
             ends = torch.full((1,), -1, device=DEV, dtype=torch.int32)
             grid_topk(s, k, out, ends=ends)
-            assert torch.equal(out, ix.topk_ref(s, k)), k
+            assert torch.equal(out, tk.topk_ref(s, k)), k
             seen += ends.tolist()
     assert set(seen) <= {1, 5} and 5 in seen, seen
 
@@ -224,7 +225,7 @@ def test_grid_topk_bucket_edges(programs, cap, sub, ends):
     from kernels.topk_grid import grid_topk
 
     s = _cluster_rows((256, 257))
-    ref = ix.topk_ref(s, 105)
+    ref = tk.topk_ref(s, 105)
     for _ in range(20):
         out = torch.full_like(ref, -7)
         where = torch.full((2,), -1, device=DEV, dtype=torch.int32)
@@ -239,7 +240,7 @@ def test_grid_topk_few_programs_long_spans():
 
     s = _hard_rows(4, 131072, 5)
     s[0, 700:] = float("-inf")
-    ref = ix.topk_ref(s, 1024)
+    ref = tk.topk_ref(s, 1024)
     out = torch.full_like(ref, -7)
     assert torch.equal(grid_topk(s, 1024, out, programs=4), ref)
 
@@ -518,7 +519,8 @@ def test_ws_rising_scores(splits):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_ws_e8m0_integer_decode_is_exact(splits, second):
     """fp8 rows with e8m0 codes through the ws producer's integer decode (PRMT, shift, AND
-    and one bf16 multiply per pair) give the conversion path's output bit for bit: groups
+    and one bf16 multiply per pair) give the conversion path's output bit for bit (the same
+    rows with their scales as fp32 powers of two: e4m3 -> fp32 x scale -> bf16): groups
     with e4m3 subnormals and zeros, zero rows, token 0's first rows with codes past 134
     (scales past 2^7: the second multiply is not 1), masked keys; the window source alone,
     with an fp8 second source (also e8m0) and with nvfp4 entries (the engine's)."""
@@ -545,9 +547,10 @@ def test_ws_e8m0_integer_decode_is_exact(splits, second):
         kv2, s2 = kv_pack(torch.randn(N2, D, device=DEV, generator=g), second)
         kw.update(kv2=kv2, kv2_scale=s2,
                   idx2=torch.randint(-1, N2, (T, K2), device=DEV, generator=g))  # fmt: skip
+    kw32 = {k: torch.exp2(v.float() - 127) if k.endswith("scale") and v.dtype == torch.uint8
+            else v for k, v in kw.items()}  # fmt: skip
     outs = [attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, splits=splits,
-                                         kernel="ws", launch={"e8_int": e8_int}, **kw)
-            for e8_int in (True, False)]  # fmt: skip
+                                         kernel="ws", **a) for a in (kw, kw32)]  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     ref = attn.sparse_attention_ref(q.double(), ring, win, sink.double(), D**-0.5, **kw)
     assert _rel(outs[0], ref) < 1e-2
@@ -603,44 +606,3 @@ def test_ws_bf16_partials_against_fp32(launch, splits, monkeypatch):
                                     kv_scale=s1, kv2=comp, idx2=sel.long(), kv2_scale=s2,
                                     inv_rope_angles=ang)  # fmt: skip
     assert _rel(a, ref) < 1e-2
-
-
-@pytest.mark.parametrize("launch", WS_LAUNCHES)
-@pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("K,second", [(128, "nvfp4"), (160, "nvfp4"), (160, None)])
-def test_ws_seesaw_equals_the_plain_consumers(launch, splits, K, second):
-    """The seesaw schedule (key blocks alternate between the consumers; the owner sends P
-    and (m, l, alpha) through shared memory) does the plain consumers' arithmetic in their
-    order, so its output is theirs bit for bit: odd and even block counts per split, a split
-    with no key block at all (K = 128 at 5 splits), two head blocks, a token whose keys are
-    all masked, RoPE, the engine's two sources and the window alone; repeated launches are
-    bit-equal (a race on a message slot would change a row); against the float64 reference
-    as well."""
-    from kernels.kv_quant import kv_pack
-
-    g = torch.Generator(device=DEV).manual_seed(31 + K)
-    T, H, D, K2 = 5, 128, 512, 512
-    q = torch.randn(T, H, D, device=DEV, generator=g).bfloat16()
-    ring, s1 = kv_pack(torch.randn(T * K, D, device=DEV, generator=g), "fp8")
-    win = torch.arange(T * K, device=DEV, dtype=torch.int32).view(T, K)
-    win[1] = -1
-    sink = torch.randn(H, device=DEV, generator=g)
-    ang = torch.rand(T, 32, device=DEV, generator=g) * 100
-    kw = dict(kv_scale=s1, inv_rope_angles=ang, splits=splits, kernel="ws")
-    if second:
-        comp, s2 = kv_pack(torch.randn(4096, D, device=DEV, generator=g), second)
-        sel = torch.randint(0, 4096, (T, K2), device=DEV, generator=g, dtype=torch.int32)
-        sel[1] = -1
-        kw.update(kv2=comp, idx2=sel, kv2_scale=s2)
-    plain = attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, launch=launch, **kw)
-    see = {**(launch or {}), "seesaw": True}
-    for _ in range(3):
-        out = attn.sparse_attention_triton(q, ring, win, sink, D**-0.5, launch=see, **kw)
-        assert torch.equal(out, plain)
-    assert out[1].abs().max() == 0
-    ref_kw = {k: v for k, v in kw.items() if k not in ("splits", "kernel")}
-    if second:
-        ref_kw["idx2"] = sel.long()
-    ref = attn.sparse_attention_ref(q.double(), ring, win.long(), sink.double(), D**-0.5,
-                                    **ref_kw)  # fmt: skip
-    assert _rel(out, ref) < 1e-2

@@ -45,13 +45,16 @@ def _cases(m: int, dtype: torch.dtype, block, seed: int):
         yield n, k, q, s, plan, x, fp8_linear_ref(x.double(), q, s, block)
 
 
-def _pinned(kernel: str, x, q, s, block, plan) -> torch.Tensor:
-    """``fp8_linear`` with ``kernel`` pinned."""
-    from kernels.linear import fp8_kernel_choice
-    from kernels.linear import fp8_linear_triton as fp8_linear
+def _through(kernel: str, x, q, s, block, plan) -> torch.Tensor:
+    """``fp8_linear``'s product ``x`` [M, K] @ W^T through one of its kernels: "gluon" (the
+    mma.sync decode kernel), "wgmma" or "tl" (the one-group MegaMoE GEMM)."""
+    from kernels import linear
 
-    with fp8_kernel_choice(kernel):
-        return fp8_linear(x, q, s, block, plan)
+    m, k = x.shape
+    if kernel == "tl":
+        return linear._fp8_grouped(x, q, s, block)
+    run = linear._fp8_decode if kernel == "gluon" else linear._fp8_wgmma
+    return run(x, q, plan, m, q.shape[0], k)
 
 
 @pytest.mark.parametrize("block", [(32, 32), (128, 128)])
@@ -60,16 +63,16 @@ def _pinned(kernel: str, x, q, s, block, plan) -> torch.Tensor:
 def test_fp8_decode_kernel(m: int, dtype: torch.dtype, block) -> None:
     """Every V4.1-Flash dense shape at 1-64 rows (8-, 16-, 32- and 64-row token tiles, pad rows,
     one and several K splits): the fp64 reference to one rounding of the output, and the
-    tl path; "auto" is the pinned run of the kernel it takes bit for bit."""
+    tl path; the dispatch's output is the run of the kernel it takes, bit for bit."""
     from kernels.linear import WG_MIN_TOKENS
     from kernels.linear import fp8_linear_triton as fp8_linear
 
     wg = torch.cuda.get_device_capability() == (9, 0) and m >= WG_MIN_TOKENS
     for n, k, q, s, plan, x, ref in _cases(m, dtype, block, seed=m):
         assert plan is not None
-        out = _pinned("gluon", x, q, s, block, plan)
-        old = _pinned("tl", x, q, s, block, plan)
-        picked = _pinned("wgmma" if wg else "gluon", x, q, s, block, plan)  # what auto takes
+        out = _through("gluon", x, q, s, block, plan)
+        old = _through("tl", x, q, s, block, plan)
+        picked = _through("wgmma" if wg else "gluon", x, q, s, block, plan)  # what auto takes
         assert out.dtype == dtype and out.shape == (m, n)
         assert _rel(out, ref) < 4e-3, (n, k)  # bf16: 2^-9 per value
         assert _rel(out, old) < 4e-3, (n, k)
@@ -89,14 +92,14 @@ needs_sm90 = pytest.mark.skipif(
 def test_fp8_wgmma_kernel(m: int, dtype: torch.dtype, block) -> None:
     """The wgmma kernel at every V4.1-Flash dense shape (32-128-token tiles, pad rows, two
     token tiles at 129 and 256 rows, one and several K splits): the fp64 reference to one
-    rounding of the output and the tl path; "auto" takes it (bit for bit the pinned run)
-    from WG_MIN_TOKENS rows."""
+    rounding of the output and the tl path; the dispatch takes it (bit for bit the direct
+    run) from WG_MIN_TOKENS rows."""
     from kernels.linear import WG_MIN_TOKENS
     from kernels.linear import fp8_linear_triton as fp8_linear
 
     for n, k, q, s, plan, x, ref in _cases(m, dtype, block, seed=100 + m):
-        out = _pinned("wgmma", x, q, s, block, plan)
-        old = _pinned("tl", x, q, s, block, plan)
+        out = _through("wgmma", x, q, s, block, plan)
+        old = _through("tl", x, q, s, block, plan)
         assert out.dtype == dtype and out.shape == (m, n)
         rows = (out.double() - ref).norm(dim=1) / ref.norm(dim=1)  # every row written
         assert bool((rows < 4e-3).all()), (n, k, rows.max())
@@ -110,8 +113,9 @@ def test_fp8_wgmma_kernel(m: int, dtype: torch.dtype, block) -> None:
 def test_fp8_wgmma_kernel_edges() -> None:
     """Launch choices the defaults do not take (2-8 ring slots, one warpgroup, splits that
     leave later splits empty, 128-token tiles for 40 rows, three 16-row tiles) against the
-    reference; 257 rows and N off the row tiles are refused when pinned."""
-    from kernels.linear import _fp8_wgmma, fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    reference; N = 192 (whole 64-row tiles only) at 40 rows, and 257 rows (past the kernel:
+    the tl path)."""
+    from kernels.linear import _fp8_wgmma, fp8_decode_plan, fp8_linear_ref
     from kernels.linear import fp8_linear_triton as fp8_linear
 
     q, s = _weight(1280, 5120, (32, 32), seed=11)
@@ -124,26 +128,20 @@ def test_fp8_wgmma_kernel_edges() -> None:
         out = _fp8_wgmma(x, q, plan, 40, 1280, 5120, bt, split, stages, warps)
         assert _rel(out, ref) < 4e-3, (bt, split, stages, warps)
     big = torch.randn(257, 5120, device="cuda").bfloat16()
-    with fp8_kernel_choice("wgmma"), pytest.raises(ValueError, match="fp8 decode kernel"):
-        fp8_linear(big, q, s, (32, 32), plan)
     # N = 192: whole 64-row tiles (one warpgroup, up to 64 tokens), not 128-row ones (two
-    # warpgroups at 128-token tiles)
+    # warpgroups at 128-token tiles); the dispatch takes the wgmma kernel at 40 rows
     q2, s2 = _weight(64 * 3, 5120, (32, 32), seed=12)
     plan2 = fp8_decode_plan(q2, s2, (32, 32))
-    with fp8_kernel_choice("wgmma"):
-        assert _rel(fp8_linear(x, q2, s2, (32, 32), plan2),
-                    fp8_linear_ref(x.double(), q2, s2, (32, 32))) < 4e-3  # fmt: skip
-    with fp8_kernel_choice("wgmma"), pytest.raises(ValueError, match="fp8 decode kernel"):
-        fp8_linear(big[:100], q2, s2, (32, 32), plan2)
+    assert _rel(fp8_linear(x, q2, s2, (32, 32), plan2),
+                fp8_linear_ref(x.double(), q2, s2, (32, 32))) < 4e-3  # fmt: skip
     assert _rel(fp8_linear(big, q, s, (32, 32), plan), fp8_linear_ref(big.double(), q, s,
                                                                         (32, 32))) < 4e-3
 
 
 def test_fp8_decode_kernel_writes_every_row_and_stays_out_of_prefill() -> None:
     """Output rows are all written (the buffer is fresh each call, so a missed row would be
-    garbage: every row matches the reference), 257 rows take the tl path ("gluon" pinned
-    there is an error, as at 65), and an unplanned projection keeps the tl path."""
-    from kernels.linear import fp8_decode_plan, fp8_kernel_choice, fp8_linear_ref
+    garbage: every row matches the reference), and 257 rows take the tl path."""
+    from kernels.linear import fp8_decode_plan, fp8_linear_ref
     from kernels.linear import fp8_linear_triton as fp8_linear
 
     q, s = _weight(1280, 5120, (32, 32), seed=7)
@@ -157,33 +155,26 @@ def test_fp8_decode_kernel_writes_every_row_and_stays_out_of_prefill() -> None:
     x = torch.randn(257, 5120, device="cuda").bfloat16()
     assert _rel(fp8_linear(x, q, s, (32, 32), plan), fp8_linear_ref(x.double(), q, s,
                                                                       (32, 32))) < 4e-3
-    with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
-        fp8_linear(x, q, s, (32, 32), plan)
-    with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
-        fp8_linear(x[:65], q, s, (32, 32), plan)
-    with fp8_kernel_choice("gluon"), pytest.raises(ValueError, match="fp8 decode kernel"):
-        fp8_linear(x[:4], q, s, (32, 32), None)
 
 
 @pytest.mark.parametrize("kernel,m", [("gluon", 8), pytest.param("wgmma", 48, marks=needs_sm90)])
 def test_fp8_projection_takes_its_plan_in_a_cuda_graph(kernel: str, m: int) -> None:
     """``Fp8Linear`` prepared on CUDA (``prepare_fp8_linears``) runs each decode kernel inside
-    a captured CUDA graph (pinned: no silent fallback) and replays it on new inputs;
-    preparing again keeps the plan the graph reads; making a plan inside a capture is an
-    error."""
+    a captured CUDA graph (the dispatch takes the mma.sync kernel at 8 rows, the wgmma kernel
+    at 48 on sm_90) and replays it on new inputs; preparing again keeps the plan the graph
+    reads; making a plan inside a capture is an error."""
     from app.model.layers import Fp8Linear, prepare_fp8_linears
-    from kernels.linear import fp8_kernel_choice, fp8_linear_ref
+    from kernels.linear import fp8_linear_ref
 
     q, s = _weight(4608, 5120, (32, 32), seed=9)
     lin = Fp8Linear(q, s, (32, 32))
     assert prepare_fp8_linears(torch.nn.Sequential(lin)) == (1, [])
     plan = lin.plan
     x = torch.randn(m, 5120, device="cuda").bfloat16()
-    with fp8_kernel_choice(kernel):
-        lin(x)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = lin(x)
+    lin(x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = lin(x)
     x.copy_(torch.randn(m, 5120, device="cuda").bfloat16())
     graph.replay()
     assert _rel(y, fp8_linear_ref(x.double(), q, s, (32, 32))) < 4e-3
@@ -193,40 +184,43 @@ def test_fp8_projection_takes_its_plan_in_a_cuda_graph(kernel: str, m: int) -> N
         fresh.prepare()
 
 
-@pytest.mark.parametrize("path", ["decode", "wgmma"])
-def test_split_sum_in_the_kernel_equals_the_second_launch(path: str) -> None:
-    """The K splits summed by each tile's last CTA (``fused_sum``) equal, bit for bit, the
-    same partials summed by ``_split_sum_cast`` (``fused_sum=False``), at 2-40 splits, token
-    tiles with pad rows, and two token tiles; replayed in a CUDA graph with new inputs each
-    time (the counters must be back at zero after every launch, or a later launch would
-    sum too early or never); the counters are all zero afterwards."""
+def test_split_sum_in_the_kernel_equals_the_second_launch() -> None:
+    """The mma.sync kernel's K splits summed by each tile's last CTA (``_fp8_decode``) equal,
+    bit for bit, the same kernel's partials summed by ``_split_sum_cast``, at 2-40 splits,
+    token tiles with pad rows; replayed in a CUDA graph with new inputs each time (the
+    counters must be back at zero after every launch, or a later launch would sum too early
+    or never); the counters are all zero afterwards."""
     from kernels import moe_decode as md
     from kernels.dispatch import _COUNTERS
-    from kernels.linear import _fp8_decode, _fp8_wgmma, fp8_decode_plan
+    from kernels.linear import _fp8_decode, _one_group_rows, _sum_splits, fp8_decode_plan
 
-    if path == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel needs sm_90")
-    run = _fp8_decode if path == "decode" else _fp8_wgmma
-    cases = ((1, 8, 2), (5, 8, 40), (16, 16, 3), (40, 32, 7)) if path == "decode" else \
-        ((17, 32, 2), (40, 64, 9), (100, 64, 5), (129, 128, 3))
+    def two_launches(x, q, plan, m, n, k, bt, split):
+        tiles = -(-m // bt)
+        rows, tile_e = _one_group_rows(tiles * bt, tiles, x.device)
+        y = torch.empty(split, tiles * bt, n, device=x.device, dtype=torch.float32)
+        md.launch_dense(x, q, plan.words, plan.refs, rows, tile_e, y, m, split, bt, plan.b0,
+                        md.pick_stages(bt, tiles))  # fmt: skip
+        return _sum_splits(y, m, n, x.dtype)
+
+    cases = ((1, 8, 2), (5, 8, 40), (16, 16, 3), (40, 32, 7))
     for n, k in ((1280, 5120), (512, 5120), (5120, 2304)):
         q, s = _weight(n, k, (32, 32), seed=n + k)
         plan = fp8_decode_plan(q, s, (32, 32))
         for m, bt, split in cases:
             split = min(split, k // md.KB)
             x = torch.randn(m, k, device="cuda").bfloat16()
-            two = run(x, q, plan, m, n, k, bt, split, fused_sum=False)
-            one = run(x, q, plan, m, n, k, bt, split, fused_sum=True)
+            two = two_launches(x, q, plan, m, n, k, bt, split)
+            one = _fp8_decode(x, q, plan, m, n, k, bt, split)
             assert one.shape == (m, n) and torch.equal(one, two), (n, k, m, bt, split)
             static = x.clone()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                out = run(static, q, plan, m, n, k, bt, split, fused_sum=True)
+                out = _fp8_decode(static, q, plan, m, n, k, bt, split)
             for _ in range(3):
                 static.copy_(torch.randn(m, k, device="cuda").bfloat16())
                 g.replay()
-                want = run(static, q, plan, m, n, k, bt, split, fused_sum=False)
+                want = two_launches(static, q, plan, m, n, k, bt, split)
                 assert torch.equal(out, want), (n, k, m, bt, split)
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for kept in _COUNTERS.values() for c in kept)
@@ -238,8 +232,8 @@ def test_dense_linear_decode_kernel(m: int, dtype: torch.dtype) -> None:
     """The plain (bf16 / fp16) projections' decode kernel at V4.1-Flash's shapes: every output
     within one ulp of the exact product plus the fp32 sums' rounding (2^-16 of the sum of
     |products|: outputs that cancel to ~0 carry it), as close as cuBLAS, and the nn.Linear
-    dispatch takes it (the cuBLAS pin does not)."""
-    from kernels.linear import dense_linear, dense_linear_ref, dense_linear_triton, gemv_choice
+    dispatch takes it."""
+    from kernels.linear import dense_linear, dense_linear_ref, dense_linear_triton
 
     g = torch.Generator(device="cuda").manual_seed(m)
     for n, k in SHAPES:
@@ -254,8 +248,6 @@ def test_dense_linear_decode_kernel(m: int, dtype: torch.dtype) -> None:
         ref = dense_linear_ref(x, w)
         assert _rel(out, exact) <= 1.5 * _rel(ref, exact) + 1e-6, (n, k)
         assert torch.equal(dense_linear(x, w), out)
-        with gemv_choice("cublas"):
-            assert torch.equal(dense_linear(x, w), ref)
 
 
 def test_dense_linear_decode_kernel_in_a_cuda_graph() -> None:

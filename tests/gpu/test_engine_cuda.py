@@ -18,6 +18,7 @@ from app.engine.flight import HostSamples
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
 from bench.teacher import drive
+from tests.support.reference import sequence_logits
 from tools.op_bisect import prompts, reference_greedy, run_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -70,7 +71,7 @@ def test_teacher_forced_logits_within_1e4(ckpts, arch):
     seqs = {f"r{i}": torch.randint(3, 500, (n,), generator=g) for i, n in enumerate((45, 7, 30))}
     out = drive(gpu, mgr, seqs, random.Random(0), max_chunk=9)
     for rid, toks in seqs.items():
-        ref = cpu.logits(toks)
+        ref = sequence_logits(cpu, toks)
         got = torch.stack([out[rid][p] for p in range(toks.numel())])
         assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4, rid
 

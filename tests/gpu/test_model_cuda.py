@@ -15,6 +15,7 @@ from app.engine.core import EngineCore
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
 from app.model.moe import PackedExperts
+from tests.support.reference import sequence_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -24,8 +25,8 @@ def test_logits_match_cpu(ckpts, arch):
     cpu = load_model(ckpts[arch])
     gpu = load_model(ckpts[arch], device="cuda", packed_experts=False)
     ids = torch.randint(3, 500, (41,), generator=torch.Generator().manual_seed(0))
-    ref = cpu.logits(ids)
-    got = gpu.logits(ids.cuda()).cpu()
+    ref = sequence_logits(cpu, ids)
+    got = sequence_logits(gpu, ids.cuda()).cpu()
     rel = ((got - ref).abs().max() / ref.abs().max()).item()
     assert rel < 1e-4, rel
 
@@ -38,8 +39,8 @@ def test_packed_experts_logits_match_cpu(ckpts, arch):
     # fp4 experts (the tiny checkpoints') run in the pairs layout on CUDA
     assert {b.ffn.experts.layout for b in [*gpu.layers, *gpu.mtp]} == {"pairs"}
     ids = torch.randint(3, 500, (41,), generator=torch.Generator().manual_seed(0))
-    ref = cpu.logits(ids).double()
-    got = gpu.logits(ids.cuda()).cpu().double()
+    ref = sequence_logits(cpu, ids).double()
+    got = sequence_logits(gpu, ids.cuda()).cpu().double()
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 1e-4, rel
 
@@ -81,8 +82,8 @@ def test_fp8_rows_expert_layout_matches_cpu(ckpts, arch):
     gpu = load_model(ckpts[arch], device="cuda", expert_layout="fp8_rows")
     assert {b.ffn.experts.layout for b in [*gpu.layers, *gpu.mtp]} == {"fp8_rows"}
     ids = torch.randint(3, 500, (41,), generator=torch.Generator().manual_seed(0))
-    ref = cpu.logits(ids).double()
-    got = gpu.logits(ids.cuda()).cpu().double()
+    ref = sequence_logits(cpu, ids).double()
+    got = sequence_logits(gpu, ids.cuda()).cpu().double()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-4
     want = _greedy_on(ckpts[arch], "cpu", 3)
     assert _greedy_on(ckpts[arch], "cuda", 3, expert_layout="fp8_rows") == want

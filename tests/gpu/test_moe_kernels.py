@@ -49,7 +49,8 @@ def fp4_experts() -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("t", [1, 8, 64, 512])
 def test_moe_fp8(fp8_experts: tuple[torch.Tensor, ...], t: int) -> None:
-    from kernels.moe import moe_fp8_ref, moe_fp8_triton
+    from kernels.moe import moe_fp8_triton
+    from kernels.moe_ref import moe_fp8_ref
 
     x = torch.randn(t, D, device="cuda").bfloat16()
     ids, w = _routing(t)
@@ -60,7 +61,8 @@ def test_moe_fp8(fp8_experts: tuple[torch.Tensor, ...], t: int) -> None:
 
 @pytest.mark.parametrize("t", [1, 8, 64, 512])
 def test_moe_fp4(fp4_experts: tuple[torch.Tensor, ...], t: int) -> None:
-    from kernels.moe import moe_fp4_ref, moe_fp4_triton
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_ref import moe_fp4_ref
 
     x = torch.randn(t, D, device="cuda").bfloat16()
     ids, w = _routing(t, first_local=96)  # this rank holds global experts 96..143
@@ -69,14 +71,14 @@ def test_moe_fp4(fp4_experts: tuple[torch.Tensor, ...], t: int) -> None:
     assert _rel(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize(("t", "act_fp8"), [(1, False), (64, False), (1024, False), (64, True),
-                                            (1024, True)])  # fmt: skip
-def test_moe_fp4_pairs_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
-                              act_fp8: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize("t", [1, 64, 1024])
+def test_moe_fp4_pairs_layout(fp4_experts: tuple[torch.Tensor, ...], t: int) -> None:
     """Experts repacked to the pairs layout at load time = the MX layout's reference: one
     byte tile gives W1 and W3 (W2: both halves of d), on every path (fp16 MMA at decode,
-    bf16 or fp8 x fp8 at prefill)."""
-    from kernels.moe import fp4_to_pairs, moe_fp4_ref, moe_fp4_triton
+    bf16 at prefill)."""
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_formats import fp4_to_pairs
+    from kernels.moe_ref import moe_fp4_ref
 
     w13, s13, w2, s2 = fp4_experts
     h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
@@ -88,12 +90,11 @@ def test_moe_fp4_pairs_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
     else:
         n_all = E_ALL
         ids, w = _routing(t)
-    out = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, n_experts=n_all, act_fp8=act_fp8,
-                         pairs=True)  # fmt: skip
-    ref = moe_fp4_ref(x.float(), ids, w, *fp4_experts, 10.0, act_fp8=act_fp8)
-    assert _rel(out, ref) < (5e-2 if act_fp8 else 1e-2)
+    out = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, n_experts=n_all, pairs=True)
+    ref = moe_fp4_ref(x.float(), ids, w, *fp4_experts, 10.0)
+    assert _rel(out, ref) < 1e-2
     # same products, another order of accumulation: near-identical to the MX layout
-    mx = moe_fp4_triton(x, ids, w, *fp4_experts, 10.0, n_experts=n_all, act_fp8=act_fp8)
+    mx = moe_fp4_triton(x, ids, w, *fp4_experts, 10.0, n_experts=n_all)
     assert _rel(out, mx) < 1e-3
 
 
@@ -110,7 +111,9 @@ def test_moe_decode_kernel(fp4_experts: tuple[torch.Tensor, ...], t: int, all_lo
     several K splits, row scales spanning 4 or 30 binades (``wide``). Each call's output is
     poisoned first; every element must be written."""
     from kernels import moe_decode
-    from kernels.moe import fp4_to_pairs, moe_fp4_ref, moe_fp4_triton
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_formats import fp4_to_pairs
+    from kernels.moe_ref import moe_fp4_ref
 
     w13, s13, w2, s2 = fp4_experts
     if wide:  # every row: scales over 30 binades (R re-basing; fp16 would overflow otherwise)
@@ -133,25 +136,23 @@ def test_moe_decode_kernel(fp4_experts: tuple[torch.Tensor, ...], t: int, all_lo
     ref = moe_fp4_ref(x.float(), ids, w, w13, s13, w2, s2, 10.0)
     err = _rel(out, ref)
     assert err < 1e-2
-    tl_ = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, decode_kernel="tl", **kw)
+    tl_ = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, **kw)  # no row refs: the tl path
     # the same fp16 weights and activations, summed in another order; H rounds to fp16 in
     # both (2^-11), so order effects flip some of its roundings: ~1e-4, not more
     assert _rel(out, tl_) < 1e-3
     assert err < 1.2 * _rel(tl_, ref)  # and no less accurate than the tl kernel
-    # "gluon" computes the references itself; "auto" without them is the tl path exactly
-    forced = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, decode_kernel="gluon", **kw)
-    assert torch.equal(forced, out)
-    auto = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, **kw)
-    assert torch.equal(auto, tl_)
 
 
-def test_moe_decode_kernel_writes_every_row_and_refuses_prefill(
+def test_moe_decode_kernel_writes_every_row_and_stays_out_of_prefill(
     fp4_experts: tuple[torch.Tensor, ...],
 ) -> None:
     """Launched directly on a poisoned H (NaN): every valid token row of every touched tile
-    is written; a prefill-sized call with decode_kernel='gluon' is an error, not a fallback."""
+    is written; a prefill-sized call with row references takes the tl path (the same output
+    as without them)."""
     from kernels import moe_decode
-    from kernels.moe import _align, fp4_to_pairs, moe_fp4_triton
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_align import _align
+    from kernels.moe_formats import fp4_to_pairs
 
     w13, s13, w2, s2 = fp4_experts
     h13 = fp4_to_pairs(w13)
@@ -168,10 +169,11 @@ def test_moe_decode_kernel_writes_every_row_and_refuses_prefill(
     assert bool(torch.isfinite(h[valid]).all())
     x2 = torch.randn(4096, D, device="cuda").bfloat16()
     ids2 = torch.rand(4096, E_LOCAL, device="cuda").argsort(-1)[:, :TOPK]
-    with pytest.raises(ValueError, match="decode batch"):
-        moe_fp4_triton(x2, ids2, torch.rand(4096, TOPK, device="cuda"), h13, s13,
-                       fp4_to_pairs(w2), s2, 10.0, n_experts=E_LOCAL, pairs=True,
-                       decode_kernel="gluon")  # fmt: skip
+    (r2, _) = moe_decode.row_refs(s2)
+    args2 = (x2, ids2, torch.rand(4096, TOPK, device="cuda"), h13, s13, fp4_to_pairs(w2), s2,
+             10.0)  # fmt: skip
+    with_refs = moe_fp4_triton(*args2, n_experts=E_LOCAL, pairs=True, row_refs=(r13, r2))
+    assert torch.equal(with_refs, moe_fp4_triton(*args2, n_experts=E_LOCAL, pairs=True))
 
 
 @pytest.mark.parametrize(("t", "bt", "split"), [(8, 8, 1), (40, 16, 1), (64, 8, 3), (512, 16, 1),
@@ -183,7 +185,8 @@ def test_moe_decode_grid_orders_are_bit_identical(fp4_experts: tuple[torch.Tenso
     rows, fused SwiGLU, or fp32 split partials) and W2 are bit-identical in both orders, on
     poisoned outputs, every valid row written."""
     from kernels import moe_decode
-    from kernels.moe import _align, fp4_to_pairs
+    from kernels.moe_align import _align
+    from kernels.moe_formats import fp4_to_pairs
 
     w13, s13, w2, s2 = fp4_experts
     h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
@@ -211,14 +214,16 @@ def test_moe_decode_grid_orders_are_bit_identical(fp4_experts: tuple[torch.Tenso
     assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
 
 
-@pytest.mark.parametrize(("t", "act_group"), [(1, None), (64, None), (2048, None), (2048, 128),
-                                              (2048, 32), (64, 128), (2048, 0)])  # fmt: skip
+@pytest.mark.parametrize(("t", "act_fp8"), [(1, False), (64, False), (2048, False),
+                                            (2048, True)])  # fmt: skip
 def test_moe_fp8_rows_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
-                             act_group: int | None) -> None:  # fmt: skip
+                             act_fp8: bool) -> None:  # fmt: skip
     """fp4 experts re-encoded exactly in the fp8 rows layout: with bf16 activations the fp4
-    reference (decode and prefill tiles); with fp8 activations per ``act_group`` columns the
-    reference with that rounding, and pre-quantized = quantized in the loop."""
-    from kernels.moe import fp4_to_fp8_rows, moe_fp4_ref, moe_fp8_rows_ref, moe_fp8_rows_triton
+    reference (decode and prefill tiles); with fp8 activations (one scale per row) the
+    reference with that rounding."""
+    from kernels.moe import moe_fp8_rows_triton
+    from kernels.moe_formats import fp4_to_fp8_rows
+    from kernels.moe_ref import moe_fp4_ref, moe_fp8_rows_ref
 
     w13, s13, w2, s2 = fp4_experts
 
@@ -237,45 +242,22 @@ def test_moe_fp8_rows_layout(fp4_experts: tuple[torch.Tensor, ...], t: int,
     else:
         ids, w = _routing(t)
     rows = (q13, r13, q2, r2)
-    if act_group is None:
+    if not act_fp8:
         out = moe_fp8_rows_triton(x, ids, w, *rows, 10.0, n_experts=n_all)
         ref = moe_fp4_ref(x.float(), ids, w, *fp4_experts, 10.0)
         assert _rel(out, ref) < 1e-2
         return
-    run = lambda **kw: moe_fp8_rows_triton(x, ids, w, *rows, 10.0, n_experts=n_all,  # noqa: E731
-                                           act_fp8=True, act_group=act_group, **kw)  # fmt: skip
-    out = run()
-    ref = moe_fp8_rows_ref(x.float(), ids, w, *rows, 10.0, act_fp8=True, act_group=act_group)
+    out = moe_fp8_rows_triton(x, ids, w, *rows, 10.0, n_experts=n_all, act_fp8=True)
+    ref = moe_fp8_rows_ref(x.float(), ids, w, *rows, 10.0, act_fp8=True)
     plain = moe_fp4_ref(x.float(), ids, w, *fp4_experts, 10.0)
     assert _rel(out, ref) < 5e-2
     assert _rel(out, ref) < 0.6 * _rel(out, plain)
-    if act_group:  # row scales (0) exist only pre-quantized
-        assert _rel(run(prequant=False), out) < 1e-3
-
-
-@pytest.mark.parametrize(("fp4", "t"), [(False, 1024), (True, 1024), (False, 64)])
-def test_moe_prequantized_activations(fp4: bool, t: int, fp8_experts: tuple,
-                                      fp4_experts: tuple) -> None:  # fmt: skip
-    """x and H quantized in their own launches (fp8 x fp8 MMAs at prefill tiles): the in-loop
-    act_fp8 result up to accumulation order."""
-    from kernels.moe import moe_fp4_triton, moe_fp8_triton
-
-    x = torch.randn(t, D, device="cuda").bfloat16()
-    n_all = E_LOCAL if t >= 1024 else E_ALL
-    ids = torch.rand(t, n_all, device="cuda").argsort(-1)[:, :TOPK]
-    w = torch.rand(t, TOPK, device="cuda") + 0.1
-    if fp4:
-        run = lambda **kw: moe_fp4_triton(x, ids, w, *fp4_experts, 10.0, n_experts=n_all,  # noqa: E731
-                                          act_fp8=True, **kw)  # fmt: skip
-    else:
-        run = lambda **kw: moe_fp8_triton(x, ids, w, *fp8_experts, (32, 32), 10.0,  # noqa: E731
-                                          n_experts=n_all, act_fp8=True, **kw)  # fmt: skip
-    assert _rel(run(prequant=True), run()) < 1e-3
 
 
 def test_moe_fp8_v4_blocks_and_fp32_scales() -> None:
     """V4 layout: 128x128 weight blocks (scales as e8m0 and as fp32)."""
-    from kernels.moe import moe_fp8_ref, moe_fp8_triton
+    from kernels.moe import moe_fp8_triton
+    from kernels.moe_ref import moe_fp8_ref
     from kernels.quant import e8m0_to_float
 
     e, inter = 8, 2048
@@ -297,7 +279,9 @@ def test_moe_fp8_v4_blocks_and_fp32_scales() -> None:
 def test_moe_prefill_tiles(fp4: bool, fp8_experts: tuple, fp4_experts: tuple) -> None:
     """All experts local and ~128 rows each: the large-tile (no split) path, at the picked
     BM (64) and at BM=128."""
-    from kernels.moe import moe_fp4_ref, moe_fp4_triton, moe_fp8_ref, moe_fp8_triton, pick_tiles
+    from kernels.moe import moe_fp4_triton, moe_fp8_triton
+    from kernels.moe_ref import moe_fp4_ref, moe_fp8_ref
+    from kernels.moe_tiles import pick_tiles
 
     t = 1024
     x = torch.randn(t, D, device="cuda").bfloat16()
@@ -312,34 +296,6 @@ def test_moe_prefill_tiles(fp4: bool, fp8_experts: tuple, fp4_experts: tuple) ->
             out = moe_fp8_triton(x, ids, w, *fp8_experts, (32, 32), 10.0, block_m=bm)
             ref = moe_fp8_ref(x.float(), ids, w, *fp8_experts, (32, 32), 10.0)
         assert _rel(out, ref) < 1e-2, bm
-
-
-@pytest.mark.parametrize(
-    ("fp4", "t", "all_local"),
-    [(False, 64, False), (True, 64, False), (False, 1024, True), (True, 1024, True)],
-)
-def test_moe_fp8_activations(fp4: bool, t: int, all_local: bool, fp8_experts: tuple,
-                             fp4_experts: tuple) -> None:  # fmt: skip
-    """fp8 tensor-core path: against the reference with the same activation rounding, and
-    closer to it than to bf16 activations (a group's scale can follow a differently rounded
-    max, so the agreement is statistical)."""
-    from kernels.moe import moe_fp4_ref, moe_fp4_triton, moe_fp8_ref, moe_fp8_triton
-
-    x = torch.randn(t, D, device="cuda").bfloat16()
-    n_all = E_LOCAL if all_local else E_ALL
-    ids = torch.rand(t, n_all, device="cuda").argsort(-1)[:, :TOPK]
-    w = torch.rand(t, TOPK, device="cuda") + 0.1
-    if fp4:
-        out = moe_fp4_triton(x, ids, w, *fp4_experts, 10.0, act_fp8=True, n_experts=n_all)
-        ref = moe_fp4_ref(x.float(), ids, w, *fp4_experts, 10.0, act_fp8=True)
-        plain = moe_fp4_ref(x.float(), ids, w, *fp4_experts, 10.0)
-    else:
-        blk = (32, 32)
-        out = moe_fp8_triton(x, ids, w, *fp8_experts, blk, 10.0, act_fp8=True, n_experts=n_all)
-        ref = moe_fp8_ref(x.float(), ids, w, *fp8_experts, blk, 10.0, act_fp8=True)
-        plain = moe_fp8_ref(x.float(), ids, w, *fp8_experts, blk, 10.0)
-    assert _rel(out, ref) < 3e-2
-    assert _rel(out, ref) < 0.6 * _rel(out, plain)
 
 
 @pytest.mark.parametrize("block_m,limit", [(None, 0.0), (16, 1024.0)])
@@ -401,7 +357,7 @@ def test_dequant_tiles_exact(block_m: int | None, limit: float) -> None:
 def test_shared_expert_swiglu_on_gpu(t: int) -> None:
     """The fused SwiGLU of the stacked W1/W3 GEMM = torch's four launches: the same bf16
     bits but for the rare element where the two exp implementations round apart (one step)."""
-    from kernels.moe import swiglu_clamp
+    from kernels.moe_ref import swiglu_clamp
     from kernels.swiglu import swiglu_halves_triton
 
     inter = 2304
@@ -435,9 +391,9 @@ def test_mhc(t: int, form: str) -> None:
     """The fused mHC kernels against the reference at V4.1-Flash widths, in every form
     ("auto": one launch up to 4 tokens, then the two-launch one-tile finish up to one wave
     of tokens; 4096 tokens take the loop in every form)."""
-    from kernels import mhc
+    from tests.support.forms import mhc_finish_form
 
-    with mhc.finish_choice(form):
+    with mhc_finish_form(form):
         _check_mhc(t)
 
 
@@ -448,7 +404,8 @@ def test_mhc_one_launch_replays_in_a_graph(t: int) -> None:
     replay equals an eager launch on the same inputs bit for bit (the last program sums the
     partials in split order, whichever arrives last), so no replay finished early on a
     counter left over; the counters are all zero afterwards."""
-    from kernels import dispatch, mhc
+    from kernels import dispatch, mhc, mhc_ref
+    from tests.support.forms import mhc_finish_form
 
     fn = torch.randn(N * (N + 2), N * D, device="cuda") / (N * D) ** 0.5
     base, scale = 0.5 * torch.randn(24, device="cuda"), 1 + 0.2 * torch.randn(3, device="cuda")
@@ -462,7 +419,7 @@ def test_mhc_one_launch_replays_in_a_graph(t: int) -> None:
     def run():
         return mhc.hc_post_pre_triton(out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
 
-    with mhc.finish_choice("fused"):
+    with mhc_finish_form("fused"):
         run()  # compile and make the counters outside the capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -475,14 +432,14 @@ def test_mhc_one_launch_replays_in_a_graph(t: int) -> None:
             want = run()
             for o, w in zip(res, want, strict=True):
                 assert torch.equal(o, w)
-            ref = mhc.hc_post_pre_ref(out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
+            ref = mhc_ref.hc_post_pre_ref(out, x, post, comb, fn, base, scale, nw, *eps, pre_in)
             assert _rel(res[0], ref[0]) < 1e-2 and _rel(res[1], ref[1]) < 1e-2
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
 
 
 def _check_mhc(t: int) -> None:
-    from kernels import mhc
+    from kernels import mhc, mhc_ref
 
     x = torch.randn(t, N, D, device="cuda").bfloat16()
     fn = torch.randn(N * (N + 2), N * D, device="cuda") / (N * D) ** 0.5
@@ -491,15 +448,15 @@ def _check_mhc(t: int) -> None:
     eps = (20, 1e-6, 1e-6, 1e-6)
     out = torch.randn(t, D, device="cuda").bfloat16()
     pre_in = torch.rand(t, N, device="cuda")
-    res = mhc.hc_post_pre_triton(out, x, *mhc.hc_mix_ref(x, fn, base, scale, *eps[:3])[1:],
+    res = mhc.hc_post_pre_triton(out, x, *mhc_ref.hc_mix_ref(x, fn, base, scale, *eps[:3])[1:],
                                  fn, base, scale, nw, *eps, pre_in)  # fmt: skip
-    ref = mhc.hc_post_pre_ref(out, x, *mhc.hc_mix_ref(x, fn, base, scale, *eps[:3])[1:],
+    ref = mhc_ref.hc_post_pre_ref(out, x, *mhc_ref.hc_mix_ref(x, fn, base, scale, *eps[:3])[1:],
                               fn, base, scale, nw, *eps, pre_in)  # fmt: skip
     assert _rel(res[0], ref[0]) < 1e-2 and _rel(res[1], ref[1]) < 1e-2
     for o, r in zip(res[2:], ref[2:], strict=True):
         assert _rel(o, r) < 1e-4
     pre_out = mhc.hc_pre_triton(x, fn, base, scale, nw, *eps)
-    pre_ref = mhc.hc_pre_ref(x, fn, base, scale, nw, *eps)
+    pre_ref = mhc_ref.hc_pre_ref(x, fn, base, scale, nw, *eps)
     assert _rel(pre_out[0], pre_ref[0]) < 1e-2 and _rel(pre_out[2], pre_ref[2]) < 1e-4
 
 
@@ -563,14 +520,14 @@ def test_ep_layer_captures_in_a_cuda_graph(fp8_experts: tuple[torch.Tensor, ...]
 @pytest.mark.parametrize("t", [1, 8, 24])
 def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor, ...],
                                                 t: int) -> None:  # fmt: skip
-    """W13's K splits summed by each tile's last CTA with the clamped SwiGLU (the default)
-    give the layer's output bit for bit as the partials + ``_swiglu_reduce`` launch
-    (``split_sum_choice("launch")``), also replayed in a CUDA graph with new inputs (the
+    """W13's K splits summed by each tile's last CTA with the clamped SwiGLU (the two-launch
+    layer at 1 and 8 tokens, the four launches at 24): the tl path's output to accumulation
+    order, and replayed in a CUDA graph with new inputs the eager layer's bit for bit (the
     counters must be back at zero after every launch); the counters are zero afterwards."""
     from kernels import dispatch, moe_decode
     from kernels.dispatch import sm_count
-    from kernels.linear import split_sum_choice
-    from kernels.moe import fp4_to_pairs, moe_fp4_triton
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_formats import fp4_to_pairs
 
     # W13 takes K splits here (about one active tile per 1-4 tokens)
     assert moe_decode.pick_split(max(1.0, t / 4), INTER, D, sm_count(0)) > 1
@@ -580,45 +537,47 @@ def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor,
     torch.manual_seed(t)
     x = torch.randn(t, D, device="cuda").bfloat16()
     ids, w = _routing(t)
-    kw = dict(n_experts=E_ALL, pairs=True, out_dtype=torch.float32, row_refs=refs,
-              decode_kernel="gluon")  # fmt: skip
+    kw = dict(n_experts=E_ALL, pairs=True, out_dtype=torch.float32)
 
-    def layer(xx: torch.Tensor, where: str) -> torch.Tensor:
-        with split_sum_choice(where):
-            return moe_fp4_triton(xx, ids, w, h13, s13, h2, s2, 10.0, **kw)
+    def layer(xx: torch.Tensor) -> torch.Tensor:
+        return moe_fp4_triton(xx, ids, w, h13, s13, h2, s2, 10.0, row_refs=refs, **kw)
 
-    one, two = layer(x, "auto"), layer(x, "launch")
-    assert bool(torch.isfinite(one).all()) and torch.equal(one, two)
+    one = layer(x)
+    tl_ = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, **kw)  # no row refs: the tl path
+    assert bool(torch.isfinite(one).all()) and _rel(one, tl_) < 1e-3
     static = x.clone()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = layer(static, "auto")
+        out = layer(static)
     for _ in range(3):
         static.copy_(torch.randn(t, D, device="cuda").bfloat16())
         g.replay()
-        assert torch.equal(out, layer(static, "launch"))
+        assert torch.equal(out, layer(static))
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
 
 
 @pytest.mark.parametrize("t,first_local,none_local", [(1, 0, False), (2, 96, False),
                                                       (3, 96, False), (8, 0, False),
-                                                      (10, 336, False), (2, 0, True)])  # fmt: skip
+                                                      (2, 0, True)])  # fmt: skip
 def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: int,
-                                     first_local: int, none_local: bool) -> None:  # fmt: skip
+                                     first_local: int, none_local: bool,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """At a few token slots the decode layer is two launches: W13 lays out its tiles from
     the router's ids and W2's last CTA per row block combines. Its output equals the four
-    launches' (align, W13, W2, combine: ``route_choice("launch")``) bit for bit, with the
-    local experts at an offset, with tokens that take no local expert (and none that does),
-    in a CUDA graph replayed with new activations and new routing, also past the slots
-    where the default takes it ("two": up to 64); the rows, inverse map
-    and tile experts it writes are the align launch's (rows in slot order); the split
-    counters are zero afterwards."""
+    launches' (align, W13, W2, combine: what calls past ``FUSED_SLOTS`` take, forced here by
+    a bound of 0) bit for bit, with the local experts at an offset, with tokens that take no
+    local expert (and none that does), in a CUDA graph replayed with new activations and
+    new routing; the rows, inverse map and tile experts it writes are the align launch's
+    (rows in slot order); the split counters are zero afterwards."""
     from kernels import dispatch, moe_decode
-    from kernels.moe import FUSED_SLOTS, _align, fp4_to_pairs, moe_fp4_triton, route_choice
+    from kernels import moe as moe_mod
+    from kernels.moe import FUSED_SLOTS, moe_fp4_triton
+    from kernels.moe_align import _align
+    from kernels.moe_formats import fp4_to_pairs
 
-    assert t * TOPK <= 64
+    assert t * TOPK <= FUSED_SLOTS
     w13, s13, w2, s2 = fp4_experts
     h13, h2 = fp4_to_pairs(w13), fp4_to_pairs(w2)
     refs = (moe_decode.row_refs(s13)[0], moe_decode.row_refs(s2)[0])
@@ -633,28 +592,28 @@ def test_moe_decode_two_launch_layer(fp4_experts: tuple[torch.Tensor, ...], t: i
     ids, wt = routing()
     x = torch.randn(t, D, device="cuda").bfloat16()
 
-    def layer(xx: torch.Tensor, ii: torch.Tensor, ww: torch.Tensor, where: str) -> torch.Tensor:
-        with route_choice(where):
+    def layer(xx: torch.Tensor, ii: torch.Tensor, ww: torch.Tensor, fused: bool) -> torch.Tensor:
+        with monkeypatch.context() as m:
+            m.setattr(moe_mod, "FUSED_SLOTS", FUSED_SLOTS if fused else 0)
             return moe_fp4_triton(xx, ii, ww, h13, s13, h2, s2, 10.0, n_experts=E_ALL,
-                                  local_expert_offset=first_local, pairs=True, row_refs=refs,
-                                  decode_kernel="gluon")  # fmt: skip
+                                  local_expert_offset=first_local, pairs=True,
+                                  row_refs=refs)  # fmt: skip
 
-    two = "auto" if t * TOPK <= FUSED_SLOTS else "two"
-    fused, four = layer(x, ids, wt, two), layer(x, ids, wt, "launch")
+    fused, four = layer(x, ids, wt, True), layer(x, ids, wt, False)
     assert bool(torch.isfinite(fused).all()) and torch.equal(fused, four)
     assert (fused.abs().amax() == 0) == none_local
     static_x, static_ids, static_w = x.clone(), ids.clone(), wt.clone()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = layer(static_x, static_ids, static_w, two)
+        out = layer(static_x, static_ids, static_w, True)
     for _ in range(3):
         ids, wt = routing()
         static_x.copy_(torch.randn(t, D, device="cuda").bfloat16())
         static_ids.copy_(ids)
         static_w.copy_(wt)
         g.replay()
-        assert torch.equal(out, layer(static_x, static_ids, static_w, "launch"))
+        assert torch.equal(out, layer(static_x, static_ids, static_w, False))
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
     # the routing it writes for the launches after W13: the align launch's tiles

@@ -15,10 +15,14 @@ from kernels import (
     linear,
     mhc,
     moe,
+    moe_formats,
+    moe_ref,
     norm,
     swiglu,
+    topk,
 )
 from kernels.dispatch import op, reference_kernels
+from kernels.moe_decode import row_refs
 
 
 def _spy(tag: str, calls: list):
@@ -94,7 +98,7 @@ def test_reference_kernels_by_name_bisects_one_op(monkeypatch):
     "fn",
     [attention.sparse_attention, compressor.compress_pool, engram.engram_rows,
      engram.engram_gather, engram.engram_gate, gate.moe_gate_fused, indexer.indexer_scores,
-     indexer.indexer_scores_paged, indexer.topk, kv_quant.kv_pack, kv_quant.kv_pack_into,
+     indexer.indexer_scores_paged, topk.topk, kv_quant.kv_pack, kv_quant.kv_pack_into,
      kv_quant.kv_qdq, linear.linear_f32, linear.fp8_linear, linear.dense_linear, mhc.hc_pre,
      mhc.hc_post, mhc.hc_post_pre, moe.moe_fp8, moe.moe_fp4, moe.moe_fp8_rows, norm.norm_rope,
      norm.rms_norm, swiglu.swiglu_halves],
@@ -108,33 +112,14 @@ def test_every_op_dispatches_through_one_rule(fn):
     assert OPS[op_name(fn)] is fn  # reference_kernels(name) reaches it (hc_post: by its name)
 
 
-def test_pinned_variants_are_validated_scoped_and_per_op():
-    """``pinned_variant`` (the kernels' A/B switch): an unknown variant is an error, a pin
-    ends with its block (nested pins restore the outer one), and one op's pin leaves the
-    others on "auto"."""
-    from kernels.dispatch import pinned, pinned_variant
-
-    with pytest.raises(ValueError, match="moe_decode kernel must be"), moe.decode_kernel_choice(
-        "gluon"
-    ):
-        pass  # "gluon" is a per-call requirement, not a pin
-    assert pinned("moe_decode") == "auto"
-    with moe.decode_kernel_choice("tl"):
-        assert pinned("moe_decode") == "tl" and pinned("attention") == "auto"
-        with attention.kernel_choice("ws"), pinned_variant("moe_decode", "auto", ("auto", "tl")):
-            assert (pinned("moe_decode"), pinned("attention")) == ("auto", "ws")
-        assert (pinned("moe_decode"), pinned("attention")) == ("tl", "auto")
-    assert pinned("moe_decode") == "auto"
-
-
-def test_moe_decode_kernel_is_refused_where_it_cannot_run():
-    """``decode_kernel="gluon"`` on the CPU (or any call the kernel cannot take) is an error,
-    not a silent fallback; an unknown name is an error too; "tl" runs the portable path."""
+def test_moe_row_refs_off_the_gpu_take_the_portable_path():
+    """Experts with exact row references on the CPU (where the Gluon decode GEMMs cannot
+    run) take the portable path, which matches the reference."""
     g = torch.Generator().manual_seed(0)
     e, d, inter, t = 4, 128, 128, 3
-    w13 = moe.fp4_to_pairs(torch.randint(-128, 128, (e, 2 * inter, d // 2), generator=g,
+    w13 = moe_formats.fp4_to_pairs(torch.randint(-128, 128, (e, 2 * inter, d // 2), generator=g,
                                          dtype=torch.int8))  # fmt: skip
-    w2 = moe.fp4_to_pairs(torch.randint(-128, 128, (e, d, inter // 2), generator=g,
+    w2 = moe_formats.fp4_to_pairs(torch.randint(-128, 128, (e, d, inter // 2), generator=g,
                                         dtype=torch.int8))  # fmt: skip
     s13 = torch.randint(120, 124, (e, 2 * inter, d // 32), generator=g).to(torch.uint8)
     s2 = torch.randint(120, 124, (e, d, inter // 32), generator=g).to(torch.uint8)
@@ -145,10 +130,8 @@ def test_moe_decode_kernel_is_refused_where_it_cannot_run():
     ids = torch.randint(0, e, (t, 2), generator=g)
     w = torch.rand(t, 2, generator=g)
     args = (x, ids, w, w13, s13, w2, s2, 10.0)
-    with pytest.raises(ValueError, match="decode_kernel='gluon' needs"):
-        moe.moe_fp4_triton(*args, pairs=True, decode_kernel="gluon")
-    with pytest.raises(ValueError, match="decode_kernel must be one of"):
-        moe.moe_fp4_triton(*args, pairs=True, decode_kernel="fast")
-    out = moe.moe_fp4_triton(*args, pairs=True, decode_kernel="tl")
-    ref = moe.moe_fp4_ref(x.float(), ids, w, w13, s13, w2, s2, 10.0, pairs=True)
+    (r13, ok13), (r2, ok2) = row_refs(s13), row_refs(s2)
+    assert ok13 and ok2
+    out = moe.moe_fp4_triton(*args, pairs=True, row_refs=(r13, r2))
+    ref = moe_ref.moe_fp4_ref(x.float(), ids, w, w13, s13, w2, s2, 10.0, pairs=True)
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-2

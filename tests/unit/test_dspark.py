@@ -14,9 +14,9 @@ from app.cache.manager import CacheManager
 from app.config import CacheConfig
 from app.model.dspark import DSparkDrafter
 from app.model.kv_store import KVRows
-from app.model.reference import reference_logits
 from bench.teacher import drive
 from kernels.kv_quant import kv_storage
+from tests.support.reference import reference_logits
 
 
 def _rms(x, w, eps):

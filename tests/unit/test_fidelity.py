@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from app.model.loader import load_model
 from app.model.tiny import make_tiny_checkpoint
+from tests.support.reference import sequence_logits
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 TOL = 1e-4  # max |ours - ref| / max |ref| per prompt (MODEL_SPEC §6.9)
@@ -27,7 +28,7 @@ def _prompts(g: dict[str, torch.Tensor]) -> list[int]:
 def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
     out = ids.clone()
     for _ in range(n):
-        nxt = model.logits(out)[-1].argmax()
+        nxt = sequence_logits(model, out)[-1].argmax()
         out = torch.cat((out, nxt.view(1)))
     return out[ids.numel() :].tolist()
 
@@ -47,7 +48,7 @@ def test_reference_logits_and_greedy(arch, variant, kv_quant):
     for i in _prompts(g):
         ids = g[f"p{i}.input_ids"].long()
         ref = g[f"p{i}.logits{suffix}"].float()
-        ours = model.logits(ids)
+        ours = sequence_logits(model, ids)
         rel = ((ours - ref).abs().max() / ref.abs().max()).item()
         assert rel < TOL, f"{arch} prompt {i}: max relative error {rel:.2e}"
         assert _greedy(model, ids, 8) == g[f"p{i}.greedy{suffix}"].tolist()
@@ -64,6 +65,6 @@ def test_our_tiny_checkpoint_against_reference(arch, tmp_path):
     for i in _prompts(g):
         ids = g[f"p{i}.input_ids"].long()
         ref = g[f"p{i}.logits{suffix}"].float()
-        rel = ((model.logits(ids) - ref).abs().max() / ref.abs().max()).item()
+        rel = ((sequence_logits(model, ids) - ref).abs().max() / ref.abs().max()).item()
         assert rel < TOL, f"tiny {arch} prompt {i}: max relative error {rel:.2e}"
         assert _greedy(model, ids, 8) == g[f"p{i}.greedy{suffix}"].tolist()

@@ -11,12 +11,13 @@ import torch
 
 from app.cache.block_pool import NoFreeBlocks
 from app.cache.manager import CacheManager
-from app.cache.radix import BlockRemoved, EventMirror, chain_hashes
+from app.cache.radix import BlockRemoved, chain_hashes
 from app.config import CacheConfig, EngineConfig
 from app.engine.core import EngineCore
 from app.engine.metrics import EngineMetrics
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
+from tests.support.kv_events import EventMirror
 from tests.unit.test_engine_observability import _Fake, _one
 
 

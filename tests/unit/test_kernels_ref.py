@@ -9,11 +9,12 @@ import torch
 
 from kernels.attention import sparse_attention_ref
 from kernels.gate import moe_gate_ref
-from kernels.indexer import indexer_scores_ref, topk_ref
+from kernels.indexer import indexer_scores_ref
 from kernels.kv_quant import kv_qdq, pow2_ceil
-from kernels.mhc import hc_collapse_ref, hc_expand_ref, hc_mix_ref, sinkhorn_ref
-from kernels.moe import moe_experts_ref
+from kernels.mhc_ref import hc_collapse_ref, hc_expand_ref, hc_mix_ref, sinkhorn_ref
+from kernels.moe_ref import moe_experts_ref
 from kernels.rope import apply_rope_ref
+from kernels.topk import topk_ref
 
 
 def test_sparse_attention_matches_dense_loop():

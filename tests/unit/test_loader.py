@@ -11,14 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from app.model.checkpoint import INDEX_FILE, CheckpointError, checkpoint_quant_kind, scale_name
 from app.model.config import ConfigError, ModelConfig
-from app.model.loader import (
-    INDEX_FILE,
-    CheckpointError,
-    checkpoint_quant_kind,
-    load_model,
-    scale_name,
-)
+from app.model.loader import load_model
 from app.model.tiny import make_tiny_checkpoint
 from app.model.tiny_config import tiny_config_v4
 from kernels.quant import (
@@ -27,6 +22,7 @@ from kernels.quant import (
     dequantize_fp8_rowwise,
     quantize_fp8_block,
 )
+from tests.support.reference import sequence_logits
 
 _STORED = {"fp8": torch.float8_e4m3fn, "fp4": torch.int8, "fp8_rowwise": torch.float8_e4m3fn,
            "bf16": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64}  # fmt: skip
@@ -383,7 +379,7 @@ def test_packed_dense_keeps_fp8_projections(tiny_ckpt, arch):
     assert isinstance(shared.w2, Fp8Linear)
     assert {"layers.2.attn.wq_b.weight", "layers.2.attn.wq_b.scale"} <= set(packed.state_dict())
     ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(packed.logits(ids), plain.logits(ids))
+    assert torch.equal(sequence_logits(packed, ids), sequence_logits(plain, ids))
     # W1 / W3 ran as one projection where their scale blocks end at the seam (V4.1's 32-row
     # blocks; V4's 128-row blocks hold the tiny model's 32 rows of each: two projections)
     seam = not shared.w1.out_features % shared.w1.block[0]

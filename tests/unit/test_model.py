@@ -15,6 +15,7 @@ from app.model.config import LayerMode
 from app.model.engram_hash import compressed_token_map
 from app.model.model import DeepseekModel
 from bench.teacher import drive
+from tests.support.reference import sequence_logits
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
@@ -43,7 +44,7 @@ def test_ragged_batch_equals_one_at_a_time(tiny_model, tiny_cfg, tiny_tokenizer,
     # into an occasional flipped code (3e-5 measured): the fidelity bound of MODEL_SPEC 6.9.
     tol = 1e-4 if kv_quant else 1e-5
     for rid, s in seqs.items():
-        single = model.logits(s)
+        single = sequence_logits(model, s)
         got = torch.stack([out[rid][p] for p in range(s.numel())])
         assert torch.allclose(got, single, rtol=0, atol=tol * single.abs().max()), rid
 
@@ -102,7 +103,7 @@ def test_official_parameter_names(tiny_model):
 def test_tiny_v41_exercises_every_mode(tiny_model):
     """A 40-token prompt closes windows, selects top-k among more than k entries, and the
     candidate mask of layer 4 removes entries that Reindex layer 6 would otherwise pick."""
-    from app.model import reference
+    from tests.support import reference
 
     model = tiny_model("v41")
     cfg = model.cfg

@@ -15,8 +15,8 @@ from app.config import EngineConfigError
 from app.engine.llm import LLM
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.kv_store import KVRows
-from app.model.mtp import MTPDrafter, reference_mtp_logits
-from app.model.reference import reference_logits
+from app.model.mtp import MTPDrafter
+from tests.support.reference import reference_logits, reference_mtp_logits
 from tests.unit.test_engine import GREEDY, prompts, run_all
 from tests.unit.test_speculative import engine, requests
 

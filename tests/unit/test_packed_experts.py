@@ -22,17 +22,14 @@ from safetensors.torch import load_file, save_file
 from app.config import EngineConfig, EngineConfigError
 from app.engine.llm import LLM
 from app.engine.request import SamplingParams
-from app.model.loader import (
-    INDEX_FILE,
-    CheckpointError,
-    expert_packing,
-    load_model,
-    scale_name,
-)
+from app.model.checkpoint import INDEX_FILE, CheckpointError, scale_name
+from app.model.loader import load_model
 from app.model.model import DeepseekModel
 from app.model.moe import MoE, PackedExperts
-from kernels.moe import fp4_to_pairs
+from kernels.moe_formats import fp4_to_pairs
 from kernels.quant import dequantize_fp4, e8m0_to_float, quantize_fp4
+from tests.support.loader import expert_packing
+from tests.support.reference import sequence_logits
 from tests.unit.triton_util import rel
 
 FP8 = {"expert_dtype": "fp8", "block": 32}
@@ -85,7 +82,7 @@ def test_packed_logits_equal_dequantized(ckpt: str) -> None:
     ref = load_model(ckpt, packed_experts=False)
     packed = load_model(ckpt, packed_experts=True)
     ids = _ids(41)
-    assert rel(packed.logits(ids), ref.logits(ids)) < 1e-5
+    assert rel(sequence_logits(packed, ids), sequence_logits(ref, ids)) < 1e-5
     # every MoE (mtp blocks too, which logits() does not run) gives the same output
     g = torch.Generator().manual_seed(1)
     ref_moes = _moes(ref)
@@ -162,7 +159,7 @@ def test_other_scale_and_byte_storage(tiny_ckpt, tmp_path: Path) -> None:
     assert layers[2].ffn.experts.s13.dtype == torch.float32  # one F32 expert: all fp32
     assert layers[3].ffn.experts.w13.dtype == torch.int8
     ids = _ids(41)
-    assert rel(model.logits(ids), load_model(src).logits(ids)) < 1e-5
+    assert rel(sequence_logits(model, ids), sequence_logits(load_model(src), ids)) < 1e-5
 
 
 @torch.no_grad()
@@ -217,13 +214,13 @@ def test_cuda_repack_of_the_loader(tiny_ckpt) -> None:
 
     model = load_model(tiny_ckpt("v41"), packed_experts=True)
     ids = _ids(19)
-    want = model.logits(ids)
+    want = sequence_logits(model, ids)
     packed = [m for m in model.modules() if isinstance(m, PackedExperts)]
     ptrs = [m.w13.data_ptr() for m in packed]
     _repack_fp4_for_cuda(model)
     assert {m.layout for m in packed} == {"pairs"}
     assert [m.w13.data_ptr() for m in packed] == ptrs
-    assert torch.equal(model.logits(ids), want)
+    assert torch.equal(sequence_logits(model, ids), want)
     g = torch.Generator().manual_seed(2)
     narrow = PackedExperts(
         *_stack_fp4(torch.randn(2, 64, 96, generator=g)),
@@ -274,7 +271,7 @@ def test_unquantized_experts(tiny_ckpt, tmp_path: Path, caplog) -> None:
     msg = str(e.value)
     assert "packed_experts" in msg and "layers.0.ffn.experts" in msg and "mtp.2.ffn.experts" in msg
     assert "unquantized (BF16)" in msg
-    with caplog.at_level(logging.INFO, logger="app.model.loader"):
+    with caplog.at_level(logging.INFO, logger="app.model.checkpoint"):
         assert expert_packing(path, device="cuda") == {}  # auto falls back
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert isinstance(load_model(path).layers[0].ffn.experts, torch.nn.ModuleList)
@@ -287,7 +284,7 @@ def test_fp8_block_the_kernels_cannot_take(tiny_ckpt, caplog) -> None:
     msg = str(e.value)
     assert "layers.0.ffn.experts" in msg and "mtp.0.ffn.experts" in msg
     assert "expert width 32 is not a multiple of the fp8 block rows 128" in msg
-    with caplog.at_level(logging.WARNING, logger="app.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="app.model.checkpoint"):
         assert expert_packing(path, device="cuda") == {}  # auto: dequantized, with a warning
     assert any("cannot be packed" in r.getMessage() for r in caplog.records)
     load_model(path)  # still loads dequantized
@@ -358,7 +355,7 @@ def test_fp8_rows_layout_gives_the_same_layer(tiny_ckpt) -> None:
     forward's choice, checked against the rows reference called with those arguments; the
     kernel itself is tested in test_triton_moe_rows) and a smaller one does not. One way: it
     does not convert back."""
-    from kernels.moe import moe_fp8_rows_ref
+    from kernels.moe_ref import moe_fp8_rows_ref
 
     pe = load_model(tiny_ckpt("v41"), packed_experts=True).layers[1].ffn.experts
     assert isinstance(pe, PackedExperts)
@@ -377,8 +374,7 @@ def test_fp8_rows_layout_gives_the_same_layer(tiny_ckpt) -> None:
     pe.prefill_act_fp8 = True
     assert "prefill_act_fp8" in repr(pe)
     fp8 = pe(x, ids, w)
-    ref = moe_fp8_rows_ref(x, ids, w, pe.w13, pe.s13, pe.w2, pe.s2, pe.limit, act_fp8=True,
-                           act_group=0)  # fmt: skip
+    ref = moe_fp8_rows_ref(x, ids, w, pe.w13, pe.s13, pe.w2, pe.s2, pe.limit, act_fp8=True)
     assert torch.equal(fp8, ref) and 1e-3 < rel(fp8, want) < 0.1
     assert torch.equal(pe(x[:40], ids[:40], w[:40]), small)  # 10 rows per expert: bf16
     with pytest.raises(ValueError, match="does not convert back"):

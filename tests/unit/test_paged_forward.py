@@ -11,6 +11,7 @@ import torch
 from app.cache.manager import CacheManager
 from app.config import CacheConfig
 from bench.teacher import drive
+from tests.support.reference import sequence_logits
 
 BLOCK = {"v41": 8, "v4": 16}
 
@@ -28,7 +29,7 @@ def test_chunked_prefill_and_decode_equal_full_forward(tiny_model, arch):
     seqs = {f"r{i}": torch.randint(3, 500, (n,), generator=g) for i, n in enumerate((45, 7, 30, 1))}
     out = drive(model, mgr, seqs, random.Random(0), max_chunk=9)
     for rid, toks in seqs.items():
-        full = model.logits(toks)
+        full = sequence_logits(model, toks)
         got = torch.stack([out[rid][p] for p in range(toks.numel())])
         assert _rel(got, full) < 1e-5, rid
     for rid in seqs:
@@ -51,7 +52,7 @@ def test_prefix_hit_without_replay_equals_cold(tiny_model, arch):
     mgr.free("a")
     out = drive(model, mgr, {"b": b}, random.Random(2), max_chunk=7)
     assert mgr.num_cached("b") == 3 * P  # whole blocks only
-    cold = model.logits(b)
+    cold = sequence_logits(model, b)
     got = torch.stack([out["b"][p] for p in range(b.numel())])
     assert _rel(got, cold) < 1e-5
     stats = mgr.index.stats

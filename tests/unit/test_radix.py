@@ -13,10 +13,10 @@ from app.cache.radix import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EventMirror,
     PrefixIndex,
     chain_hashes,
 )
+from tests.support.kv_events import EventMirror
 
 P = 4
 

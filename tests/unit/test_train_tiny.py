@@ -32,7 +32,7 @@ def test_heldout_split_is_by_document():
 
 def test_train_small_loss_falls_and_export_loads(tmp_path):
     from app.model.loader import load_model
-    from app.model.reference import reference_logits
+    from tests.support.reference import reference_logits
 
     out = tmp_path / "run"
     train_main(["--config", "small", "--steps", "12", "--dspark-steps", "2", "--seq-len", "48",

@@ -114,23 +114,18 @@ def test_wrapper_rejects_bad_inputs():
         attn.sparse_attention_triton(q, kv, idx, sink, 1.0, inv_rope_angles=angles[:1])
 
 
-def test_kernel_choice_is_validated_and_scoped():
+def test_kernel_is_validated():
     """``kernel`` names a kernel or fails: "ws" where the warp-specialized kernel cannot run
     (here: no sm_90 GPU, 16 heads, D 32) is an error, not a silent fallback; the portable
-    kernel named outright, or through ``kernel_choice``, gives the reference's result, and
-    the choice ends with its block."""
+    kernel named outright gives the reference's result, as does the dispatch ("auto")."""
     q, kv, idx, sink, _ = _case(7, T=2, H=16, D=32, N=24, K=20)
     ref = attn.sparse_attention_ref(q.double(), kv.double(), idx, sink.double(), 0.3)
     with pytest.raises(ValueError, match="warp-specialized"):
         attn.sparse_attention_triton(q, kv, idx, sink, 0.3, kernel="ws")
     with pytest.raises(ValueError, match="kernel must be"):
         attn.sparse_attention_triton(q, kv, idx, sink, 0.3, kernel="fast")
-    with pytest.raises(ValueError, match="kernel must be"), attn.kernel_choice("fast"):
-        pass
     assert rel(attn.sparse_attention_triton(q, kv, idx, sink, 0.3, kernel="tl"), ref) < 1e-5
-    with attn.kernel_choice("ws"), pytest.raises(ValueError, match="warp-specialized"):
-        attn.sparse_attention_triton(q, kv, idx, sink, 0.3)
-    assert rel(attn.sparse_attention_triton(q, kv, idx, sink, 0.3), ref) < 1e-5  # auto again
+    assert rel(attn.sparse_attention_triton(q, kv, idx, sink, 0.3), ref) < 1e-5
 
 
 def test_combine_reads_bf16_partials():
@@ -176,23 +171,6 @@ def test_ws_block_fit_keeps_a_ring_for_the_epilogue():
         fit_block_n(16, 2, plain=False, scaled=True)
     with pytest.raises(ValueError, match="exceeds shared memory"):
         fit_block_n(32, 8, plain=True, scaled=True)
-
-
-def test_ws_seesaw_messages_count_in_the_fit():
-    """The seesaw's two message slots (P [64, block] in bf16, four fp32 rows of 64 heads,
-    two barriers each) count in the CTA's shared memory: fp8 rows keep 32-row blocks at 2
-    and 3 stages, plain bf16 rows no longer fit at 32 x 2 and are refused (16 x 2 would
-    leave the epilogue too small a ring)."""
-    from kernels.attention_ws import fit_block_n, smem_bytes
-
-    for block, stages in ((32, 2), (32, 3), (16, 4)):
-        extra = smem_bytes(block, stages, False, True, seesaw=True) - smem_bytes(
-            block, stages, False, True)
-        assert extra == 2 * (64 * block * 2 + 4 * 64 * 4 + 16)
-    assert fit_block_n(32, 3, plain=False, scaled=True, seesaw=True) == 32
-    assert fit_block_n(32, 2, plain=True, scaled=False) == 32
-    with pytest.raises(ValueError, match="at least 64 rows"):
-        fit_block_n(32, 2, plain=True, scaled=False, seesaw=True)
 
 
 @pytest.mark.parametrize("packed", [False, True])

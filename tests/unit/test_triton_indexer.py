@@ -12,6 +12,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kernels import indexer as ix  # noqa: E402
+from kernels import topk as tk  # noqa: E402
 from kernels.topk_grid import grid_topk  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -56,23 +57,23 @@ def test_topk_matches_reference_exactly(k):
     s = _hard_scores(k, 3, 300)
     kk = min(k, 300)
     out = torch.full((3, kk), -7, dtype=torch.int64)
-    ix.topk_triton(s, k, out=out)
-    assert torch.equal(out, ix.topk_ref(s, k))
+    tk.topk_triton(s, k, out=out)
+    assert torch.equal(out, tk.topk_ref(s, k))
 
 
 def test_topk_chunked_passes(monkeypatch):
     """Shrink the chunk sizes so a 1000-wide row goes through two intermediate passes."""
-    monkeypatch.setattr(ix, "_ONE_CHUNK", 32)
-    monkeypatch.setattr(ix, "_CHUNK", 128)
+    monkeypatch.setattr(tk, "_ONE_CHUNK", 32)
+    monkeypatch.setattr(tk, "_CHUNK", 128)
     s = _hard_scores(9, 2, 1000)
     for k in (3, 8):
-        assert torch.equal(ix.topk_triton(s, k), ix.topk_ref(s, k))
+        assert torch.equal(tk.topk_triton(s, k), tk.topk_ref(s, k))
 
 
 def test_indexer_topk_end_to_end():
     q, k, w, visible = _inputs(4, T=4, C=64)
     got = ix.indexer_topk_triton(q, k, w, visible, 10)
-    want = ix.topk_ref(ix.indexer_scores_ref(q.double(), k.double(), w.double(), visible), 10)
+    want = tk.topk_ref(ix.indexer_scores_ref(q.double(), k.double(), w.double(), visible), 10)
     assert torch.equal(got, want)
     assert (got[0] == -1).all()  # visible 0: nothing to pick
 
@@ -81,7 +82,7 @@ def test_dispatch_uses_reference_on_cpu():
     q, k, w, visible = _inputs(5)
     assert torch.equal(ix.indexer_scores(q, k, w, visible), ix.indexer_scores_ref(q, k, w, visible))
     s = _hard_scores(5, 2, 40)
-    assert torch.equal(ix.topk(s, 7), ix.topk_ref(s, 7))
+    assert torch.equal(tk.topk(s, 7), tk.topk_ref(s, 7))
 
 
 @pytest.mark.parametrize("k", [1, 64, 300])
@@ -97,7 +98,7 @@ def test_topk_coarse_path_long_rows(k):
     # 4 rank programs (one in 9, 1905 +infs, cost ~4 s of all-pairs ranks per k interpreted)
     s[3, 5::49] = float("inf")
     s[3, 1::7] = -0.0
-    assert torch.equal(ix.topk_triton(s, k), ix.topk_ref(s, k))
+    assert torch.equal(tk.topk_triton(s, k), tk.topk_ref(s, k))
 
 
 def test_topk_coarse_one_octave():
@@ -110,7 +111,7 @@ def test_topk_coarse_one_octave():
     s = torch.stack((u[0], -u[1], u[2]))
     s[2, ::50] = 1.99
     for k in (1, 300):
-        assert torch.equal(ix.topk_triton(s, k), ix.topk_ref(s, k)), k
+        assert torch.equal(tk.topk_triton(s, k), tk.topk_ref(s, k)), k
 
 
 def test_topk_coarse_ties_at_threshold():
@@ -119,8 +120,8 @@ def test_topk_coarse_ties_at_threshold():
     s = torch.full((1, C), -5.0)
     s[0, 3000:3010] = 2.0
     s[0, ::1000] = 1.5  # 17 entries tie for the last places
-    got = ix.topk_triton(s, 15)
-    assert torch.equal(got, ix.topk_ref(s, 15))
+    got = tk.topk_triton(s, 15)
+    assert torch.equal(got, tk.topk_ref(s, 15))
     # 2.0 at 3001..3009 (3000 was overwritten by 1.5), then the 6 lowest of 17 tied 1.5s
     assert got[0].tolist() == [0, 1000, 2000, 3000, *range(3001, 3010), 4000, 5000]
 
@@ -140,7 +141,7 @@ def test_grid_topk_phases(programs, block):
     for k in (1, 300, C):
         out = torch.full((T, k), -7, dtype=torch.int64)
         grid_topk(s, k, out, fused=False, programs=programs, block=block)  # 2 / 3 programs
-        assert torch.equal(out, ix.topk_ref(s, k)), k
+        assert torch.equal(out, tk.topk_ref(s, k)), k
 
 
 def test_grid_topk_fused_one_program_per_row():
@@ -165,7 +166,7 @@ def test_grid_topk_fused_one_program_per_row():
         x = s if i % 2 == 0 else r
         out = torch.full((2, 100 if i % 2 == 0 else 150), -7, dtype=torch.int64)
         grid_topk(x, out.shape[1], out, fused=True, programs=1, block=1024)
-        assert torch.equal(out, ix.topk_ref(x, out.shape[1])), i
+        assert torch.equal(out, tk.topk_ref(x, out.shape[1])), i
     assert tg._PERSISTENT[torch.device("cpu"), 1][1] is bars  # the same workspace, reused
     assert bars[:, 4].tolist() == (epoch + 5).tolist()  # one epoch per launch
     grid_topk(s, 100, out := torch.empty(2, 100, dtype=torch.int64), fused=True, programs=1,
@@ -215,14 +216,14 @@ def test_grid_topk_buckets(cap, sub, ends, fused, programs, block):
         where = torch.full((2,), -1, dtype=torch.int32)
         grid_topk(s, k, out, fused=fused, programs=programs, block=block, cap=cap, sub=sub,
                   ends=where)  # fmt: skip
-        assert torch.equal(out, ix.topk_ref(s, k)), k
+        assert torch.equal(out, tk.topk_ref(s, k)), k
         if k == 105:
             assert where.tolist() == [ends, ends]
     above = (s[0] >= 4.0 + 10 * 2**-15).nonzero().flatten()
     nine = (s[0] == 4.0 + 9 * 2**-15).nonzero().flatten()  # the ties at tau, 1024 among them
     assert len(above) < 105 < len(above) + len(nine) and 1024 in nine and 2048 in above
     want = torch.cat((above, nine[: 105 - len(above)])).sort().values
-    assert torch.equal(ix.topk_ref(s, 105)[0], want)
+    assert torch.equal(tk.topk_ref(s, 105)[0], want)
 
 
 def test_grid_topk_massive_ties_fall_back():
@@ -235,7 +236,7 @@ def test_grid_topk_massive_ties_fall_back():
         out = torch.full((1, k), -7, dtype=torch.int64)
         where = torch.full((1,), -1, dtype=torch.int32)
         grid_topk(s, k, out, fused=False, programs=3, block=1024, cap=cap, sub=sub, ends=where)
-        assert torch.equal(out, ix.topk_ref(s, k)), (k, cap, sub)
+        assert torch.equal(out, tk.topk_ref(s, k)), (k, cap, sub)
         assert where.tolist() == [ends], (k, cap, sub)
 
 
@@ -254,7 +255,7 @@ def test_grid_topk_bucket_overflow_beside_tau(fused):
     where = torch.full((1,), -1, dtype=torch.int32)
     grid_topk(s, 20, out, fused=fused, programs=1 if fused else 3, block=4096 if fused else 1024,
               sub=256, ends=where)  # fmt: skip
-    assert torch.equal(out, ix.topk_ref(s, 20))
+    assert torch.equal(out, tk.topk_ref(s, 20))
     assert where.tolist() == [5]
 
 
@@ -280,7 +281,7 @@ def test_grid_topk_random_rows_caps():
         out = torch.full((4, k), -7, dtype=torch.int64)
         where = torch.full((4,), -1, dtype=torch.int32)
         grid_topk(s, k, out, fused=False, programs=3, block=256, cap=cap, sub=sub, ends=where)
-        assert torch.equal(out, ix.topk_ref(s, k)), (it, k, cap, sub, where.tolist())
+        assert torch.equal(out, tk.topk_ref(s, k)), (it, k, cap, sub, where.tolist())
         seen.update(where.tolist())
     assert {1, 3, 5, 6} <= seen  # both bucket ends, an early radix end and all four levels
 
@@ -301,7 +302,7 @@ def test_grid_topk_256k_rows_end_where_the_gpu_test_expects():
         out = torch.full((2, k), -7, dtype=torch.int64)
         where = torch.full((2,), -1, dtype=torch.int32)
         grid_topk(s, k, out, fused=False, programs=4, block=16384, ends=where)
-        assert torch.equal(out, ix.topk_ref(s, k)), k
+        assert torch.equal(out, tk.topk_ref(s, k)), k
         assert where.tolist() == [randn_end, 3], (k, where.tolist())
 
 

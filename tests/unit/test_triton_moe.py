@@ -16,7 +16,8 @@ triton = pytest.importorskip("triton")
 if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported before the env
     pytest.skip("run with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
 
-from kernels import moe, quant  # noqa: E402
+from kernels import moe, moe_align, moe_formats, moe_grouped, moe_ref, moe_tiles, quant  # noqa: E402
+from kernels.moe_tiles import GemmTiles, MoeTiles  # noqa: E402
 from kernels.quant import quantize_fp4, quantize_fp8_block  # noqa: E402
 from tests.unit.triton_util import rel  # noqa: E402
 
@@ -59,7 +60,7 @@ def test_moe_fp8(block: tuple[int, int], split_k: int, scale_fp32: bool) -> None
         s13, s2 = quant.e8m0_to_float(s13), quant.e8m0_to_float(s2)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g, T, E)
-    ref = moe.moe_fp8_ref(x.double(), ids, w.double(), w13, s13, w2, s2, block, LIMIT)
+    ref = moe_ref.moe_fp8_ref(x.double(), ids, w.double(), w13, s13, w2, s2, block, LIMIT)
     out = moe.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, block, LIMIT, split_k=split_k)
     assert out.dtype == torch.bfloat16 and out.shape == (T, D)
     assert rel(out, ref) < 1e-2
@@ -71,7 +72,7 @@ def test_moe_fp4_with_expert_parallel_offset(split_k: int) -> None:
     w13, s13, w2, s2 = _fp4_experts(g)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g, T, 3 * E)  # global experts 0..11; this rank holds 4..7
-    ref = moe.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT, E)
+    ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT, E)
     out = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, E, split_k=split_k)
     assert torch.isfinite(out).all()
     assert rel(out, ref) < 1e-2
@@ -83,13 +84,13 @@ def test_moe_fp4_with_expert_parallel_offset(split_k: int) -> None:
     torch.testing.assert_close(out32, out.float(), rtol=2**-7, atol=1e-6)
     kept = (out32 != out32.bfloat16().float())[out32 != 0].float().mean()
     assert kept > 0.9  # the fp32 digits a bf16 output drops are kept
-    ref32 = moe.moe_fp4_ref(x, ids, w, w13, s13, w2, s2, LIMIT, E, out_dtype=torch.float32)
+    ref32 = moe_ref.moe_fp4_ref(x, ids, w, w13, s13, w2, s2, LIMIT, E, out_dtype=torch.float32)
     assert ref32.dtype == torch.float32 and rel(out32, ref) < 1e-2 and rel(ref32, ref) < 1e-2
 
 
 def test_align_tiles() -> None:
     ids = torch.tensor([[1, 0], [1, 5]])  # expert 5 is not local (2 local experts)
-    rows, inv, tile_e = moe._align(ids, 2, 0, 2)
+    rows, inv, tile_e = moe_align._align(ids, 2, 0, 2)
     assert tile_e.tolist()[:2] == [0, 1] and all(e == -1 for e in tile_e.tolist()[2:])
     assert rows.tolist()[:2] == [1, 4]  # expert 0: slot 1, then padding (= T*k)
     assert sorted(rows.tolist()[2:4]) == [0, 2]  # expert 1, in either order
@@ -102,7 +103,7 @@ def test_align_many_slots_and_experts() -> None:
     g = torch.Generator().manual_seed(3)
     n_local, offset, bm = 5, 3, 4
     ids = torch.randint(0, 12, (700, 3), generator=g)
-    rows, inv, tile_e = moe._align(ids, n_local, offset, bm)
+    rows, inv, tile_e = moe_align._align(ids, n_local, offset, bm)
     flat = ids.reshape(-1) - offset
     local = (flat >= 0) & (flat < n_local)
     assert ((inv >= 0) == local).all()
@@ -122,82 +123,31 @@ def test_align_converts_the_activations_in_the_same_launch() -> None:
     ids = torch.randint(0, 9, (300, 3), generator=g)
     x = (torch.randn(300, 40, generator=g) * 100).bfloat16()
     xa = torch.full(x.shape, float("nan"), dtype=torch.float16)
-    rows, inv, tile_e = moe._align(ids, 6, 2, 4, x, xa)
+    rows, inv, tile_e = moe_align._align(ids, 6, 2, 4, x, xa)
     assert torch.equal(xa, (x.float() * 0.0625).half())
-    r2, i2, t2 = moe._align(ids, 6, 2, 4)
+    r2, i2, t2 = moe_align._align(ids, 6, 2, 4)
     assert torch.equal(inv >= 0, i2 >= 0) and torch.equal(tile_e, t2)
     assert torch.equal(rows.sort().values, r2.sort().values)
 
 
-@pytest.mark.parametrize(("fp4", "bm"), [(False, 16), (False, 64), (True, 16)])
-def test_moe_fp8_activations(fp4: bool, bm: int) -> None:
-    """fp8 activations (per row and 32 columns) against the reference with the same rounding,
-    and the rounding itself: small but nonzero against bf16 activations. Quantized once in
-    their own launches (``prequant``) they round the same: the in-loop result up to the
-    order of accumulation."""
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(T, D, generator=g).bfloat16()
-    ids, w = _routing(g, T, E)
-    if fp4:
-        experts = _fp4_experts(g)
-        ref = moe.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT, act_fp8=True)
-        plain = moe.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT)
-        run = lambda **kw: moe.moe_fp4_triton(x, ids, w, *experts, LIMIT, block_m=bm, **kw)  # noqa: E731
-    else:
-        experts = _fp8_experts(g, (32, 32))
-        ref = moe.moe_fp8_ref(x.double(), ids, w.double(), *experts, (32, 32), LIMIT, act_fp8=True)
-        plain = moe.moe_fp8_ref(x.double(), ids, w.double(), *experts, (32, 32), LIMIT)
-        run = lambda **kw: moe.moe_fp8_triton(x, ids, w, *experts, (32, 32), LIMIT, block_m=bm,  # noqa: E731
-                                              **kw)  # fmt: skip
-    out = run(act_fp8=True)
-    # A group's scale follows its largest |h|, which fp32 vs fp64 accumulation can round to
-    # a different bf16: whole groups then requantize differently. So: close to the reference
-    # with the same rounding, and clearly closer to it than to bf16 activations.
-    assert rel(out, ref) < 5e-2
-    assert rel(out, ref) < 0.6 * rel(out, plain)
-    assert rel(run(act_fp8=True, prequant=True), out) < 1e-3
-    with pytest.raises(ValueError, match="prequant needs act_fp8"):
-        run(prequant=True)
-
-
-def test_fake_quant_act_groups() -> None:
-    x = torch.tensor([[448.0, -1.0] + [0.0] * 30, [0.0] * 32]).repeat(1, 2)
-    q = moe.fake_quant_act(x)
-    assert torch.equal(q, x)  # exactly representable after scaling by amax/448 = 1
-    y = torch.randn(4, 64) * torch.logspace(-6, 6, 64)  # every group has its own scale
-    err = (moe.fake_quant_act(y) - y).abs()
-    amax = y.abs().unflatten(-1, (-1, 32)).amax(-1).repeat_interleave(32, -1)
-    # e4m3: 3 mantissa bits; values under 2^-6 of the group's amax go subnormal
-    assert bool((err <= torch.maximum(y.abs() * 2**-4, amax * 2**-9 / 448 * 2**-1 * 2)).all())
-
-
 def test_decode_tiles_take_256_wide_k_blocks() -> None:
     """V4.1-Flash decode shapes (1 token, 48 of 384 experts local): 256-wide K blocks with
-    the split-K of the H200 tile sweep; fp8 activations keep 128."""
-    t = moe.pick_tiles(6, 48, 384, 5120, 2304, 32, 132)
+    the split-K of the H200 tile sweep."""
+    t = moe_tiles.pick_tiles(6, 48, 384, 5120, 2304, 32, 132)
     assert t.bm == 16
-    assert t.gate_up == moe.GemmTiles(64, 256, 8, 4, 3)
-    assert t.down == moe.GemmTiles(64, 256, 4, 4, 3)
-    assert moe.pick_tiles(6, 48, 384, 5120, 2304, 32, 132, act_fp8=True).gate_up.bk == 128
+    assert t.gate_up == GemmTiles(64, 256, 8, 4, 3)
+    assert t.down == GemmTiles(64, 256, 4, 4, 3)
 
 
 def test_prefill_tiles() -> None:
     """V4.1-Flash prefill (4096 tokens, all 48 experts local, ~512 rows each), the picks of
     the H200 prefill sweep: bf16 fp8 weights BM 64 x BN 128 x BK 64; fp4 pairs BK 128, three
-    stages; pre-quantized fp8 activations 4-warp tiles (two CTAs per SM), in-loop ones BM 128."""
+    stages."""
     args = (4096 * 6, 48, 48, 5120, 2304, 32, 132)
-    t = moe.pick_tiles(*args)
-    assert t.bm == 64 and t.gate_up == t.down == moe.GemmTiles(128, 64, 1, 4, 4)
-    t = moe.pick_tiles(*args, pairs=True)
-    assert t.bm == 64 and t.gate_up == t.down == moe.GemmTiles(128, 128, 1, 4, 3)
-    t = moe.pick_tiles(*args, act_fp8=True, prequant=True)
-    assert t.bm == 64
-    assert (t.gate_up, t.down) == (
-        moe.GemmTiles(64, 128, 1, 4, 3),
-        moe.GemmTiles(128, 128, 1, 4, 3),
-    )
-    t = moe.pick_tiles(*args, act_fp8=True)
-    assert t.bm == 128 and t.gate_up == moe.GemmTiles(64, 128, 1, 8, 3)
+    t = moe_tiles.pick_tiles(*args)
+    assert t.bm == 64 and t.gate_up == t.down == GemmTiles(128, 64, 1, 4, 4)
+    t = moe_tiles.pick_tiles(*args, pairs=True)
+    assert t.bm == 64 and t.gate_up == t.down == GemmTiles(128, 128, 1, 4, 3)
 
 
 @pytest.mark.parametrize("fp4", [False, True])
@@ -212,13 +162,13 @@ def test_moe_256_wide_k_blocks(fp4: bool) -> None:
     q2, s2 = _stack(quant, w2)
     x = torch.randn(3, d, generator=g).bfloat16()
     ids, w = _routing(g, 3, e)
-    tiles = moe.MoeTiles(16, moe.GemmTiles(32, 256, 1, 4, 3), moe.GemmTiles(32, 128, 2, 4, 3))
+    tiles = MoeTiles(16, GemmTiles(32, 256, 1, 4, 3), GemmTiles(32, 128, 2, 4, 3))
     if fp4:
         out = moe.moe_fp4_triton(x, ids, w, q13, s13, q2, s2, LIMIT, tiles=tiles)
-        ref = moe.moe_fp4_ref(x.double(), ids, w.double(), q13, s13, q2, s2, LIMIT)
+        ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), q13, s13, q2, s2, LIMIT)
     else:
         out = moe.moe_fp8_triton(x, ids, w, q13, s13, q2, s2, (32, 32), LIMIT, tiles=tiles)
-        ref = moe.moe_fp8_ref(x.double(), ids, w.double(), q13, s13, q2, s2, (32, 32), LIMIT)
+        ref = moe_ref.moe_fp8_ref(x.double(), ids, w.double(), q13, s13, q2, s2, (32, 32), LIMIT)
     assert rel(out, ref) < 1e-2
 
 
@@ -227,9 +177,9 @@ def test_fp4_pairs_layout() -> None:
     g = torch.Generator().manual_seed(6)
     ps = [quantize_fp4(torch.randn(8, 96, generator=g)) for _ in range(3)]
     p, s = torch.stack([a for a, _ in ps]), torch.stack([b for _, b in ps])
-    q = moe.fp4_to_pairs(p)
+    q = moe_formats.fp4_to_pairs(p)
     assert q.dtype == p.dtype and q.shape == (3, 4, 96)
-    assert torch.equal(moe.fp4_from_pairs(q), p)
+    assert torch.equal(moe_formats.fp4_from_pairs(q), p)
     table = torch.tensor(quant.FP4_VALUES)
     b = q.view(torch.uint8).long()
     vals = torch.cat((table[b & 0xF], table[b >> 4]), dim=-2)  # rows 0..3, then 4..7
@@ -237,23 +187,20 @@ def test_fp4_pairs_layout() -> None:
     assert torch.equal(vals * scale, quant.dequantize_fp4(p, s, torch.float32))
 
 
-@pytest.mark.parametrize(
-    ("bm", "act_fp8", "prequant"), [(16, False, False), (64, False, False), (16, True, False),
-                                    (64, True, True)]
-)  # fmt: skip
-def test_moe_fp4_pairs(bm: int, act_fp8: bool, prequant: bool) -> None:
+@pytest.mark.parametrize("bm", [16, 64])
+def test_moe_fp4_pairs(bm: int) -> None:
     """Experts in the pairs layout give the MX layout's result on every path (bf16 MMA with
-    scales on the partial or on the weights, fp8 activations in the loop or pre-quantized),
-    W2 as two row sets per tile; and the nibbles' rows matter."""
+    scales on the partial or on the weights), W2 as two row sets per tile; and the nibbles'
+    rows matter."""
     g = torch.Generator().manual_seed(14)
     w13, s13, w2, s2 = _fp4_experts(g)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g, T, E)
-    ref = moe.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT, act_fp8=act_fp8)
-    p13, p2 = moe.fp4_to_pairs(w13), moe.fp4_to_pairs(w2)
-    kw = dict(block_m=bm, split_k=2, act_fp8=act_fp8, prequant=prequant, pairs=True)
+    ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT)
+    p13, p2 = moe_formats.fp4_to_pairs(w13), moe_formats.fp4_to_pairs(w2)
+    kw = dict(block_m=bm, split_k=2, pairs=True)
     out = moe.moe_fp4_triton(x, ids, w, p13, s13, p2, s2, LIMIT, **kw)
-    assert rel(out, ref) < (5e-2 if act_fp8 else 1e-2)
+    assert rel(out, ref) < 1e-2
     swap = (p2.view(torch.uint8) >> 4 | p2.view(torch.uint8) << 4).view(torch.int8)
     wrong = moe.moe_fp4_triton(x, ids, w, p13, s13, swap, s2, LIMIT, **kw)
     assert rel(wrong, ref) > 0.3
@@ -274,25 +221,25 @@ def test_moe_fp4_pairs_several_blocks(f16: bool) -> None:
     q2, s2 = _stack(quantize_fp4, w2)
     x = torch.randn(3, d, generator=g).bfloat16()
     ids, w = _routing(g, 3, 2)
-    ref = moe.moe_fp4_ref(x.double(), ids, w.double(), q13, s13, q2, s2, LIMIT)
-    tiles = moe.MoeTiles(16, moe.GemmTiles(32, 128, 2, 4, 2), moe.GemmTiles(32, 128, 1, 4, 2))
-    p13, p2 = moe.fp4_to_pairs(q13), moe.fp4_to_pairs(q2)
+    ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), q13, s13, q2, s2, LIMIT)
+    tiles = MoeTiles(16, GemmTiles(32, 128, 2, 4, 2), GemmTiles(32, 128, 1, 4, 2))
+    p13, p2 = moe_formats.fp4_to_pairs(q13), moe_formats.fp4_to_pairs(q2)
     out = moe.moe_fp4_triton(x, ids, w, p13, s13, p2, s2, LIMIT, tiles=tiles, pairs=True,
                              fp16_mma=f16)  # fmt: skip
     assert rel(out, ref) < 1e-2
-    wide = moe.MoeTiles(16, moe.GemmTiles(32, 128, 1, 4, 2), moe.GemmTiles(96, 128, 1, 4, 2))
+    wide = MoeTiles(16, GemmTiles(32, 128, 1, 4, 2), GemmTiles(96, 128, 1, 4, 2))
     with pytest.raises(ValueError, match="do not divide"):
         moe.moe_fp4_triton(x, ids, w, p13, s13, p2, s2, LIMIT, tiles=wide, pairs=True)
     with pytest.raises(ValueError, match="even row count"):
-        moe.fp4_to_pairs(q13[:, :3])
+        moe_formats.fp4_to_pairs(q13[:, :3])
 
 
-def test_quant_act_matches_fake_quant() -> None:
+def test_quant_rows_matches_fake_quant() -> None:
+    """The fp8 rows layout's activation quantizer rounds as the reference: one scale per row."""
     g = torch.Generator().manual_seed(19)
     x = (torch.randn(40, 96, generator=g) * torch.logspace(-3, 3, 96)).bfloat16()
-    q, sc = moe._quant_act(x, 32)
-    deq = (q.unflatten(-1, (3, 32)) * sc[..., None]).flatten(-2)
-    torch.testing.assert_close(deq, moe.fake_quant_act(x.float()), rtol=0, atol=0)
+    q, sc = moe_align._quant_rows(x)
+    torch.testing.assert_close(q * sc, moe_ref.fake_quant_act(x.float()), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -309,17 +256,17 @@ def test_moe_fp16_mma_path(fmt: str, split_k: int) -> None:
     ids, w = _routing(g, T, E)
     if fmt.startswith("fp8"):
         w13, s13, w2, s2 = _fp8_experts(g, (32, 32))
-        ref = moe.moe_fp8_ref(x.double(), ids, w.double(), w13, s13, w2, s2, (32, 32), LIMIT)
+        ref = moe_ref.moe_fp8_ref(x.double(), ids, w.double(), w13, s13, w2, s2, (32, 32), LIMIT)
         if fmt == "fp8-f32-scales":
             s13, s2 = quant.e8m0_to_float(s13), quant.e8m0_to_float(s2)
         out = moe.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, (32, 32), LIMIT, block_m=16,
                                  split_k=split_k, fp16_mma=True)  # fmt: skip
     else:
         w13, s13, w2, s2 = _fp4_experts(g)
-        ref = moe.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT)
+        ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), w13, s13, w2, s2, LIMIT)
         pairs = fmt == "fp4-pairs"
         if pairs:
-            w13, w2 = moe.fp4_to_pairs(w13), moe.fp4_to_pairs(w2)
+            w13, w2 = moe_formats.fp4_to_pairs(w13), moe_formats.fp4_to_pairs(w2)
         out = moe.moe_fp4_triton(x, ids, w, w13, s13, w2, s2, LIMIT, block_m=16, split_k=split_k,
                                  pairs=pairs, fp16_mma=True)  # fmt: skip
     assert rel(out, ref) < 1e-2
@@ -329,11 +276,11 @@ def test_moe_fp16_mma_path(fmt: str, split_k: int) -> None:
 
 def test_scale_words_only_where_the_int32_view_holds() -> None:
     codes = torch.randint(100, 140, (2, 8, 9, 8), dtype=torch.uint8)
-    args, kw = moe._scale_launch(codes[0], True, 32, 256)
+    args, kw = moe_grouped._scale_launch(codes[0], True, 32, 256)
     assert kw["SCALE_WORDS"] and args[0].dtype == torch.int32 and args[1:] == (18, 2, 1)
-    assert not moe._scale_launch(codes[0], True, 32, 64)[1]["SCALE_WORDS"]  # BK < 128
-    assert not moe._scale_launch(codes[0], True, 128, 256)[1]["SCALE_WORDS"]  # V4 blocks
-    assert not moe._scale_launch(codes[0], False, 32, 256)[1]["SCALE_WORDS"]  # fp32 scales
+    assert not moe_grouped._scale_launch(codes[0], True, 32, 64)[1]["SCALE_WORDS"]  # BK < 128
+    assert not moe_grouped._scale_launch(codes[0], True, 128, 256)[1]["SCALE_WORDS"]  # V4 blocks
+    assert not moe_grouped._scale_launch(codes[0], False, 32, 256)[1]["SCALE_WORDS"]  # fp32 scales
     odd = codes.reshape(-1)[1 : 1 + 72 * 8].view(1, 72, 8)  # storage offset 1
-    args, kw = moe._scale_launch(odd, True, 32, 256)
+    args, kw = moe_grouped._scale_launch(odd, True, 32, 256)
     assert not kw["SCALE_WORDS"] and args[0].dtype == torch.uint8

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 if isinstance(triton.language.zeros, triton.runtime.JITFunction):  # imported before the env
     pytest.skip("run with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
 
-from kernels import moe  # noqa: E402
+from kernels import moe, moe_formats, moe_ref, moe_tiles  # noqa: E402
 from kernels.quant import dequantize_fp4, quantize_fp4  # noqa: E402
 from tests.unit.triton_util import rel  # noqa: E402
 
@@ -41,8 +41,8 @@ def _experts(g: torch.Generator) -> tuple[torch.Tensor, ...]:
 
 def _rows(experts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     w13, s13, w2, s2 = experts
-    q13, r13, ok13 = moe.fp4_to_fp8_rows(w13, s13)
-    q2, r2, ok2 = moe.fp4_to_fp8_rows(w2, s2)
+    q13, r13, ok13 = moe_formats.fp4_to_fp8_rows(w13, s13)
+    q2, r2, ok2 = moe_formats.fp4_to_fp8_rows(w2, s2)
     assert ok13.all() and ok2.all()
     return q13, r13, q2, r2
 
@@ -55,7 +55,7 @@ def _routing(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 def test_fp4_to_fp8_rows_is_exact_within_14_binades() -> None:
     g = torch.Generator().manual_seed(3)
     w13, s13, _, _ = _experts(g)
-    q, scale, exact = moe.fp4_to_fp8_rows(w13, s13)
+    q, scale, exact = moe_formats.fp4_to_fp8_rows(w13, s13)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == w13.shape[:2]
     assert exact.all()
     assert torch.equal(q.float() * scale.unsqueeze(-1), dequantize_fp4(w13, s13, torch.float32))
@@ -64,7 +64,7 @@ def test_fp4_to_fp8_rows_is_exact_within_14_binades() -> None:
     codes[:, :16] = 0x77  # the first group: 6.0
     sc = torch.full((2, 2), 127, dtype=torch.uint8)
     sc[0, 1], sc[1, 1] = 127 - 14, 127 - 15
-    q, scale, exact = moe.fp4_to_fp8_rows(codes.view(torch.int8), sc)
+    q, scale, exact = moe_formats.fp4_to_fp8_rows(codes.view(torch.int8), sc)
     assert exact.tolist() == [True, False]
     assert q[0, 32:].float().mul(scale[0]).eq(0.5 * 2.0**-14).all()
     assert q[1, 32:].float().eq(0).all()  # 2^-10 below e4m3's smallest subnormal: flushed
@@ -79,7 +79,7 @@ def test_moe_fp8_rows_bf16_activations_equal_the_fp4_experts(bm: int, split_k: i
     rows = _rows(experts)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g)
-    ref = moe.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT)
+    ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT)
     out = moe.moe_fp8_rows_triton(x, ids, w, *rows, LIMIT, block_m=bm, split_k=split_k)
     assert rel(out, ref) < 1e-2
     q13, r13, q2, r2 = rows
@@ -97,36 +97,25 @@ def test_moe_fp8_rows_fp16_mma_path(bm: int) -> None:
     experts = _experts(g)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g)
-    ref = moe.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT)
+    ref = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT)
     out = moe.moe_fp8_rows_triton(x, ids, w, *_rows(experts), LIMIT, block_m=bm,
                                   split_k=2 if bm == 16 else 1, fp16_mma=True)  # fmt: skip
     assert rel(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("group", [128, 32, 0])
-def test_moe_fp8_rows_fp8_activations(group: int) -> None:
-    """fp8 activations per ``group`` columns (0: one scale per row, the MMAs accumulating in
-    place): close to the reference with the same rounding and clearly closer to it than to
-    bf16 activations; pre-quantized (the default) and quantized in the loop round the same
-    (row scales exist only pre-quantized)."""
-    g = torch.Generator().manual_seed(7 + group)
+def test_moe_fp8_rows_fp8_activations() -> None:
+    """fp8 activations with one scale per row (the MMAs accumulating in place): close to the
+    reference with the same rounding and clearly closer to it than to bf16 activations."""
+    g = torch.Generator().manual_seed(7)
     experts = _experts(g)
     rows = _rows(experts)
     x = torch.randn(T, D, generator=g).bfloat16()
     ids, w = _routing(g)
-    ref = moe.moe_fp8_rows_ref(x.double(), ids, w.double(), *rows, LIMIT, act_fp8=True,
-                               act_group=group)  # fmt: skip
-    plain = moe.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT)
-    run = lambda **kw: moe.moe_fp8_rows_triton(x, ids, w, *rows, LIMIT, act_fp8=True,  # noqa: E731
-                                               act_group=group, block_m=64, **kw)  # fmt: skip
-    out = run()
+    ref = moe_ref.moe_fp8_rows_ref(x.double(), ids, w.double(), *rows, LIMIT, act_fp8=True)
+    plain = moe_ref.moe_fp4_ref(x.double(), ids, w.double(), *experts, LIMIT)
+    out = moe.moe_fp8_rows_triton(x, ids, w, *rows, LIMIT, act_fp8=True, block_m=64)
     assert rel(out, ref) < 3e-2
     assert rel(out, ref) < 0.6 * rel(out, plain)
-    if group == 0:
-        with pytest.raises(ValueError, match="row activation scales"):
-            run(prequant=False)
-    else:
-        assert rel(run(prequant=False), out) < 1e-3
 
 
 def test_moe_fp8_rows_checks_shapes() -> None:
@@ -136,8 +125,6 @@ def test_moe_fp8_rows_checks_shapes() -> None:
     ids, w = _routing(g)
     with pytest.raises(ValueError, match="row scales"):
         moe.moe_fp8_rows_triton(x, ids, w, q13, r13[:, :-1], q2, r2, LIMIT)
-    with pytest.raises(ValueError, match="act_group"):
-        moe.moe_fp8_rows_triton(x, ids, w, q13, r13, q2, r2, LIMIT, act_fp8=True, act_group=48)
 
 
 def test_moe_fp8_rows_prefill_tiles_fit_small_widths() -> None:
@@ -153,12 +140,11 @@ def test_moe_fp8_rows_prefill_tiles_fit_small_widths() -> None:
 
     experts = (*fp4(2 * inter, d), *fp4(d, inter))
     rows = _rows(experts)
-    tiles = moe.pick_tiles(t * K, E, E, d, inter, 0, 4, True, False, True, True)
+    tiles = moe_tiles.pick_tiles(t * K, E, E, d, inter, 0, 4, True, False)
     assert tiles.bm == 128 and inter % tiles.gate_up.bn == 0 and d % tiles.down.bn == 0
     x = torch.randn(t, d, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
     w = torch.rand(t, K, generator=g) + 0.1
-    ref = moe.moe_fp8_rows_ref(x.double(), ids, w.double(), *rows, LIMIT, act_fp8=True,
-                               act_group=0)  # fmt: skip
-    out = moe.moe_fp8_rows_triton(x, ids, w, *rows, LIMIT, act_fp8=True, act_group=0)
+    ref = moe_ref.moe_fp8_rows_ref(x.double(), ids, w.double(), *rows, LIMIT, act_fp8=True)
+    out = moe.moe_fp8_rows_triton(x, ids, w, *rows, LIMIT, act_fp8=True)
     assert rel(out, ref) < 3e-2

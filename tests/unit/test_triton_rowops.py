@@ -226,12 +226,12 @@ def test_fp8_linear_split_k(shape, block, dtype):
     """Decode-sized fp8 projections split K (2 and 4 splits here, as at M = 1 on the H200):
     the splits' one-launch sum + cast equals the fp32 sum of the splits rounded once, and the
     result is the reference's; the kernel's row map is reused, not remade per call."""
-    from kernels import linear, moe
+    from kernels import linear, moe_tiles
     from kernels.linear import fp8_linear_ref, fp8_linear_triton
     from kernels.quant import quantize_fp8_block
 
     M, N, K = shape
-    assert moe._gemm_tiles(16, N, K, 1, 4, 32, False, False).split == K // 512
+    assert moe_tiles._gemm_tiles(16, N, K, 1, 4, 32, False, False).split == K // 512
     g = torch.Generator().manual_seed(K)
     q, s = quantize_fp8_block(torch.randn(N, K, generator=g) / K**0.5, block)
     x = torch.randn(M, K, generator=g).to(dtype)

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from app.model.moe import Expert  # noqa: E402
-from kernels.moe import swiglu_clamp  # noqa: E402
+from kernels.moe_ref import swiglu_clamp  # noqa: E402
 from kernels.swiglu import swiglu_halves_ref, swiglu_halves_triton  # noqa: E402
 
 

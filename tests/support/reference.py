@@ -1,4 +1,4 @@
-"""The full-sequence reference forward: the test oracle of the batched cache-facing step.
+"""The full-sequence reference forward: the oracle of the batched cache-facing step.
 
 One sequence at a time from position 0, no cache, pure torch for attention (the window is a
 causal band over the sequence's own KV, compressed entries come from the compressor run over
@@ -13,10 +13,13 @@ import torch
 
 from app.model.config import LayerMode
 from app.model.indexer import candidate_blocks
+from app.model.model import DeepseekModel
+from app.model.mtp import MTPDrafter
 from app.model.rope import apply_rope
 from kernels.attention import sparse_attention_ref
-from kernels.indexer import indexer_scores_ref, topk_ref
+from kernels.indexer import indexer_scores_ref
 from kernels.mhc import hc_post
+from kernels.topk import topk_ref
 
 
 class _State:
@@ -30,7 +33,15 @@ class _State:
         self.cand: dict[int, torch.Tensor] = {}
 
 
-def reference_logits(model, token_ids: torch.Tensor, features: list | None = None) -> torch.Tensor:
+@torch.no_grad()
+def sequence_logits(model: DeepseekModel, token_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`reference_logits` of ``token_ids`` [T] without autograd: fp32 [T, vocab], what
+    the tests hold the batched step to."""
+    return reference_logits(model, token_ids)
+
+
+def reference_logits(model: DeepseekModel, token_ids: torch.Tensor,
+                     features: list | None = None) -> torch.Tensor:  # fmt: skip
     """fp32 logits [L, vocab] of one sequence ``token_ids`` [L] (every position);
     ``features`` receives the DSpark target features [L, taps * d] (the mean of the streams
     entering attention of each ``dspark_target_layer_ids`` layer, concatenated); on V4 the
@@ -55,6 +66,19 @@ def reference_logits(model, token_ids: torch.Tensor, features: list | None = Non
     if features is not None:  # V4: the final streams (the MTP block's input)
         features.append(torch.cat(taps, dim=-1) if cfg.is_v41 else X.flatten(1))
     return model.compute_logits(model.head_input(X, p))
+
+
+def reference_mtp_logits(model: DeepseekModel, token_ids: torch.Tensor) -> torch.Tensor:
+    """The full-sequence reference of MTP: fp32 logits [L - 1, V] of the token at p + 2 for
+    every position p < L - 1 of ``token_ids`` [L] (the block over the whole sequence with
+    causal window attention)."""
+    ids = token_ids.to(model.embed.weight.device).reshape(-1)
+    streams: list[torch.Tensor] = []
+    reference_logits(model, ids, streams)
+    drafter = MTPDrafter(model)
+    X = drafter.block_input(streams[0][:-1], ids[1:])
+    X, _ = _block(drafter.block, X, None, ids[1:], _State(), None, -1)
+    return drafter.logits(X)
 
 
 def _engram(layer, X, ngram, pad_id: int):
