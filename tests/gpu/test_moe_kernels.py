@@ -521,13 +521,14 @@ def test_ep_layer_captures_in_a_cuda_graph(fp8_experts: tuple[torch.Tensor, ...]
 def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor, ...],
                                                 t: int) -> None:  # fmt: skip
     """W13's K splits summed by each tile's last CTA with the clamped SwiGLU (the two-launch
-    layer at 1 and 8 tokens, the four launches at 24): the tl path's output to accumulation
-    order, and replayed in a CUDA graph with new inputs the eager layer's bit for bit (the
-    counters must be back at zero after every launch); the counters are zero afterwards."""
+    layer at 1 and 8 tokens, the four launches at 24): as accurate against the fp32 reference
+    as the tl path, and replayed in a CUDA graph with new inputs the eager layer's bit for bit
+    (the counters must be back at zero after every launch); the counters are zero afterwards."""
     from kernels import dispatch, moe_decode
     from kernels.dispatch import sm_count
     from kernels.moe import moe_fp4_triton
     from kernels.moe_formats import fp4_to_pairs
+    from kernels.moe_ref import moe_fp4_ref
 
     # W13 takes K splits here (about one active tile per 1-4 tokens)
     assert moe_decode.pick_split(max(1.0, t / 4), INTER, D, sm_count(0)) > 1
@@ -544,7 +545,11 @@ def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor,
 
     one = layer(x)
     tl_ = moe_fp4_triton(x, ids, w, h13, s13, h2, s2, 10.0, **kw)  # no row refs: the tl path
-    assert bool(torch.isfinite(one).all()) and _rel(one, tl_) < 1e-3
+    ref = moe_fp4_ref(x.float(), ids, w, w13, s13, w2, s2, 10.0)
+    # the split sum's order differs from the tl path's (H rounds to fp16 in both): as accurate
+    # against the fp32 reference as the tl path, not equal to it
+    assert bool(torch.isfinite(one).all()) and _rel(one, ref) < 1e-2
+    assert _rel(one, ref) < 1.2 * _rel(tl_, ref)
     static = x.clone()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
