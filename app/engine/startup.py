@@ -1,0 +1,475 @@
+"""An engine's start-up on its device, in this order, each phase logged with its seconds
+(kept in ``EngineStats.startup_*``):
+
+    weights        load the checkpoint (the loader's progress bar; a line with seconds, GiB)
+    memory profile on a CUDA device without ``kv_cache_bytes`` (:func:`profile`): a probe
+                   engine on a minimal pool measures the activation peak and the CUDA
+                   graphs; the pool takes what ``gpu_memory_utilization`` of the card leaves
+                   (``app.engine.capacity.DeviceMemory``); one line per part, in GiB
+    CUDA graphs    every graph key the serving paths reach, captured now (:func:`capture`)
+    warm-up        synthetic requests through the real step (:func:`warm_up`): every Triton
+                   specialization is compiled before the first request, then everything is
+                   freed, the prefix cache cleared and the counters reset
+
+A rank's constructor returns after the warm-up, so Serve marks it ready (and the ingress
+``/health`` says ready) only then. A CPU engine loads and sizes as before (kv_cache_bytes or
+``DEFAULT_CPU_KV_BYTES``) and skips profile, graphs and warm-up.
+
+The activation peak is the largest of three measured steps (``max_memory_allocated`` over
+what was allocated before):
+    a prefill of ``max_num_batched_tokens`` tokens with prompt logprobs (logits of every
+    row), a decode (verify) batch of ``max_num_seqs`` requests with top logprobs, filters and
+    penalties, both real requests on the probe; and one chunk of ``max_num_batched_tokens``
+    at the end of the longest context, a step over trash blocks (the indexer scores every
+    visible compressed entry: its transients grow with the context). When that chunk does
+    not fit within the utilization, the context halves until it does and ``max_model_len``
+    is capped there.
+The CUDA graphs' memory is measured on the probe: the largest key of each verify width
+(the shared pool's high-water mark and the shared outputs) and a few of the smallest (each
+graph's own cost), extrapolated to every key by their static input buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from app.cache.host_tier import HostStats
+from app.cache.layout import CacheLayout
+from app.cache.manager import CacheManager
+from app.cache.radix import PrefixStats
+from app.config import EngineConfig, EngineConfigError
+from app.engine.batch import StepSpec
+from app.engine.capacity import (
+    TORCH_DTYPES,
+    DeviceMemory,
+    PoolSize,
+    gib,
+    kv_budget,
+    pool_bytes,
+    pool_layout,
+    size_pool,
+)
+from app.engine.graphs import CudaGraphRunner, batch_buckets, width_buckets
+from app.engine.metrics import EngineStats
+from app.engine.parallel import RankParallel
+from app.engine.request import (
+    MAX_TOP_LOGPROBS,
+    EngineRequest,
+    OutputConstraint,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
+from app.engine.runner import ModelRunner, capturable
+from app.model.loader import load_model
+from app.model.model import DeepseekModel
+
+logger = logging.getLogger(__name__)
+PREFILL_SIZES = (1, 7, 16, 100, 512)  # warm-up chunks besides the token budget: Triton
+# specializes integer arguments equal to 1 and divisible by 16, and kernels pick tiles by size
+PROGRESS_S = 5.0  # a graph-capture progress line at most this often
+
+
+class Engine(Protocol):
+    """What start-up uses of an engine core (``app.engine.core.EngineCore``)."""
+
+    cfg: EngineConfig
+    device: torch.device
+    model: DeepseekModel
+    parallel: RankParallel | None
+    runner: ModelRunner
+    cache: CacheManager
+    stats: EngineStats
+    max_model_len: int
+
+    @property
+    def has_unfinished(self) -> bool: ...
+
+    def add_request(self, req: EngineRequest, export: bool = False) -> None: ...
+
+    def abort(self, request_id: str) -> RequestOutput | None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+
+Probe = Callable[[EngineConfig], Engine]  # builds a probe engine (no start-up of its own)
+
+
+class Startup:
+    """One engine's start-up (module doc): its phases' seconds and what it measured.
+    ``quiet``: a probe engine's (no lines)."""
+
+    def __init__(self, device: torch.device, quiet: bool = False) -> None:
+        self.device, self.quiet = device, quiet
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self.memory: DeviceMemory | None = None
+        self.size: PoolSize | None = None
+
+    def log(self, msg: str, *args: object) -> None:
+        if not self.quiet:
+            logger.info("start-up: " + msg, *args)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[list[str]]:
+        """Time the phase ``name``; the body appends notes for its closing line."""
+        self.log("%s ...", name)
+        t, notes = time.perf_counter(), []
+        yield notes
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t
+        self.seconds[name] = self.seconds.get(name, 0.0) + dt
+        self.log("%s done in %.1f s%s", name, dt, "".join(f"; {n}" for n in notes))
+
+    def load(self, cfg: EngineConfig, parallel: RankParallel | None) -> DeepseekModel:
+        """The checkpoint of ``cfg`` on this device (this rank's experts in a gang)."""
+        with self.phase("weights") as notes:
+            model = load_model(
+                Path(cfg.model), self.device, TORCH_DTYPES[cfg.dtype],
+                kv_quant=cfg.cache.kv_quant, packed_experts=cfg.packed_experts_flag(),
+                packed_dense=cfg.packed_dense_flag(),
+                shard=parallel.shard if parallel is not None else None,
+                expert_layout=cfg.expert_layout, prefill_act_fp8=cfg.moe_prefill_act == "fp8",
+            )  # fmt: skip
+            if parallel is not None:
+                parallel.attach(model)
+            notes.append(gib(model_bytes(model)))
+        return model
+
+    def pool(
+        self, cfg: EngineConfig, model: DeepseekModel, own_drafter: bool, probe: Probe
+    ) -> PoolSize:
+        """The KV pool: from ``kv_cache_bytes`` (or the CPU default), else measured
+        (:func:`profile`, on a probe engine that ``probe`` builds)."""
+        budget = kv_budget(cfg)
+        if budget is not None:
+            self.size = size_pool(cfg, model, budget, own_drafter)
+            return self.size
+        with self.phase("memory profile") as notes:
+            self.memory, context = profile(cfg, model, own_drafter, probe, self.log)
+            self.size = size_pool(cfg, model, self.memory.check_budget(), own_drafter, context)
+            notes.append(f"KV budget {gib(self.memory.kv_budget)}")
+        return self.size
+
+    def finish(self, core: Engine) -> None:
+        """CUDA graphs and warm-up (CUDA only), then the memory line and the seconds of
+        every phase in ``core.stats``."""
+        if self.cuda:
+            before = used_bytes(self.device)
+            with self.phase("CUDA graphs") as notes:
+                n = capture(core, self.log)
+                held = used_bytes(self.device) - before
+                est = f" (estimated {gib(self.memory.graphs)})" if self.memory else ""
+                notes.append(f"{n} graphs, {gib(held)}{est}")
+        with self.phase("warm-up") as notes:
+            n_req, n_steps = warm_up(core)
+            notes.append(f"{n_req} requests in {n_steps} steps" if n_req else "none on the CPU")
+        self._memory_line(core)
+        st, s = core.stats, self.seconds
+        st.startup_load_s = s.get("weights", 0.0)
+        st.startup_profile_s = s.get("memory profile", 0.0)
+        st.startup_graphs_s = s.get("CUDA graphs", 0.0)
+        st.startup_warmup_s = s.get("warm-up", 0.0)
+        st.startup_s = time.perf_counter() - self.t0
+        self.log("ready in %.1f s (%s)", st.startup_s,
+                 ", ".join(f"{k} {v:.1f} s" for k, v in s.items()))  # fmt: skip
+
+    def _memory_line(self, core: Engine) -> None:
+        if not self.cuda or self.size is None:
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        slots = core.cfg.scheduler.max_num_seqs
+        if self.memory is not None:
+            self.log("memory: %s", self.memory.describe(self.size, slots))
+            limit = self.memory.limit
+        else:
+            self.log("memory: weights %s, KV pool %s (kv_cache_bytes: %s)",
+                     gib(model_bytes(core.model)), gib(self.size.pool_bytes(slots)),
+                     self.size.describe(slots))  # fmt: skip
+            limit = int(core.cfg.cache.gpu_memory_utilization * total)
+        self.log("in use on the device after warm-up: %s of %s", gib(total - free), gib(total))
+        if self.memory is not None and total - free > limit:
+            logger.warning("start-up: %s in use on the device, over gpu_memory_utilization's "
+                           "%s (another process, or a part measured short)",
+                           gib(total - free), gib(limit))  # fmt: skip
+
+
+# ---- measuring ------------------------------------------------------------------------------
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each storage once)."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def used_bytes(device: torch.device) -> int:
+    """Memory in use on the device once this process's unused cached blocks are returned
+    (``mem_get_info``: every process on the card, the CUDA context included)."""
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def peak_bytes(device: torch.device, fn: Callable[[], object]) -> int:
+    """The most memory ``fn`` allocated on top of what was allocated before it."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - base)
+
+
+def profile(
+    cfg: EngineConfig, model: DeepseekModel, own_drafter: bool, probe: Probe,
+    log: Callable[..., None],
+) -> tuple[DeviceMemory, int | None]:  # fmt: skip
+    """Measure the parts of :class:`DeviceMemory` (module doc) -> (them, the longest
+    context the activations were profiled for when below the configured one, else None)."""
+    dev, s = torch.device(cfg.device), cfg.scheduler
+    mpe = model.cfg.max_position_embeddings
+    upper = min(s.max_model_len or mpe, mpe)
+    T, B = min(s.max_num_batched_tokens, upper - 1), s.max_num_seqs
+    layout, _, _ = pool_layout(cfg, model, own_drafter)
+    k = cfg.speculative.num_draft_tokens if cfg.speculative is not None else 0
+    blocks = -(-(T + 2 + k) // layout.block_size) + B + 2  # the long prompt; a block each
+    probe_bytes = pool_bytes(layout, B, blocks)
+    probe_cache = replace(cfg.cache, kv_cache_bytes=probe_bytes, host_bytes=0,
+                          enable_prefix_caching=False)  # fmt: skip
+    core = probe(replace(cfg, cuda_graphs=False, cache=probe_cache))
+    act, graphs, context = _measure(core, cfg.cuda_graphs, layout, T, upper, probe_bytes, log)
+    del core
+    total = torch.cuda.mem_get_info(dev)[1]
+    mem = DeviceMemory(total, used_bytes(dev), model_bytes(model), act, graphs,
+                       cfg.cache.gpu_memory_utilization)  # fmt: skip
+    return mem, (context if context < upper else None)
+
+
+def _measure(
+    core: Engine, graphs_on: bool, layout: CacheLayout, T: int, upper: int, probe_bytes: int,
+    log: Callable[..., None],
+) -> tuple[int, int, int]:  # fmt: skip
+    """On the probe (its own graphs off): (activation peak, the CUDA graphs of the engine
+    (``graphs_on``), the longest context whose chunk fits)."""
+    cfg, dev, B = core.cfg, core.device, core.cfg.scheduler.max_num_seqs
+    k = cfg.speculative.num_draft_tokens if cfg.speculative is not None else 0
+    act = _profile_requests(core, T, k)
+    log("activation peak of the largest steps: %s", gib(act))
+    widths = width_buckets(-(-upper // layout.block_size), 1 << 62)
+    graphs = _graph_bytes(core, T, widths) if graphs_on else 0
+    limit = int(cfg.cache.gpu_memory_utilization * torch.cuda.mem_get_info(dev)[1])
+    in_use = used_bytes(dev) - probe_bytes
+    context = upper
+    while context > T:  # a chunk at the end of the longest context that fits
+        try:
+            long = peak_bytes(dev, lambda c=context: _long_chunk(core, T, c))
+        except torch.cuda.OutOfMemoryError:
+            long = None
+        need = pool_bytes(layout, B, -(-context // layout.block_size))
+        if long is not None and limit - in_use - max(act, long) - graphs >= need:
+            log("activation peak of a %d-token chunk at context %d: %s", T, context, gib(long))
+            act = max(act, long)
+            break
+        if core.parallel is not None:  # a gang steps in lockstep: no retries
+            raise EngineConfigError(f"a {T}-token chunk at context {context} does not fit "
+                                    "in gpu_memory_utilization: set max_model_len")  # fmt: skip
+        log("a %d-token chunk at context %d does not fit: trying %d", T, context, context // 2)
+        context = max(T, context // 2)
+    return act, graphs, context
+
+
+def _profile_requests(core: Engine, T: int, k: int) -> int:
+    """The activation peak of the probe's real largest steps (module doc)."""
+    vocab, B = core.model.cfg.vocab_size, core.cfg.scheduler.max_num_seqs
+    n_lp = min(MAX_TOP_LOGPROBS, vocab - 1)
+    rng = np.random.default_rng(0)
+    big = SamplingParams(max_tokens=1, prompt_logprobs=n_lp, logprobs=n_lp, ignore_eos=True)
+    prefill = [EngineRequest("profile-prefill", _prompt(rng, vocab, T), big)]
+    batch = [EngineRequest(f"profile-{i}", _prompt(rng, vocab, 1), _params(i, 2 + k, vocab))
+             for i in range(B)]  # fmt: skip
+    return max(peak_bytes(core.device, lambda: drive(core, prefill)),
+               peak_bytes(core.device, lambda: drive(core, batch)))  # fmt: skip
+
+
+def _graph_bytes(core: Engine, T: int, widths: list[int]) -> int:
+    """What the CUDA graphs of every key will hold (module doc), measured on the probe."""
+    cfg, model, runner = core.cfg, core.model, core.runner
+    if model.gang_exchanges or not capturable(model):
+        return 0
+    max_q = 1 + core.cache.layout.ring - model.cfg.sliding_window
+    g = CudaGraphRunner(model, runner.builder, cfg.scheduler.max_num_seqs, runner.features,
+                        max_q)  # fmt: skip
+    keys = g.keys(verify_widths(cfg, max_q), T, widths)
+    largest = [next(k for k in keys if k[1] == q) for q in sorted({k[1] for k in keys})]
+    smallest = [k for k in keys[::-1] if k not in largest][:4]
+    u0 = used_bytes(core.device)
+    for key in largest:
+        g.capture(key, runner.sampled)
+    u1 = used_bytes(core.device)
+    for key in smallest:
+        g.capture(key, runner.sampled)
+    u2 = used_bytes(core.device)
+    own = max(0, u2 - u1 - sum(g.input_bytes(k) for k in smallest)) // max(1, len(smallest))
+    rest = sum(g.input_bytes(k) + own for k in keys if k not in g.graphs)
+    del g
+    return u2 - u0 + rest
+
+
+def _long_chunk(core: Engine, T: int, context: int) -> None:
+    """One forward of a ``T``-token chunk ending at ``context``, over trash blocks (their
+    values do not matter; the shapes and positions are a real chunk's)."""
+    runner, pools, P = core.runner, core.cache.pools, core.cache.block_size
+    start, W = context - T, core.model.cfg.sliding_window
+    one = np.ones(1, np.int64)
+    spec = StepSpec(
+        slots=one * pools.trash_slot, starts=one * start, lens=one * T,
+        floors=one * max(0, start - W), cached=one * start, decoder_floors=one * 0,
+        history=np.full((1, runner.n_back), -1, np.int64), ids=np.zeros(T, np.int64),
+        pending=np.full(T, -1, np.int64), logit_rows=np.arange(T, dtype=np.int64),
+        tables=np.full((1, -(-context // P)), pools.trash_block, np.int64),
+    )  # fmt: skip
+    if core.parallel is not None:
+        core.parallel.step(core.model, T, core.device)
+    with torch.inference_mode():
+        batch = runner.builder.build(spec, runner.sampled)
+        core.model(batch, []) if runner.features else core.model(batch)
+
+
+# ---- graphs and warm-up -------------------------------------------------------------------
+def verify_widths(cfg: EngineConfig, max_q: int) -> tuple[int, ...]:
+    """Tokens per request of a graph step: 1, and 1 + k when speculating (within the
+    ring's verify headroom ``max_q``)."""
+    k = cfg.speculative.num_draft_tokens if cfg.speculative is not None else 0
+    return (1,) + ((1 + k,) if k and 1 + k <= max_q else ())
+
+
+def capture(core: Engine, log: Callable[..., None]) -> int:
+    """Capture every CUDA-graph key of ``core`` (largest first), with progress lines ->
+    how many."""
+    runner = core.runner
+    if runner.graphs is None:
+        return 0
+    max_q = 1 + core.cache.layout.ring - core.model.cfg.sliding_window
+    keys = runner.graph_keys(verify_widths(core.cfg, max_q))
+    t0 = last = time.perf_counter()
+    for i, key in enumerate(keys, 1):
+        runner.capture_graph(key)
+        now = time.perf_counter()
+        if now - last >= PROGRESS_S or i == len(keys):
+            last = now
+            log("CUDA graphs %d / %d (batch %d, %d tokens each, width %d), %.1f s", i,
+                len(keys), *key, now - t0)  # fmt: skip
+    return len(keys)
+
+
+def warm_up(core: Engine) -> tuple[int, int]:
+    """Run the warm-up requests through ``core``'s step (:func:`warmup_requests`; CUDA
+    only), then :func:`reset` -> (requests, steps)."""
+    if core.device.type != "cuda":
+        return 0, 0
+    batches, grammar = warmup_requests(core)
+    steps = sum(drive(core, batch) for batch in batches)
+    n = sum(len(b) for b in batches)
+    try:  # compiles the tokenizer's grammar tables once (a model without tokenizer: none)
+        steps += drive(core, [grammar])
+        n += 1
+    except (RequestError, ImportError) as e:
+        logger.info("start-up: no grammar warm-up (%s)", e)
+    reset(core)
+    return n, steps
+
+
+def warmup_requests(core: Engine) -> tuple[list[list[EngineRequest]], EngineRequest]:
+    """The warm-up (module doc) -> (batches run one after the other, a grammar row): one
+    prompt each of a few sizes up to the token budget and one of two chunks (the second
+    after a prefix), one with prompt logprobs, decode (verify) batches at every graph bucket
+    with the sampling variants mixed. Every prompt fits the context and half the pool."""
+    s, vocab = core.cfg.scheduler, core.model.cfg.vocab_size
+    T, k = s.max_num_batched_tokens, core.cfg.speculative
+    k = k.num_draft_tokens if k is not None else 0
+    room = min(core.max_model_len, core.cache.pool.num_blocks * core.cache.block_size // 2)
+    room -= 4 + k
+    rng = np.random.default_rng(0)
+    sizes = sorted({n for n in (*PREFILL_SIZES, T, T + T // 2 + 3) if 1 <= n <= room})
+    out = [[EngineRequest(f"warmup-p{n}", _prompt(rng, vocab, n), _params(i, 2 + k, vocab))]
+           for i, n in enumerate(sizes)]  # fmt: skip
+    if room >= 1:
+        lp = SamplingParams(max_tokens=1, prompt_logprobs=min(5, vocab - 1), ignore_eos=True)
+        out.append([EngineRequest("warmup-lp", _prompt(rng, vocab, min(100, room)), lp)])
+    for b in batch_buckets(s.max_num_seqs):
+        if b * (1 + k) <= T:
+            out.append([EngineRequest(f"warmup-d{b}-{i}", _prompt(rng, vocab, 1 + i % 3),
+                                      _params(i, 3 + k, vocab)) for i in range(b)])  # fmt: skip
+    grammar = SamplingParams(temperature=0, max_tokens=4,
+                             constraint=OutputConstraint("regex", "[a-z]{1,3}"))  # fmt: skip
+    return out, EngineRequest("warmup-g", _prompt(rng, vocab, 4), grammar)
+
+
+def drive(core: Engine, reqs: list[EngineRequest]) -> int:
+    """Run ``reqs`` to the end -> steps taken (aborted, with a warning, if they do not
+    finish in a generous number of steps)."""
+    for r in reqs:
+        core.add_request(r)
+    budget = core.cfg.scheduler.max_num_batched_tokens
+    tokens = sum(len(r.prompt_token_ids) + (r.params.max_tokens or 1) for r in reqs)
+    limit, steps = 64 + 4 * (tokens // budget + max(r.params.max_tokens or 1 for r in reqs)), 0
+    while core.has_unfinished:
+        if steps == limit:
+            logger.warning("start-up: %d requests did not finish in %d steps; aborted",
+                           len(reqs), steps)  # fmt: skip
+            for r in reqs:
+                core.abort(r.request_id)
+        core.step()
+        steps += 1
+    return steps
+
+
+def reset(core: Engine) -> None:
+    """After the warm-up: the prefix cache empty, its and the engine's counters at zero."""
+    cache = core.cache
+    if cache.index is not None:
+        cache.index.clear()
+        cache.index.drain_events()
+        cache.index.stats = PrefixStats()
+    if cache.host is not None:
+        cache.host.stats = HostStats()
+    core.stats.reset()
+    if cache.num_free_blocks != cache.pool.num_blocks:
+        logger.warning("start-up: %d KV blocks still held after the warm-up",
+                       cache.pool.num_blocks - cache.num_free_blocks)  # fmt: skip
+
+
+def _prompt(rng: np.random.Generator, vocab: int, n: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(0, vocab, n))
+
+
+def _params(i: int, max_tokens: int, vocab: int) -> SamplingParams:
+    """The ``i % 4``-th sampling variant: greedy; seeded top-p; top-k, min-p and penalties;
+    top logprobs."""
+    kind = i % 4
+    if kind == 0:
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if kind == 1:
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=max_tokens,
+                              ignore_eos=True)  # fmt: skip
+    if kind == 2:
+        return SamplingParams(top_k=20, min_p=0.05, repetition_penalty=1.1,
+                              presence_penalty=0.5, frequency_penalty=0.5,
+                              max_tokens=max_tokens, ignore_eos=True)  # fmt: skip
+    return SamplingParams(logprobs=min(5, vocab - 1), max_tokens=max_tokens, ignore_eos=True)
