@@ -80,8 +80,8 @@ class EngineCore:
         if spec is not None and proposer is None:
             check_speculation(spec, model)
         # the KV pool (one layout: allocation = accounting), measured on a probe on CUDA
-        probe = lambda c: EngineCore(c, model, proposer, parallel, probe=True)  # noqa: E731
-        size = start.pool(cfg, model, proposer is None, probe)
+        size = start.pool(cfg, model, proposer is None,
+                          lambda c: EngineCore(c, model, proposer, parallel, probe=True))
         self.max_model_len, slots = size.max_model_len, cfg.scheduler.max_num_seqs
         self.cache = size.make_cache(model, cfg, self.device)
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
