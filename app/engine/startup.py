@@ -278,7 +278,7 @@ def _measure(
     context = upper
     while context > T:  # a chunk at the end of the longest context that fits
         try:
-            long = peak_bytes(dev, lambda c=context: _long_chunk(core, T, c))
+            long = peak_bytes(dev, lambda c=context: long_chunk(core.runner, T, c, core.parallel))
         except torch.cuda.OutOfMemoryError:
             long = None
         need = pool_bytes(layout, B, -(-context // layout.block_size))
@@ -308,34 +308,52 @@ def _profile_requests(core: Engine, T: int, k: int) -> int:
 
 
 def _graph_bytes(core: Engine, T: int, widths: list[int]) -> int:
-    """What the CUDA graphs of every key will hold (module doc), measured on the probe."""
-    cfg, model, runner = core.cfg, core.model, core.runner
+    """What the CUDA graphs of every key of ``core`` will hold (module doc)."""
+    model = core.model
     if model.gang_exchanges or not capturable(model):
         return 0
     max_q = 1 + core.cache.layout.ring - model.cfg.sliding_window
-    g = CudaGraphRunner(model, runner.builder, cfg.scheduler.max_num_seqs, runner.features,
-                        max_q)  # fmt: skip
-    keys = g.keys(verify_widths(cfg, max_q), T, widths)
+    qs = verify_widths(core.cfg, max_q)
+    return graph_bytes(core.runner, core.cfg.scheduler.max_num_seqs, qs, T, widths)
+
+
+def graph_bytes(
+    runner: ModelRunner, max_batch: int, qs: tuple[int, ...], max_tokens: int,
+    widths: list[int],
+) -> int:  # fmt: skip
+    """Bytes the CUDA graphs of every key (:func:`app.engine.graphs.graph_keys`) will hold,
+    measured with ``runner``'s model and pools (the graphs are captured, then dropped): the
+    largest key of each verify width (the shared pool's high-water mark and the shared
+    outputs), a few of the smallest (each graph's own cost beyond its input buffer), the
+    other keys extrapolated by their input buffers."""
+    max_q = 1 + runner.cache.layout.ring - runner.model.cfg.sliding_window
+    g = CudaGraphRunner(runner.model, runner.builder, max_batch, runner.features, max_q)
+    keys = g.keys(qs, max_tokens, widths)
+    if not keys:
+        return 0
     largest = [next(k for k in keys if k[1] == q) for q in sorted({k[1] for k in keys})]
     smallest = [k for k in keys[::-1] if k not in largest][:4]
-    u0 = used_bytes(core.device)
+    u0 = used_bytes(runner.device)
     for key in largest:
         g.capture(key, runner.sampled)
-    u1 = used_bytes(core.device)
+    u1 = used_bytes(runner.device)
     for key in smallest:
         g.capture(key, runner.sampled)
-    u2 = used_bytes(core.device)
+    u2 = used_bytes(runner.device)
     own = max(0, u2 - u1 - sum(g.input_bytes(k) for k in smallest)) // max(1, len(smallest))
     rest = sum(g.input_bytes(k) + own for k in keys if k not in g.graphs)
     del g
     return u2 - u0 + rest
 
 
-def _long_chunk(core: Engine, T: int, context: int) -> None:
+def long_chunk(
+    runner: ModelRunner, T: int, context: int, parallel: RankParallel | None = None
+) -> None:
     """One forward of a ``T``-token chunk ending at ``context``, over trash blocks (their
-    values do not matter; the shapes and positions are a real chunk's)."""
-    runner, pools, P = core.runner, core.cache.pools, core.cache.block_size
-    start, W = context - T, core.model.cfg.sliding_window
+    values do not matter; the shapes and positions are a real chunk's). ``parallel``: the
+    gang's agreement first (every rank runs it)."""
+    model, pools, P = runner.model, runner.cache.pools, runner.cache.block_size
+    start, W = context - T, model.cfg.sliding_window
     one = np.ones(1, np.int64)
     spec = StepSpec(
         slots=one * pools.trash_slot, starts=one * start, lens=one * T,
@@ -344,11 +362,11 @@ def _long_chunk(core: Engine, T: int, context: int) -> None:
         pending=np.full(T, -1, np.int64), logit_rows=np.arange(T, dtype=np.int64),
         tables=np.full((1, -(-context // P)), pools.trash_block, np.int64),
     )  # fmt: skip
-    if core.parallel is not None:
-        core.parallel.step(core.model, T, core.device)
+    if parallel is not None:
+        parallel.step(model, T, runner.device)
     with torch.inference_mode():
         batch = runner.builder.build(spec, runner.sampled)
-        core.model(batch, []) if runner.features else core.model(batch)
+        model(batch, [] if runner.features else None)
 
 
 # ---- graphs and warm-up -------------------------------------------------------------------

@@ -105,8 +105,8 @@ def test_a_long_chunk_runs_over_trash_blocks(tiny_ckpt):
     a table of trash blocks, nothing of the pool taken."""
     eng = _engine(tiny_ckpt("v41"), max_num_batched_tokens=32)
     free = eng.cache.num_free_blocks
-    startup._long_chunk(eng, 32, 5000)
-    startup._long_chunk(eng, 32, 32)  # a chunk at the start of a sequence
+    startup.long_chunk(eng.runner, 32, 5000)
+    startup.long_chunk(eng.runner, 32, 32)  # a chunk at the start of a sequence
     assert eng.cache.num_free_blocks == free
 
 
