@@ -72,7 +72,7 @@ class EngineCore:
         ``kv_cache_bytes``; no graphs, no warm-up)."""
         self.cfg, self.parallel = cfg, parallel
         self.device = torch.device(cfg.device)
-        start = Startup(self.device, quiet=probe)
+        self.startup = start = Startup(self.device, quiet=probe)  # its phases, what it measured
         if model is None:
             model = start.load(cfg, parallel)
         self.model, mcfg, spec = model, model.cfg, cfg.speculative
