@@ -7,9 +7,9 @@
                    graphs; the pool takes what ``gpu_memory_utilization`` of the card leaves
                    (``app.engine.capacity.DeviceMemory``); one line per part, in GiB
     CUDA graphs    every graph key the serving paths reach, captured now (:func:`capture`)
-    warm-up        synthetic requests through the real step (:func:`warm_up`): every Triton
-                   specialization is compiled before the first request, then everything is
-                   freed, the prefix cache cleared and the counters reset
+    warm-up        synthetic requests through the real step (``app.engine.warmup``): every
+                   Triton specialization is compiled before the first request, then
+                   everything is freed, the prefix cache cleared and the counters reset
 
 A rank's constructor returns after the warm-up, so Serve marks it ready (and the ingress
 ``/health`` says ready) only then. A CPU engine loads and sizes as before (kv_cache_bytes or
@@ -38,15 +38,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from app.cache.host_tier import HostStats
 from app.cache.layout import CacheLayout
-from app.cache.manager import CacheManager
-from app.cache.radix import PrefixStats
 from app.config import EngineConfig, EngineConfigError
 from app.engine.batch import StepSpec
 from app.engine.capacity import (
@@ -59,47 +55,16 @@ from app.engine.capacity import (
     pool_layout,
     size_pool,
 )
-from app.engine.graphs import CudaGraphRunner, batch_buckets, width_buckets
-from app.engine.metrics import EngineStats
+from app.engine.graphs import CudaGraphRunner, width_buckets
 from app.engine.parallel import RankParallel
-from app.engine.request import (
-    MAX_TOP_LOGPROBS,
-    EngineRequest,
-    OutputConstraint,
-    RequestError,
-    RequestOutput,
-    SamplingParams,
-)
+from app.engine.request import MAX_TOP_LOGPROBS, EngineRequest, SamplingParams
 from app.engine.runner import ModelRunner, capturable
+from app.engine.warmup import Engine, drive, params, prompt, warm_up
 from app.model.loader import load_model
 from app.model.model import DeepseekModel
 
 logger = logging.getLogger(__name__)
-PREFILL_SIZES = (1, 7, 16, 100, 512)  # warm-up chunks besides the token budget: Triton
-# specializes integer arguments equal to 1 and divisible by 16, and kernels pick tiles by size
 PROGRESS_S = 5.0  # a graph-capture progress line at most this often
-
-
-class Engine(Protocol):
-    """What start-up uses of an engine core (``app.engine.core.EngineCore``)."""
-
-    cfg: EngineConfig
-    device: torch.device
-    model: DeepseekModel
-    parallel: RankParallel | None
-    runner: ModelRunner
-    cache: CacheManager
-    stats: EngineStats
-    max_model_len: int
-
-    @property
-    def has_unfinished(self) -> bool: ...
-
-    def add_request(self, req: EngineRequest, export: bool = False) -> None: ...
-
-    def abort(self, request_id: str) -> RequestOutput | None: ...
-
-    def step(self) -> list[RequestOutput]: ...
 
 
 Probe = Callable[[EngineConfig], Engine]  # builds a probe engine (no start-up of its own)
@@ -187,23 +152,23 @@ class Startup:
                  ", ".join(f"{k} {v:.1f} s" for k, v in s.items()))  # fmt: skip
 
     def _memory_line(self, core: Engine) -> None:
+        """The memory line: every measured part (or the kv_cache_bytes pool), then what is
+        in use on the device now, checked against the utilization."""
         if not self.cuda or self.size is None:
             return
         free, total = torch.cuda.mem_get_info(self.device)
         slots = core.cfg.scheduler.max_num_seqs
         if self.memory is not None:
             self.log("memory: %s", self.memory.describe(self.size, slots))
-            limit = self.memory.limit
         else:
             self.log("memory: weights %s, KV pool %s (kv_cache_bytes: %s)",
                      gib(model_bytes(core.model)), gib(self.size.pool_bytes(slots)),
                      self.size.describe(slots))  # fmt: skip
-            limit = int(core.cfg.cache.gpu_memory_utilization * total)
         self.log("in use on the device after warm-up: %s of %s", gib(total - free), gib(total))
-        if self.memory is not None and total - free > limit:
+        if self.memory is not None and total - free > self.memory.limit:
             logger.warning("start-up: %s in use on the device, over gpu_memory_utilization's "
                            "%s (another process, or a part measured short)",
-                           gib(total - free), gib(limit))  # fmt: skip
+                           gib(total - free), gib(self.memory.limit))  # fmt: skip
 
 
 # ---- measuring ------------------------------------------------------------------------------
@@ -300,8 +265,8 @@ def _profile_requests(core: Engine, T: int, k: int) -> int:
     n_lp = min(MAX_TOP_LOGPROBS, vocab - 1)
     rng = np.random.default_rng(0)
     big = SamplingParams(max_tokens=1, prompt_logprobs=n_lp, logprobs=n_lp, ignore_eos=True)
-    prefill = [EngineRequest("profile-prefill", _prompt(rng, vocab, T), big)]
-    batch = [EngineRequest(f"profile-{i}", _prompt(rng, vocab, 1), _params(i, 2 + k, vocab))
+    prefill = [EngineRequest("profile-prefill", prompt(rng, vocab, T), big)]
+    batch = [EngineRequest(f"profile-{i}", prompt(rng, vocab, 1), params(i, 2 + k, vocab))
              for i in range(B)]  # fmt: skip
     return max(peak_bytes(core.device, lambda: drive(core, prefill)),
                peak_bytes(core.device, lambda: drive(core, batch)))  # fmt: skip
@@ -369,7 +334,7 @@ def long_chunk(
         model(batch, [] if runner.features else None)
 
 
-# ---- graphs and warm-up -------------------------------------------------------------------
+# ---- graphs ---------------------------------------------------------------------------
 def verify_widths(cfg: EngineConfig, max_q: int) -> tuple[int, ...]:
     """Tokens per request of a graph step: 1, and 1 + k when speculating (within the
     ring's verify headroom ``max_q``)."""
@@ -394,100 +359,3 @@ def capture(core: Engine, log: Callable[..., None]) -> int:
             log("CUDA graphs %d / %d (batch %d, %d tokens each, width %d), %.1f s", i,
                 len(keys), *key, now - t0)  # fmt: skip
     return len(keys)
-
-
-def warm_up(core: Engine) -> tuple[int, int]:
-    """Run the warm-up requests through ``core``'s step (:func:`warmup_requests`; CUDA
-    only), then :func:`reset` -> (requests, steps)."""
-    if core.device.type != "cuda":
-        return 0, 0
-    batches, grammar = warmup_requests(core)
-    steps = sum(drive(core, batch) for batch in batches)
-    n = sum(len(b) for b in batches)
-    try:  # compiles the tokenizer's grammar tables once (a model without tokenizer: none)
-        steps += drive(core, [grammar])
-        n += 1
-    except (RequestError, ImportError) as e:
-        logger.info("start-up: no grammar warm-up (%s)", e)
-    reset(core)
-    return n, steps
-
-
-def warmup_requests(core: Engine) -> tuple[list[list[EngineRequest]], EngineRequest]:
-    """The warm-up (module doc) -> (batches run one after the other, a grammar row): one
-    prompt each of a few sizes up to the token budget and one of two chunks (the second
-    after a prefix), one with prompt logprobs, decode (verify) batches at every graph bucket
-    with the sampling variants mixed. Every prompt fits the context and half the pool."""
-    s, vocab = core.cfg.scheduler, core.model.cfg.vocab_size
-    T, k = s.max_num_batched_tokens, core.cfg.speculative
-    k = k.num_draft_tokens if k is not None else 0
-    room = min(core.max_model_len, core.cache.pool.num_blocks * core.cache.block_size // 2)
-    room -= 4 + k
-    rng = np.random.default_rng(0)
-    sizes = sorted({n for n in (*PREFILL_SIZES, T, T + T // 2 + 3) if 1 <= n <= room})
-    out = [[EngineRequest(f"warmup-p{n}", _prompt(rng, vocab, n), _params(i, 2 + k, vocab))]
-           for i, n in enumerate(sizes)]  # fmt: skip
-    if room >= 1:
-        lp = SamplingParams(max_tokens=1, prompt_logprobs=min(5, vocab - 1), ignore_eos=True)
-        out.append([EngineRequest("warmup-lp", _prompt(rng, vocab, min(100, room)), lp)])
-    for b in batch_buckets(s.max_num_seqs):
-        if b * (1 + k) <= T:
-            out.append([EngineRequest(f"warmup-d{b}-{i}", _prompt(rng, vocab, 1 + i % 3),
-                                      _params(i, 3 + k, vocab)) for i in range(b)])  # fmt: skip
-    grammar = SamplingParams(temperature=0, max_tokens=4,
-                             constraint=OutputConstraint("regex", "[a-z]{1,3}"))  # fmt: skip
-    return out, EngineRequest("warmup-g", _prompt(rng, vocab, 4), grammar)
-
-
-def drive(core: Engine, reqs: list[EngineRequest]) -> int:
-    """Run ``reqs`` to the end -> steps taken (aborted, with a warning, if they do not
-    finish in a generous number of steps)."""
-    for r in reqs:
-        core.add_request(r)
-    budget = core.cfg.scheduler.max_num_batched_tokens
-    tokens = sum(len(r.prompt_token_ids) + (r.params.max_tokens or 1) for r in reqs)
-    limit, steps = 64 + 4 * (tokens // budget + max(r.params.max_tokens or 1 for r in reqs)), 0
-    while core.has_unfinished:
-        if steps == limit:
-            logger.warning("start-up: %d requests did not finish in %d steps; aborted",
-                           len(reqs), steps)  # fmt: skip
-            for r in reqs:
-                core.abort(r.request_id)
-        core.step()
-        steps += 1
-    return steps
-
-
-def reset(core: Engine) -> None:
-    """After the warm-up: the prefix cache empty, its and the engine's counters at zero."""
-    cache = core.cache
-    if cache.index is not None:
-        cache.index.clear()
-        cache.index.drain_events()
-        cache.index.stats = PrefixStats()
-    if cache.host is not None:
-        cache.host.stats = HostStats()
-    core.stats.reset()
-    if cache.num_free_blocks != cache.pool.num_blocks:
-        logger.warning("start-up: %d KV blocks still held after the warm-up",
-                       cache.pool.num_blocks - cache.num_free_blocks)  # fmt: skip
-
-
-def _prompt(rng: np.random.Generator, vocab: int, n: int) -> tuple[int, ...]:
-    return tuple(int(t) for t in rng.integers(0, vocab, n))
-
-
-def _params(i: int, max_tokens: int, vocab: int) -> SamplingParams:
-    """The ``i % 4``-th sampling variant: greedy; seeded top-p; top-k, min-p and penalties;
-    top logprobs."""
-    kind = i % 4
-    if kind == 0:
-        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    if kind == 1:
-        return SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=max_tokens,
-                              ignore_eos=True)  # fmt: skip
-    if kind == 2:
-        return SamplingParams(top_k=20, min_p=0.05, repetition_penalty=1.1,
-                              presence_penalty=0.5, frequency_penalty=0.5,
-                              max_tokens=max_tokens, ignore_eos=True)  # fmt: skip
-    return SamplingParams(logprobs=min(5, vocab - 1), max_tokens=max_tokens, ignore_eos=True)

@@ -1,10 +1,11 @@
-"""Start-up (``app.engine.startup``) on the CPU: the phases' seconds in the stats; the
-warm-up's requests run through a real engine and leave nothing behind (pool, prefix cache,
-counters); the memory profile's flow on a probe engine with the device's measurements
-faked (activation peaks, a long chunk that does not fit and halves, the probe released);
-the synthetic steps the profile and the graph capture run (a chunk at a long context over
-trash blocks, a step of padding requests); the graph keys cover every step a runner can
-build. The GPU side (captures, real measurements) is tests/gpu/test_startup_cuda.py."""
+"""Start-up (``app.engine.startup``, ``app.engine.warmup``) on the CPU: the phases'
+seconds in the stats; the warm-up's requests run through a real engine and leave nothing
+behind (pool, prefix cache, counters); the memory profile's flow on a probe engine with the
+device's measurements faked (activation peaks, a long chunk that does not fit and halves,
+the probe released); the synthetic steps the profile and the graph capture run (a chunk at
+a long context over trash blocks, a step of padding requests); the graph keys cover every
+step a runner can build. The GPU side (captures, real measurements) is
+tests/gpu/test_startup_cuda.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from app.config import EngineConfig
-from app.engine import startup
+from app.engine import startup, warmup
 from app.engine.capacity import pool_bytes, pool_layout, size_pool
 from app.engine.core import EngineCore
 from app.engine.graphs import (
@@ -64,7 +65,7 @@ def test_stats_reset_keeps_the_startup_seconds():
 def test_warmup_requests_run_and_leave_nothing_behind(tiny_ckpt, spec):
     eng = _engine(tiny_ckpt("v41"), max_num_batched_tokens=64, max_num_seqs=8,
                   kv_cache_bytes=1 << 23, speculative=spec)  # fmt: skip
-    batches, grammar = startup.warmup_requests(eng)
+    batches, grammar = warmup.warmup_requests(eng)
     sizes = [len(b[0].prompt_token_ids) for b in batches if len(b) == 1]
     assert 64 in sizes and 64 + 32 + 3 in sizes  # the token budget; two chunks
     assert any(b[0].params.prompt_logprobs for b in batches)
@@ -74,12 +75,12 @@ def test_warmup_requests_run_and_leave_nothing_behind(tiny_ckpt, spec):
     kinds = {(p.temperature, p.seed is not None, p.top_k, p.logprobs)
              for b in batches for p in (r.params for r in b)}
     assert len(kinds) >= 4  # greedy, seeded top-p, top-k + penalties, logprobs
-    steps = sum(startup.drive(eng, b) for b in batches)
-    steps += startup.drive(eng, [grammar])
+    steps = sum(warmup.drive(eng, b) for b in batches)
+    steps += warmup.drive(eng, [grammar])
     assert steps > 0 and eng.stats.prompt_tokens > 0 and eng.cache.index.stats.query_tokens
     if spec:
         assert eng.stats.spec_verifies > 0
-    startup.reset(eng)
+    warmup.reset(eng)
     eng.cache.check_integrity()
     assert not eng.has_unfinished
     assert eng.cache.num_free_blocks == eng.cache.pool.num_blocks
@@ -91,12 +92,12 @@ def test_warmup_requests_run_and_leave_nothing_behind(tiny_ckpt, spec):
 def test_warmup_prompts_fit_a_small_pool_and_context(tiny_ckpt):
     eng = _engine(tiny_ckpt("v41"), block_size=16, max_num_seqs=4, max_num_batched_tokens=24,
                   kv_cache_bytes=1 << 20, max_model_len=40)  # fmt: skip
-    batches, _ = startup.warmup_requests(eng)
+    batches, _ = warmup.warmup_requests(eng)
     room = min(eng.max_model_len, eng.cache.pool.num_blocks * 16 // 2)
     assert all(len(r.prompt_token_ids) + r.params.max_tokens <= room for b in batches for r in b)
     for b in batches:
-        startup.drive(eng, b)
-    startup.reset(eng)
+        warmup.drive(eng, b)
+    warmup.reset(eng)
     assert eng.cache.num_free_blocks == eng.cache.pool.num_blocks
 
 
