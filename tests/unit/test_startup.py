@@ -219,3 +219,23 @@ def test_the_probe_is_a_plain_engine_of_its_kv_cache_bytes(tiny_ckpt):
     model = load_model(path)
     p = EngineCore(replace(cfg, cuda_graphs=False), model, probe=True)
     assert p.stats.startup_s == 0.0 and p.max_model_len > 0
+
+
+def test_the_memory_line_names_every_part_and_warns_over_the_utilization(
+    tiny_ckpt, monkeypatch, caplog
+):
+    eng = _engine(tiny_ckpt("v41"))
+    start = startup.Startup(torch.device("cpu"))
+    start.cuda, start.size = True, eng.startup.size  # the CUDA branch, its readings faked
+    start.memory = startup.DeviceMemory(80 * G, 10 * G, 9 * G, 2 * G, G, 0.5)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (70 * G, 80 * G))
+    with caplog.at_level(logging.INFO, logger="app.engine.startup"):
+        start._memory_line(eng)
+    assert "start-up: memory: weights 9.00 GiB, other in use 1.00 GiB" in caplog.text
+    assert "in use on the device after warm-up: 10.00 GiB of 80.00 GiB" in caplog.text
+    assert "over gpu_memory_utilization" not in caplog.text
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (30 * G, 80 * G))
+    with caplog.at_level(logging.INFO, logger="app.engine.startup"):
+        start._memory_line(eng)
+    assert "50.00 GiB in use on the device, over gpu_memory_utilization's 40.00 GiB" in (
+        caplog.text)
