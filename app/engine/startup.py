@@ -117,20 +117,26 @@ class Startup:
         self, cfg: EngineConfig, model: DeepseekModel, own_drafter: bool, probe: Probe
     ) -> PoolSize:
         """The KV pool: from ``kv_cache_bytes`` (or the CPU default), else measured
-        (:func:`profile`, on a probe engine that ``probe`` builds)."""
-        budget = kv_budget(cfg)
+        (:func:`profile`, on a probe engine that ``probe`` builds); on CUDA the memory line
+        with every part."""
+        budget, slots = kv_budget(cfg), cfg.scheduler.max_num_seqs
         if budget is not None:
             self.size = size_pool(cfg, model, budget, own_drafter)
+            if self.cuda:
+                self.log("memory: weights %s, KV pool %s (kv_cache_bytes: %s)",
+                         gib(model_bytes(model)), gib(self.size.pool_bytes(slots)),
+                         self.size.describe(slots))  # fmt: skip
             return self.size
         with self.phase("memory profile") as notes:
             self.memory, context = profile(cfg, model, own_drafter, probe, self.log)
             self.size = size_pool(cfg, model, self.memory.check_budget(), own_drafter, context)
             notes.append(f"KV budget {gib(self.memory.kv_budget)}")
+        self.log("memory: %s", self.memory.describe(self.size, slots))
         return self.size
 
     def finish(self, core: Engine) -> None:
-        """CUDA graphs and warm-up (CUDA only), then the memory line and the seconds of
-        every phase in ``core.stats``."""
+        """CUDA graphs and warm-up (CUDA only), then what is in use on the device and the
+        seconds of every phase in ``core.stats``."""
         if self.cuda:
             before = used_bytes(self.device)
             with self.phase("CUDA graphs") as notes:
@@ -152,18 +158,11 @@ class Startup:
                  ", ".join(f"{k} {v:.1f} s" for k, v in s.items()))  # fmt: skip
 
     def _memory_line(self, core: Engine) -> None:
-        """The memory line: every measured part (or the kv_cache_bytes pool), then what is
-        in use on the device now, checked against the utilization."""
-        if not self.cuda or self.size is None:
+        """What is in use on the device after the warm-up, checked against the
+        utilization."""
+        if not self.cuda:
             return
         free, total = torch.cuda.mem_get_info(self.device)
-        slots = core.cfg.scheduler.max_num_seqs
-        if self.memory is not None:
-            self.log("memory: %s", self.memory.describe(self.size, slots))
-        else:
-            self.log("memory: weights %s, KV pool %s (kv_cache_bytes: %s)",
-                     gib(model_bytes(core.model)), gib(self.size.pool_bytes(slots)),
-                     self.size.describe(slots))  # fmt: skip
         self.log("in use on the device after warm-up: %s of %s", gib(total - free), gib(total))
         if self.memory is not None and total - free > self.memory.limit:
             logger.warning("start-up: %s in use on the device, over gpu_memory_utilization's "

@@ -221,17 +221,27 @@ def test_the_probe_is_a_plain_engine_of_its_kv_cache_bytes(tiny_ckpt):
     assert p.stats.startup_s == 0.0 and p.max_model_len > 0
 
 
-def test_the_memory_line_names_every_part_and_warns_over_the_utilization(
+def test_the_memory_lines_name_every_part_and_warn_over_the_utilization(
     tiny_ckpt, monkeypatch, caplog
 ):
-    eng = _engine(tiny_ckpt("v41"))
+    """The CUDA branch of the lines, its readings faked: the parts once the pool is sized,
+    what is in use after the warm-up, a warning over the utilization."""
+    path = tiny_ckpt("v41")
+    eng = _engine(path)
+    mem = startup.DeviceMemory(80 * G, 10 * G, 9 * G, 2 * G, G, 0.5)
+    monkeypatch.setattr(startup, "profile", lambda *a: (mem, None))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     start = startup.Startup(torch.device("cpu"))
-    start.cuda, start.size = True, eng.startup.size  # the CUDA branch, its readings faked
-    start.memory = startup.DeviceMemory(80 * G, 10 * G, 9 * G, 2 * G, G, 0.5)
+    start.cuda = True
+    cfg = EngineConfig.from_options(path, device="cuda", max_num_seqs=4)
+    with caplog.at_level(logging.INFO, logger="app.engine.startup"):
+        size = start.pool(cfg, eng.model, True, lambda c: eng)
+    assert size.pool_bytes(4) <= mem.kv_budget == 40 * G - 10 * G - 2 * G - G
+    assert "start-up: memory: weights 9.00 GiB, other in use 1.00 GiB" in caplog.text
+    assert f"KV pool {size.pool_bytes(4) / G:.2f} GiB ({size.num_blocks} blocks" in caplog.text
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (70 * G, 80 * G))
     with caplog.at_level(logging.INFO, logger="app.engine.startup"):
         start._memory_line(eng)
-    assert "start-up: memory: weights 9.00 GiB, other in use 1.00 GiB" in caplog.text
     assert "in use on the device after warm-up: 10.00 GiB of 80.00 GiB" in caplog.text
     assert "over gpu_memory_utilization" not in caplog.text
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (30 * G, 80 * G))
