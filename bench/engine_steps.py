@@ -25,6 +25,7 @@ and on. ``--model flash-rank`` (CUDA): the scaled V4.1-Flash rank of ``bench.fla
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import tempfile
@@ -120,12 +121,16 @@ def matmul_rate() -> float:
 
 
 class Rank:
-    """The flash-rank model with a cache, a runner and synthetic requests at a context."""
+    """The flash-rank model with a cache, a runner and synthetic requests at a context.
+    ``kv_bytes`` None: the pool the engine's sizing gives (``app.engine.startup``): 0.9 of
+    the card less what is in use, the activation peak of this bench's largest step (a chunk
+    of ``max_tokens`` at ``context``) and its CUDA graphs, measured on a probe pool."""
 
     def __init__(
-        self, max_seqs: int, kv_bytes: int, ep: int, max_tokens: int, model=None, device="cuda",
-        dense: str = "bf16", ring_headroom: int = 3, draft_stages: int = 0,
-    ) -> None:
+        self, max_seqs: int, kv_bytes: int | None, ep: int, max_tokens: int, model=None,
+        device="cuda", dense: str = "bf16", ring_headroom: int = 3, draft_stages: int = 0,
+        context: int = 36864,
+    ) -> None:  # fmt: skip
         from app.cache.manager import CacheManager
         from app.config import CacheConfig
         from app.engine.runner import ModelRunner
@@ -143,15 +148,29 @@ class Rank:
         # ring headroom 3: verify steps of 1 + 3 tokens per request read the ring directly
         # and run as CUDA graphs; ``draft_stages``: DSpark context rings (bench.spec_decode)
         h = ring_headroom
-        layout = CacheManager.layout_for(self.model, cc, torch.bfloat16, h, draft_stages)
-        blocks = (kv_bytes - (max_seqs + 1) * layout.bytes_per_slot) // layout.bytes_per_block
-        self.mgr = CacheManager(self.model, cc, int(blocks) - 1, max_seqs, torch.bfloat16,
-                                device, max_blocks_per_seq=4096, ring_headroom=h,
+
+        def cache(n_blocks: int) -> CacheManager:
+            return CacheManager(self.model, cc, n_blocks, max_seqs, torch.bfloat16, device,
+                                max_blocks_per_seq=4096, ring_headroom=h,
                                 draft_stages=draft_stages)  # fmt: skip
+
+        layout = CacheManager.layout_for(self.model, cc, torch.bfloat16, h, draft_stages)
+        if kv_bytes is None:
+            kv_bytes = _measured_kv_bytes(self.model, ModelRunner(self.model, cache(8),
+                                          max_tokens, self.device), max_seqs, h, context)
+        blocks = (kv_bytes - (max_seqs + 1) * layout.bytes_per_slot) // layout.bytes_per_block
+        self.mgr = cache(int(blocks) - 1)
         self.runner = ModelRunner(self.model, self.mgr, max_tokens, self.device,
                                   cuda_graphs=True, max_graph_batch=max_seqs)  # fmt: skip
         self._randomize_cache()
         self.n = 0
+
+    def release(self) -> None:
+        """Drop the pool and the graphs (the model stays): another engine sizes itself on
+        what is left."""
+        del self.mgr, self.runner
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def _randomize_cache(self) -> None:
         """KV pools hold random codes (what a decode step reads; values do not change cost)."""
@@ -201,6 +220,26 @@ class Rank:
             pending=np.full(T, -1, np.int64), logit_rows=rows.astype(np.int64),
             tables=self.mgr.tables[slots, :width],
         )  # fmt: skip
+
+
+def _measured_kv_bytes(model, probe, max_seqs: int, headroom: int, context: int) -> int:
+    """The engine's pool sizing (``app.engine.capacity.DeviceMemory``) for a Rank, measured
+    with ``probe`` (a runner on a small pool, dropped after)."""
+    from app.engine.capacity import DeviceMemory
+    from app.engine.graphs import width_buckets
+    from app.engine.startup import graph_bytes, long_chunk, model_bytes, peak_bytes, used_bytes
+
+    dev, T = probe.device, probe.max_tokens
+    act = peak_bytes(dev, functools.partial(long_chunk, probe, T, context))
+    widths = width_buckets(-(-context // probe.cache.block_size), probe.cache.tables.shape[1])
+    graphs = graph_bytes(probe, max_seqs, (1, 1 + headroom), T, widths)
+    del probe
+    total = torch.cuda.mem_get_info(dev)[1]
+    mem = DeviceMemory(total, used_bytes(dev), model_bytes(model), act, graphs, 0.9)
+    print(f"KV pool: {mem.check_budget() / 2**30:.1f} GiB = 0.9 x {total / 2**30:.1f} GiB less "
+          f"in use {mem.in_use / 2**30:.1f}, a {T}-token chunk at context {context} "
+          f"{act / 2**30:.1f}, CUDA graphs {graphs / 2**30:.1f} GiB", flush=True)  # fmt: skip
+    return mem.check_budget()
 
 
 def _time(fn, reps: int) -> float:
@@ -477,12 +516,12 @@ def gap(args, model, B: int = 256, overlap: bool = True) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         eng = EngineCore(EngineConfig.from_options(
             tmp, device="cuda", dtype="bfloat16", max_num_seqs=B, max_num_batched_tokens=8192,
-            kv_cache_bytes=8 << 30, enable_prefix_caching=False, overlap_schedule=overlap,
+            max_model_len=4096, enable_prefix_caching=False, overlap_schedule=overlap,
         ), model=model)  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         for i in range(B):
             eng.add_request(EngineRequest(f"g{i}", tuple([5 + i % 100] * 16), params))
-        for _ in range(6):  # prefill, decode warm-up, graph capture
+        for _ in range(6):  # prefill, decode
             eng.step()
         steps = 10
         torch.cuda.synchronize()
@@ -562,7 +601,8 @@ def main() -> None:
                          "fp8_rows_act8 (fp8 activations at prefill-sized steps)")
     ap.add_argument("--replay-only", action="store_true",
                     help="prefill: decoder replay on only (the engine's default)")
-    ap.add_argument("--kv-gib", type=int, default=40, help="flash-rank KV pool size")
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="flash-rank KV pool size (default: what 0.9 of the card leaves)")
     args = ap.parse_args()
     _run(args)
 
@@ -578,16 +618,21 @@ def _run(args) -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     records = [record("ceiling.copy_bandwidth", bw / 1e12, "TB/s"),
                record("ceiling.bf16_matmul", rate / 1e12, "TFLOP/s")]  # fmt: skip
-    rank = Rank(max_seqs=256, kv_bytes=args.kv_gib << 30, ep=8, max_tokens=32768,
-                dense=args.dense)  # fmt: skip
+    kv = None if args.kv_gib is None else int(args.kv_gib * 2**30)
+    ctx = max([int(c) + 4 for c in args.contexts.split(",")]
+              + [int(c.split("x")[0]) + int(c.split("x")[2]) for c in args.prefill.split(",")])
+    rank = Rank(max_seqs=256, kv_bytes=kv, ep=8, max_tokens=32768, dense=args.dense,
+                context=ctx)  # fmt: skip
     parts = {"decode": lambda: decode(rank, args, bw), "profile": lambda: profile(rank, args),
              "origins": lambda: origins(rank, args),
+             "prefill": lambda: prefill(rank, args, rate, bw),
              "gap": lambda: [r for b in args.gap_batches.split(",")
                              for o in args.gap_overlap.split(",")
-                             for r in gap(args, rank.model, int(b), o == "on")],
-             "prefill": lambda: prefill(rank, args, rate, bw)}  # fmt: skip
+                             for r in gap(args, rank.model, int(b), o == "on")]}  # fmt: skip
     for part, fn in parts.items():
         if part in what:
+            if part == "gap":  # its EngineCore sizes its own pool: the rank's goes first
+                rank.release()
             records += fn()
             write("engine_steps", records, args.out)  # kept if a later part runs out of time
             gc.collect()

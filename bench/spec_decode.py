@@ -168,7 +168,7 @@ def _engine_run(model, B: int, k: int, prompts, truth, rate: float | None, devic
     """Decode ``prompts`` (64 tokens each, greedy) with ``model`` (or the checkpoint at
     ``path``); -> (outputs, s per output token after the prefill, the stats report)."""
     opts = dict(device=device, dtype=dtype, max_num_seqs=B, max_num_batched_tokens=4096,
-                kv_cache_bytes=8 << 30, enable_prefix_caching=False)  # fmt: skip
+                max_model_len=4096, enable_prefix_caching=False)  # fmt: skip
     proposer = None
     if rate is not None:
         opts["speculative"] = {"method": "dspark", "num_draft_tokens": k}
@@ -267,6 +267,8 @@ def main() -> None:
     ap.add_argument("--what", default="steps,engine")
     ap.add_argument("--engine-model", default="tiny", choices=("tiny", "flash-rank"))
     ap.add_argument("--out", default=None, help="directory for spec_decode.json")
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="the rank's KV pool (default on CUDA: what 0.9 of the card leaves)")
     args = ap.parse_args()
     model = None
     if args.model == "tiny-rank":  # a smoke run of the script on CPU
@@ -280,16 +282,20 @@ def main() -> None:
     records = [record("ceiling.copy_bandwidth", bw / 1e12, "TB/s")]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     ep = 8 if model is None else 1
-    rank = Rank(max_seqs=64, kv_bytes=(24 << 30) if args.device == "cuda" else (1 << 28), ep=ep,
-                max_tokens=4096, model=model, device=args.device, ring_headroom=args.drafts,
-                draft_stages=3)  # fmt: skip
+    kv = None if args.device == "cuda" else 1 << 28  # None: what 0.9 of the card leaves
+    kv = int(args.kv_gib * 2**30) if args.kv_gib is not None else kv
+    rank = Rank(max_seqs=64, kv_bytes=kv, ep=ep, max_tokens=4096, model=model,
+                device=args.device, ring_headroom=args.drafts, draft_stages=3,
+                context=args.context + 64)  # fmt: skip
     t_draft: dict[int, float] = {}
     what = args.what.split(",")
     if "steps" in what:
         recs, t_draft = steps(rank, args, bw)
         records += recs
         write("spec_decode", records, args.out)
-    if "engine" in what:
+    if "engine" in what:  # its EngineCores size their own pools: the rank's goes first
+        if args.device == "cuda":
+            rank.release()
         records += engine(rank, args, t_draft)
     print("wrote", write("spec_decode", records, args.out))
 

@@ -19,8 +19,9 @@ The parts it loops over: ``Scheduler`` (which tokens), ``ModelRunner`` (inputs, 
 ``sample_chunks`` (``app.engine.sampler``; grammar masks from ``app.engine.grammar``),
 ``Speculator`` (``app.engine.spec``: drafts, verify; speculating steps are not pipelined, so
 overlap is off while speculation is on), ``OutputProcessor`` (stops, logprobs, deltas), the
-``HandoffPort`` (``app.engine.handoff``), ``EngineStats`` (``app.engine.metrics``) and the
-pool sizing (``app.engine.capacity``).
+``HandoffPort`` (``app.engine.handoff``), ``EngineStats`` (``app.engine.metrics``), and at
+construction the start-up (``app.engine.startup``: weights, memory profile and pool sizing
+by ``app.engine.capacity``, CUDA graphs, warm-up).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from pathlib import Path
 import torch
 
 from app.config import EngineConfig
-from app.engine.capacity import TORCH_DTYPES, kv_budget, size_pool
 from app.engine.flight import Flight, HostSamples
 from app.engine.grammar import StructuredOutput
 from app.engine.handoff import Handoff, HandoffPort
@@ -49,8 +49,8 @@ from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.engine.sequence import Sequence
 from app.engine.spec.proposer import Proposer, check_speculation
 from app.engine.spec.speculator import OnDraft, Speculator
+from app.engine.startup import Startup
 from app.engine.validation import RequestLimits, check_request
-from app.model.loader import load_model
 from app.model.model import DeepseekModel
 
 logger = logging.getLogger(__name__)
@@ -62,34 +62,26 @@ class EngineCore:
     def __init__(
         self, cfg: EngineConfig, model: DeepseekModel | None = None,
         proposer: Proposer | None = None, parallel: RankParallel | None = None,
+        probe: bool = False,
     ) -> None:  # fmt: skip
         """``proposer``: drafts in place of the one ``cfg.speculative`` names (tests and
         benchmarks: the target's own continuation, random tokens). ``parallel``: this
-        rank's expert-parallel gang (``app.engine.parallel``; the model loads its share)."""
+        rank's expert-parallel gang (``app.engine.parallel``; the model loads its share).
+        Returns after the start-up (``app.engine.startup``: weights, memory profile, KV
+        pool, CUDA graphs, warm-up). ``probe``: the start-up's memory probe (sized by
+        ``kv_cache_bytes``; no graphs, no warm-up)."""
         self.cfg, self.parallel = cfg, parallel
         self.device = torch.device(cfg.device)
-        dtype = TORCH_DTYPES[cfg.dtype]
-        path = Path(cfg.model)
+        self.startup = start = Startup(self.device, quiet=probe)  # its phases, what it measured
         if model is None:
-            model = load_model(
-                path,
-                self.device,
-                dtype,
-                kv_quant=cfg.cache.kv_quant,
-                packed_experts=cfg.packed_experts_flag(),
-                packed_dense=cfg.packed_dense_flag(),
-                shard=parallel.shard if parallel is not None else None,
-                expert_layout=cfg.expert_layout,
-                prefill_act_fp8=cfg.moe_prefill_act == "fp8",
-            )
-            if parallel is not None:
-                parallel.attach(model)
+            model = start.load(cfg, parallel)
         self.model, mcfg, spec = model, model.cfg, cfg.speculative
-        self.tokenizer, self.eos_ids = checkpoint_text(path, mcfg.eos_token_id)
+        self.tokenizer, self.eos_ids = checkpoint_text(Path(cfg.model), mcfg.eos_token_id)
         if spec is not None and proposer is None:
             check_speculation(spec, model)
-        # the KV pool from the memory budget (one layout: allocation = accounting)
-        size = size_pool(cfg, model, kv_budget(cfg), own_drafter=proposer is None)
+        # the KV pool (one layout: allocation = accounting), measured on a probe on CUDA
+        size = start.pool(cfg, model, proposer is None,
+                          lambda c: EngineCore(c, model, proposer, parallel, probe=True))
         self.max_model_len, slots = size.max_model_len, cfg.scheduler.max_num_seqs
         self.cache = size.make_cache(model, cfg, self.device)
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
@@ -120,12 +112,15 @@ class EngineCore:
         self.traces: dict[str, RequestTrace] = {}
         self._num_traced = 0  # live requests with a trace: 0 = no tracing work in a step
         self.on_step: Callable[[SchedulerOutput, float, float], None] | None = None
+        if probe:
+            return
+        logger.info("engine: %s", size.describe(slots))
+        start.finish(self)  # CUDA graphs, warm-up, the memory line, the phases' seconds
         # Everything built so far (the model, the pools, the tokenizer) lives as long as the
         # engine: moved out of the collector's generations, so a collection scans only what
         # the steps allocate (a long collection stalls the host: device idle under overlap).
         gc.collect()
         gc.freeze()
-        logger.info("engine: %s", size.describe(slots))
 
     @property
     def proposer(self) -> Proposer | None:

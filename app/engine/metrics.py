@@ -28,6 +28,8 @@ drains it from its own thread every ``interval_s`` into Ray's histograms, counte
     fathom_engine_kv_usage              gauge      used / all blocks
     fathom_engine_prefix_hit_rate       gauge      hit / query tokens since the rank started
     fathom_engine_host_blocks_used      gauge      host-tier blocks holding KV
+    fathom_engine_startup_seconds       gauge      the rank's start-up: weights, profile,
+                                                   CUDA graphs, warm-up (app.engine.startup)
     fathom_engine_up                    gauge      1 while the rank's exporter runs
 
 Tags: ``deployment`` (the Serve deployment), ``rank`` (the replica's rank in the deployment,
@@ -100,6 +102,12 @@ class EngineStats:
     kv_export_bytes: int = 0
     kv_imports: int = 0
     kv_import_local: int = 0
+    # start-up (app.engine.startup): seconds of each phase and in all; kept by reset()
+    startup_load_s: float = 0.0
+    startup_profile_s: float = 0.0
+    startup_graphs_s: float = 0.0
+    startup_warmup_s: float = 0.0
+    startup_s: float = 0.0
 
     def report(self) -> dict[str, float | int]:
         """Flat numbers for metrics: the counters, the draft acceptance per position
@@ -119,6 +127,13 @@ class EngineStats:
                 self.spec_verify_tokens / self.steps if self.steps else 0.0
             )
         return out
+
+    def reset(self) -> None:
+        """Every counter back to zero (after the start-up warm-up), in place: the parts that
+        count into this object keep it. The start-up seconds stay."""
+        keep = {k: v for k, v in self.__dict__.items() if k.startswith("startup_")}
+        fresh = EngineStats(spec_accepted_at=[0] * len(self.spec_accepted_at), **keep)
+        self.__dict__.update(fresh.__dict__)
 
     def count_verify(self, drafts: int, accepted: int) -> None:
         """One verify chunk of ``drafts`` drafts, ``accepted`` of them accepted."""
@@ -228,6 +243,7 @@ class EngineMetrics:
                 ("kv_usage", "fraction of KV blocks in use"),
                 ("prefix_hit_rate", "prefix-cache token hit rate since the rank started"),
                 ("host_blocks_used", "host KV tier blocks holding KV"),
+                ("startup_seconds", "the rank's start-up, weights to warm-up"),
                 ("up", "1 while the rank exports metrics"),
             )
         }
@@ -283,6 +299,7 @@ class EngineMetrics:
             "kv_usage": pool.usage,
             "prefix_hit_rate": index.stats.token_hit_rate if index is not None else 0.0,
             "host_blocks_used": core.stats.host_blocks,
+            "startup_seconds": core.stats.startup_s,
             "up": 1,
         }
 

@@ -28,7 +28,7 @@ import torch
 
 from app.cache.manager import CacheManager
 from app.engine.batch import BatchBuilder, StepSpec
-from app.engine.graphs import CudaGraphRunner
+from app.engine.graphs import CudaGraphRunner, Key, width_buckets
 from app.engine.scheduler import Scheduled
 from app.model.layers import prepare_fp8_linears, stack_projections
 from app.model.model import DeepseekModel
@@ -101,12 +101,27 @@ class ModelRunner:
                         if refused else "")  # fmt: skip
         if cuda_graphs and device.type == "cuda":
             if capturable(model):
-                self.graphs = CudaGraphRunner(model, self.builder, max_graph_batch, features)
+                max_q = 1 + cache.layout.ring - model.cfg.sliding_window  # verify headroom
+                self.graphs = CudaGraphRunner(model, self.builder, max_graph_batch, features,
+                                              max_q)  # fmt: skip
             else:
                 logger.info(
                     "CUDA graphs off: dequantized routed experts run a per-expert loop "
                     "that synchronizes with the host (pack the experts: packed_experts)"
                 )
+
+    def graph_keys(self, qs: tuple[int, ...]) -> list[Key]:
+        """Every CUDA-graph key a step with ``qs`` tokens per request can reach (none when
+        graphs are off), largest first."""
+        if self.graphs is None:
+            return []
+        max_q = 1 + self.cache.layout.ring - self.model.cfg.sliding_window
+        widths = width_buckets(self.cache.tables.shape[1], self.graphs.max_width)
+        return self.graphs.keys(tuple(q for q in qs if q <= max_q), self.max_tokens, widths)
+
+    def capture_graph(self, key: Key) -> None:
+        """Capture ``key``'s graph now (start-up; see ``app.engine.graphs``)."""
+        self.graphs.capture(key, self.sampled)
 
     def prepare(
         self, items: list[Scheduled], decoder_replay: bool, prev_rows: dict[str, int]

@@ -441,6 +441,7 @@ def test_norm_rope_on_gpu():
         assert _rel(norm_rope_triton(x, wt, eps, ang.cos(), ang.sin()), ref) < 1e-2
 
 
+@pytest.mark.gpu_mem(8)  # the V4.1 head in fp32 and bf16, and the fp32 reference's copy
 @pytest.mark.parametrize("M", [1, 64, 256])
 def test_head_gemm_fp32_out(M):
     """The LM head's bf16 x bf16 -> fp32 GEMM (V4.1 vocab x hidden) = fp32 GEMM of the same

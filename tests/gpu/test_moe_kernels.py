@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# the fp32 references dequantize 48 experts (~7 GiB) with transients beside the fixtures
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.gpu_mem(16)]  # fmt: skip
+LIGHT = pytest.mark.gpu_mem(4)  # no expert reference
 
 D, INTER, E_LOCAL, E_ALL, TOPK, N = 5120, 2304, 48, 384, 6, 4
 
@@ -143,6 +146,7 @@ def test_moe_decode_kernel(fp4_experts: tuple[torch.Tensor, ...], t: int, all_lo
     assert err < 1.2 * _rel(tl_, ref)  # and no less accurate than the tl kernel
 
 
+@LIGHT
 def test_moe_decode_kernel_writes_every_row_and_stays_out_of_prefill(
     fp4_experts: tuple[torch.Tensor, ...],
 ) -> None:
@@ -176,6 +180,7 @@ def test_moe_decode_kernel_writes_every_row_and_stays_out_of_prefill(
     assert torch.equal(with_refs, moe_fp4_triton(*args2, n_experts=E_LOCAL, pairs=True))
 
 
+@LIGHT
 @pytest.mark.parametrize(("t", "bt", "split"), [(8, 8, 1), (40, 16, 1), (64, 8, 3), (512, 16, 1),
                                                 (200, 32, 2)])  # fmt: skip
 def test_moe_decode_grid_orders_are_bit_identical(fp4_experts: tuple[torch.Tensor, ...], t: int,
@@ -298,6 +303,7 @@ def test_moe_prefill_tiles(fp4: bool, fp8_experts: tuple, fp4_experts: tuple) ->
         assert _rel(out, ref) < 1e-2, bm
 
 
+@LIGHT
 @pytest.mark.parametrize("block_m,limit", [(None, 0.0), (16, 1024.0)])
 def test_dequant_tiles_exact(block_m: int | None, limit: float) -> None:
     """The PTX dequantization (fp8 incl. subnormals, every fp4 code): one-hot activations
@@ -353,6 +359,7 @@ def test_dequant_tiles_exact(block_m: int | None, limit: float) -> None:
     torch.testing.assert_close(out4.float(), want4, rtol=1e-2, atol=1e-6)
 
 
+@LIGHT
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_shared_expert_swiglu_on_gpu(t: int) -> None:
     """The fused SwiGLU of the stacked W1/W3 GEMM = torch's four launches: the same bf16
@@ -370,6 +377,7 @@ def test_shared_expert_swiglu_on_gpu(t: int) -> None:
     assert (h[:, :inter].float() > 10).any()  # the clamp was exercised
 
 
+@LIGHT
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_gate(t: int) -> None:
     from kernels.gate import moe_gate_ref, moe_gate_triton
@@ -385,6 +393,7 @@ def test_gate(t: int) -> None:
     assert _rel(wts[same], ref_w[same]) < 1e-3
 
 
+@LIGHT
 @pytest.mark.parametrize("form", ["auto", "fused", "tile", "loop"])
 @pytest.mark.parametrize("t", [1, 8, 64, 4096])
 def test_mhc(t: int, form: str) -> None:
@@ -397,6 +406,7 @@ def test_mhc(t: int, form: str) -> None:
         _check_mhc(t)
 
 
+@LIGHT
 @pytest.mark.parametrize("t", [1, 3, 8])
 def test_mhc_one_launch_replays_in_a_graph(t: int) -> None:
     """The one-launch mHC (programs count themselves in at their token's counter, the last
@@ -460,6 +470,7 @@ def _check_mhc(t: int) -> None:
     assert _rel(pre_out[0], pre_ref[0]) < 1e-2 and _rel(pre_out[2], pre_ref[2]) < 1e-4
 
 
+@LIGHT
 @pytest.mark.parametrize("pinned", [False, True])
 def test_engram_gather_and_gate(pinned: bool) -> None:
     from kernels import engram
@@ -563,6 +574,7 @@ def test_moe_decode_w13_split_sum_in_the_kernel(fp4_experts: tuple[torch.Tensor,
     assert all(int(c.abs().sum()) == 0 for kept in dispatch._COUNTERS.values() for c in kept)
 
 
+@LIGHT
 @pytest.mark.parametrize("t,first_local,none_local", [(1, 0, False), (2, 96, False),
                                                       (3, 96, False), (8, 0, False),
                                                       (2, 0, True)])  # fmt: skip

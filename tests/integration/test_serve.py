@@ -1,5 +1,6 @@
 """The real application on Ray Serve (CPU): Ingress + Router + 2 DP ranks of the tiny V4.1
-model, driven by the official openai / anthropic SDKs, a gRPC client and raw HTTP."""
+model, driven by the official openai / anthropic SDKs, a gRPC client and raw HTTP; and /health
+saying ready only once a rank finished its start-up warm-up."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 import os
 import random
+import threading
 import time
 
 import grpc
@@ -15,10 +17,16 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from app.builder import build_app  # noqa: E402
+from app.builder import _ingress, _rank_deployment, app_configs, build_app  # noqa: E402
+from app.cache.events import HASH_NAMESPACE  # noqa: E402
+from app.deployments.engine_host import LocalRankEngine  # noqa: E402
+from app.deployments.rank import DPRank  # noqa: E402
+from app.deployments.router import Router  # noqa: E402
+from app.engine import startup  # noqa: E402
 from app.grpc import fathom_pb2 as pb  # noqa: E402
 from app.grpc import fathom_pb2_grpc as pbg  # noqa: E402
-from tests.integration.serve_util import deploy, wait_healthy  # noqa: E402
+from app.serve_args import ServeArgs  # noqa: E402
+from tests.integration.serve_util import deploy, wait_healthy, wait_until  # noqa: E402
 from tests.unit.test_api_errors import CASES  # noqa: E402
 
 MODEL = "tiny-v41"
@@ -29,6 +37,71 @@ FULL = {"ignore_eos": True}
 KEY = "serve-test-key"  # the app requires it (api.api_keys) on HTTP /v1/* and on gRPC
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_META = (("application", "fathom"), ("authorization", f"Bearer {KEY}"))
+
+
+def _gated_app(args: dict, engine_cls: type) -> object:
+    """``build_app(args)`` with one DP rank whose engine is ``engine_cls``."""
+    sa = ServeArgs.model_validate(args)
+    cfgs, obs = app_configs(sa), sa.observability
+    router = Router.bind(sa.routing, obs, cfgs.engram, cfgs.block_size, HASH_NAMESPACE)
+    rank = _rank_deployment(DPRank, "DPRank", sa, 1, sa.rank_num_cpus, sa.rank_num_gpus).bind(
+        cfgs.engine, router, cfgs.max_pending_per_rank, cfgs.max_queued_tokens_per_rank,
+        sa.rank_step_timeout_s, tracing=obs, metrics_interval_s=None, engine_cls=engine_cls,
+    )  # fmt: skip
+    return _ingress(sa, cfgs, obs, rank, router)
+
+
+def test_health_says_ready_only_after_the_warm_up(cluster, tmp_path):
+    """A rank whose warm-up waits for a file: /health answers 503 while it warms up (the
+    replica's constructor has not returned, so it reports to no Router) and 200 once the
+    warm-up is done; then it serves (runs first: its own app beside the module's)."""
+    from ray import serve
+
+    entered, gate = tmp_path / "warming", tmp_path / "open"
+
+    class GatedWarmup(LocalRankEngine):
+        def __init__(self, *args, **kwargs) -> None:
+            real = startup.warm_up
+
+            def gated(core):
+                entered.touch()
+                while not gate.exists():
+                    time.sleep(0.1)
+                return real(core)
+
+            startup.warm_up = gated  # this rank process only
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                startup.warm_up = real
+
+    args = {"model": MODEL, "cache_dir": str(tmp_path / "cache"), "dp_size": 1,
+            "engine": {"kv_cache_bytes": 1 << 22, "max_model_len": 1024}}  # fmt: skip
+    base = f"{cluster.base}/warmup"
+    deploying = threading.Thread(
+        target=serve.run, args=(_gated_app(args, GatedWarmup),),
+        kwargs={"name": "warmup", "route_prefix": "/warmup"}, daemon=True,
+    )  # fmt: skip
+    deploying.start()
+    try:
+        wait_until(entered.exists, 120, "the rank's warm-up to start")
+        wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 503, 60,
+                   "the ingress to answer /health")  # fmt: skip
+        for _ in range(3):  # still warming up: still not ready
+            r = httpx.get(f"{base}/health", timeout=5)
+            assert r.status_code == 503 and r.json()["status"] == "not ready"
+            time.sleep(0.5)
+        assert not gate.exists() and deploying.is_alive()  # serve.run waits for the rank
+        gate.touch()
+        wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 120,
+                   "/health after the warm-up")  # fmt: skip
+        r = httpx.post(f"{base}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 4, **FULL})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        gate.touch()
+        deploying.join(timeout=120)
+        serve.delete("warmup")
 
 
 @pytest.fixture(scope="module")
