@@ -19,6 +19,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,11 @@ from typing import Any
 import yaml
 
 from app.api import completions as cmpl
-from app.api.protocols import CHAT, RecipeFrontend
+from app.api.protocols import CHAT, Prepared, RecipeFrontend, run_events
 from app.api.server import ApiConfig
 from app.builder import app_configs
 from app.engine.engine import AsyncEngine
-from app.engine.request import EngineRequest
+from app.engine.request import EngineRequest, RequestOutput
 from app.serve_args import ServeArgs
 from bench.serving_load import Session, sent_sessions
 
@@ -50,13 +51,36 @@ class Frontends:
             cfg.tokenizer_path, cfg.served_model_names, *args
         )
 
-    def prepare(self, endpoint: str, body: dict[str, Any]) -> EngineRequest:
+    def prepare(
+        self, endpoint: str, body: dict[str, Any]
+    ) -> tuple[EngineRequest, Prepared | None]:
+        """The engine request of ``body``, and on chat its :class:`Prepared` (else None)."""
         if endpoint == "chat":
-            return self.recipe.prepare(CHAT, json.dumps(body).encode(), body).engine_request
-        return self.completions.prepare(cmpl.parse_body(body))[0]
+            prep = self.recipe.prepare(CHAT, json.dumps(body).encode(), body)
+            return prep.engine_request, prep
+        return self.completions.prepare(cmpl.parse_body(body))[0], None
 
-    def text(self, ids: list[int]) -> str:
-        return self.completions.tokenizer.decode(ids, skip_special_tokens=True)
+    async def answer(self, prep: Prepared, outs: list[RequestOutput]) -> str:
+        """The chat answer's content as the server streams it (its protocol events over the
+        engine's deltas): what the next turn sends back as the assistant's message."""
+        usage = self.recipe.usage_fix(prep)
+        acc = CHAT.response_cls(prep.response_id, prep.model, prep.created, usage.prompt_tokens, 0)
+        async for ev in run_events(prep, _Deltas(outs), self.recipe.stop_ids, usage):
+            acc.accumulate(ev)
+        return json.loads(acc.to_json())["choices"][0]["message"]["content"] or ""
+
+
+class _Deltas:
+    """A finished request's deltas as the stream :func:`run_events` reads."""
+
+    timed_out = False
+
+    def __init__(self, outs: list[RequestOutput]) -> None:
+        self.outs = outs
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        for out in self.outs:
+            yield out
 
 
 @dataclass
@@ -86,26 +110,25 @@ class Replayed:
 
 async def _request(
     engine: AsyncEngine, fronts: Frontends, endpoint: str, body: dict[str, Any], acc: Replayed
-) -> list[int]:
-    """Convert and generate one request; its TTFT and tokens go into ``acc``."""
+) -> tuple[Prepared | None, list[RequestOutput]]:
+    """Convert and generate one request (its TTFT and tokens go into ``acc``): its chat
+    :class:`Prepared` (or None) and its deltas."""
     t0 = time.perf_counter()
-    req = await asyncio.to_thread(fronts.prepare, endpoint, body)
-    ids: list[int] = []
+    req, prep = await asyncio.to_thread(fronts.prepare, endpoint, body)
+    outs: list[RequestOutput] = []
     first = None
-    cached = 0
     async for out in engine.generate(req):
         if out.error:
             raise RuntimeError(f"offline request failed: {out.error}")
         if out.token_ids and first is None:
             first = time.perf_counter()
-        ids += out.token_ids
-        cached = max(cached, out.num_cached_tokens)
+        outs.append(out)
     acc.end = max(acc.end, time.perf_counter())
     acc.ttft_s.append((first or acc.end) - t0)
-    acc.output_tokens += len(ids)
+    acc.output_tokens += sum(len(o.token_ids) for o in outs)
     acc.prompt_tokens += len(req.prompt_token_ids)
-    acc.cached_tokens += cached
-    return ids
+    acc.cached_tokens += max((o.num_cached_tokens for o in outs), default=0)
+    return prep, outs
 
 
 async def _session(
@@ -113,7 +136,8 @@ async def _session(
     mark: str = "",
 ) -> None:  # fmt: skip
     """The turns of one conversation in order; on chat each turn carries the conversation
-    so far (the assistant's turns as the engine answered them), as aiperf sends it."""
+    so far (the assistant's turns as the server would have answered them), as aiperf sends
+    it."""
     history: list[dict[str, Any]] = []
     for turn, payload in enumerate(s.payloads):
         body = dict(payload)
@@ -122,8 +146,10 @@ async def _session(
             if mark and turn == 0:
                 msgs[0]["content"] = mark + msgs[0]["content"]
             body["messages"] = history + msgs
-            ids = await _request(engine, fronts, endpoint, body, acc)
-            history = body["messages"] + [{"role": "assistant", "content": fronts.text(ids)}]
+            prep, outs = await _request(engine, fronts, endpoint, body, acc)
+            assert prep is not None
+            answer = await fronts.answer(prep, outs)
+            history = body["messages"] + [{"role": "assistant", "content": answer}]
         else:
             if mark:
                 body["prompt"] = mark + body["prompt"]
