@@ -253,8 +253,9 @@ def profile(
         before = rank_stats(url)
         artifacts.mkdir(parents=True, exist_ok=True)
         print(f"[serving] {run.key}: {run.requests} requests, seed {run.seed}", flush=True)
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **os.environ}  # local files
         with open(artifacts / "aiperf.log", "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         if rc:
             raise RuntimeError(f"aiperf failed ({rc}): see {artifacts / 'aiperf.log'}")
         after = rank_stats(url)
