@@ -54,6 +54,7 @@ from bench.serving_load import (
 GOALS = {"serving.overhead": ">= 0.95 at concurrency >= 32",
          "serving.ttft_added_p50": "<= 5 ms"}  # fmt: skip
 REPO = Path(__file__).resolve().parents[1]
+HF_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 _STAT = re.compile(r'^fathom_rank_stat\{[^}]*stat="([^"]+)"[^}]*\}\s+(\S+)$', re.M)
 
 
@@ -247,13 +248,15 @@ def profile(
     out = []
     for run in runs:
         artifacts = work / run.key
-        cmd = aiperf_command(run, url=url, model=model, tokenizer=tokenizer,
+        cmd = aiperf_command(run, url=url, model=model, tokenizer=str(Path(tokenizer).resolve()),
                              artifacts=artifacts, aiperf=tuple(shlex.split(args.aiperf)),
                              temperature=args.temperature, extra=tuple(args.aiperf_arg))
         before = rank_stats(url)
         artifacts.mkdir(parents=True, exist_ok=True)
         print(f"[serving] {run.key}: {run.requests} requests, seed {run.seed}", flush=True)
-        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **os.environ}  # local files
+        # aiperf 0.13 loads a tokenizer directory given as an absolute path without the hub,
+        # but in HF offline mode it looks every name up in the hub's cache (and fails)
+        env = {k: v for k, v in os.environ.items() if k not in HF_OFFLINE}
         with open(artifacts / "aiperf.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         if rc:
