@@ -27,8 +27,8 @@ from typing import Any
 import yaml
 
 from app.api import completions as cmpl
-from app.api.protocols import CHAT, Prepared, RecipeFrontend, run_events
-from app.api.server import ApiConfig
+from app.api.protocols import CHAT, Prepared, run_events
+from app.api.server import FrontDoor, frontends
 from app.builder import app_configs
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, RequestOutput
@@ -41,15 +41,8 @@ WARMUP_MARK = "[warmup] "  # like aiperf's warmup marker: warmup prompts share n
 class Frontends:
     """The Ingress's request conversion for one served model (as ``app.api.server``)."""
 
-    def __init__(self, cfg: ApiConfig) -> None:
-        assert cfg.max_prompt_tokens is not None
-        args = (cfg.limits, cfg.max_prompt_tokens, cfg.default_max_tokens)
-        self.recipe = RecipeFrontend(
-            cfg.served_model_names, cfg.model_version, cfg.tokenizer_path, *args
-        )
-        self.completions = cmpl.CompletionsFrontend(
-            cfg.tokenizer_path, cfg.served_model_names, *args
-        )
+    def __init__(self, cfg: FrontDoor) -> None:
+        self.recipe, self.completions = frontends(cfg)
 
     def prepare(
         self, endpoint: str, body: dict[str, Any]

@@ -130,6 +130,16 @@ class FrontDoor:
         return RequestLimits(self.vocab_size, self.context_limit)
 
 
+def frontends(cfg: FrontDoor) -> tuple[RecipeFrontend, cmpl.CompletionsFrontend]:
+    """The request conversions of one front door: the recipe protocols (chat, responses,
+    messages) and raw completions (also what the serving benchmark's offline peer uses)."""
+    args = (cfg.limits, cfg.prompt_limit, cfg.options.default_max_tokens)
+    recipe = RecipeFrontend(list(cfg.served_model_names), cfg.model_version,
+                            cfg.tokenizer_path, *args)  # fmt: skip
+    return recipe, cmpl.CompletionsFrontend(cfg.tokenizer_path, list(cfg.served_model_names),
+                                            *args)  # fmt: skip
+
+
 class _Api:
     """Route handlers bound to one config and engine client."""
 
@@ -138,21 +148,7 @@ class _Api:
     ) -> None:
         self.cfg, self.opts = cfg, cfg.options
         self.client = client
-        self.recipe = RecipeFrontend(
-            cfg.served_model_names,
-            cfg.model_version,
-            cfg.tokenizer_path,
-            cfg.limits,
-            cfg.prompt_limit,
-            cfg.options.default_max_tokens,
-        )
-        self.completions = cmpl.CompletionsFrontend(
-            cfg.tokenizer_path,
-            cfg.served_model_names,
-            cfg.limits,
-            cfg.prompt_limit,
-            cfg.options.default_max_tokens,
-        )
+        self.recipe, self.completions = frontends(cfg)
         self.created = int(time.time())
         self.gate = PrepareGate()
         self.in_flight = in_flight or Admission(cfg.max_in_flight, None)

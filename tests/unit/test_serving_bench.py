@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.api.server import ApiConfig
+from app.api.server import FrontDoor
 from app.engine.request import FinishReason, RequestOutput
 from bench.serving import (
     apply_overrides,
@@ -251,7 +251,7 @@ class _Engine:
 
 def test_offline_replay_sends_what_the_server_got() -> None:
     tok = str(ROOT / "models" / "tiny-v41-chat" / "tokenizer.json")
-    fronts = Frontends(ApiConfig(["tiny-v41-chat"], tokenizer_path=tok, context_limit=4096))
+    fronts = Frontends(FrontDoor(("tiny-v41-chat",), tokenizer_path=tok, context_limit=4096))
     answer = fronts.completions.tokenizer.encode("Gentle lady, hear me", add_special_tokens=False)
     engine = _Engine(answer.ids)
     _, measured = sent_sessions(EXPORT)
