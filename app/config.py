@@ -30,6 +30,8 @@ ExpertLayout = Literal["auto", "fp8_rows"]
 EXPERT_LAYOUTS: tuple[str, ...] = typing.get_args(ExpertLayout)
 MoePrefillAct = Literal["bf16", "fp8"]
 MOE_PREFILL_ACTS: tuple[str, ...] = typing.get_args(MoePrefillAct)
+LoadFormat = Literal["auto", "dummy"]  # the loader's choices (app.model.checkpoint.LOAD_FORMATS)
+LOAD_FORMATS: tuple[str, ...] = typing.get_args(LoadFormat)
 PDFault = Literal["none", "export", "header"]
 
 
@@ -265,6 +267,9 @@ class EngineConfig:
     "fp8_rows": re-encoded exactly as e4m3 with one scale per row, twice the bytes, for
     prefill-heavy ranks). ``moe_prefill_act``: "fp8" multiplies prefill-sized MoE steps with
     fp8 activations (one scale per token row; needs ``fp8_rows``), "bf16" keeps bf16.
+    ``load_format``: "auto" loads the checkpoint's safetensors; "dummy" reads no weights
+    (``model`` holds config.json and the tokenizer only): random weights of the real shapes
+    and formats, drawn on the device from ``seed`` (benchmarks without a checkpoint).
     """
 
     model: str
@@ -273,6 +278,7 @@ class EngineConfig:
     packed_experts: PackedExpertsMode = "auto"
     expert_layout: ExpertLayout = "auto"
     moe_prefill_act: MoePrefillAct = "bf16"
+    load_format: LoadFormat = "auto"
     overlap_schedule: bool = True
     cuda_graphs: bool = True
     seed: int = 0
@@ -302,6 +308,10 @@ class EngineConfig:
         if self.moe_prefill_act not in MOE_PREFILL_ACTS:
             raise EngineConfigError(
                 f"moe_prefill_act must be one of {MOE_PREFILL_ACTS}, got {self.moe_prefill_act!r}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise EngineConfigError(
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
             )
         if self.moe_prefill_act == "fp8" and self.expert_layout != "fp8_rows":
             raise EngineConfigError("moe_prefill_act 'fp8' needs expert_layout 'fp8_rows'")

@@ -134,12 +134,11 @@ class Rank:
         from app.cache.manager import CacheManager
         from app.config import CacheConfig
         from app.engine.runner import ModelRunner
-        from bench.flash_rank import GroupLoad, build_flash_rank
+        from bench.flash_rank import build_flash_rank
 
         t0 = time.perf_counter()
         self.device, self.ep = torch.device(device), ep
         self.model = build_flash_rank(device, ep=ep, dense=dense) if model is None else model
-        self.load = GroupLoad(self.model, ep, max_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             print(f"built flash-rank in {time.perf_counter() - t0:.1f} s, "
@@ -295,8 +294,8 @@ def decode(rank: Rank, args, bw: float) -> list[dict]:
 
                     res[graph] = _time(step, args.reps)
                 rank.free(rids)
-                own = decode_bytes(rank.model, B, ctx, q, ep=rank.ep)
-                fp8 = decode_bytes(rank.model, B, ctx, q, ep=rank.ep, dense_fp8=True)
+                own = decode_bytes(rank.model, B, ctx, q)
+                fp8 = decode_bytes(rank.model, B, ctx, q, dense_fp8=True)
                 floor, spec_floor = own.total / bw, fp8.total / bw
                 best = min(v for v in res.values() if v == v)
                 params = {"batch": B, "context": ctx, "tokens_per_request": q, "ep": rank.ep,
@@ -363,7 +362,7 @@ def _prefill_cases(rank: Rank, args, rate: float, cases: list, layout: str) -> l
             rank.free(rids)
             tokens = reqs * new
             rows = reqs * rank.model.cfg.sliding_window if replay else None
-            fl = prefill_flops(rank.model, tokens, ctx + new // 2, ep=rank.ep, decoder_rows=rows)
+            fl = prefill_flops(rank.model, tokens, ctx + new // 2, decoder_rows=rows)
             floor = fl / rate
             p = {"context": ctx, "requests": reqs, "new_tokens": new, "decoder_replay": replay,
                  "gflop": fl / 1e9, "rate_bf16_tflops": rate / 1e12, "experts": layout}  # fmt: skip

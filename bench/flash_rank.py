@@ -1,32 +1,41 @@
-"""A scaled DeepSeek-V4.1-Flash rank built in memory (../shared/docs/PERFORMANCE.md).
+"""A scaled DeepSeek-V4.1-Flash rank: the shipped ``flash-rank`` config with random weights.
 
-Every per-layer shape of V4.1-Flash (hidden 5120, 64 x 512 heads, q_lora 1280, o 8 x 1024,
-window 128, top-512, indexer 32 x 128, experts 2304 wide, top-6), all 40 layers and the
-3 DSpark stages; the expert share of one rank of an EP8 deployment (48 of 384 routed experts
-per layer, 16 of 128 in the DSpark stages) as fp4 in the pairs layout; small Engram tables of
-the real row width; random weights (dense bf16 — the checkpoint's fp8 dense weights are not
-kept packed yet — norms, mHC, router in fp32).
+``configs/models/flash-rank`` (README there) holds every per-layer shape of V4.1-Flash
+(hidden 5120, 64 x 512 heads, q_lora 1280, o 8 x 1024, window 128, top-512, indexer 32 x 128,
+experts 2304 wide, top-6), all 40 layers and the 3 DSpark stages, small Engram tables of the
+real row width, and the expert share of one rank of an EP8 deployment as the model's own
+expert count (48 routed experts per layer, 16 in the DSpark stages): on one GPU each token's
+6 experts are all local, so the per-token expert work is the EP8 rank's and the distinct
+experts a batch touches are within ~1% of its; the dispatch / combine all-to-all is not part
+of a one-GPU step. :func:`build_flash_rank` loads it with ``load_format="dummy"`` (the
+engine's loader: fp8 dense weights dequantized to bf16 or kept fp8, fp4 experts packed in the
+pairs layout, V4.1 cache formats), so the benches measure the model the engine holds. That
+includes its memory: the loader keeps the tensors stored bf16 other than the router
+(embedding, head, compressors, indexer keys, DSpark heads) in fp32 under a bf16 engine, as it
+does for a real checkpoint: the rank's weights take 57.7 GB, 2.8 GB more than the in-memory
+rank this loader replaced (which held those tensors in bf16).
 
-EP assumption: with every rank of an EP8 group at batch B, the local experts see the group's
-8B tokens (``GroupLoad``: this rank's tokens plus 7B fixed random hidden states through the
-same router, their outputs dropped); the dispatch / combine all-to-all is not part of a
-one-GPU step.
+:func:`flash_config` is V4.1-Flash's config with all 384 / 128 experts: the KV-cache benches
+(``kv_tiers_gpu``, ``pd_transfer``) size their pools from it (experts do not enter a cache
+layout); ``engine_steps`` and ``spec_decode`` use :func:`build_flash_rank`.
 """
 
 from __future__ import annotations
 
-import math
+import json
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from torch import nn
 
+from app.engine.model_path import DEFAULT_CACHE_DIR, resolve_model
 from app.model.config import ModelConfig
 from app.model.engram_hash import engram_hash_spec
-from app.model.layers import Linear
-from app.model.loader import build_empty_model
+from app.model.loader import load_model
 from app.model.model import DeepseekModel
-from app.model.moe import Gate, MoE, PackedExperts
+from app.model.tiny_config import tiny_config_v41
+from app.model.tokenizer import write_tiny_tokenizer
 
 EP = 8
 ENGRAM_VOCAB = 4099  # real Engram rows come from a 16M-entry vocabulary; this keeps 50 MB
@@ -66,116 +75,50 @@ def flash_config() -> ModelConfig:
     })  # fmt: skip
 
 
-def _fill(shape, dtype, device, std: float, g: torch.Generator) -> torch.Tensor:
-    t = torch.empty(shape, dtype=torch.float32, device=device)
-    return t.normal_(0.0, std, generator=g).to(dtype)
-
-
-def _packed(n: int, d: int, inter: int, device, g: torch.Generator) -> PackedExperts:
-    """``n`` random fp4 experts (codes uniform, e8m0 scales giving weights ~ 1/sqrt(fan_in))."""
-
-    def codes(*shape):
-        return torch.randint(-128, 128, shape, dtype=torch.int8, device=device, generator=g)
-
-    def scales(shape, code: int):
-        return torch.full(shape, code, dtype=torch.uint8, device=device).view(
-            torch.float8_e8m0fnu
-        )
-
-    pe = PackedExperts(
-        codes(n, 2 * inter, d // 2), scales((n, 2 * inter, d // 32), 127 - 8),
-        codes(n, d, inter // 2), scales((n, d, inter // 32), 127 - 7),
-        "fp4", (1, 32), 10.0,
-    )  # fmt: skip
-    pe.repack("pairs")
-    return pe
-
-
 def build_flash_rank(
     device: str = "cuda", ep: int = EP, seed: int = 0, dense: str = "bf16"
 ) -> DeepseekModel:
-    """The scaled rank on ``device`` (~50 GB on a GPU): see the module doc."""
-    return build_rank(flash_config(), device, ep, seed, dense)
+    """The rank of an EP-``ep`` deployment on ``device`` (EP8: the shipped ``flash-rank``,
+    57.7 GB on a GPU): random weights (``seed``) through the engine's loader; ``dense="fp8"``
+    keeps the dense fp8 projections as stored (the loader's ``packed_dense``, 51.8 GB)."""
+    return load_rank(rank_dir(ep), device, seed, dense)
 
 
-def build_rank(
-    cfg: ModelConfig, device: str, ep: int = EP, seed: int = 0, dense: str = "bf16"
-) -> DeepseekModel:
-    """Random weights for ``cfg`` with ``1/ep`` of each MoE layer's experts local (fp4,
-    pairs layout), packed V4.1 cache formats; ``dense="fp8"``: the projections the loader's
-    ``packed_dense`` keeps fp8 are e4m3 with 32 x 32 e8m0 blocks (``Fp8Linear``)."""
-    model = build_empty_model(cfg, kv_quant=True)
-    g = torch.Generator(device=device).manual_seed(seed)
-    for mod in model.modules():
-        if isinstance(mod, MoE):
-            n_all = mod.gate.weight.shape[0]
-            mod.experts = _packed(n_all // ep, cfg.hidden_size, cfg.moe_intermediate_size,
-                                  device, g)  # fmt: skip
-        for name, p in list(mod._parameters.items()):
-            if p is None or p.device.type != "meta":
-                continue
-            if isinstance(mod, Linear | Gate) and p.dim() == 2:  # the router: bf16 as stored
-                new = _fill(p.shape, torch.bfloat16, device, 1 / math.sqrt(p.shape[-1]), g)
-            elif p.dim() >= 2:  # mHC maps, Engram tables
-                new = _fill(p.shape, p.dtype, device, 1 / math.sqrt(p.shape[-1]), g)
-            elif name.endswith("scale") or "norm" in type(mod).__name__.lower() or "weight" in name:
-                new = torch.ones(p.shape, dtype=p.dtype, device=device)
-            else:
-                new = torch.zeros(p.shape, dtype=p.dtype, device=device)
-            mod._parameters[name] = nn.Parameter(new, requires_grad=False)
-    model.embed.weight = nn.Parameter(
-        _fill(model.embed.weight.shape, torch.bfloat16, device, 1.0, g), requires_grad=False
-    )
-    for layer in model.layers:
-        if hasattr(layer, "engram"):
-            w = layer.engram.embed.weight
-            layer.engram.embed.weight = nn.Parameter(w.to(torch.bfloat16), requires_grad=False)
-    if dense == "fp8":
-        _fp8_dense(model)
-    model = model.to(device).eval()
-    model.set_engram_token_map([i % cfg.engram_compressed_vocab_size
-                                for i in range(cfg.vocab_size)])  # fmt: skip
-    return model
+def rank_dir(ep: int = EP) -> Path:
+    """A model directory (config.json + tokenizer) of V4.1-Flash with ``1/ep`` of its experts:
+    the shipped ``flash-rank`` for EP8, else a copy in the cache with the counts divided."""
+    path = resolve_model("flash-rank")
+    if ep == EP:
+        return path
+    full = flash_config()
+    if full.n_routed_experts % ep or full.dspark_n_routed_experts % ep:
+        raise ValueError(f"ep {ep} does not divide {full.n_routed_experts} experts")
+    out = Path(DEFAULT_CACHE_DIR).expanduser() / f"flash-rank-ep{ep}"
+    out.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"]["n_routed_experts"] = full.n_routed_experts // ep
+    raw["text_config"]["dspark_n_routed_experts"] = full.dspark_n_routed_experts // ep
+    for f in path.iterdir():
+        if f.name != "config.json":
+            shutil.copyfile(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return out
 
 
-def _fp8_dense(model: DeepseekModel) -> None:
-    """The loader's ``packed_dense`` set of projections as Fp8Linear (quantized weights)."""
-    from app.model.checkpoint import _DENSE_PACKABLE
-    from app.model.layers import Fp8Linear
-    from kernels.quant import quantize_fp8_block
-
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, Linear) and _DENSE_PACKABLE.search(f"{name}.weight"):
-            parent, _, child = name.rpartition(".")
-            q, s = quantize_fp8_block(mod.weight.float(), (32, 32))
-            setattr(model.get_submodule(parent), child, Fp8Linear(q, s, (32, 32)))
+def tiny_rank_dir(out: str | Path) -> Path:
+    """The tiny V4.1 config and tokenizer (no weights) in ``out``: a CPU smoke run of the
+    benches loads it with :func:`load_rank`."""
+    out = Path(out)
+    tok = write_tiny_tokenizer(out)
+    (out / "config.json").write_text(json.dumps(tiny_config_v41(tok), indent=2) + "\n")
+    return out
 
 
-class GroupLoad:
-    """The local experts of every MoE layer see ``ep`` x this rank's tokens: its own and
-    ``(ep - 1)`` x as many fixed random hidden states (what the other ranks of the group send
-    through the all-to-all), routed by the same gate; only the own rows are kept."""
-
-    def __init__(self, model: DeepseekModel, ep: int, max_tokens: int) -> None:
-        self.ep = ep
-        d, dev = model.cfg.hidden_size, model.embed.weight.device
-        g = torch.Generator(device=dev).manual_seed(1234)
-        self.remote = _fill(((ep - 1) * max_tokens, d), torch.bfloat16, dev, 1.0, g)
-        if ep > 1:
-            for mod in model.modules():
-                if isinstance(mod, MoE):
-                    mod.forward = self._wrap(mod)
-
-    def _wrap(self, moe: MoE):
-        def forward(x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-            T = x.shape[0]
-            xg = torch.cat((x, self.remote[: (self.ep - 1) * T].to(x.dtype)))
-            tg = token_ids.repeat(self.ep)
-            ids, w = moe.gate(xg, tg)
-            routed = moe.experts(xg, ids, w, moe.gate.weight.shape[0])[:T]
-            return routed + moe.shared_experts(x)
-
-        return forward
+def load_rank(path: str | Path, device: str, seed: int = 0, dense: str = "bf16") -> DeepseekModel:
+    """Random weights for the config at ``path`` (``load_format="dummy"``): bf16 compute,
+    routed experts packed (fp4 in the pairs layout on CUDA), V4.1 cache formats."""
+    return load_model(path, device, torch.bfloat16, kv_quant=True, packed_experts=True,
+                      packed_dense=dense == "fp8", load_format="dummy", seed=seed)  # fmt: skip
 
 
 # ---- floors ---------------------------------------------------------------------------------
@@ -198,11 +141,12 @@ def expected_experts(n_local: int, n_all: int, k: int, tokens: int) -> float:
 
 
 def decode_bytes(
-    model: DeepseekModel, batch: int, ctx: int, q: int = 1, ep: int = EP, dense_fp8: bool = False
+    model: DeepseekModel, batch: int, ctx: int, q: int = 1, dense_fp8: bool = False
 ) -> StepBytes:
     """The floor's bytes for a decode step of ``batch`` requests x ``q`` tokens at context
     ``ctx``: the model's own storage (bf16 dense), or the checkpoint's fp8 dense weights
-    (``dense_fp8``: 1 B per value + e8m0 per 32 x 32 block; the bf16 head stays)."""
+    (``dense_fp8``: 1 B per value + e8m0 per 32 x 32 block of each bf16 matrix; the head
+    stays). The local experts are the model's own (the rank's share)."""
     cfg = model.cfg
     dense = 0.0
     expert_bytes, n_local = 0.0, 0
@@ -222,8 +166,7 @@ def decode_bytes(
     for b in (layer_pe.w13, layer_pe.s13, layer_pe.w2, layer_pe.s2):
         expert_bytes += b.numel() * b.element_size()
     per_expert = expert_bytes / n_local
-    touched = expected_experts(n_local, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                               batch * q * ep)  # fmt: skip
+    touched = expected_experts(n_local, cfg.n_routed_experts, cfg.num_experts_per_tok, batch * q)
     experts = cfg.num_hidden_layers * touched * per_expert
     tokens = batch * q
     kv_tok = 0.0
@@ -236,12 +179,13 @@ def decode_bytes(
     return StepBytes(dense, experts, tokens * kv_tok)
 
 
-def prefill_flops(model: DeepseekModel, tokens: int, ctx: int, ep: int = EP,
-                  decoder_rows: int | None = None) -> float:  # fmt: skip
+def prefill_flops(
+    model: DeepseekModel, tokens: int, ctx: int, decoder_rows: int | None = None
+) -> float:
     """Matrix FLOPs of a prefill step of ``tokens`` new tokens at context ``ctx`` (average
-    position ctx): dense projections, routed experts of the group's tokens routed here,
-    attention over window + top-k, indexer scores; ``decoder_rows`` = rows that run the
-    decoder layers (decoder replay), else all."""
+    position ctx): dense projections, each token's routed experts, attention over window +
+    top-k, indexer scores; ``decoder_rows`` = rows that run the decoder layers (decoder
+    replay), else all."""
     cfg = model.cfg
     per_layer_dense = {}
     for i, layer in enumerate(model.layers):
@@ -251,8 +195,7 @@ def prefill_flops(model: DeepseekModel, tokens: int, ctx: int, ep: int = EP,
                 n += t.numel()
         per_layer_dense[i] = n
     d, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    # the group's tokens routed to this rank's experts: ep x (k x local/all) slots per own
-    # token = k slots (ep = all / local), 3 GEMMs of d x inter each
+    # k expert slots per token, 3 GEMMs of d x inter each
     routed = cfg.num_experts_per_tok * 3 * d * inter
     flops = 0.0
     for i, s in enumerate(cfg.layers):

@@ -54,9 +54,9 @@ def accept_rate_for(al: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def draft_bytes(model, batch: int, k: int, ep: int) -> float:
+def draft_bytes(model, batch: int, k: int) -> float:
     """Bytes a DSpark draft must read: the stages' dense weights, the local experts their
-    block rows touch (the group's ep x B x block rows), the head over the block rows and the
+    block rows touch (B x block rows), the head over the block rows and the
     Markov head (read whole), the context rings (W rows per request per stage), and the
     context writes of k + 1 rows."""
     cfg = model.cfg
@@ -70,7 +70,7 @@ def draft_bytes(model, batch: int, k: int, ep: int) -> float:
     pe = model.mtp[0].ffn.experts
     per_expert = sum(b.numel() * b.element_size() for b in (pe.w13, pe.s13, pe.w2, pe.s2))
     per_expert /= pe.n_local
-    rows = batch * cfg.dspark_block_size * ep
+    rows = batch * cfg.dspark_block_size
     touched = expected_experts(pe.n_local, cfg.dspark_n_routed_experts,
                                cfg.dspark_num_experts_per_tok, rows)  # fmt: skip
     experts = len(model.mtp) * touched * per_expert
@@ -129,9 +129,9 @@ def steps(rank: Rank, args, bw: float) -> tuple[list[dict], dict[int, float]]:
         rank.free(rids)
         t_draft[B] = res["draft"]
         fl = {
-            "decode": decode_bytes(model, B, ctx, 1, ep=rank.ep).total / bw,
-            "verify": decode_bytes(model, B, ctx, k + 1, ep=rank.ep).total / bw,
-            "draft": draft_bytes(model, B, k, rank.ep) / bw,
+            "decode": decode_bytes(model, B, ctx, 1).total / bw,
+            "verify": decode_bytes(model, B, ctx, k + 1).total / bw,
+            "draft": draft_bytes(model, B, k) / bw,
         }
         p = {"batch": B, "context": ctx, "drafts": k, "ep": rank.ep}
         records += [
@@ -272,12 +272,10 @@ def main() -> None:
     args = ap.parse_args()
     model = None
     if args.model == "tiny-rank":  # a smoke run of the script on CPU
-        from app.model.tiny_config import tiny_config_v41
-        from app.model.tokenizer import build_tiny_tokenizer
-        from bench.flash_rank import build_rank
+        from bench.flash_rank import load_rank, tiny_rank_dir
 
-        cfg = ModelConfig.from_dict(tiny_config_v41(build_tiny_tokenizer()))
-        model = build_rank(cfg, args.device, ep=1)
+        with tempfile.TemporaryDirectory() as tmp:
+            model = load_rank(tiny_rank_dir(tmp), args.device)
     bw = copy_bandwidth() if args.device == "cuda" else 1e12
     records = [record("ceiling.copy_bandwidth", bw / 1e12, "TB/s")]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

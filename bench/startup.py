@@ -6,8 +6,9 @@ the second take the same time).
     python -m bench.startup --model flash-rank            # the scaled V4.1-Flash rank (CUDA)
     python -m bench.startup --model tiny-v41-chat --dtype float32   # a checkpoint (models/)
 
-``flash-rank`` is built in memory (``bench.flash_rank``, random weights): its weights phase
-is that build, not a checkpoint read. The pool is sized the engine's way
+``flash-rank`` is loaded before the engine (``bench.flash_rank``: the shipped config, random
+weights drawn by ``load_format: dummy``): its weights phase is that load, not a checkpoint
+read. The pool is sized the engine's way
 (``gpu_memory_utilization``, default 0.9) unless ``--kv-gib`` is given.
 """
 

@@ -60,6 +60,7 @@ from app.engine.parallel import RankParallel
 from app.engine.request import MAX_TOP_LOGPROBS, EngineRequest, SamplingParams
 from app.engine.runner import ModelRunner, capturable
 from app.engine.warmup import Engine, drive, params, prompt, warm_up
+from app.model.checkpoint import LoadFormatError
 from app.model.loader import load_model
 from app.model.model import DeepseekModel
 
@@ -99,15 +100,21 @@ class Startup:
         self.log("%s done in %.1f s%s", name, dt, "".join(f"; {n}" for n in notes))
 
     def load(self, cfg: EngineConfig, parallel: RankParallel | None) -> DeepseekModel:
-        """The checkpoint of ``cfg`` on this device (this rank's experts in a gang)."""
+        """The checkpoint of ``cfg`` on this device (this rank's experts in a gang; random
+        weights of its shapes with ``load_format: dummy``)."""
         with self.phase("weights") as notes:
-            model = load_model(
-                Path(cfg.model), self.device, TORCH_DTYPES[cfg.dtype],
-                kv_quant=cfg.cache.kv_quant, packed_experts=cfg.packed_experts_flag(),
-                packed_dense=cfg.packed_dense_flag(),
-                shard=parallel.shard if parallel is not None else None,
-                expert_layout=cfg.expert_layout, prefill_act_fp8=cfg.moe_prefill_act == "fp8",
-            )  # fmt: skip
+            try:
+                model = load_model(
+                    Path(cfg.model), self.device, TORCH_DTYPES[cfg.dtype],
+                    kv_quant=cfg.cache.kv_quant, packed_experts=cfg.packed_experts_flag(),
+                    packed_dense=cfg.packed_dense_flag(),
+                    shard=parallel.shard if parallel is not None else None,
+                    expert_layout=cfg.expert_layout,
+                    prefill_act_fp8=cfg.moe_prefill_act == "fp8",
+                    load_format=cfg.load_format, seed=cfg.seed,
+                )  # fmt: skip
+            except LoadFormatError as e:  # the option does not fit the directory
+                raise EngineConfigError(str(e)) from e
             if parallel is not None:
                 parallel.attach(model)
             notes.append(gib(model_bytes(model)))

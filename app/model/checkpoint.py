@@ -8,6 +8,10 @@ weight is read (``app.model.loader`` reads it). It also decides, from the header
 layers keep their routed experts packed (one format, one block, kernel shapes) and which
 dense fp8 projections stay as stored.
 
+The plan reads through a :class:`CheckpointSource`: a checkpoint's safetensors shards
+(:class:`Checkpoint`), or with ``load_format="dummy"`` random tensors of the same names,
+dtypes and shapes (:func:`stored_layout` of config.json's model, ``app.model.dummy``).
+
 Storage -> model (``dtype`` is the compute dtype of dequantized weights):
 
     F8_E4M3 + .scale [ceil(R/br), ceil(C/bc)]   -> fp8 block dequant        -> dtype
@@ -26,14 +30,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from app.model.config import ModelConfig
 from app.model.moe import PackedFormat, packing_problem
-from kernels.quant import e8m0_dtype
+from kernels.quant import FP4_GROUP, e8m0_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,10 @@ SKIPPED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_ne
 _MAX_REPORTED = 20
 
 QuantKind = Literal["fp8", "fp4", "fp8_rowwise", "bf16", "fp32", "int64"]
+# Where the weights come from: the checkpoint's safetensors, or random tensors of its layout.
+# ``app.config.LoadFormat`` declares the same choices for the engine option (the config
+# layer imports no model); tests/unit/test_dummy_load.py holds the two equal.
+LOAD_FORMATS = ("auto", "dummy")
 
 _FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
                  "F64": torch.float64}  # fmt: skip
@@ -62,6 +70,11 @@ _EXPERT_TENSOR = re.compile(r"^(?:.+\.)?ffn\.experts\.\d+\.w[123]\.(?:weight|sca
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the model; the message names tensors and files."""
+
+
+class LoadFormatError(CheckpointError):
+    """A model directory that does not fit ``load_format`` (weights under "dummy"): the
+    option is wrong, not the checkpoint (the engine reports it as a config error)."""
 
 
 # ---- how official checkpoints store each tensor (MODEL_SPEC §5) -------------------------
@@ -94,7 +107,7 @@ def _official_kind(name: str) -> QuantKind:
 
 
 def checkpoint_quant_kind(name: str, cfg: ModelConfig) -> QuantKind:
-    """How an official checkpoint stores tensor ``name`` (used by the tiny writer).
+    """How an official checkpoint stores tensor ``name`` (:func:`stored_layout`: its tensors).
 
     Everything not matched (embed, head, norms, router weight, compressor wkv/wgate, indexer
     weights_proj/wk, Engram q/k weights, DSpark heads, V4 MTP e_proj/h_proj) is bf16.
@@ -108,7 +121,57 @@ def checkpoint_quant_kind(name: str, cfg: ModelConfig) -> QuantKind:
     return kind
 
 
+_STORED_DTYPE: dict[QuantKind, str] = {"fp8": "F8_E4M3", "fp8_rowwise": "F8_E4M3", "fp4": "I8",
+                                       "bf16": "BF16", "fp32": "F32", "int64": "I64"}  # fmt: skip
+_SCALE_DTYPE = "F8_E8M0" if e8m0_dtype() != torch.uint8 else "U8"
+
+
+def stored_layout(
+    name: str, shape: tuple[int, ...], cfg: ModelConfig
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(checkpoint name, safetensors dtype, shape) of each tensor that stores the model's
+    tensor ``name`` of ``shape``: the tensor itself, or a quantized weight and its e8m0
+    ``.scale`` (fp8 [R, C] + [ceil(R/br), ceil(C/bc)]; fp4 [R, C/2] + [R, C/32]; rowwise fp8
+    [R, C] + [R, C/32]). The tiny writer stores this layout; ``load_format="dummy"`` serves it."""
+    kind = checkpoint_quant_kind(name, cfg)
+    if kind not in _QUANTIZED:
+        return [(name, _STORED_DTYPE[kind], shape)]
+    r, c = shape
+    if kind == "fp8":
+        assert cfg.quantization is not None
+        br, bc = cfg.quantization.weight_block_size
+        weight, scale = (r, c), (-(-r // br), -(-c // bc))
+    elif kind == "fp4":
+        weight, scale = (r, c // 2), (r, c // FP4_GROUP)
+    else:
+        weight, scale = (r, c), (r, -(-c // FP4_GROUP))
+    return [(name, _STORED_DTYPE[kind], weight), (scale_name(name), _SCALE_DTYPE, scale)]
+
+
 # ---- checkpoint files -------------------------------------------------------------------
+
+
+class CheckpointSource(Protocol):
+    """What the plan and the loader read: every tensor name (``weight_map``: name -> the
+    file that holds it), its stored dtype and shape (``header``) and its data (``read``).
+    Implemented by a checkpoint's safetensors shards (:class:`Checkpoint`) and by random
+    weights in the same layout (``app.model.dummy.RandomCheckpoint``, ``load_format="dummy"``)."""
+
+    root: Path
+    source: str  # what lists the names, for messages
+    weight_map: Mapping[str, str]
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype string, shape) without reading data."""
+        ...
+
+    def read(self, name: str) -> torch.Tensor:
+        """The stored tensor ``name``."""
+        ...
+
+    def where(self, name: str) -> str:
+        """Where ``name`` lies, for messages."""
+        ...
 
 
 class Checkpoint:
@@ -128,7 +191,9 @@ class Checkpoint:
             self.source = SINGLE_FILE
             self.weight_map = {}
         else:
-            raise CheckpointError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+            raise CheckpointError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE} found (for "
+                                  "random weights of config.json's shapes, set load_format: "
+                                  "dummy)")  # fmt: skip
         files = sorted(set(self.weight_map.values())) or [SINGLE_FILE]
         for f in files:
             if not (root / f).is_file():
@@ -208,7 +273,7 @@ def _fp8_block(
 
 
 def _plan_one(
-    ckpt: Checkpoint,
+    ckpt: CheckpointSource,
     name: str,
     want: TensorSpec,
     dtype: torch.dtype,
@@ -260,7 +325,7 @@ def _plan_one(
 
 
 def plan_loads(
-    ckpt: Checkpoint,
+    ckpt: CheckpointSource,
     expected: Mapping[str, TensorSpec],
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -345,7 +410,7 @@ def _expert_groups(loads: list[TensorLoad]) -> dict[str, dict[int, dict[str, Ten
 
 
 def _pack_layer(
-    ckpt: Checkpoint, layer: str, experts: dict[int, dict[str, TensorLoad]]
+    ckpt: CheckpointSource, layer: str, experts: dict[int, dict[str, TensorLoad]]
 ) -> ExpertPacking:
     """How ``layer``'s experts are stacked for the MegaMoE kernels; :class:`_Unpackable` if
     they cannot be (unquantized, mixed formats or blocks, shapes the kernels cannot take)."""
@@ -378,7 +443,10 @@ def _pack_layer(
 
 
 def plan_packing(
-    ckpt: Checkpoint, loads: list[TensorLoad], packed_experts: bool | None, device: torch.device
+    ckpt: CheckpointSource,
+    loads: list[TensorLoad],
+    packed_experts: bool | None,
+    device: torch.device,
 ) -> dict[str, ExpertPacking]:
     """Which MoE layers keep their experts packed. ``packed_experts`` True: every layer (a
     :class:`CheckpointError` names each one that cannot); None (auto): every layer when on
@@ -410,7 +478,7 @@ def plan_packing(
     return {}
 
 
-def plan_dense(ckpt: Checkpoint, loads: list[TensorLoad]) -> dict[str, tuple[int, int]]:
+def plan_dense(ckpt: CheckpointSource, loads: list[TensorLoad]) -> dict[str, tuple[int, int]]:
     """fp8 dense projections to keep packed: name -> weight block. Shapes the kernel cannot
     take (dims not multiples of 32, scale blocks narrower than 32 columns) stay dequantized."""
     out = {}

@@ -14,6 +14,10 @@ layer's routed experts skip dequantization; their bytes and scales are stacked i
 the layer's ``ffn.experts`` ModuleList and runs the MegaMoE kernels. Whether every layer can
 be packed (one format, one block, kernel shapes) is decided in the plan, before any data is
 read.
+
+Both phases read through a :class:`~app.model.checkpoint.CheckpointSource`: the safetensors
+shards, or with ``load_format="dummy"`` random tensors of the same names, dtypes and shapes
+drawn on the device (:mod:`app.model.dummy`).
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from torch import nn
 from tqdm import tqdm
 
 from app.model.checkpoint import (
+    LOAD_FORMATS,
     Checkpoint,
     CheckpointError,
+    CheckpointSource,
     ExpertPacking,
     TensorLoad,
     TensorSpec,
@@ -44,6 +50,7 @@ from app.model.checkpoint import (
     scale_name,
 )
 from app.model.config import ModelConfig
+from app.model.dummy import random_source, refuse_weights
 from app.model.engram_hash import compressed_token_map
 from app.model.ep import ExpertShard
 from app.model.layers import Fp8Linear
@@ -56,7 +63,7 @@ logger = logging.getLogger(__name__)
 NO_PROGRESS_ENV = "FATHOM_NO_PROGRESS"
 
 
-def _read(ckpt: Checkpoint, load: TensorLoad, device: torch.device) -> torch.Tensor:
+def _read(ckpt: CheckpointSource, load: TensorLoad, device: torch.device) -> torch.Tensor:
     raw = ckpt.read(load.name).to(device)
     if load.how == "plain":
         return raw.to(load.dtype)
@@ -67,7 +74,7 @@ def _read(ckpt: Checkpoint, load: TensorLoad, device: torch.device) -> torch.Ten
 
 
 def _read_packed(
-    ckpt: Checkpoint, p: ExpertPacking, device: torch.device
+    ckpt: CheckpointSource, p: ExpertPacking, device: torch.device
 ) -> dict[str, torch.Tensor]:
     """``{layer}.w13 / .s13 / .w2 / .s2``: the experts' raw bytes and scales stacked on
     ``device``, copied one expert at a time (no full-size temporary, nothing dequantized)."""
@@ -132,6 +139,8 @@ def load_state(
     packed_experts: bool | None = None,
     packed_dense: bool = False,
     partial_experts: bool = False,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> LoadedState:
     """Validate the checkpoint at ``path`` against ``expected`` and read it.
 
@@ -141,11 +150,15 @@ def load_state(
     take (their e4m3 bytes and e8m0 scales, under the weight's and scale's names). Raises
     :class:`CheckpointError` naming the offending tensors and files. A progress bar goes to
     stderr when it is a terminal and ``FATHOM_NO_PROGRESS`` is
-    unset (or ``0``).
+    unset (or ``0``). ``load_format="dummy"``: no file is read; the tensors come from
+    :func:`~app.model.dummy.random_source` (``seed``), through the same plan and packing.
     """
     root, dev = Path(path), torch.device(device)
     with contextlib.ExitStack() as stack:
-        ckpt = Checkpoint(root, stack)
+        if load_format == "dummy":
+            ckpt: CheckpointSource = random_source(root, expected, cfg, dev, seed)
+        else:
+            ckpt = Checkpoint(root, stack)
         loads = plan_loads(ckpt, expected, cfg, dtype, partial_experts)
         packed = plan_packing(ckpt, loads, packed_experts, dev)
         in_packed = {n for p in packed.values() for e in p.experts for n in p.names(e)}
@@ -268,6 +281,8 @@ def load_model(
     shard: ExpertShard | None = None,
     expert_layout: str = "auto",
     prefill_act_fp8: bool = False,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> DeepseekModel:
     """Build :class:`DeepseekModel` from ``path/config.json`` and load its weights.
 
@@ -283,15 +298,26 @@ def load_model(
     layers read only this rank's routed experts (``app.model.ep``; a redundant slot reads its
     expert again). ``expert_layout``: "auto" (fp4 experts in the pairs layout on CUDA) or
     "fp8_rows" (the prefill layout, :func:`_fp8_rows_layout`), with ``prefill_act_fp8`` (fp8
-    activations at prefill-sized steps).
+    activations at prefill-sized steps). ``load_format``: "auto" reads the checkpoint's
+    safetensors; "dummy" reads none (a directory holding weights is refused with a
+    :class:`~app.model.checkpoint.LoadFormatError`): every tensor of config.json's shapes is
+    drawn at random (``seed``) on ``device`` in the checkpoint's formats, then planned,
+    packed and installed as read ones are.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     cfg = ModelConfig.from_file(path)
     if shard is not None and shard.placement.n_experts != cfg.n_routed_experts:
         raise CheckpointError(f"{path}: {cfg.n_routed_experts} routed experts, the placement "
                               f"has {shard.placement.n_experts}")  # fmt: skip
-    model = _empty_model(path, cfg, kv_quant, shard)
+    if load_format == "dummy":  # every tensor of the model is drawn, mtp.* included
+        refuse_weights(path)
+        model = build_empty_model(cfg, kv_quant, shard)
+    else:
+        model = _empty_model(path, cfg, kv_quant, shard)
     state = load_state(path, tensor_specs(model), cfg, device, dtype, packed_experts,
-                       packed_dense, partial_experts=shard is not None)  # fmt: skip
+                       packed_dense, partial_experts=shard is not None,
+                       load_format=load_format, seed=seed)  # fmt: skip
     _install_packed(model, state)
     _install_dense(model, state)
     model.load_state_dict(state.tensors, assign=True, strict=True)

@@ -14,25 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from app.model.checkpoint import INDEX_FILE, checkpoint_quant_kind, scale_name
+from app.model.checkpoint import INDEX_FILE, checkpoint_quant_kind, scale_name, stored_layout
 from app.model.config import ModelConfig
+from app.model.dummy import ONE_PLUS, SMALL, TABLE
 from app.model.loader import build_empty_model
 from app.model.tiny_config import tiny_config_v4, tiny_config_v41
 from app.model.tokenizer import write_tiny_tokenizer
 from kernels.quant import quantize_fp4, quantize_fp8_block, quantize_fp8_rowwise
 
 N_SHARDS = 3
-
-_ONE_PLUS = re.compile(r"(?:norm\.weight|hc_\w+_scale|engram\.[qk]_weight)$")
-_SMALL = re.compile(r"(?:hc_\w+_base|attn_sink|gate\.bias(?:_vl)?|\.ape)$")
-_TABLE = re.compile(r"(?:^embed\.weight|engram\.embed\.weight)$")
 
 
 def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
@@ -41,11 +37,11 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, g: torch.Generato
         vocab, k = shape
         return torch.rand(vocab, cfg.n_routed_experts, generator=g).argsort(dim=1)[:, :k]
     x = torch.randn(shape, generator=g)
-    if _ONE_PLUS.search(name):
+    if ONE_PLUS.search(name):
         return 1 + 0.1 * x
-    if _SMALL.search(name):
+    if SMALL.search(name):
         return 0.1 * x
-    if _TABLE.search(name):
+    if TABLE.search(name):
         return x
     if len(shape) == 2:  # linear weights (and hc_*_fn): randn / sqrt(fan_in)
         return x / math.sqrt(shape[1])
@@ -53,7 +49,9 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, g: torch.Generato
 
 
 def _store(name: str, value: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint tensors of one model tensor: the weight, then its scale if quantized."""
+    """The checkpoint tensors of one model tensor, named as :func:`stored_layout` lists them:
+    the weight, then its scale if quantized."""
+    names = [n for n, _, _ in stored_layout(name, tuple(value.shape), cfg)]
     kind = checkpoint_quant_kind(name, cfg)
     if kind in ("fp8", "fp4", "fp8_rowwise"):
         if kind == "fp8":
@@ -63,9 +61,9 @@ def _store(name: str, value: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, 
             q, s = quantize_fp4(value)
         else:
             q, s = quantize_fp8_rowwise(value)
-        return [(name, q), (scale_name(name), s)]
+        return list(zip(names, (q, s), strict=True))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64}[kind]
-    return [(name, value.to(dtype).contiguous())]
+    return list(zip(names, (value.to(dtype).contiguous(),), strict=True))
 
 
 def _cuts(entries: list[tuple[str, torch.Tensor]], n_shards: int) -> list[int]:
