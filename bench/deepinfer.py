@@ -47,8 +47,9 @@ CUDA graphs. ``--model tiny-v41`` runs the same on the CPU at small lengths (a s
   length (measured), tokens/s = tokens emitted / time.
 
 Each window step is one ``EngineCore.step()`` timed on the host (the step ends when its
-sampled tokens, and drafts, are on the host). Results: ``bench/results/deepinfer.json``;
-``--merge`` keeps the other part's records of an earlier run of the same commit.
+sampled tokens, and drafts, are on the host). Results: ``bench/results/deepinfer.json``,
+written after every setting; ``--merge`` keeps the records of the settings not run now from
+an earlier run of the same commit (``params.process`` says which run made a record).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ from bench.spec_decode import accept_rate_for, draft_bytes
 PRESETS: dict[str, dict[str, Any]] = {
     "flash-rank": dict(device="cuda", dtype="bfloat16", load_format="dummy", context=131072,
                        new=4096, prefill_tokens="4096,8192,16384,32768,65536",
-                       decode_requests="8,16,32,64,128,256", output_len=256,
+                       decode_requests="8,16,32,64,128,256", output_len=128,
                        decode_budget=4096),
     "tiny-v41": dict(device="cpu", dtype="float32", load_format="auto", context=256, new=64,
                      prefill_tokens="64,128,256", decode_requests="2,4,8", output_len=32,
@@ -333,10 +334,17 @@ def start(cfg: EngineConfig, model: DeepseekModel, need_len: int, check: bool = 
         why = f"max_model_len {core.max_model_len} < {need_len}"
         core.close()
         del core
-    except (EngineConfigError, torch.cuda.OutOfMemoryError) as e:
+    except (EngineConfigError, RuntimeError) as e:  # torch.cuda.OutOfMemoryError is one
+        if not isinstance(e, EngineConfigError) and not out_of_memory(e):
+            raise
         why = f"{type(e).__name__}: {str(e)[:300]}"
     free_memory()
     return None, why
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says the device ran out of memory (torch's, or a library's)."""
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def set_budget(core: EngineCore, tokens: int) -> None:
@@ -365,7 +373,9 @@ def timed(core: EngineCore, rids: list[str], lengths: dict[str, int] | None = No
     measured: "" when measured). Out of memory ends the part (``rids`` aborted)."""
     try:
         steps, finish, cached = drive(core, lengths)
-    except torch.cuda.OutOfMemoryError as e:
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
         for rid in rids:
             core.abort(rid)
         core.drain_after_error()
@@ -378,7 +388,7 @@ def _params(args: argparse.Namespace, core: EngineCore | None, win: list[Step],
             cached: dict[str, int], hit: int) -> dict[str, Any]:  # fmt: skip
     return {"card": args.card, "model": args.model, "device": args.device,
             "kv_pool_blocks": core.cache.pool.num_blocks if core is not None else None,
-            "hits": sum(v == hit for v in cached.values()) / max(1, len(cached)),
+            "hits": sum(v == hit for v in cached.values()) / len(cached) if cached else None,
             "steps_in_window": len(win), "step_ms": [round(s.seconds * 1e3, 3) for s in win],
             "graph_steps": sum(s.graph for s in win) / max(1, len(win))}  # fmt: skip
 
