@@ -12,6 +12,7 @@ import torch
 
 from app.engine.request import SamplingParams
 from app.engine.sampler import RowState, sample
+from app.engine.startup import Startup
 from app.model.dspark import DraftBlock
 from bench import deepinfer as di
 from bench.flash_rank import load_rank, tiny_rank_dir
@@ -84,6 +85,17 @@ def test_floors(tmp_path: Path) -> None:
     case = di.prefill_case(128, 256, 64, 4, block=64, window=8)
     replay, every_row = di.prefill_floor(model, case, c)
     assert 0 < replay < every_row
+
+
+def test_an_engine_short_of_the_context_does_not_start() -> None:
+    args = di.parse_args(["--model", "tiny-v41"])
+    model = Startup(torch.device("cpu")).load(di.engine_config(args), None)
+    cfg = di.engine_config(args, max_num_seqs=2, max_num_batched_tokens=144, max_model_len=320)
+    for check in (True, False):  # sized first (the probe), or built whole
+        assert di.start(cfg, model, 321, check) == (None, "max_model_len 320 < 321")
+    core, why = di.start(cfg, model, 320, check=True)
+    assert core is not None and core.max_model_len == 320 and why == ""
+    core.close()
 
 
 def test_tiny_run_end_to_end(tmp_path: Path) -> None:
