@@ -297,6 +297,8 @@ def decode_floor(model: DeepseekModel, requests: int, tokens: int, context: int,
 
 # ---- engines --------------------------------------------------------------------------------
 def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
+    """The engine config of ``args``' model (V4.1 cache formats, ``--kv-gib``) and
+    ``options``."""
     kv = {} if args.kv_gib is None else {"kv_cache_bytes": int(args.kv_gib * 2**30)}
     return EngineConfig.from_options(
         str(resolve_model(args.model)), device=args.device, dtype=args.dtype,
@@ -355,6 +357,7 @@ def set_budget(core: EngineCore, tokens: int) -> None:
 
 
 def random_ids(gen: torch.Generator, n: int, vocab: int) -> tuple[int, ...]:
+    """``n`` random token ids below ``vocab`` (none of the special ids 0-2)."""
     return tuple(torch.randint(3, vocab - 1, (n,), generator=gen).tolist())
 
 
@@ -564,6 +567,7 @@ def earlier(args: argparse.Namespace, planned: set[tuple[str, int]]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, the model's preset filling those not given."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add = ap.add_argument
     add("--model", default="flash-rank", choices=tuple(PRESETS))
@@ -595,6 +599,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Measure the parts of ``--what`` and write ``deepinfer.json`` (module doc)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cuda = args.device.startswith("cuda")
