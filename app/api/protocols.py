@@ -138,6 +138,20 @@ class Prepared:
     in_reasoning: bool  # the answer starts inside reasoning content (thinking mode)
 
 
+def completion_tokens_as_max_tokens(body: bytes, raw: Mapping[str, Any]) -> bytes:
+    """Chat's ``max_completion_tokens`` (OpenAI's name for ``max_tokens``, which the recipe
+    reads) as ``max_tokens``: the body unchanged without it, a 400 when both are set and
+    differ."""
+    limit = raw.get("max_completion_tokens")
+    if limit is None:
+        return body
+    other = raw.get("max_tokens")
+    if other is not None and other != limit:
+        raise ApiError(400, f"max_completion_tokens ({limit}) and max_tokens ({other}) differ: "
+                            "send one of them", param="max_completion_tokens")  # fmt: skip
+    return json.dumps({**raw, "max_tokens": limit}).encode()
+
+
 class RecipeFrontend:
     """Converts protocol bodies to engine requests for one served model."""
 
@@ -176,6 +190,8 @@ class RecipeFrontend:
     def prepare(self, proto: Protocol, body: bytes, raw: Mapping[str, Any]) -> Prepared:
         """Validate and convert; raises :class:`ApiError` saying what was wrong."""
         check_fields(proto.name, raw)
+        if proto is CHAT:
+            body = completion_tokens_as_max_tokens(body, raw)
         try:
             request = proto.request_cls(body)
             model = request.model

@@ -477,3 +477,19 @@ def test_engine_ids_are_internal_and_unique(server, oai):
     assert c.id.startswith("cmpl-") and c.id != client.requests[-1].request_id
     seen.append(client.requests[-1].request_id)
     assert len(set(seen)) == 4 and all(s.startswith("req-") and len(s) == 36 for s in seen)
+
+
+def test_max_completion_tokens_bounds_a_chat_answer(server):
+    """Chat's ``max_completion_tokens`` (OpenAI's current name for ``max_tokens``) takes
+    effect; set beside a different ``max_tokens`` it is refused, naming the field."""
+    srv, _ = server
+    body = {"model": MODEL, "messages": HI, "max_completion_tokens": 3, "temperature": 0,
+            "ignore_eos": True, **NO_THINK}  # fmt: skip
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        ok = http.post("/v1/chat/completions", json=body)
+        same = http.post("/v1/chat/completions", json={**body, "max_tokens": 3})
+        both = http.post("/v1/chat/completions", json={**body, "max_tokens": 5})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert ok.json()["choices"][0]["finish_reason"] == "length"
+    assert same.status_code == 200 and same.json()["usage"]["completion_tokens"] == 3
+    assert both.status_code == 400 and both.json()["error"]["param"] == "max_completion_tokens"
