@@ -126,8 +126,9 @@ class Server:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(self.log, "w") as log:
             cmd = [sys.executable, "-m", "app.run", str(self.config)]
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -169,6 +170,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 # ---- records ---------------------------------------------------------------------------
+
 
 def run_records(
     run: Run, s: Summary, params: dict[str, Any], spec_delta: dict[str, float] | None
@@ -248,9 +250,16 @@ def profile(
     out = []
     for run in runs:
         artifacts = work / run.key
-        cmd = aiperf_command(run, url=url, model=model, tokenizer=str(Path(tokenizer).resolve()),
-                             artifacts=artifacts, aiperf=tuple(shlex.split(args.aiperf)),
-                             temperature=args.temperature, extra=tuple(args.aiperf_arg))
+        cmd = aiperf_command(
+            run,
+            url=url,
+            model=model,
+            tokenizer=str(Path(tokenizer).resolve()),
+            artifacts=artifacts,
+            aiperf=tuple(shlex.split(args.aiperf)),
+            temperature=args.temperature,
+            extra=tuple(args.aiperf_arg),
+        )
         before = rank_stats(url)
         artifacts.mkdir(parents=True, exist_ok=True)
         print(f"[serving] {run.key}: {run.requests} requests, seed {run.seed}", flush=True)
@@ -285,40 +294,79 @@ def offline_peer(config: Path, runs: list[Run], work: Path) -> dict[str, dict[st
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--config", type=Path, help="serve config to start (python -m app.run)")
     where.add_argument("--url", help="a running server (no offline peer)")
     ap.add_argument("--model", help="served model name (--url; default: from --config)")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (--url)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
-                    help="override an app arg of --config, e.g. dp_size=1, engine.max_num_seqs=64")
-    ap.add_argument("--spec", default=None,
-                    help="--config: speculation settings to run, e.g. off,on (default off); "
-                         "--url: what the server runs (default: read from its metrics)")
-    ap.add_argument("--speculative", type=json.loads, default=None,
-                    help='JSON engine.speculative for spec "on" (default: the config\'s)')
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=YAML",
+        help="override an app arg of --config, e.g. dp_size=1, engine.max_num_seqs=64",
+    )
+    ap.add_argument(
+        "--spec",
+        default=None,
+        help="--config: speculation settings to run, e.g. off,on (default off); "
+        "--url: what the server runs (default: read from its metrics)",
+    )
+    ap.add_argument(
+        "--speculative",
+        type=json.loads,
+        default=None,
+        help='JSON engine.speculative for spec "on" (default: the config\'s)',
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", help="comma list for every workload (default: each its own)")
     for name in ("isl", "osl", "prefix", "turns"):
         ap.add_argument(f"--{name}", type=int, help=f"override every workload's {name}")
-    ap.add_argument("--requests-per-slot", type=int, default=4,
-                    help="measured requests per unit of concurrency")
+    ap.add_argument(
+        "--requests-per-slot", type=int, default=4, help="measured requests per unit of concurrency"
+    )
     ap.add_argument("--min-requests", type=int, default=16)
-    ap.add_argument("--warmup-per-slot", type=int, default=1)
+    ap.add_argument(
+        "--warmup-per-slot",
+        type=float,
+        default=1.0,
+        help="warmup requests (conversations on multi_turn) per unit of concurrency",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--aiperf", default="aiperf", help='its command, e.g. "python3 -m aiperf"')
-    ap.add_argument("--aiperf-arg", action="append", default=[],
-                    help="extra aiperf flag, e.g. --aiperf-arg=--workers-max=2")
+    ap.add_argument(
+        "--aiperf-arg",
+        action="append",
+        default=[],
+        help="extra aiperf flag, e.g. --aiperf-arg=--workers-max=2",
+    )
     ap.add_argument("--no-offline", action="store_true", help="skip the offline peer")
+    ap.add_argument(
+        "--offline-concurrency",
+        default=None,
+        help="comma list: replay offline only the runs at these concurrencies (default: every run)",
+    )
     ap.add_argument("--startup-timeout-s", type=float, default=1200.0)
-    ap.add_argument("--work-dir", type=Path, default=None,
-                    help="aiperf artifacts and logs (default bench/results/logs/serving)")
+    ap.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="aiperf artifacts and logs (default bench/results/logs/serving)",
+    )
     ap.add_argument("--out-dir", type=Path, default=None)
-    ap.add_argument("--append", type=Path, default=None, metavar="RESULT",
-                    help="keep RESULT's records of the spec settings not run now")
+    ap.add_argument(
+        "--append",
+        type=Path,
+        default=None,
+        metavar="RESULT",
+        help="keep RESULT's records of the spec settings not run now",
+    )
     return ap.parse_args(argv)
 
 
@@ -330,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                  for n in args.workloads.split(",")]  # fmt: skip
     runs = plan_runs(workloads, args.requests_per_slot, args.min_requests,
                      args.warmup_per_slot, args.seed)  # fmt: skip
+    offline_set = args.offline_concurrency and {int(c) for c in args.offline_concurrency.split(",")}
     work = args.work_dir or log_path("serving")
     results: Results = []
     if args.url:
@@ -347,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         url, model, tokenizer, draft = served_target(config)
         with Server(derived, url, spec_work / "server.log", args.startup_timeout_s):
             served = profile(runs, url, model, tokenizer, spec_work, args)
-        offline = {} if args.no_offline else offline_peer(derived, runs, spec_work)
+        replay = [r for r in runs if offline_set is None or r.concurrency in offline_set]
+        offline = {} if args.no_offline or not replay else offline_peer(derived, replay, spec_work)
         results.append((spec, draft, served, offline))
     info = machine()  # after the server and the offline peer: no CUDA context held meanwhile
     card = header("serving", info=info)["card"]
@@ -361,8 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[serving] {len(records)} records -> {path}")
     for r in records:
         if r["name"] in GOALS:
-            print(f"  {r['name']} {r['params']['workload']} c={r['params']['concurrency']} "
-                  f"spec={r['params']['spec']}: {r['value']:.3f} {r['unit']}")
+            print(
+                f"  {r['name']} {r['params']['workload']} c={r['params']['concurrency']} "
+                f"spec={r['params']['spec']}: {r['value']:.3f} {r['unit']}"
+            )
     return 0
 
 

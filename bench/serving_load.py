@@ -78,17 +78,23 @@ class Run:
 
 
 def plan_runs(
-    workloads: list[Workload], per_slot: int, min_requests: int, warmup_per_slot: int,
+    workloads: list[Workload], per_slot: int, min_requests: int, warmup_per_slot: float,
     seed: int,
 ) -> list[Run]:  # fmt: skip
-    """Every (workload, concurrency) run: ``max(min_requests, per_slot * concurrency)``
-    measured requests, ``warmup_per_slot * concurrency`` warmup ones, a seed of its own."""
+    """Every (workload, concurrency) run with a seed of its own: ``max(min_requests,
+    per_slot * concurrency)`` measured requests, where on a multi-turn workload a slot is a
+    conversation (``turns`` requests each, so every slot stays busy); ``ceil(warmup_per_slot
+    * concurrency)`` warmup ones (conversations on chat), at least one on the prefix
+    workload (it caches the shared prefix)."""
     runs = []
     for i, w in enumerate(workloads):
         for j, c in enumerate(w.concurrencies):
-            n = max(min_requests, per_slot * c)
+            n = max(min_requests, per_slot * c * w.turns)
             n = w.turns * math.ceil(n / w.turns)
-            runs.append(Run(w, c, n, warmup_per_slot * c, seed + 1000 * i + j))
+            warm = math.ceil(warmup_per_slot * c)
+            if w.prefix:
+                warm = max(1, warm)
+            runs.append(Run(w, c, n, warm * w.turns if w.turns > 1 else warm, seed + 1000 * i + j))
     return runs
 
 
@@ -135,8 +141,14 @@ def aiperf_command(
             cmd += ["--num-warmup-sessions", str(math.ceil(run.warmup / w.turns)),
                     "--cache-bust", "warmup-isolation-first-turn"]  # fmt: skip
     else:
-        cmd += ["--request-count", str(run.requests), "--num-dataset-entries",
-                str(run.requests + run.warmup), "--dataset-sampling-strategy", "sequential"]
+        cmd += [
+            "--request-count",
+            str(run.requests),
+            "--num-dataset-entries",
+            str(run.requests + run.warmup),
+            "--dataset-sampling-strategy",
+            "sequential",
+        ]
         if run.warmup:
             cmd += ["--warmup-request-count", str(run.warmup)]
     if w.prefix:

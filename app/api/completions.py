@@ -150,7 +150,8 @@ class CompletionsFrontend:
         n = len(ids)
         if n > self.max_prompt:
             raise ApiError(
-                413, f"prompt is {n} tokens; the limit is {self.max_prompt}", param="prompt"
+                400, f"prompt is {n} tokens; the limit is {self.max_prompt}", param="prompt",
+                code="context_length_exceeded",
             )
         room = self.context_limit - n
         max_tokens = body.max_tokens

@@ -4,12 +4,13 @@ OpenAI routes answer ``{"error": {"message", "type", "param", "code"}}``; the An
 (``/v1/messages``) answers ``{"type": "error", "error": {"type", "message"}}``:
 
     status  OpenAI type              Anthropic type          when
-    400     invalid_request_error    invalid_request_error   malformed / invalid request
+    400     invalid_request_error    invalid_request_error   malformed / invalid request, prompt
+                                                             too long (context_length_exceeded)
     401     authentication_error     authentication_error    missing or wrong API key
     403     permission_error         permission_error        cross-origin request not allowed
     404     not_found_error          not_found_error         unknown model or route
     408     timeout_error            timeout_error           body not sent in time
-    413     invalid_request_error    request_too_large       body or prompt too long
+    413     invalid_request_error    request_too_large       body over max_body_bytes
     415     invalid_request_error    invalid_request_error   Content-Type not JSON
     429     rate_limit_error         rate_limit_error        engine queue full
     431     invalid_request_error    request_too_large       too many / too large headers

@@ -173,7 +173,7 @@ class GenerateService:
             ids = list(r.token_ids.ids)
         limit, n = self.cfg.context_limit, len(ids)
         if n > self.cfg.prompt_limit:
-            raise ApiError(413, f"prompt is {n} tokens; the limit is {self.cfg.prompt_limit}")
+            raise ApiError(400, f"prompt is {n} tokens; the limit is {self.cfg.prompt_limit}")
         sampling = self._sampling(r, room=limit - n)
         return make_request(
             new_request_id(), ids, sampling, self.cfg.limits,

@@ -219,7 +219,7 @@ class RecipeFrontend:
         n = len(ids)
         if n > self.max_prompt_tokens:
             raise ApiError(
-                413,
+                400,
                 f"prompt is {n} tokens; the limit is {self.max_prompt_tokens}",
                 param="messages",
                 code="context_length_exceeded",

@@ -105,7 +105,7 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
         400,
         "tool_choice",
     ),
-    ("prompt-too-long", CHAT, chat(messages=[{"role": "user", "content": LONG}]), 413, "prompt"),
+    ("prompt-too-long", CHAT, chat(messages=[{"role": "user", "content": LONG}]), 400, "prompt"),
     ("body-too-large", CHAT, b"{" + b" " * (5 << 20) + b"}", 413, "limit"),
     ("msg-unknown-model", MSGS, msgs(model="claude-9"), 404, "claude-9"),
     ("msg-bad-role", MSGS, msgs(messages=[{"role": "robot", "content": "x"}]), 400, "robot"),
@@ -124,7 +124,7 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("cmpl-logprobs-21", CMPL, cmpl(logprobs=21), 400, "logprobs"),
     ("cmpl-max-tokens-over-context", CMPL, cmpl(max_tokens=10**6), 400, "max_tokens"),
     ("cmpl-unknown-model", CMPL, cmpl(model="nope"), 404, "nope"),
-    ("cmpl-prompt-too-long", CMPL, cmpl(prompt=LONG), 413, "prompt"),
+    ("cmpl-prompt-too-long", CMPL, cmpl(prompt=LONG), 400, "prompt"),
     ("cmpl-stream-streaming-error", CMPL, cmpl(stream=1), 400, "stream"),
     ("unknown-route", "/v1/nothing", {}, 404, "no route"),
     # a top_k >= 2**63 once failed the step of every stream on its rank

@@ -102,7 +102,12 @@ def test_plan_runs_and_overrides() -> None:
     runs = plan_runs([r, m], per_slot=4, min_requests=16, warmup_per_slot=1, seed=10)
     assert [x.key for x in runs][:2] == ["random-c1", "random-c8"]
     assert [x.requests for x in runs[:3]] == [16, 32, 128]
-    assert runs[-1].requests == 16 and runs[-1].sessions == 4  # whole conversations
+    assert runs[-1].requests == 48 and runs[-1].sessions == 12  # 4 conversations a slot
+    assert runs[-1].warmup == 12  # 3 warmup conversations of 4 turns
+    lean = plan_runs([r, WORKLOADS["prefix"]], per_slot=1, min_requests=4, warmup_per_slot=0,
+                     seed=0)  # fmt: skip
+    assert [x.warmup for x in lean][:1] == [0] and all(x.warmup == 1 for x in lean[6:])
+    assert [x.requests for x in lean[:3]] == [4, 8, 32]
     assert len({x.seed for x in runs}) == len(runs)  # no run replays another's prompts
 
 
