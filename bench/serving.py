@@ -33,12 +33,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from bench.common import header, log_path, machine, record, write
+from bench.common import header, log_path, record, write
 from bench.serving_load import (
     LATENCIES,
     STATS,
@@ -243,11 +244,14 @@ def merge_previous(
 
 
 def profile(
-    runs: list[Run], url: str, model: str, tokenizer: str, work: Path, args: argparse.Namespace
-) -> list[tuple[Run, Summary, dict[str, float]]]:
+    runs: list[Run], url: str, model: str, tokenizer: str, work: Path, args: argparse.Namespace,
+    out: list[tuple[Run, Summary, dict[str, float]]] | None = None,
+    done: Callable[[], None] = lambda: None,
+) -> list[tuple[Run, Summary, dict[str, float]]]:  # fmt: skip
     """Every run through aiperf against ``url``: its summary and the ranks' speculation
-    counters over the run (from ``/metrics``)."""
-    out = []
+    counters over the run (from ``/metrics``), appended to ``out`` (returned), ``done``
+    called after each."""
+    out = [] if out is None else out
     for run in runs:
         artifacts = work / run.key
         cmd = aiperf_command(
@@ -275,7 +279,17 @@ def profile(
         s = parse_export(artifacts)
         print(f"[serving] {run.key}: {s.values}", flush=True)
         out.append((run, s, delta))
+        done()
     return out
+
+
+def machine_apart() -> dict[str, Any]:
+    """``bench.common.machine()`` from a child process: this one holds no CUDA context
+    while the server has the card."""
+    code = "import json; from bench.common import machine; print(json.dumps(machine()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def offline_peer(config: Path, runs: list[Run], work: Path) -> dict[str, dict[str, float]]:
@@ -381,11 +395,24 @@ def main(argv: list[str] | None = None) -> int:
     offline_set = args.offline_concurrency and {int(c) for c in args.offline_concurrency.split(",")}
     work = args.work_dir or log_path("serving")
     results: Results = []
+    info = machine_apart()
+    card = header("serving", info=info)["card"]
+    prev = json.loads(args.append.read_text()) if args.append else None
+
+    def save() -> Path:
+        """The result file of what ran so far (rewritten after every run)."""
+        records, command = collect_records(results, card), None
+        if prev is not None:  # a run in pieces (e.g. one call per --spec)
+            records = merge_previous(prev, records, card)
+            command = f"{prev['command']} ; {header('serving', info=info)['command']}"
+        return write("serving", records, args.out_dir, command=command, info=info, goals=GOALS)
+
     if args.url:
         if not (args.model and args.tokenizer) or args.spec not in (None, "on", "off"):
             raise SystemExit("--url needs --model and --tokenizer, and --spec on or off if any")
-        served = profile(runs, args.url, args.model, args.tokenizer, work, args)
+        served: list[tuple[Run, Summary, dict[str, float]]] = []
         results.append((args.spec, None, served, {}))
+        profile(runs, args.url, args.model, args.tokenizer, work, args, served, save)
     for spec in (args.spec or "off").split(",") if args.config else ():
         config = yaml.safe_load(args.config.read_text())
         apply_overrides(config, args.set, spec, args.speculative)
@@ -394,20 +421,16 @@ def main(argv: list[str] | None = None) -> int:
         derived = spec_work / "serve_config.yaml"
         derived.write_text(yaml.safe_dump(config, sort_keys=False))
         url, model, tokenizer, draft = served_target(config)
-        with Server(derived, url, spec_work / "server.log", args.startup_timeout_s):
-            served = profile(runs, url, model, tokenizer, spec_work, args)
-        replay = [r for r in runs if offline_set is None or r.concurrency in offline_set]
-        offline = {} if args.no_offline or not replay else offline_peer(derived, replay, spec_work)
+        served, offline = [], {}
         results.append((spec, draft, served, offline))
-    info = machine()  # after the server and the offline peer: no CUDA context held meanwhile
-    card = header("serving", info=info)["card"]
-    records = collect_records(results, card)
-    command = None
-    if args.append:  # a run in pieces (e.g. one call per --spec)
-        prev = json.loads(args.append.read_text())
-        records = merge_previous(prev, records, card)
-        command = f"{prev['command']} ; {header('serving', info=info)['command']}"
-    path = write("serving", records, args.out_dir, command=command, info=info, goals=GOALS)
+        with Server(derived, url, spec_work / "server.log", args.startup_timeout_s):
+            profile(runs, url, model, tokenizer, spec_work, args, served, save)
+        replay = [r for r in runs if offline_set is None or r.concurrency in offline_set]
+        if replay and not args.no_offline:
+            offline.update(offline_peer(derived, replay, spec_work))
+            save()
+    path = save()
+    records = json.loads(path.read_text())["records"]
     print(f"[serving] {len(records)} records -> {path}")
     for r in records:
         if r["name"] in GOALS:
