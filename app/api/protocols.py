@@ -56,8 +56,15 @@ _OWN_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
         "n": _INT,
         "logprobs": _BOOL,
         "top_logprobs": _INT,
+        "parallel_tool_calls": _BOOL,
     },
-    "responses": {"model": _STR, "stream": _BOOL, "max_output_tokens": _INT, "top_logprobs": _INT},
+    "responses": {
+        "model": _STR,
+        "stream": _BOOL,
+        "max_output_tokens": _INT,
+        "top_logprobs": _INT,
+        "parallel_tool_calls": _BOOL,
+    },
     "messages": {"model": _STR, "stream": _BOOL, "messages": _LIST},
 }
 _FIELDS = {
@@ -106,6 +113,16 @@ def _check_messages(raw: Mapping[str, Any]) -> None:
                 "system prompt as the top-level `system` field",
                 param="messages",
             )
+
+
+def parallel_tool_calls(proto_name: str, raw: Mapping[str, Any]) -> bool:
+    """Whether one answer may make several tool calls (the recipe reads neither field):
+    OpenAI ``parallel_tool_calls`` (default true), Anthropic
+    ``tool_choice.disable_parallel_tool_use`` (default false)."""
+    if proto_name == "messages":
+        choice = raw.get("tool_choice")
+        return not (isinstance(choice, Mapping) and choice.get("disable_parallel_tool_use"))
+    return raw.get("parallel_tool_calls") is not False
 
 
 @dataclass(frozen=True)
@@ -270,7 +287,9 @@ class RecipeFrontend:
         constraint = None
         if (oc := io.output_constraint) is not None:
             think = conv.conversation.thinking_mode
-            constraint = OutputConstraint(oc.kind, oc.schema, think_first=think)
+            parallel = parallel_tool_calls(proto.name, raw) if oc.kind.startswith("tool") else True
+            constraint = OutputConstraint(oc.kind, oc.schema, think_first=think,
+                                          parallel_calls=parallel)  # fmt: skip
         recipe = {"temperature": io.temperature, "top_p": io.top_p}
         return {
             **{k: v for k, v in recipe.items() if v is not None},

@@ -50,7 +50,7 @@ THINK_END = "</think>"
 class CompiledGrammar:
     """A validated llguidance grammar; ``template`` is a fresh matcher to copy per request."""
 
-    key: tuple[str, str, bool]
+    key: OutputConstraint
     grammar: str
     template: llguidance.LLMatcher
 
@@ -139,20 +139,19 @@ class GrammarCompiler:
             _added_tokens_special(tokenizer), n_vocab=vocab_size, eos_token=eos_token_id
         )
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
-        self._cache: OrderedDict[tuple[str, str, bool], CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[OutputConstraint, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
     def compile(self, constraint: OutputConstraint) -> CompiledGrammar:
         """Compile (or fetch from the cache); raises GrammarError for an invalid constraint."""
-        key = (constraint.kind, constraint.spec, constraint.think_first)
         with self._lock:
-            if (hit := self._cache.get(key)) is not None:
-                self._cache.move_to_end(key)
+            if (hit := self._cache.get(constraint)) is not None:
+                self._cache.move_to_end(constraint)
                 return hit
-        compiled = self._compile(key)
+        compiled = self._compile(constraint)
         with self._lock:
-            self._cache[key] = compiled
+            self._cache[constraint] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
@@ -161,11 +160,11 @@ class GrammarCompiler:
         """A fresh matcher for one request."""
         return GrammarMatcher(compiled.template.deep_copy(), self.eos_token_id)
 
-    def _compile(self, key: tuple[str, str, bool]) -> CompiledGrammar:
+    def _compile(self, key: OutputConstraint) -> CompiledGrammar:
         import llguidance
 
-        kind, spec, think_first = key
-        answer = self._answer(kind, spec, think_first)
+        kind, think_first = key.kind, key.think_first
+        answer = self._answer(key)
         if think_first:
             if self.think_end_id is None:
                 raise GrammarError(f"think_first: the tokenizer has no {THINK_END} token")
@@ -182,9 +181,10 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {kind} constraint: {m.get_error().strip()}")
         return CompiledGrammar(key, grammar, m)
 
-    def _answer(self, kind: str, spec: str, think_first: bool) -> dict[str, Any]:
+    def _answer(self, constraint: OutputConstraint) -> dict[str, Any]:
         import llguidance
 
+        kind, spec = constraint.kind, constraint.spec
         if kind == "json":
             try:
                 schema = json.loads(spec) if spec else {}
@@ -207,8 +207,9 @@ class GrammarCompiler:
             raise GrammarError("tool list must be a non-empty JSON array of function tools")
         if self.dsml_id is None:
             raise GrammarError(f"tool calls: the tokenizer has no {DSML} token")
-        start = "text" if kind == "tool_call" else "open" if think_first else "block"
-        return {"lark_grammar": ToolGrammar(tools, self.arch, self.dsml_id).lark(start)}
+        start = "text" if kind == "tool_call" else "open" if constraint.think_first else "block"
+        grammar = ToolGrammar(tools, self.arch, self.dsml_id)
+        return {"lark_grammar": grammar.lark(start, parallel=constraint.parallel_calls)}
 
 
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:

@@ -63,12 +63,14 @@ class OutputConstraint:
     expression; ``grammar``: a Lark (EBNF-style) grammar; ``tool_call`` /
     ``tool_call_required``: a JSON array of function tools, the output is free text or
     (required: must be) DeepSeek DSML tool calls. ``think_first``: reasoning runs free until
-    ``</think>``, then the constraint applies.
+    ``</think>``, then the constraint applies. ``parallel_calls`` (tool kinds only): False
+    allows one call per answer (OpenAI ``parallel_tool_calls: false``).
     """
 
     kind: ConstraintKind
     spec: str = ""
     think_first: bool = False
+    parallel_calls: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINT_KINDS:
@@ -77,6 +79,8 @@ class OutputConstraint:
             raise RequestError("constraint.spec", "must be a string")
         if self.kind in ("regex", "grammar") and not self.spec:
             raise RequestError("constraint.spec", f"a {self.kind} constraint needs a pattern")
+        if not self.parallel_calls and not self.kind.startswith("tool_call"):
+            raise RequestError("constraint.parallel_calls", "applies to tool-call constraints only")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,13 @@ llguidance), as ``deepseek-recipe`` renders and parses them (V4.1; V4 spells the
 
 A string argument goes raw (``string="true"``), anything else as JSON following the tool's
 schema (``string="false"``). ``app.engine.grammar`` compiles these.
+
+With ``tool_choice: "auto"`` (start "text") the calls block sits behind a trigger, in the
+special-token form of llguidance's tool-call grammars: free text runs unconstrained, save
+that it never spells ``｜DSML｜`` as plain text (special tokens stay out of every lexeme),
+until ``<`` then the DSML token; from there the block follows the grammar to its end. So no
+DSML reaches ``content`` (no half tag, no tag the parser would skip) and every call's
+arguments parse.
 """
 
 from __future__ import annotations
@@ -61,9 +68,10 @@ class ToolGrammar:
         """The DSML token, then the tag word and ``rest`` as plain text."""
         return f"{self.dsml} {lit(self.words[word] + rest)}"
 
-    def lark(self, start: str) -> str:
-        """``start``: "text" (free text, then optionally a calls block), "block" (inside the
-        block the prompt opened) or "open" (the answer opens the block itself)."""
+    def lark(self, start: str, parallel: bool = True) -> str:
+        """``start``: "text" (free text, then optionally a calls block: the trigger is ``<``
+        then the DSML token), "block" (inside the block the prompt opened) or "open" (the
+        answer opens the block itself). ``parallel``: False allows one call in the block."""
         opened = self._tag("calls", ">\n") + " calls"
         first = {
             "text": f"start: TEXT | TEXT_LT {opened}",
@@ -73,7 +81,7 @@ class ToolGrammar:
         return "\n".join(
             [
                 first,
-                f'calls: invoke+ "</" {self._tag("calls")}',
+                f'calls: invoke{"+" if parallel else ""} "</" {self._tag("calls")}',
                 "invoke: " + " | ".join(self.invokes),
                 *self.rules,
                 "ANY: /(?s:.*)/",

@@ -23,7 +23,7 @@ from app.engine.grammar import (  # noqa: E402
     apply_bitmask,
     fill_bitmasks,
 )
-from app.engine.request import OutputConstraint  # noqa: E402
+from app.engine.request import OutputConstraint, RequestError  # noqa: E402
 from app.model.tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer  # noqa: E402
 
 VOCAB = 520  # > the tokenizer's 512: ids 512..519 are padding rows of the embedding
@@ -304,6 +304,24 @@ def test_tool_call_rejects_bad_calls(compiler, tok):
     city = re.search(r"<｜DSML｜ parameter name=\"city\".*?parameter>\n", good, re.S)
     missing = good.replace(city.group(0), "")  # a required parameter left out
     assert not feed(compiler, OutputConstraint("tool_call", spec), tok.encode(missing).ids)
+
+
+def test_single_call_grammar(compiler, tok):
+    """``parallel_calls=False`` (parallel_tool_calls false): one invoke per calls block, in
+    every start; the default takes several; a non-tool constraint refuses the flag."""
+    spec = json.dumps(TOOLS)
+    answer = rendered_answer("v41", "Checking.")  # three invokes
+    first_end = answer.index("</｜DSML｜ invoke>\n") + len("</｜DSML｜ invoke>\n")
+    one = answer[:first_end] + "</｜DSML｜ calls>"
+    for kind, required in (("tool_call", False), ("tool_call_required", True)):
+        single = OutputConstraint(kind, spec, parallel_calls=False)
+        body = (lambda a: a.split(">\n", 1)[1]) if required else (lambda a: a)
+        assert feed(compiler, single, tok.encode(body(one)).ids)
+        assert not feed(compiler, single, tok.encode(body(answer)).ids)
+        assert feed(compiler, OutputConstraint(kind, spec), tok.encode(body(answer)).ids)
+    assert compiler.compile(single) is not compiler.compile(OutputConstraint(kind, spec))
+    with pytest.raises(RequestError, match="parallel_calls"):
+        OutputConstraint("json", "", parallel_calls=False)
 
 
 @pytest.mark.parametrize(
