@@ -203,6 +203,22 @@ def test_tool_call_required(oai):
     assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Oslo")
 
 
+def test_parallel_tool_calls_off_makes_one_call(oai):
+    """``parallel_tool_calls: false`` on the Serve app: the grammar closes the required calls
+    block after one call."""
+    params = {"type": "object", "properties": {"c": {"enum": ["a", "b"]}}, "required": ["c"]}
+    tool = {"type": "function", "function": {"name": "pick", "parameters": params}}
+    for seed in range(3):
+        r = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Pick."}], tools=[tool],
+            tool_choice="required", parallel_tool_calls=False, max_tokens=200, seed=seed,
+            extra_body=NO_THINK,
+        )  # fmt: skip
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+        assert json.loads(calls[0].function.arguments)["c"] in ("a", "b")
+
+
 def test_responses_api(oai):
     r = oai.responses.create(
         model=MODEL, input="Say something.", max_output_tokens=8, extra_body=FULL
