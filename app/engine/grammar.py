@@ -160,11 +160,11 @@ class GrammarCompiler:
         """A fresh matcher for one request."""
         return GrammarMatcher(compiled.template.deep_copy(), self.eos_token_id)
 
-    def _compile(self, key: OutputConstraint) -> CompiledGrammar:
+    def _compile(self, constraint: OutputConstraint) -> CompiledGrammar:
         import llguidance
 
-        kind, think_first = key.kind, key.think_first
-        answer = self._answer(key)
+        kind, think_first = constraint.kind, constraint.think_first
+        answer = self._answer(constraint)
         if think_first:
             if self.think_end_id is None:
                 raise GrammarError(f"think_first: the tokenizer has no {THINK_END} token")
@@ -179,7 +179,7 @@ class GrammarCompiler:
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0, limits=self._limits)
         if m.is_error():
             raise GrammarError(f"invalid {kind} constraint: {m.get_error().strip()}")
-        return CompiledGrammar(key, grammar, m)
+        return CompiledGrammar(constraint, grammar, m)
 
     def _answer(self, constraint: OutputConstraint) -> dict[str, Any]:
         import llguidance
