@@ -55,6 +55,7 @@ from bench.serving_load import (
 GOALS = {"serving.overhead": ">= 0.95 at concurrency >= 32",
          "serving.ttft_added_p50": "<= 5 ms"}  # fmt: skip
 REPO = Path(__file__).resolve().parents[1]
+SERVERS = {"serve": "app.run", "one-process": "bench.rank_server"}
 HF_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 _STAT = re.compile(r'^fathom_rank_stat\{[^}]*stat="([^"]+)"[^}]*\}\s+(\S+)$', re.M)
 
@@ -112,13 +113,14 @@ def rank_stats(url: str) -> dict[str, float]:
 
 
 class Server:
-    """``python -m app.run CONFIG`` from the repository root, in its own process group:
+    """``python -m app.run CONFIG`` (or ``bench.rank_server --config CONFIG``: one process,
+    no Ray) from the repository root, in its own process group:
     entered once ``/health`` answers 200, stopped with SIGTERM (SIGKILL to the group after
     ``stop_timeout_s``) on exit."""
 
     def __init__(self, config: Path, url: str, log: Path, startup_timeout_s: float,
-                 stop_timeout_s: float = 120.0) -> None:  # fmt: skip
-        self.config, self.url, self.log = config, url, log
+                 stop_timeout_s: float = 120.0, module: str = "app.run") -> None:  # fmt: skip
+        self.config, self.url, self.log, self.module = config, url, log, module
         self.startup_timeout_s, self.stop_timeout_s = startup_timeout_s, stop_timeout_s
         self.proc: subprocess.Popen | None = None
 
@@ -126,7 +128,7 @@ class Server:
         env = {"RAY_AUTH_MODE": "disabled", **os.environ}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(self.log, "w") as log:
-            cmd = [sys.executable, "-m", "app.run", str(self.config)]
+            cmd = [sys.executable, "-m", self.module, *self._args()]
             self.proc = subprocess.Popen(
                 cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -144,6 +146,9 @@ class Server:
             time.sleep(2)
         self.__exit__()
         raise TimeoutError(f"the server was not ready in {self.startup_timeout_s:.0f} s")
+
+    def _args(self) -> list[str]:
+        return [str(self.config)] if self.module == "app.run" else ["--config", str(self.config)]
 
     def __exit__(self, *exc: object) -> None:
         """SIGTERM, then wait for the whole process group (Ray's workers hold the GPU) to
@@ -218,14 +223,16 @@ Results = list[tuple[str | None, str | None, list[tuple[Run, Summary, dict[str, 
                      dict[str, dict[str, float]]]]  # fmt: skip
 
 
-def collect_records(results: Results, card: str) -> list[dict[str, Any]]:
-    """Every record of a run: per (spec setting, draft, served runs, offline replays)."""
+def collect_records(results: Results, card: str, server: str = "serve") -> list[dict[str, Any]]:
+    """Every record of a run: per (spec setting, draft, served runs, offline replays);
+    ``server``: what served them (``--server``, or "url": a server this run did not start)."""
     records = []
     for spec, draft, served, offline in results:
         for run, s, delta in served:
             on = spec or ("on" if delta.get("spec_drafts") else "off")
-            params = {"spec": on, "card": card} | ({"draft": draft} if on == "on" and draft
-                                                   else {})  # fmt: skip
+            params = {"spec": on, "card": card, "server": server}
+            if on == "on" and draft:
+                params["draft"] = draft
             records += run_records(run, s, params, delta)
             if run.key in offline:
                 records += overhead_records(run, s, offline[run.key], params)
@@ -366,6 +373,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="comma list: replay offline only the runs at these concurrencies (default: every run)",
     )
+    ap.add_argument("--server", choices=SERVERS, default="serve",
+                    help="serve: the Ray Serve app (python -m app.run); one-process: the same "
+                         "front door and engine without Ray (bench.rank_server), for hosts "
+                         "where Ray cannot run")  # fmt: skip
     ap.add_argument("--startup-timeout-s", type=float, default=1200.0)
     ap.add_argument(
         "--work-dir",
@@ -401,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> Path:
         """The result file of what ran so far (rewritten after every run)."""
-        records, command = collect_records(results, card), None
+        records, command = collect_records(results, card, "url" if args.url else args.server), None
         if prev is not None:  # a run in pieces (e.g. one call per --spec)
             records = merge_previous(prev, records, card)
             command = f"{prev['command']} ; {header('serving', info=info)['command']}"
@@ -423,7 +434,13 @@ def main(argv: list[str] | None = None) -> int:
         url, model, tokenizer, draft = served_target(config)
         served, offline = [], {}
         results.append((spec, draft, served, offline))
-        with Server(derived, url, spec_work / "server.log", args.startup_timeout_s):
+        with Server(
+            derived,
+            url,
+            spec_work / "server.log",
+            args.startup_timeout_s,
+            module=SERVERS[args.server],
+        ):
             profile(runs, url, model, tokenizer, spec_work, args, served, save)
         replay = [r for r in runs if offline_set is None or r.concurrency in offline_set]
         if replay and not args.no_offline:
