@@ -263,6 +263,7 @@ def test_lm_eval_runs_the_readme_command(app_urls, tmp_path):
     assert len(gen) == 4 and all("\n" not in s["resps"][0][0] for s in gen)
     samples = [json.loads(x) for x in next(tmp_path.rglob("samples_fathom_pydoc_choice_*")).open()]
     assert len(samples) == 6
+    assert httpx.post(f"{base}/tokenize", json={"prompt": "x"}).status_code == 401  # keyed
     with httpx.Client(base_url=base, headers=AUTH, timeout=60) as http:
 
         def ids(text: str) -> list[int]:
