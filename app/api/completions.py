@@ -5,6 +5,13 @@ from the sampling-field table, their bounds are checked by the request validator
 detokenized incrementally, holding back an incomplete UTF-8 sequence and, while stop strings
 are set, the tail that could still become one (the engine stops on the string; the text is cut
 before it).
+
+Scoring a prompt, as evaluation harnesses do: ``echo`` puts the prompt's text before the
+completion and, with ``logprobs``, its tokens' logprobs before the generated ones (the first
+prompt token has none); ``max_tokens: 0`` generates nothing (the engine samples one token,
+which is dropped); vLLM's ``prompt_logprobs`` adds the prompt tokens' logprobs with ranks to the
+choice (not with ``stream``, as in vLLM). A prompt may come as a batch of one (a list holding
+one string or one list of ids), as clients that batch send it.
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ from tokenizers import Tokenizer
 from app.api.client import EngineStream
 from app.api.errors import ApiError
 from app.api.limits import make_request
+from app.api.logprobs import legacy_logprobs, prompt_logprobs
 from app.engine.request import (
     EngineRequest,
     FinishReason,
-    RequestOutput,
     SamplingParams,
+    TokenLogprob,
     new_request_id,
 )
 from app.engine.validation import BODY, COMPLETIONS, FieldSpec, RequestLimits, Stops, wire_fields
@@ -42,7 +50,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True)
 
     model: str
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    )
     n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -84,9 +97,24 @@ def parse_body(raw: Mapping[str, Any]) -> CompletionBody:
         loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or p == 0)
         param = str(err["loc"][0]) if err["loc"] else None
         raise ApiError(400, f"{loc}: {err['msg']}", param=param) from None
-    if body.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+    if isinstance(body.prompt, list) and isinstance(body.prompt[0], str | list):
+        if len(body.prompt) > 1:
+            raise ApiError(400, f"prompt: a batch of {len(body.prompt)} prompts; this server "
+                                "takes one prompt per request", param="prompt")  # fmt: skip
+        body.prompt = body.prompt[0]
+    if body.max_tokens is not None and body.max_tokens < 0:
+        raise ApiError(400, f"max_tokens must be >= 0, got {body.max_tokens}", param="max_tokens")
+    if body.stream and body.prompt_logprobs is not None:
+        raise ApiError(400, "prompt_logprobs is not available with stream: use echo with "
+                            "logprobs", param="prompt_logprobs")  # fmt: skip
     return body
+
+
+def prompt_top(body: CompletionBody) -> int | None:
+    """The top alternatives the engine computes for each prompt token: the larger of
+    ``prompt_logprobs`` and, with ``echo``, ``logprobs``; None: no prompt logprobs."""
+    ks = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+    return max(ks, default=None)
 
 
 @dataclass
@@ -169,7 +197,9 @@ class CompletionsFrontend:
             )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         sampling = {f.name: getattr(body, f.name) for f in _SAMPLING}
-        sampling |= {"max_tokens": max_tokens, "stop": stop}
+        # max_tokens 0 (the prompt scored only): one token is sampled and dropped
+        sampling |= {"max_tokens": max(max_tokens, 1), "stop": stop,
+                     "prompt_logprobs": prompt_top(body)}  # fmt: skip
         session = body.user if body.user is not None and len(body.user) <= 256 else ""
         req = make_request(
             new_request_id(), ids, sampling, self.limits, arrival_time=time.time(),
@@ -177,71 +207,78 @@ class CompletionsFrontend:
         )  # fmt: skip
         return req, f"cmpl-{uuid.uuid4().hex}"
 
-    def _logprobs(self, out: RequestOutput, offset: int) -> dict[str, Any]:
-        lps = out.logprobs or []
-        tokens = [self.tokenizer.decode([lp.token_id], skip_special_tokens=False) for lp in lps]
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        top = [
-            {self.tokenizer.decode([i], skip_special_tokens=False): v for i, v in lp.top}
-            for lp in lps
-        ]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
+    def _echo(
+        self, body: CompletionBody, req: EngineRequest, plp: list[TokenLogprob | None]
+    ) -> dict[str, Any]:
+        """The choice of the echoed prompt: its text (a text prompt as sent, ids decoded) and,
+        with ``logprobs``, its tokens' (those known: all but after a timeout)."""
+        ids = list(req.prompt_token_ids)
+        if isinstance(body.prompt, str):
+            text = body.prompt
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        lps = None
+        if body.logprobs is not None:
+            n = len(plp)
+            lps = legacy_logprobs(self.tokenizer, ids[:n], plp, body.logprobs, 0)
+        return {"index": 0, "text": text, "finish_reason": None, "logprobs": lps}
 
     async def events(
         self, body: CompletionBody, req: EngineRequest, rid: str, stream: EngineStream
     ) -> AsyncIterator[dict[str, Any]]:
-        """``text_completion`` chunks with id ``rid`` (the last has ``finish_reason``; usage
-        when asked)."""
+        """``text_completion`` chunks with id ``rid`` (the echoed prompt first, with ``echo``;
+        the last has ``finish_reason`` and, when asked, ``prompt_logprobs``; usage when
+        asked)."""
         created = int(time.time())
         detok = Detokenizer(self.tokenizer, req.params.stop)
+        head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+        n_prompt = len(req.prompt_token_ids)
+        plp: list[TokenLogprob | None] = []  # the prompt tokens' logprobs, as they come
+        echo = body.echo  # the echo is still to be sent
+        generate = body.max_tokens != 0
         n_out, cached, finish, offset = 0, 0, None, 0
+
+        def done(choice: dict[str, Any]) -> dict[str, Any]:
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(
+                    self.tokenizer, plp, body.prompt_logprobs
+                )
+            return choice
+
         async for out in stream:
             cached = max(cached, out.num_cached_tokens)
-            n_out += len(out.token_ids)
+            plp += out.prompt_logprobs or []
+            tokens, lps = (out.token_ids, out.logprobs) if generate else ([], None)
+            n_out += len(tokens)
             if out.finished:
                 if out.finish_reason is FinishReason.ERROR:
                     raise ApiError(500, f"the engine failed: {out.error}", code="engine")
                 if out.finish_reason is FinishReason.ABORT:
                     raise ApiError(503, "the engine aborted the request", code="aborted")
-                finish = out.finish_reason.value
+                finish = out.finish_reason.value if generate else FinishReason.LENGTH.value
+            if echo and (body.logprobs is None or len(plp) >= n_prompt or out.finished):
+                echoed = self._echo(body, req, plp)
+                offset, echo = len(echoed["text"]), False
+                yield {**head, "choices": [echoed]}
             stop_hit = out.stop_reason if isinstance(out.stop_reason, str) else None
-            text = detok.push(out.token_ids, out.finished, stop_hit)
-            if not (text or out.finished or (body.logprobs is not None and out.token_ids)):
+            text = detok.push(tokens, out.finished, stop_hit)
+            if not (text or out.finished or (body.logprobs is not None and tokens)):
                 continue
-            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
-            choice["logprobs"] = self._logprobs(out, offset) if body.logprobs is not None else None
+            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish,
+                                      "logprobs": None}  # fmt: skip
+            if body.logprobs is not None:
+                ids = [lp.token_id for lp in lps or ()]
+                choice["logprobs"] = legacy_logprobs(
+                    self.tokenizer, ids, lps or [], body.logprobs, offset
+                )
             offset += len(text)
-            yield {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": [choice],
-            }
+            yield {**head, "choices": [done(choice) if out.finished else choice]}
         if finish is None:  # timed out
-            yield {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": detok.push([], True, None),
-                        "finish_reason": "length",
-                        "logprobs": None,
-                    }
-                ],
-            }
-        n_prompt = len(req.prompt_token_ids)
+            if echo:
+                yield {**head, "choices": [self._echo(body, req, plp)]}
+            last = {"index": 0, "text": detok.push([], True, None), "finish_reason": "length",
+                    "logprobs": None}  # fmt: skip
+            yield {**head, "choices": [done(last)]}
         yield {
             "usage": {
                 "prompt_tokens": n_prompt,
@@ -267,6 +304,8 @@ def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
                 for k, v in ch["logprobs"].items():
                     acc[k] += v
                 choice["logprobs"] = acc
+            if "prompt_logprobs" in ch:
+                choice["prompt_logprobs"] = ch["prompt_logprobs"]
     usage = next((c["usage"] for c in chunks if "usage" in c), None)
     return {
         **{k: head[k] for k in ("id", "object", "created", "model")},

@@ -2,9 +2,11 @@
 requests. Each refusal is the protocol's JSON error:
 
     431  more than ``max_headers`` headers, or more than ``max_header_bytes`` of them
-    415  a POST to /v1/* whose Content-Type is not application/json
-    403  a /v1/* request with an ``Origin`` not in ``cors_allow_origins`` (default: none),
-         so a web page cannot drive a local server through a visitor's browser
+    415  a POST to /v1/* (or the tokenizer endpoints) whose Content-Type is not
+         application/json
+    403  a /v1/* (or tokenizer endpoint) request with an ``Origin`` not in
+         ``cors_allow_origins`` (default: none), so a web page cannot drive a local server
+         through a visitor's browser
 
 Allowed origins also get CORS headers (Starlette's ``CORSMiddleware``, added by ``build_api``).
 """
@@ -17,6 +19,8 @@ from app.api.errors import ApiError, error_response, shape_for
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
+
+GUARDED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # path prefixes checked
 
 
 class RequestGuard:
@@ -47,7 +51,7 @@ class RequestGuard:
         if size > self.max_header_bytes:
             msg = f"request headers are {size} bytes; the limit is {self.max_header_bytes}"
             return ApiError(431, msg)
-        if not scope["path"].startswith("/v1/"):
+        if not scope["path"].startswith(GUARDED):
             return None
         h = dict(headers)
         origin = h.get(b"origin")

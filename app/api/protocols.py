@@ -29,6 +29,7 @@ from app.engine.request import (
     OutputConstraint,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
     new_request_id,
 )
 from app.engine.validation import BODY, RECIPES, TYPED, RequestLimits, wire_fields
@@ -153,6 +154,8 @@ class Prepared:
     stream: bool
     logprobs: bool
     in_reasoning: bool  # the answer starts inside reasoning content (thinking mode)
+    # vLLM's prompt_logprobs (chat): the prompt tokens' logprobs as they come; None: not asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def completion_tokens_as_max_tokens(body: bytes, raw: Mapping[str, Any]) -> bytes:
@@ -241,6 +244,9 @@ class RecipeFrontend:
                 param="messages",
                 code="context_length_exceeded",
             )
+        if conv.stream and raw.get("prompt_logprobs") is not None:  # as vLLM
+            raise ApiError(400, "prompt_logprobs is not available with stream",
+                           param="prompt_logprobs")  # fmt: skip
         io = conv.inference_options
         try:
             max_tokens = conv.resolve_max_tokens(n, self.context_limit)
@@ -271,6 +277,7 @@ class RecipeFrontend:
             stream=conv.stream,
             logprobs=io.logprobs,
             in_reasoning=stage is not None and stage.starts_in_reasoning(),
+            prompt_logprobs=None if engine_request.params.prompt_logprobs is None else [],
         )
 
     @staticmethod
@@ -417,6 +424,8 @@ async def run_events(
     finish = dr.InferenceFinishReason.Stop
     async for out in stream:
         usage.count(out)
+        if prep.prompt_logprobs is not None:
+            prep.prompt_logprobs += out.prompt_logprobs or []
         chunk = _tokens_chunk(out, stop_ids, prep.logprobs)
         if chunk is not None:
             for ev in proc.push(chunk):

@@ -32,6 +32,7 @@ from app.api.errors import (
 )
 from app.api.guard import RequestGuard
 from app.api.limits import PrepareGate, check_api_key, parse_json, read_body
+from app.api.logprobs import prompt_logprobs
 from app.api.protocols import (
     CHAT,
     MESSAGES,
@@ -45,6 +46,7 @@ from app.api.protocols import (
     run_events,
 )
 from app.api.sse import SSEResponse, sse_event
+from app.api.tokenize import TokenizerFrontend
 from app.config import check_fields
 from app.engine.admission import Admission, EngineOverloadedError
 from app.engine.request import EngineRequest
@@ -149,6 +151,10 @@ class _Api:
         self.cfg, self.opts = cfg, cfg.options
         self.client = client
         self.recipe, self.completions = frontends(cfg)
+        self.tokenizer = TokenizerFrontend(
+            self.completions.tokenizer, self.completions.bos, list(cfg.served_model_names),
+            cfg.context_limit,
+        )  # fmt: skip
         self.created = int(time.time())
         self.gate = PrepareGate()
         self.in_flight = in_flight or Admission(cfg.max_in_flight, None)
@@ -226,9 +232,15 @@ class _Api:
                 acc.accumulate(ev)
         finally:
             await stream.close()
-        if prep.logprobs and proto is CHAT:  # both fixes on one parse
-            text = compact_json(chat_logprobs_present(patch_usage(json.loads(acc.to_json()),
-                                                                  usage)))  # fmt: skip
+        plp = prep.prompt_logprobs
+        if (prep.logprobs and proto is CHAT) or plp is not None:  # the fixes on one parse
+            obj = patch_usage(json.loads(acc.to_json()), usage)
+            if prep.logprobs and proto is CHAT:
+                chat_logprobs_present(obj)
+            if plp is not None:
+                k = prep.engine_request.params.prompt_logprobs or 0
+                obj["prompt_logprobs"] = prompt_logprobs(self.completions.tokenizer, plp, k)
+            text = compact_json(obj)
         else:
             text = usage.apply(acc.to_json())
         return Response(text, media_type="application/json", headers=headers)
@@ -263,6 +275,14 @@ class _Api:
         finally:
             await stream.close()
         return JSONResponse(cmpl.accumulate(chunks), headers=headers)
+
+    async def tokenizer_route(
+        self, request: Request, fn: Callable[[Mapping[str, Any]], dict[str, Any]]
+    ) -> JSONResponse:
+        """``/tokenize`` / ``/detokenize``: ``fn`` of the body (a worker thread)."""
+        body = await self._body(request)
+        raw = parse_json(body, self.opts.max_json_depth)
+        return JSONResponse(await self.gate.run(len(body), fn, raw))
 
     def _id_header(self, response_id: str) -> dict[str, str]:
         name = self.cfg.request_id_header
@@ -351,6 +371,19 @@ def build_api(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await api.shed(lambda: api.completions_route(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await api.tokenizer_route(request, api.tokenizer.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await api.tokenizer_route(request, api.tokenizer.detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict[str, Any]:
+        api.check_auth(request)
+        return api.tokenizer.info()
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

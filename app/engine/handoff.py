@@ -185,6 +185,7 @@ class HandoffPort:
         if not out:
             raise RequestError("handoff", "a handoff needs the output tokens so far")
         seq = engine.new_sequence(req)
+        seq.prompt_logprobs_done = seq.num_prompt  # the prefill engine sent them (if asked)
         seq.tokens += out
         grammar.replay(seq.matcher, out)
         if state is None:

@@ -147,23 +147,28 @@ class OutputProcessor:
     def prompt_logprobs(
         seq: Sequence, positions: list[int], logits: torch.Tensor, start: int
     ) -> list[TokenLogprob | None] | None:
-        """Logprob of each next prompt token given the prefix (position 0 has none). Each
-        position is emitted once: a preempted request recomputes rows it already reported."""
+        """Logprob and vocabulary rank of each next prompt token given the prefix, with the
+        top ``prompt_logprobs`` alternatives (position 0 has none). Each position is emitted
+        once: a preempted request recomputes rows it already reported."""
         k = seq.req.params.prompt_logprobs or 0
         done = seq.prompt_logprobs_done
-        logp = torch.log_softmax(logits.float(), dim=-1).cpu()
         out: list[TokenLogprob | None] = [None] if start == 0 and done == 0 else []
-        for j, p in enumerate(positions):
-            if p + 1 >= seq.num_prompt:
-                break
-            if p + 1 < done:  # token p+1 was reported before a preemption
-                continue
-            nxt = seq.tokens[p + 1]
-            top = ()
+        # rows j whose next token p + 1 is a prompt token not reported before a preemption
+        rows = [j for j, p in enumerate(positions) if done <= p + 1 < seq.num_prompt]
+        if rows:
+            logp = torch.log_softmax(logits[rows].float(), dim=-1)
+            nxt = torch.tensor([seq.tokens[positions[j] + 1] for j in rows], device=logp.device)
+            chosen = logp.gather(1, nxt[:, None])
+            ranks = (logp > chosen).sum(dim=1) + 1
+            top_ids = top_lp = None
             if k:
-                t = torch.topk(logp[j], k)
-                top = tuple(zip(t.indices.tolist(), t.values.tolist(), strict=True))
-            out.append(TokenLogprob(nxt, float(logp[j, nxt]), top))
+                t = torch.topk(logp, k, dim=-1)
+                top_ids, top_lp = t.indices.tolist(), t.values.tolist()
+            for i, (tok, lp, rank) in enumerate(
+                zip(nxt.tolist(), chosen[:, 0].tolist(), ranks.tolist(), strict=True)
+            ):
+                top = tuple(zip(top_ids[i], top_lp[i], strict=True)) if k else ()
+                out.append(TokenLogprob(tok, lp, top, rank))
         if positions:
             seq.prompt_logprobs_done = max(done, min(positions[-1] + 2, seq.num_prompt))
         return out or None

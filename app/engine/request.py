@@ -158,7 +158,10 @@ class SamplingParams:
         ),
     )
     prompt_logprobs: int | None = field(
-        default=None, metadata=spec(Int(0, MAX_TOP_LOGPROBS, below_vocab=True), optional=True)
+        default=None,
+        metadata=spec(
+            Int(0, MAX_TOP_LOGPROBS, below_vocab=True), optional=True, body=(CHAT, COMPLETIONS)
+        ),
     )
     ignore_eos: bool = field(
         default=False, metadata=spec(Bool(), body=(*RECIPES, COMPLETIONS, GRPC))
@@ -224,11 +227,14 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """Log-probability of a chosen token and the top alternatives ``[(id, logprob), ...]``."""
+    """Log-probability of a chosen token and the top alternatives ``[(id, logprob), ...]``
+    (most likely first); ``rank``: the token's rank in the vocabulary (1 = most likely; set
+    for prompt tokens)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass
@@ -269,11 +275,14 @@ class RequestOutput:
         logprobs = self.logprobs
         if later.logprobs is not None:
             logprobs = [*(logprobs or []), *later.logprobs]
+        prompt_logprobs = self.prompt_logprobs  # a long prompt's come with each prefill chunk
+        if later.prompt_logprobs is not None:
+            prompt_logprobs = [*(prompt_logprobs or []), *later.prompt_logprobs]
         return RequestOutput(
             self.request_id,
             token_ids=[*self.token_ids, *later.token_ids],
             logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             finished=later.finished,
             finish_reason=later.finish_reason,
             stop_reason=later.stop_reason,

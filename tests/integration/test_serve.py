@@ -8,8 +8,13 @@ import asyncio
 import json
 import os
 import random
+import re
+import shlex
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -241,6 +246,56 @@ def test_anthropic_messages(app_urls):
     ) as s:
         events = list(s)
     assert events[0].type == "message_start"
+
+
+def _readme_lm_eval_command() -> list[str]:
+    """The lm-eval command of the README (its ``lm-eval run`` block, continued lines joined)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    m = re.search(r"^lm-eval run (?:.*\\\n)*.*$", readme, re.M)
+    assert m, "README.md shows no lm-eval command"
+    return shlex.split(m.group(0).replace("\\\n", " "))
+
+
+def test_lm_eval_runs_the_readme_command(app_urls, tmp_path):
+    """lm-eval's ``local-completions`` model against the app, by the README's command (this
+    app's URL, model and key put in): a loglikelihood task and a generate-until task defined
+    in tests/lm_eval_tasks (local data). Each loglikelihood lm-eval reports is the app's own:
+    the continuation's echoed logprobs, its context measured by /tokenize."""
+    base = app_urls[0]
+    cmd = [a.replace("http://127.0.0.1:8000", base).replace("tiny-v41-chat", MODEL)
+           for a in _readme_lm_eval_command()]  # fmt: skip
+    at = cmd.index("--model_args") + 1
+    cmd[at] += f",auth_token={KEY}"  # the remote tokenizer's key (the requests': OPENAI_API_KEY)
+    lm_eval = Path(sys.executable).with_name("lm-eval")
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([str(lm_eval), *cmd[1:], "--output_path", str(tmp_path), "--log_samples"],
+                       cwd=root, env={**os.environ, "OPENAI_API_KEY": KEY}, capture_output=True,
+                       text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())["results"]
+    assert 0 <= results["fathom_pydoc_choice"]["acc,none"] <= 1
+    assert 0 <= results["fathom_pydoc_gen"]["exact_match,strip"] <= 1
+    gen = [json.loads(x) for x in next(tmp_path.rglob("samples_fathom_pydoc_gen_*")).open()]
+    assert len(gen) == 4 and all("\n" not in s["resps"][0][0] for s in gen)
+    samples = [json.loads(x) for x in next(tmp_path.rglob("samples_fathom_pydoc_choice_*")).open()]
+    assert len(samples) == 6
+    assert httpx.post(f"{base}/tokenize", json={"prompt": "x"}).status_code == 401  # keyed
+    with httpx.Client(base_url=base, headers=AUTH, timeout=60) as http:
+
+        def ids(text: str) -> list[int]:
+            body = {"prompt": text, "add_special_tokens": False}
+            return http.post("/tokenize", json=body).json()["tokens"]
+
+        for s in samples:
+            for args, resp in zip(s["arguments"].values(), s["resps"], strict=True):
+                ctx, cont = args["arg_0"], args["arg_1"]
+                whole = ids(ctx + cont)
+                body = {"model": MODEL, "prompt": whole, "echo": True, "logprobs": 1,
+                        "max_tokens": 0, "temperature": 0}  # fmt: skip
+                lp = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+                assert len(lp["token_logprobs"]) == len(whole)
+                want = sum(lp["token_logprobs"][len(ids(ctx)) :])
+                assert float(resp[0][0]) == pytest.approx(want, rel=1e-3, abs=1e-3)
 
 
 def test_grpc_streams_token_ids_and_text(app_urls):

@@ -133,6 +133,15 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("cmpl-top-k-2^63", CMPL, cmpl(top_k=2**63), 400, "top_k"),
     ("cmpl-seed-2^64", CMPL, cmpl(seed=2**64), 400, "seed"),
     ("min-tokens-2^40", CHAT, chat(min_tokens=2**40), 400, "min_tokens"),
+    # scoring prompts: echo, max_tokens 0, prompt_logprobs
+    ("cmpl-echo-unknown-model", CMPL, cmpl(model="nope", echo=True, logprobs=1), 404, "nope"),
+    ("cmpl-echo-logprobs-21", CMPL, cmpl(echo=True, logprobs=21, max_tokens=0), 400, "logprobs"),
+    ("cmpl-max-tokens-negative", CMPL, cmpl(max_tokens=-1), 400, "max_tokens must be >= 0"),
+    ("cmpl-prompt-logprobs-21", CMPL, cmpl(prompt_logprobs=21), 400, "prompt_logprobs"),
+    ("cmpl-plp-stream", CMPL, cmpl(prompt_logprobs=0, stream=True), 400, "prompt_logprobs"),
+    ("cmpl-prompt-batch-of-2", CMPL, cmpl(prompt=[[1, 2], [3]]), 400, "one prompt"),
+    ("plp-string", CHAT, chat(prompt_logprobs="2"), 400, "prompt_logprobs"),
+    ("plp-stream", CHAT, chat(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
 ]
 POST_ROUTES = (CHAT, MSGS, CMPL, RESP)
 

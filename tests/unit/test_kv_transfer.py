@@ -150,6 +150,34 @@ def test_missing_state_resumes_locally_and_abort_frees_an_import(tiny_ckpt):
     assert_released(dec)
 
 
+def test_prompt_logprobs_come_once_when_the_decode_engine_prefills_again(tiny_ckpt):
+    """The prefill engine sends a prompt's logprobs; a decode engine that resumes the request
+    as a local prefill (its state lost, or no room for it) does not send them again."""
+    path = tiny_ckpt("v41")
+    params = dataclasses.replace(GREEDY, prompt_logprobs=1)
+    reqs = requests(prompts((40, 12)), params)
+    pre = make_engine(path, max_num_batched_tokens=16)
+    for r in reqs:
+        pre.add_request(r, export=True)
+    plp: dict[str, list] = {r.request_id: [] for r in reqs}
+    outs = {}
+    while pre.has_unfinished:
+        for o in pre.step():
+            plp[o.request_id] += o.prompt_logprobs or []
+            if o.finished:
+                outs[o.request_id] = o
+    assert [len(plp[r.request_id]) for r in reqs] == [40, 12]
+    dec = make_engine(path)
+    lost = {k: Handoff(tuple(o.token_ids)) for k, o in outs.items()}
+    assert [dec.add_handoff(r, lost[r.request_id]) for r in reqs] == ["no_state", "no_state"]
+    n_out = 0
+    while dec.has_unfinished:
+        for o in dec.step():
+            assert o.prompt_logprobs is None, o.request_id
+            n_out += len(o.token_ids)
+    assert n_out == 2 * (GREEDY.max_tokens - 1)
+
+
 def test_pd_args_are_validated():
     from pydantic import ValidationError
 

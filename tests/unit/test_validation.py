@@ -248,14 +248,15 @@ def test_broken_step_fails_every_request_and_stops_the_engine(engine):
 def test_which_endpoints_take_each_sampling_field():
     """The sampling-field table's endpoints, as the README documents them: ``ignore_eos`` and
     ``min_tokens`` on every recipe protocol, ``top_k`` on chat and messages, ``min_p`` and the
-    penalties on chat; the completions body and gRPC's SamplingOptions take theirs by name."""
+    penalties on chat, vLLM's ``prompt_logprobs`` on chat and completions; the completions body
+    and gRPC's SamplingOptions take theirs by name."""
     penalties = {"repetition_penalty", "presence_penalty", "frequency_penalty"}
     by_name = {  # endpoint -> fields read from a body field of the same name
-        CHAT: {"top_k", "min_p", *penalties, "ignore_eos", "min_tokens"},
+        CHAT: {"top_k", "min_p", *penalties, "ignore_eos", "min_tokens", "prompt_logprobs"},
         RESPONSES: {"ignore_eos", "min_tokens"},
         MESSAGES: {"top_k", "ignore_eos", "min_tokens"},
         COMPLETIONS: {"temperature", "top_p", "top_k", "min_p", *penalties, "seed",
-                      "max_tokens", "stop", "logprobs", "ignore_eos"},
+                      "max_tokens", "stop", "logprobs", "prompt_logprobs", "ignore_eos"},
         GRPC: {"temperature", "top_p", "top_k", "min_p", *penalties, "seed", "max_tokens",
                "stop", "stop_token_ids", "ignore_eos"},
     }  # fmt: skip
