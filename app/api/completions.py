@@ -28,7 +28,15 @@ from app.engine.request import (
     SamplingParams,
     new_request_id,
 )
-from app.engine.validation import BODY, COMPLETIONS, FieldSpec, RequestLimits, Stops, wire_fields
+from app.engine.validation import (
+    BODY,
+    COMPLETIONS,
+    Bias,
+    FieldSpec,
+    RequestLimits,
+    Stops,
+    wire_fields,
+)
 
 
 class StreamOptions(BaseModel):
@@ -56,11 +64,14 @@ def _number(x: float) -> float:
 
 def _wire(f: FieldSpec) -> tuple[Any, Any]:
     """A table field as a body field: its JSON type and default. A list of stop strings may
-    be one string, or null for none; null is accepted where the engine's value may be None;
-    an HTTP-only bound (``http_max``) is the one bound checked here."""
+    be one string, or null for none; logit biases an object, or null for none; null is
+    accepted where the engine's value may be None; an HTTP-only bound (``http_max``) is the
+    one bound checked here."""
     check, s = f.spec.check, f.spec
     if isinstance(check, Stops):
         return str | list[str] | None, None
+    if isinstance(check, Bias):  # token id -> bias (null: none), converted by make_request
+        return dict | None, None
     kind: Any = check.py
     if s.http_max is not None:
         lo = _number(check.lo)

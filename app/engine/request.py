@@ -18,6 +18,8 @@ from app.engine.validation import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    LOGIT_BIAS_BOUND,
+    MAX_LOGIT_BIAS,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
@@ -26,6 +28,7 @@ from app.engine.validation import (
     MESSAGES,
     RECIPES,
     RESPONSES,
+    Bias,
     Bool,
     Float,
     Instance,
@@ -82,8 +85,10 @@ class OutputConstraint:
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1``
-    and ``min_p == 0`` disable those filters. ``logprobs``: None = none, 0 = the chosen token's,
-    k = also the top k (<= 20). ``max_tokens`` None = up to the context limit.
+    and ``min_p == 0`` disable those filters. ``logit_bias``: ``(token id, bias)`` pairs, each
+    bias added to its token's logit (after the penalties, before the grammar mask).
+    ``logprobs``: None = none, 0 = the chosen token's, k = also the top k (<= 20).
+    ``max_tokens`` None = up to the context limit.
 
     The sampling-field table: each field declares here, once, its type, default, bounds and
     which endpoints take it (``spec``: ``body`` = a body / SamplingOptions field of the same
@@ -115,6 +120,10 @@ class SamplingParams:
     )
     frequency_penalty: float = field(
         default=0.0, metadata=spec(Float(-2.0, 2.0), body=(CHAT, COMPLETIONS, GRPC))
+    )
+    logit_bias: tuple[tuple[int, float], ...] = field(
+        default=(),
+        metadata=spec(Bias(MAX_LOGIT_BIAS, LOGIT_BIAS_BOUND), body=(CHAT, COMPLETIONS, GRPC)),
     )
     seed: int | None = field(
         default=None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -32,6 +33,8 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_CHARS = 256
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+LOGIT_BIAS_BOUND = 100.0  # a bias is in [-100, 100] (OpenAI's range)
 
 # Where a sampling field can come from: the endpoints, and how each takes it.
 CHAT, RESPONSES, MESSAGES = "chat", "responses", "messages"
@@ -61,6 +64,13 @@ class RequestLimits:
 
     vocab_size: int | None  # None: not known here (ids are checked by the engine)
     max_model_len: int
+
+
+def _finite(v: object) -> bool:
+    """A finite number (an int of any size, not a bool; a float that is not inf / nan)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    return isinstance(v, int) or math.isfinite(v)
 
 
 # ---- value kinds: each checks one value (``name`` is the field the error names) --------------
@@ -94,7 +104,7 @@ class Float:
     json: ClassVar[tuple[tuple[type, ...], str]] = ((int, float), "a number")
 
     def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        if not _finite(v):
             raise RequestError(name, f"must be a finite number, got {v!r}")
         if (v <= self.lo if self.lo_open else v < self.lo) or v > self.hi:
             bracket = "(" if self.lo_open else "["
@@ -180,7 +190,66 @@ class Instance:
             raise RequestError(name, f"must be {self.cls.__name__}")
 
 
-Check = Int | Float | Bool | Text | TokenIds | Stops | Instance
+_DECIMAL = re.compile(r"-?[0-9]{1,12}")  # a token id as a JSON object's key
+
+
+@dataclass(frozen=True)
+class Bias:
+    """Additive logit biases: at most ``max_items`` ``(token id, bias)`` pairs, the ids distinct
+    and in ``[0, vocab_size)``, each bias finite in ``[-bound, bound]``. On the wire it is a
+    JSON object (a gRPC map) of token id -> bias, its keys decimal strings; :meth:`from_wire`
+    makes the pairs (sorted by id)."""
+
+    max_items: int
+    bound: float
+    py: ClassVar[type] = dict
+    json: ClassVar[tuple[tuple[type, ...], str]] = ((dict,), "an object of token id -> bias")
+
+    def from_wire(self, name: str, v: object) -> object:
+        """The pairs of a JSON object / gRPC map (None: no bias); anything else is left for
+        :meth:`__call__` to refuse."""
+        if v is None:
+            return ()
+        if not isinstance(v, Mapping):
+            return v
+        if len(v) > self.max_items:
+            raise RequestError(name, f"biases {len(v)} tokens; the limit is {self.max_items}")
+        pairs = []
+        for key, bias in v.items():
+            if isinstance(key, str) and _DECIMAL.fullmatch(key):
+                tid = int(key)
+            elif type(key) is int:
+                tid = key
+            else:
+                raise RequestError(name, f"keys must be token ids (decimal integers), got {key!r}")
+            pairs.append((tid, bias))
+        return tuple(sorted(pairs, key=lambda p: p[0]))
+
+    def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
+        if not isinstance(v, tuple | list):
+            raise RequestError(name, "must be (token id, bias) pairs")
+        if len(v) > self.max_items:
+            raise RequestError(name, f"biases {len(v)} tokens; the limit is {self.max_items}")
+        seen = set()
+        for pair in v:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise RequestError(name, "must be (token id, bias) pairs")
+            tid, bias = pair
+            if type(tid) is not int or tid < 0:
+                raise RequestError(name, f"token ids must be integers >= 0, got {tid!r}")
+            if vocab_size is not None and tid >= vocab_size:
+                raise RequestError(name, f"token id {tid} >= vocab size {vocab_size}")
+            if tid in seen:
+                raise RequestError(name, f"token id {tid} is biased twice")
+            seen.add(tid)
+            if not _finite(bias) or abs(bias) > self.bound:
+                raise RequestError(
+                    name, f"bias of token {tid} must be a number in [-{self.bound:g}, "
+                          f"{self.bound:g}], got {bias!r}",
+                )  # fmt: skip
+
+
+Check = Int | Float | Bool | Text | TokenIds | Stops | Instance | Bias
 
 
 # ---- the field table ------------------------------------------------------------------------
@@ -249,6 +318,18 @@ def wire_fields(cls: type, endpoint: str, *how: str) -> tuple[FieldSpec, ...]:
 
 
 # ---- the checks -----------------------------------------------------------------------------
+def from_wire(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (fields of dataclass ``cls`` as a body carries them) in the dataclass's
+    form: a field whose kind has a wire form (``from_wire``) converted, the rest as is."""
+    kinds = {f.name: f.spec.check for f in specs(cls)}
+    out = dict(values)
+    for name, v in values.items():
+        conv = getattr(kinds.get(name), "from_wire", None)
+        if conv is not None:
+            out[name] = conv(name, v)
+    return out
+
+
 def check_fields(obj: object, vocab_size: int | None = None) -> None:
     """Every declared field of dataclass ``obj`` within its bounds (token ids below
     ``vocab_size`` when given): what the constructors run."""

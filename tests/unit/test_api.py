@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from tokenizers import Tokenizer
 
 from app.api import (
     ApiConfig,
@@ -493,3 +494,40 @@ def test_max_completion_tokens_bounds_a_chat_answer(server):
     assert ok.json()["choices"][0]["finish_reason"] == "length"
     assert same.status_code == 200 and same.json()["usage"]["completion_tokens"] == 3
     assert both.status_code == 400 and both.json()["error"]["param"] == "max_completion_tokens"
+
+
+def test_logit_bias_takes_effect_on_chat_and_completions(tiny_ckpt, server, oai):
+    """OpenAI's ``logit_bias`` through the SDK: +100 on a token makes it every greedy token of
+    a chat answer and a completion; -100 on the unbiased completion's tokens keeps them all
+    out. A bias out of range, a key that is no token id or a token outside the vocabulary
+    gets a 400 naming the field."""
+    srv, client = server
+    tok = Tokenizer.from_file(f"{tiny_ckpt('v41')}/tokenizer.json")
+    (x,) = tok.encode("x", add_special_tokens=False).ids
+    greedy = {"max_tokens": 4, "temperature": 0}
+    c = oai.completions.create(model=MODEL, prompt="hi", logit_bias={str(x): 100}, **greedy,
+                               extra_body=FULL)  # fmt: skip
+    assert c.choices[0].text == "xxxx"
+    assert client.requests[-1].params.logit_bias == ((x, 100),)
+    r = oai.chat.completions.create(model=MODEL, messages=HI, logit_bias={str(x): 100},
+                                    **greedy, extra_body={**FULL, **NO_THINK})  # fmt: skip
+    assert r.choices[0].message.content == "xxxx"
+    plain = oai.completions.create(model=MODEL, prompt=[0, 50, 60], **greedy, extra_body=FULL)
+    seen = tok.encode(plain.choices[0].text, add_special_tokens=False).ids
+    ban = {str(t): -100 for t in seen}
+    other = oai.completions.create(model=MODEL, prompt=[0, 50, 60], logit_bias=ban, **greedy,
+                                   extra_body=FULL)  # fmt: skip
+    assert not set(client.requests[-1].params.logit_bias) - {(t, -100) for t in seen}
+    assert other.choices[0].text != plain.choices[0].text
+    bad = [
+        ("/v1/chat/completions", {"messages": HI, "logit_bias": {str(x): 101}}),
+        ("/v1/chat/completions", {"messages": HI, "logit_bias": {"x": 1}}),
+        ("/v1/chat/completions", {"messages": HI, "logit_bias": [x]}),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1000000": 1}}),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {str(x): "high"}}),
+    ]
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        for path, body in bad:
+            resp = http.post(path, json={"model": MODEL, "max_tokens": 2, **body})
+            assert resp.status_code == 400, (body, resp.text)
+            assert resp.json()["error"]["param"] == "logit_bias", resp.text
