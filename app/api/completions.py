@@ -18,6 +18,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from tokenizers import Tokenizer
 
+from app.api.accepted import Only
 from app.api.client import EngineStream
 from app.api.errors import ApiError
 from app.api.limits import make_request
@@ -45,9 +46,11 @@ class StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    """The endpoint's own fields (others are ignored, as OpenAI-compatible servers do)."""
+    """The endpoint's own fields. Any other field gets a 400 naming it, as on the recipe
+    endpoints (``app.api.accepted``); ``suffix`` and ``best_of`` are accepted only with the
+    values that ask for nothing more than a plain completion (:data:`_ONLY`)."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
@@ -56,6 +59,14 @@ class _Body(BaseModel):
     stream_options: StreamOptions | None = None
     echo: bool = False
     user: str | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+_ONLY = {
+    "suffix": Only((), "insertion (text after the completion) is not supported"),
+    "best_of": Only((1,), "only best_of = 1 is supported"),
+}
 
 
 def _number(x: float) -> float:
@@ -94,7 +105,12 @@ def parse_body(raw: Mapping[str, Any]) -> CompletionBody:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or p == 0)
         param = str(err["loc"][0]) if err["loc"] else None
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            raise ApiError(400, f"unrecognized request argument supplied: {loc}",
+                           param=param) from None  # fmt: skip
         raise ApiError(400, f"{loc}: {err['msg']}", param=param) from None
+    for name, rule in _ONLY.items():
+        rule.check(name, getattr(body, name))
     if body.echo:
         raise ApiError(400, "echo is not supported", param="echo")
     return body

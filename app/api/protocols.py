@@ -20,6 +20,7 @@ from typing import Any
 
 import deepseek_recipe as dr
 
+from app.api.accepted import check_accepted
 from app.api.client import EngineStream
 from app.api.errors import ApiError, from_recipe_error
 from app.api.limits import make_request
@@ -68,9 +69,10 @@ _AT_LEAST_ONE = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"
 
 
 def session_key(raw: Mapping[str, Any]) -> str:
-    """The router's session-affinity key: OpenAI ``user``, Anthropic ``metadata.user_id``
-    (a string of up to 256 characters; anything else is no key)."""
-    key = raw.get("user")
+    """The router's session-affinity key: OpenAI ``prompt_cache_key`` (its key for grouping
+    requests that share a prefix) or else ``user``, Anthropic ``metadata.user_id`` (a string
+    of up to 256 characters; anything else is no key)."""
+    key = raw.get("prompt_cache_key") or raw.get("user")
     meta = raw.get("metadata")
     if key is None and isinstance(meta, Mapping):
         key = meta.get("user_id")
@@ -78,7 +80,9 @@ def session_key(raw: Mapping[str, Any]) -> str:
 
 
 def check_fields(proto_name: str, raw: Mapping[str, Any]) -> None:
-    """400 naming the field for a wrong JSON type or a count below 1."""
+    """400 naming the field for a field the endpoint does not accept (``app.api.accepted``),
+    a wrong JSON type or a count below 1."""
+    check_accepted(proto_name, raw)
     for name, (types, what) in _FIELDS[proto_name].items():
         v = raw.get(name)
         if v is None:
@@ -95,9 +99,14 @@ def check_fields(proto_name: str, raw: Mapping[str, Any]) -> None:
 
 def _check_messages(raw: Mapping[str, Any]) -> None:
     """What Anthropic's Messages API refuses and the recipe would accept: no ``max_tokens``,
-    a ``system`` turn inside ``messages``."""
+    a ``system`` turn inside ``messages``; and ``tool_choice.disable_parallel_tool_use``, not
+    served (as chat's ``parallel_tool_calls: false``)."""
     if raw.get("max_tokens") is None:
         raise ApiError(400, "max_tokens: field required", param="max_tokens")
+    choice = raw.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
+        msg = "tool_choice.disable_parallel_tool_use: at most one tool call is not supported"
+        raise ApiError(400, msg, param="tool_choice")
     for i, m in enumerate(raw.get("messages") or ()):
         if isinstance(m, dict) and m.get("role") == "system":
             raise ApiError(
@@ -106,6 +115,12 @@ def _check_messages(raw: Mapping[str, Any]) -> None:
                 "system prompt as the top-level `system` field",
                 param="messages",
             )
+
+
+def _forces_a_tool(raw: Mapping[str, Any]) -> bool:
+    """Anthropic ``tool_choice: {"type": "any"}``: the answer must call one of the tools."""
+    choice = raw.get("tool_choice")
+    return isinstance(choice, dict) and choice.get("type") == "any"
 
 
 @dataclass(frozen=True)
@@ -270,7 +285,15 @@ class RecipeFrontend:
         constraint = None
         if (oc := io.output_constraint) is not None:
             think = conv.conversation.thinking_mode
-            constraint = OutputConstraint(oc.kind, oc.schema, think_first=think)
+            kind = oc.kind
+            if proto is MESSAGES and kind == "tool_call" and _forces_a_tool(raw):
+                if think:  # as chat's tool_choice "required"
+                    msg = 'tool_choice: thinking mode does not support {"type": "any"}'
+                    raise ApiError(400, msg, param="tool_choice")
+                kind = "tool_call_required"  # the recipe converts "any" as "auto"
+            constraint = OutputConstraint(kind, oc.schema, think_first=think)
+        # the recipe's resolution for the model and mode (thinking: temperature 1.0) is the
+        # default; a temperature / top_p the body sets is taken as sent (below)
         recipe = {"temperature": io.temperature, "top_p": io.top_p}
         return {
             **{k: v for k, v in recipe.items() if v is not None},

@@ -99,11 +99,11 @@ class SamplingParams:
 
     temperature: float = field(
         default=1.0,
-        metadata=spec(Float(0.0, 100.0), http_max=2.0, typed=RECIPES, body=(COMPLETIONS, GRPC)),
+        metadata=spec(Float(0.0, 100.0), http_max=2.0, body=(*RECIPES, COMPLETIONS, GRPC)),
     )
     top_p: float = field(
         default=1.0,
-        metadata=spec(Float(0.0, 1.0, lo_open=True), typed=RECIPES, body=(COMPLETIONS, GRPC)),
+        metadata=spec(Float(0.0, 1.0, lo_open=True), body=(*RECIPES, COMPLETIONS, GRPC)),
     )
     top_k: int = field(
         default=0, metadata=spec(Int(-1, INT32_MAX), body=(CHAT, MESSAGES, COMPLETIONS, GRPC))

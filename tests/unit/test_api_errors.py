@@ -133,7 +133,46 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("cmpl-top-k-2^63", CMPL, cmpl(top_k=2**63), 400, "top_k"),
     ("cmpl-seed-2^64", CMPL, cmpl(seed=2**64), 400, "seed"),
     ("min-tokens-2^40", CHAT, chat(min_tokens=2**40), 400, "min_tokens"),
+    # a field a route does not take, or takes with other values only, is refused by name
+    ("unknown-field", CHAT, chat(foo=1), 400, "unrecognized request argument supplied: foo"),
+    ("msg-unknown-field", MSGS, msgs(foo=1), 400, "unrecognized request argument supplied: foo"),
+    ("cmpl-unknown-field", CMPL, cmpl(foo=1), 400, "unrecognized request argument supplied: foo"),
+    (
+        "resp-unknown-field",
+        RESP,
+        {"model": MODEL, "input": "hi", "foo": 1},
+        400,
+        "unrecognized request argument supplied: foo",
+    ),
+    ("store-true", CHAT, chat(store=True), 400, "store: stored completions"),
+    (
+        "resp-previous-response",
+        RESP,
+        {"model": MODEL, "input": "hi", "previous_response_id": "resp_1"},
+        400,
+        "previous_response_id",
+    ),
+    ("cmpl-suffix", CMPL, cmpl(suffix="end"), 400, "suffix"),
+    (
+        "msg-any-tool-thinking",
+        MSGS,
+        msgs(
+            tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "any"}
+        ),
+        400,
+        "tool_choice",
+    ),
 ]
+# case -> the field its 400 names (``param``; the Anthropic shape has none)
+NAMED = {
+    "unknown-field": "foo",
+    "cmpl-unknown-field": "foo",
+    "resp-unknown-field": "foo",
+    "store-true": "store",
+    "resp-previous-response": "previous_response_id",
+    "cmpl-suffix": "suffix",
+    "n-2": "n",
+}
 POST_ROUTES = (CHAT, MSGS, CMPL, RESP)
 
 
@@ -159,6 +198,13 @@ def test_bad_request(http, path, body, status, words):
     message = err["error"]["message"]
     assert words.lower() in message.lower(), message
     assert http.get("/health").status_code == 200
+
+
+def test_refused_fields_are_named(http):
+    """A refused field is the error's ``param`` (OpenAI shape), so a client can tell which."""
+    for case_id, path, body, _, _ in (c for c in CASES if c[0] in NAMED):
+        err = http.post(path, json=body).json()["error"]
+        assert err["param"] == NAMED[case_id], (case_id, err)
 
 
 def test_every_post_route_has_bad_request_cases():

@@ -274,15 +274,17 @@ def test_broken_step_fails_every_request_and_stops_the_engine(engine):
 
 
 def test_which_endpoints_take_each_sampling_field():
-    """The sampling-field table's endpoints, as the README documents them: ``ignore_eos`` and
-    ``min_tokens`` on every recipe protocol, ``top_k`` on chat and messages, ``min_p``, the
+    """The sampling-field table's endpoints, as the README documents them: ``temperature``,
+    ``top_p`` (as sent, over the recipe's resolution), ``ignore_eos`` and ``min_tokens`` on
+    every recipe protocol, ``top_k`` on chat and messages, ``min_p``, the
     penalties and ``logit_bias`` on chat; the completions body and gRPC's SamplingOptions
     take theirs by name."""
     penalties = {"repetition_penalty", "presence_penalty", "frequency_penalty"}
     by_name = {  # endpoint -> fields read from a body field of the same name
-        CHAT: {"top_k", "min_p", *penalties, "logit_bias", "ignore_eos", "min_tokens"},
-        RESPONSES: {"ignore_eos", "min_tokens"},
-        MESSAGES: {"top_k", "ignore_eos", "min_tokens"},
+        CHAT: {"temperature", "top_p", "top_k", "min_p", *penalties, "logit_bias", "ignore_eos",
+               "min_tokens"},
+        RESPONSES: {"temperature", "top_p", "ignore_eos", "min_tokens"},
+        MESSAGES: {"temperature", "top_p", "top_k", "ignore_eos", "min_tokens"},
         COMPLETIONS: {"temperature", "top_p", "top_k", "min_p", *penalties, "logit_bias",
                       "seed", "max_tokens", "stop", "logprobs", "ignore_eos"},
         GRPC: {"temperature", "top_p", "top_k", "min_p", *penalties, "logit_bias", "seed",
@@ -290,10 +292,6 @@ def test_which_endpoints_take_each_sampling_field():
     }  # fmt: skip
     for endpoint, names in by_name.items():
         assert {f.name for f in wire_fields(SamplingParams, endpoint, BODY)} == names, endpoint
-    typed = {
-        CHAT: {"temperature", "top_p", "seed", "max_tokens"},
-        RESPONSES: {"temperature", "top_p"},
-        MESSAGES: {"temperature", "top_p", "max_tokens"},
-    }
+    typed = {CHAT: {"seed", "max_tokens"}, RESPONSES: set(), MESSAGES: {"max_tokens"}}
     for endpoint, names in typed.items():
         assert {f.name for f in wire_fields(SamplingParams, endpoint, TYPED)} == names, endpoint
