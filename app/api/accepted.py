@@ -62,7 +62,6 @@ _OWN: dict[str, dict[str, Rule]] = {
             "top_logprobs response_format tools tool_choice reasoning_effort thinking user "
             "prompt_cache_key"
         ),
-        "n": Only((1,), "only n = 1 is supported"),
         "parallel_tool_calls": _PARALLEL,
         "store": _STORE,
         "service_tier": _TIER,

@@ -47,14 +47,13 @@ class StreamOptions(BaseModel):
 
 class _Body(BaseModel):
     """The endpoint's own fields. Any other field gets a 400 naming it, as on the recipe
-    endpoints (``app.api.accepted``); ``suffix`` and ``best_of`` are accepted only with the
-    values that ask for nothing more than a plain completion (:data:`_ONLY`)."""
+    endpoints (``app.api.accepted``); ``suffix`` is accepted only as null (:data:`_ONLY`),
+    ``best_of`` only equal to ``n`` (the choices are all returned)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
@@ -63,10 +62,7 @@ class _Body(BaseModel):
     best_of: int | None = None
 
 
-_ONLY = {
-    "suffix": Only((), "insertion (text after the completion) is not supported"),
-    "best_of": Only((1,), "only best_of = 1 is supported"),
-}
+_ONLY = {"suffix": Only((), "insertion (text after the completion) is not supported")}
 
 
 def _number(x: float) -> float:
@@ -111,6 +107,8 @@ def parse_body(raw: Mapping[str, Any]) -> CompletionBody:
         raise ApiError(400, f"{loc}: {err['msg']}", param=param) from None
     for name, rule in _ONLY.items():
         rule.check(name, getattr(body, name))
+    if body.best_of is not None and body.best_of != body.n:  # n choices, all returned
+        raise ApiError(400, f"best_of: only best_of = n ({body.n}) is supported", param="best_of")
     if body.echo:
         raise ApiError(400, "echo is not supported", param="echo")
     return body
@@ -137,6 +135,15 @@ class Detokenizer:
             text = text[: max(len(text) - hold, self.sent)]
         new, self.sent = text[self.sent :], max(self.sent, len(text))
         return new
+
+
+@dataclass
+class _Choice:
+    """One choice's stream state: its text so far, its finish reason, its text offset."""
+
+    detok: Detokenizer
+    finish: str | None = None
+    offset: int = 0
 
 
 class CompletionsFrontend:
@@ -225,27 +232,33 @@ class CompletionsFrontend:
     async def events(
         self, body: CompletionBody, req: EngineRequest, rid: str, stream: EngineStream
     ) -> AsyncIterator[dict[str, Any]]:
-        """``text_completion`` chunks with id ``rid`` (the last has ``finish_reason``; usage
-        when asked)."""
+        """``text_completion`` chunks with id ``rid`` (each choice's last has its
+        ``finish_reason``; with ``n`` > 1 the choices' chunks interleave, each with its
+        ``index``), then the usage: the prompt once, the choices' tokens summed."""
         created = int(time.time())
-        detok = Detokenizer(self.tokenizer, req.params.stop)
-        n_out, cached, finish, offset = 0, 0, None, 0
+        choices = [_Choice(Detokenizer(self.tokenizer, req.params.stop))
+                   for _ in range(req.params.n)]  # fmt: skip
+        n_out, cached = 0, 0
         async for out in stream:
             cached = max(cached, out.num_cached_tokens)
             n_out += len(out.token_ids)
-            if out.finished:
+            c = choices[out.index]
+            ended = out.finish_reason is not None  # the choice's last delta
+            if ended:
                 if out.finish_reason is FinishReason.ERROR:
                     raise ApiError(500, f"the engine failed: {out.error}", code="engine")
                 if out.finish_reason is FinishReason.ABORT:
                     raise ApiError(503, "the engine aborted the request", code="aborted")
-                finish = out.finish_reason.value
+                c.finish = out.finish_reason.value
             stop_hit = out.stop_reason if isinstance(out.stop_reason, str) else None
-            text = detok.push(out.token_ids, out.finished, stop_hit)
-            if not (text or out.finished or (body.logprobs is not None and out.token_ids)):
+            text = c.detok.push(out.token_ids, ended, stop_hit)
+            if not (text or ended or (body.logprobs is not None and out.token_ids)):
                 continue
-            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
-            choice["logprobs"] = self._logprobs(out, offset) if body.logprobs is not None else None
-            offset += len(text)
+            choice: dict[str, Any] = {"index": out.index, "text": text, "finish_reason": c.finish}
+            choice["logprobs"] = (
+                self._logprobs(out, c.offset) if body.logprobs is not None else None
+            )
+            c.offset += len(text)
             yield {
                 "id": rid,
                 "object": "text_completion",
@@ -253,16 +266,18 @@ class CompletionsFrontend:
                 "model": body.model,
                 "choices": [choice],
             }
-        if finish is None:  # timed out
-            yield {
+        for i, c in enumerate(choices):
+            if c.finish is not None:
+                continue
+            yield {  # timed out
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": body.model,
                 "choices": [
                     {
-                        "index": 0,
-                        "text": detok.push([], True, None),
+                        "index": i,
+                        "text": c.detok.push([], True, None),
                         "finish_reason": "length",
                         "logprobs": None,
                     }
@@ -282,11 +297,16 @@ class CompletionsFrontend:
 
 
 def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The non-streaming ``text_completion`` object from the streamed chunks."""
+    """The non-streaming ``text_completion`` object from the streamed chunks (its choices in
+    ``index`` order)."""
     head = next(c for c in chunks if "choices" in c)
-    choice: dict[str, Any] = {"index": 0, "text": "", "finish_reason": None, "logprobs": None}
+    by_index: dict[int, dict[str, Any]] = {}
     for c in chunks:
         for ch in c.get("choices", []):
+            choice = by_index.setdefault(
+                ch["index"],
+                {"index": ch["index"], "text": "", "finish_reason": None, "logprobs": None},
+            )
             choice["text"] += ch["text"]
             choice["finish_reason"] = ch["finish_reason"] or choice["finish_reason"]
             if ch["logprobs"] is not None:
@@ -297,6 +317,6 @@ def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     usage = next((c["usage"] for c in chunks if "usage" in c), None)
     return {
         **{k: head[k] for k in ("id", "object", "created", "model")},
-        "choices": [choice],
+        "choices": [by_index[i] for i in sorted(by_index)],
         "usage": usage,
     }

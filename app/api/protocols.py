@@ -144,13 +144,22 @@ class Prepared:
 
     proto: Protocol
     engine_request: EngineRequest
-    processor: dr.StreamProcessor
+    processors: list[dr.StreamProcessor]  # one per choice (chat's n)
     response_id: str  # the public id (x-request-id, the body's "id"), never an engine key
     model: str
     created: int
     stream: bool
     logprobs: bool
     in_reasoning: bool  # the answer starts inside reasoning content (thinking mode)
+
+    @property
+    def processor(self) -> dr.StreamProcessor:
+        """The processor of the (first) choice."""
+        return self.processors[0]
+
+    @property
+    def n(self) -> int:
+        return self.engine_request.params.n
 
 
 def completion_tokens_as_max_tokens(body: bytes, raw: Mapping[str, Any]) -> bytes:
@@ -207,6 +216,8 @@ class RecipeFrontend:
         check_fields(proto.name, raw)
         if proto is CHAT:
             body = completion_tokens_as_max_tokens(body, raw)
+            if raw.get("n") not in (None, 1):  # the recipe converts one choice; the engine
+                body = json.dumps({**json.loads(body), "n": 1}).encode()  # forks n
         try:
             request = proto.request_cls(body)
             model = request.model
@@ -256,13 +267,16 @@ class RecipeFrontend:
             new_request_id(), ids, sampling, self.limits, arrival_time=time.time(),
             session=session_key(raw),
         )  # fmt: skip
-        gen = proto.request_cls.chunk_generator(conv, rid, model)
-        if echo is not None:
-            gen = gen.with_echo(echo)
+        processors = []
+        for _ in range(engine_request.params.n):
+            gen = proto.request_cls.chunk_generator(conv, rid, model)
+            if echo is not None:
+                gen = gen.with_echo(echo)
+            processors.append(dr.StreamProcessor(gen, parsing, self.tokenizer))
         return Prepared(
             proto=proto,
             engine_request=engine_request,
-            processor=dr.StreamProcessor(gen, parsing, self.tokenizer),
+            processors=processors,
             response_id=rid,
             model=model,
             created=int(time.time()),
@@ -306,7 +320,7 @@ class RecipeFrontend:
         }
 
 
-def _finish_reason(out: RequestOutput) -> dr.InferenceFinishReason:
+def finish_reason(out: RequestOutput) -> dr.InferenceFinishReason:
     if out.finish_reason is FinishReason.LENGTH:
         return dr.InferenceFinishReason.Length
     if out.finish_reason is FinishReason.ERROR:
@@ -316,7 +330,7 @@ def _finish_reason(out: RequestOutput) -> dr.InferenceFinishReason:
     return dr.InferenceFinishReason.Stop
 
 
-def _tokens_chunk(
+def tokens_chunk(
     out: RequestOutput, stop_ids: frozenset[int], logprobs: bool
 ) -> dr.InferenceChunk | None:
     """The delta's tokens without EOS / stop tokens (the processor does not strip them)."""
@@ -421,14 +435,14 @@ async def run_events(
     finish = dr.InferenceFinishReason.Stop
     async for out in stream:
         usage.count(out)
-        chunk = _tokens_chunk(out, stop_ids, prep.logprobs)
+        chunk = tokens_chunk(out, stop_ids, prep.logprobs)
         if chunk is not None:
             for ev in proc.push(chunk):
                 yield ev
         if proc.finished:  # a stop sequence ended the answer: stop the engine too
             return
         if out.finished:
-            finish = _finish_reason(out)
+            finish = finish_reason(out)
     if stream.timed_out:
         finish = dr.InferenceFinishReason.Length
     for ev in proc.push(dr.InferenceChunk.finish(finish)):

@@ -34,6 +34,7 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_CHARS = 256
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_N = 128  # choices of one request (OpenAI's bound; ``api.max_n`` sets the served one)
 LOGIT_BIAS_BOUND = 100.0  # a bias is in [-100, 100] (OpenAI's range)
 
 # Where a sampling field can come from: the endpoints, and how each takes it.
@@ -60,10 +61,11 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class RequestLimits:
     """What the serving model allows: token ids below ``vocab_size``, prompt + output within
-    ``max_model_len`` positions."""
+    ``max_model_len`` positions, at most ``max_n`` choices (None: the table's bound)."""
 
     vocab_size: int | None  # None: not known here (ids are checked by the engine)
     max_model_len: int
+    max_n: int | None = None
 
 
 def _finite(v: object) -> bool:
@@ -348,6 +350,9 @@ class _Params(Protocol):
     @property
     def max_tokens(self) -> int | None: ...
 
+    @property
+    def n(self) -> int: ...
+
 
 class _Request(Protocol):
     @property
@@ -360,10 +365,12 @@ class _Request(Protocol):
 def check_request(req: _Request, limits: RequestLimits) -> None:
     """The request validator: every declared field of the request and of its sampling
     params, token ids within the model's vocabulary, prompt + ``max_tokens`` within
-    ``max_model_len``."""
+    ``max_model_len``, ``n`` within ``max_n``."""
     check_fields(req, limits.vocab_size)
     p = req.params
     check_fields(p, limits.vocab_size)
+    if limits.max_n is not None and p.n > limits.max_n:
+        raise RequestError("n", f"must be at most {limits.max_n} (api.max_n), got {p.n}")
     n, limit = len(req.prompt_token_ids), limits.max_model_len
     if n >= limit:
         raise RequestError(

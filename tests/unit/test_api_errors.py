@@ -54,7 +54,7 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("temperature-5", CHAT, chat(temperature=5, **NO_THINK), 400, "temperature"),
     ("top-p-0", CHAT, chat(top_p=0), 400, "top_p"),
     ("stream-not-bool", CHAT, chat(stream="yes"), 400, "stream must be a boolean"),
-    ("n-2", CHAT, chat(n=2), 400, "n = 1"),
+    ("n-over-max", CHAT, chat(n=17), 400, "n: must be at most 16 (api.max_n)"),
     ("top-logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("frequency-penalty", CHAT, chat(frequency_penalty=5.0), 400, "frequency_penalty"),
     ("empty-messages", CHAT, chat(messages=[]), 400, "Empty input messages"),
@@ -171,7 +171,7 @@ NAMED = {
     "store-true": "store",
     "resp-previous-response": "previous_response_id",
     "cmpl-suffix": "suffix",
-    "n-2": "n",
+    "n-over-max": "n",
 }
 POST_ROUTES = (CHAT, MSGS, CMPL, RESP)
 

@@ -63,6 +63,8 @@ BAD_FIELDS = [
     ("logit_bias", ((5, 1.0), (5, 2.0))),
     ("logit_bias", tuple((i, 1.0) for i in range(1025))),
     ("logit_bias", {"5": 1.0}),  # the wire form: the ingress converts it first
+    ("n", 0),
+    ("n", 129),
     ("stop", tuple(f"s{i}" for i in range(17))),
     ("stop", ("",)),
     ("logprobs", 21),
@@ -103,6 +105,10 @@ def test_request_fields_and_model_limits():
             check_request(req, RequestLimits(10, 64) if small else limits)
         assert e.value.field == name, req
     check_request(EngineRequest("r", (1, 2), SamplingParams(max_tokens=62)), limits)
+    five = EngineRequest("r", (1,), SamplingParams(n=5))
+    check_request(five, limits)  # the table's bound only
+    with pytest.raises(RequestError, match="^n: must be at most 4 \\(api.max_n\\)"):
+        check_request(five, RequestLimits(1000, 64, max_n=4))
     for bad in ({"request_id": ""}, {"request_id": "x" * 300}, {"priority": 2**40}):
         with pytest.raises(RequestError, match=next(iter(bad))):
             EngineRequest(**{"request_id": "r", "prompt_token_ids": (1,), **bad})
@@ -277,16 +283,16 @@ def test_which_endpoints_take_each_sampling_field():
     """The sampling-field table's endpoints, as the README documents them: ``temperature``,
     ``top_p`` (as sent, over the recipe's resolution), ``ignore_eos`` and ``min_tokens`` on
     every recipe protocol, ``top_k`` on chat and messages, ``min_p``, the
-    penalties and ``logit_bias`` on chat; the completions body and gRPC's SamplingOptions
+    penalties, ``logit_bias`` and ``n`` on chat; the completions body and gRPC's SamplingOptions
     take theirs by name."""
     penalties = {"repetition_penalty", "presence_penalty", "frequency_penalty"}
     by_name = {  # endpoint -> fields read from a body field of the same name
         CHAT: {"temperature", "top_p", "top_k", "min_p", *penalties, "logit_bias", "ignore_eos",
-               "min_tokens"},
+               "min_tokens", "n"},
         RESPONSES: {"temperature", "top_p", "ignore_eos", "min_tokens"},
         MESSAGES: {"temperature", "top_p", "top_k", "ignore_eos", "min_tokens"},
         COMPLETIONS: {"temperature", "top_p", "top_k", "min_p", *penalties, "logit_bias",
-                      "seed", "max_tokens", "stop", "logprobs", "ignore_eos"},
+                      "seed", "max_tokens", "stop", "logprobs", "ignore_eos", "n"},
         GRPC: {"temperature", "top_p", "top_k", "min_p", *penalties, "logit_bias", "seed",
                "max_tokens", "stop", "stop_token_ids", "ignore_eos"},
     }  # fmt: skip
