@@ -25,6 +25,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from tokenizers import Tokenizer
 
+from app.api.accepted import Only
 from app.api.client import EngineStream
 from app.api.errors import ApiError
 from app.api.limits import make_request
@@ -36,7 +37,15 @@ from app.engine.request import (
     TokenLogprob,
     new_request_id,
 )
-from app.engine.validation import BODY, COMPLETIONS, FieldSpec, RequestLimits, Stops, wire_fields
+from app.engine.validation import (
+    BODY,
+    COMPLETIONS,
+    Bias,
+    FieldSpec,
+    RequestLimits,
+    Stops,
+    wire_fields,
+)
 
 
 class StreamOptions(BaseModel):
@@ -45,9 +54,11 @@ class StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    """The endpoint's own fields (others are ignored, as OpenAI-compatible servers do)."""
+    """The endpoint's own fields. Any other field gets a 400 naming it, as on the recipe
+    endpoints (``app.api.accepted``); ``suffix`` is accepted only as null (:data:`_ONLY`),
+    ``best_of`` only equal to ``n`` (the choices are all returned)."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     prompt: (
@@ -56,11 +67,15 @@ class _Body(BaseModel):
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
     )
-    n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
     user: str | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+_ONLY = {"suffix": Only((), "insertion (text after the completion) is not supported")}
 
 
 def _number(x: float) -> float:
@@ -69,11 +84,14 @@ def _number(x: float) -> float:
 
 def _wire(f: FieldSpec) -> tuple[Any, Any]:
     """A table field as a body field: its JSON type and default. A list of stop strings may
-    be one string, or null for none; null is accepted where the engine's value may be None;
-    an HTTP-only bound (``http_max``) is the one bound checked here."""
+    be one string, or null for none; logit biases an object, or null for none; null is
+    accepted where the engine's value may be None; an HTTP-only bound (``http_max``) is the
+    one bound checked here."""
     check, s = f.spec.check, f.spec
     if isinstance(check, Stops):
         return str | list[str] | None, None
+    if isinstance(check, Bias):  # token id -> bias (null: none), converted by make_request
+        return dict | None, None
     kind: Any = check.py
     if s.http_max is not None:
         lo = _number(check.lo)
@@ -96,7 +114,14 @@ def parse_body(raw: Mapping[str, Any]) -> CompletionBody:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or p == 0)
         param = str(err["loc"][0]) if err["loc"] else None
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            raise ApiError(400, f"unrecognized request argument supplied: {loc}",
+                           param=param) from None  # fmt: skip
         raise ApiError(400, f"{loc}: {err['msg']}", param=param) from None
+    for name, rule in _ONLY.items():
+        rule.check(name, getattr(body, name))
+    if body.best_of is not None and body.best_of != body.n:  # n choices, all returned
+        raise ApiError(400, f"best_of: only best_of = n ({body.n}) is supported", param="best_of")
     if isinstance(body.prompt, list) and isinstance(body.prompt[0], str | list):
         if len(body.prompt) > 1:
             raise ApiError(400, f"prompt: a batch of {len(body.prompt)} prompts; this server "
@@ -107,6 +132,9 @@ def parse_body(raw: Mapping[str, Any]) -> CompletionBody:
     if body.stream and body.prompt_logprobs is not None:
         raise ApiError(400, "prompt_logprobs is not available with stream: use echo with "
                             "logprobs", param="prompt_logprobs")  # fmt: skip
+    if body.n > 1 and (body.echo or body.prompt_logprobs is not None):
+        raise ApiError(400, "n > 1 is not available with echo or prompt_logprobs (score the "
+                            "prompt once, with n = 1)", param="n")  # fmt: skip
     return body
 
 
@@ -138,6 +166,15 @@ class Detokenizer:
             text = text[: max(len(text) - hold, self.sent)]
         new, self.sent = text[self.sent :], max(self.sent, len(text))
         return new
+
+
+@dataclass
+class _Choice:
+    """One choice's stream state: its text so far, its finish reason, its text offset."""
+
+    detok: Detokenizer
+    finish: str | None = None
+    offset: int = 0
 
 
 class CompletionsFrontend:
@@ -226,17 +263,19 @@ class CompletionsFrontend:
     async def events(
         self, body: CompletionBody, req: EngineRequest, rid: str, stream: EngineStream
     ) -> AsyncIterator[dict[str, Any]]:
-        """``text_completion`` chunks with id ``rid`` (the echoed prompt first, with ``echo``;
-        the last has ``finish_reason`` and, when asked, ``prompt_logprobs``; usage when
-        asked)."""
+        """``text_completion`` chunks with id ``rid``: with ``echo`` the echoed prompt first;
+        each choice's last chunk has its ``finish_reason`` (and, when asked,
+        ``prompt_logprobs``); with ``n`` > 1 the choices' chunks interleave, each with its
+        ``index``; then the usage: the prompt once, the choices' tokens summed."""
         created = int(time.time())
-        detok = Detokenizer(self.tokenizer, req.params.stop)
         head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+        choices = [_Choice(Detokenizer(self.tokenizer, req.params.stop))
+                   for _ in range(req.params.n)]  # fmt: skip
         n_prompt = len(req.prompt_token_ids)
         plp: list[TokenLogprob | None] = []  # the prompt tokens' logprobs, as they come
-        echo = body.echo  # the echo is still to be sent
+        echo = body.echo  # the echo is still to be sent (n = 1 only)
         generate = body.max_tokens != 0
-        n_out, cached, finish, offset = 0, 0, None, 0
+        n_out, cached = 0, 0
 
         def done(choice: dict[str, Any]) -> dict[str, Any]:
             if body.prompt_logprobs is not None:
@@ -250,35 +289,38 @@ class CompletionsFrontend:
             plp += out.prompt_logprobs or []
             tokens, lps = (out.token_ids, out.logprobs) if generate else ([], None)
             n_out += len(tokens)
-            if out.finished:
+            c = choices[out.index]
+            ended = out.finish_reason is not None  # the choice's last delta
+            if ended:
                 if out.finish_reason is FinishReason.ERROR:
                     raise ApiError(500, f"the engine failed: {out.error}", code="engine")
                 if out.finish_reason is FinishReason.ABORT:
                     raise ApiError(503, "the engine aborted the request", code="aborted")
-                finish = out.finish_reason.value if generate else FinishReason.LENGTH.value
-            if echo and (body.logprobs is None or len(plp) >= n_prompt or out.finished):
+                c.finish = out.finish_reason.value if generate else FinishReason.LENGTH.value
+            if echo and (body.logprobs is None or len(plp) >= n_prompt or ended):
                 echoed = self._echo(body, req, plp)
-                offset, echo = len(echoed["text"]), False
+                c.offset, echo = len(echoed["text"]), False
                 yield {**head, "choices": [echoed]}
             stop_hit = out.stop_reason if isinstance(out.stop_reason, str) else None
-            text = detok.push(tokens, out.finished, stop_hit)
-            if not (text or out.finished or (body.logprobs is not None and tokens)):
+            text = c.detok.push(tokens, ended, stop_hit)
+            if not (text or ended or (body.logprobs is not None and tokens)):
                 continue
-            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish,
+            choice: dict[str, Any] = {"index": out.index, "text": text, "finish_reason": c.finish,
                                       "logprobs": None}  # fmt: skip
             if body.logprobs is not None:
                 ids = [lp.token_id for lp in lps or ()]
                 choice["logprobs"] = legacy_logprobs(
-                    self.tokenizer, ids, lps or [], body.logprobs, offset
+                    self.tokenizer, ids, lps or [], body.logprobs, c.offset
                 )
-            offset += len(text)
-            yield {**head, "choices": [done(choice) if out.finished else choice]}
-        if finish is None:  # timed out
-            if echo:
-                yield {**head, "choices": [self._echo(body, req, plp)]}
-            last = {"index": 0, "text": detok.push([], True, None), "finish_reason": "length",
-                    "logprobs": None}  # fmt: skip
-            yield {**head, "choices": [done(last)]}
+            c.offset += len(text)
+            yield {**head, "choices": [done(choice) if ended else choice]}
+        if echo:  # timed out before the prompt's logprobs came
+            yield {**head, "choices": [self._echo(body, req, plp)]}
+        for i, c in enumerate(choices):
+            if c.finish is None:  # timed out
+                last = {"index": i, "text": c.detok.push([], True, None),
+                        "finish_reason": "length", "logprobs": None}  # fmt: skip
+                yield {**head, "choices": [done(last)]}
         yield {
             "usage": {
                 "prompt_tokens": n_prompt,
@@ -292,11 +334,16 @@ class CompletionsFrontend:
 
 
 def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The non-streaming ``text_completion`` object from the streamed chunks."""
+    """The non-streaming ``text_completion`` object from the streamed chunks (its choices in
+    ``index`` order)."""
     head = next(c for c in chunks if "choices" in c)
-    choice: dict[str, Any] = {"index": 0, "text": "", "finish_reason": None, "logprobs": None}
+    by_index: dict[int, dict[str, Any]] = {}
     for c in chunks:
         for ch in c.get("choices", []):
+            choice = by_index.setdefault(
+                ch["index"],
+                {"index": ch["index"], "text": "", "finish_reason": None, "logprobs": None},
+            )
             choice["text"] += ch["text"]
             choice["finish_reason"] = ch["finish_reason"] or choice["finish_reason"]
             if ch["logprobs"] is not None:
@@ -309,6 +356,6 @@ def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     usage = next((c["usage"] for c in chunks if "usage" in c), None)
     return {
         **{k: head[k] for k in ("id", "object", "created", "model")},
-        "choices": [choice],
+        "choices": [by_index[i] for i in sorted(by_index)],
         "usage": usage,
     }

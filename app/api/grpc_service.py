@@ -181,13 +181,15 @@ class GenerateService:
         )  # fmt: skip
 
     def _sampling(self, r: GenerateRequest, room: int) -> dict[str, object]:
-        """The SamplingParams fields the request sets: repeated fields always, a field with
-        presence when set (unset: the table's default), any other one as is."""
+        """The SamplingParams fields the request sets: maps and repeated fields always, a
+        field with presence when set (unset: the table's default), any other one as is."""
         s = r.sampling
         kw: dict[str, object] = {}
         for name in _SAMPLING:
             desc = SamplingOptions.DESCRIPTOR.fields_by_name[name]
-            if desc.is_repeated:
+            if desc.message_type is not None and desc.message_type.GetOptions().map_entry:
+                kw[name] = dict(getattr(s, name))
+            elif desc.is_repeated:
                 kw[name] = tuple(getattr(s, name))
             elif not desc.has_presence or s.HasField(name):
                 kw[name] = getattr(s, name)

@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from app.api.errors import ApiError
 from app.engine.request import EngineRequest, SamplingParams
-from app.engine.validation import RequestError, RequestLimits, check_request
+from app.engine.validation import RequestError, RequestLimits, check_request, from_wire
 
 T = TypeVar("T")
 
@@ -29,9 +29,10 @@ def make_request(
 ) -> EngineRequest:  # fmt: skip
     """The :class:`EngineRequest` of a prepared body (``sampling``: its
     :class:`SamplingParams` fields), checked by the request validator, or a 400 naming the
-    field: every endpoint's one validation at the ingress."""
+    field: every endpoint's one validation at the ingress. A field with a wire form of its
+    own (``logit_bias``: a JSON object / gRPC map) is converted first."""
     try:
-        params = SamplingParams(**sampling)
+        params = SamplingParams(**from_wire(SamplingParams, sampling))
         req = EngineRequest(rid, tuple(ids), params, **fields)  # type: ignore[arg-type]
         check_request(req, limits)
     except RequestError as e:

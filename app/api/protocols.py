@@ -20,6 +20,7 @@ from typing import Any
 
 import deepseek_recipe as dr
 
+from app.api.accepted import check_accepted
 from app.api.client import EngineStream
 from app.api.errors import ApiError, from_recipe_error
 from app.api.limits import make_request
@@ -76,9 +77,10 @@ _AT_LEAST_ONE = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"
 
 
 def session_key(raw: Mapping[str, Any]) -> str:
-    """The router's session-affinity key: OpenAI ``user``, Anthropic ``metadata.user_id``
-    (a string of up to 256 characters; anything else is no key)."""
-    key = raw.get("user")
+    """The router's session-affinity key: OpenAI ``prompt_cache_key`` (its key for grouping
+    requests that share a prefix) or else ``user``, Anthropic ``metadata.user_id`` (a string
+    of up to 256 characters; anything else is no key)."""
+    key = raw.get("prompt_cache_key") or raw.get("user")
     meta = raw.get("metadata")
     if key is None and isinstance(meta, Mapping):
         key = meta.get("user_id")
@@ -86,7 +88,9 @@ def session_key(raw: Mapping[str, Any]) -> str:
 
 
 def check_fields(proto_name: str, raw: Mapping[str, Any]) -> None:
-    """400 naming the field for a wrong JSON type or a count below 1."""
+    """400 naming the field for a field the endpoint does not accept (``app.api.accepted``),
+    a wrong JSON type or a count below 1."""
+    check_accepted(proto_name, raw)
     for name, (types, what) in _FIELDS[proto_name].items():
         v = raw.get(name)
         if v is None:
@@ -126,6 +130,12 @@ def parallel_tool_calls(proto_name: str, raw: Mapping[str, Any]) -> bool:
     return raw.get("parallel_tool_calls") is not False
 
 
+def _forces_a_tool(raw: Mapping[str, Any]) -> bool:
+    """Anthropic ``tool_choice: {"type": "any"}``: the answer must call one of the tools."""
+    choice = raw.get("tool_choice")
+    return isinstance(choice, dict) and choice.get("type") == "any"
+
+
 @dataclass(frozen=True)
 class Protocol:
     """One recipe protocol: its request and response classes and response-id prefix."""
@@ -147,7 +157,7 @@ class Prepared:
 
     proto: Protocol
     engine_request: EngineRequest
-    processor: dr.StreamProcessor
+    processors: list[dr.StreamProcessor]  # one per choice (chat's n)
     response_id: str  # the public id (x-request-id, the body's "id"), never an engine key
     model: str
     created: int
@@ -156,6 +166,15 @@ class Prepared:
     in_reasoning: bool  # the answer starts inside reasoning content (thinking mode)
     # vLLM's prompt_logprobs (chat): the prompt tokens' logprobs as they come; None: not asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def processor(self) -> dr.StreamProcessor:
+        """The processor of the (first) choice."""
+        return self.processors[0]
+
+    @property
+    def n(self) -> int:
+        return self.engine_request.params.n
 
 
 def completion_tokens_as_max_tokens(body: bytes, raw: Mapping[str, Any]) -> bytes:
@@ -212,6 +231,8 @@ class RecipeFrontend:
         check_fields(proto.name, raw)
         if proto is CHAT:
             body = completion_tokens_as_max_tokens(body, raw)
+            if raw.get("n") not in (None, 1):  # the recipe converts one choice; the engine
+                body = json.dumps({**json.loads(body), "n": 1}).encode()  # forks n
         try:
             request = proto.request_cls(body)
             model = request.model
@@ -264,13 +285,16 @@ class RecipeFrontend:
             new_request_id(), ids, sampling, self.limits, arrival_time=time.time(),
             session=session_key(raw),
         )  # fmt: skip
-        gen = proto.request_cls.chunk_generator(conv, rid, model)
-        if echo is not None:
-            gen = gen.with_echo(echo)
+        processors = []
+        for _ in range(engine_request.params.n):
+            gen = proto.request_cls.chunk_generator(conv, rid, model)
+            if echo is not None:
+                gen = gen.with_echo(echo)
+            processors.append(dr.StreamProcessor(gen, parsing, self.tokenizer))
         return Prepared(
             proto=proto,
             engine_request=engine_request,
-            processor=dr.StreamProcessor(gen, parsing, self.tokenizer),
+            processors=processors,
             response_id=rid,
             model=model,
             created=int(time.time()),
@@ -294,9 +318,17 @@ class RecipeFrontend:
         constraint = None
         if (oc := io.output_constraint) is not None:
             think = conv.conversation.thinking_mode
-            parallel = parallel_tool_calls(proto.name, raw) if oc.kind.startswith("tool") else True
-            constraint = OutputConstraint(oc.kind, oc.schema, think_first=think,
+            kind = oc.kind
+            if proto is MESSAGES and kind == "tool_call" and _forces_a_tool(raw):
+                if think:  # as chat's tool_choice "required"
+                    msg = 'tool_choice: thinking mode does not support {"type": "any"}'
+                    raise ApiError(400, msg, param="tool_choice")
+                kind = "tool_call_required"  # the recipe converts "any" as "auto"
+            parallel = parallel_tool_calls(proto.name, raw) if kind.startswith("tool") else True
+            constraint = OutputConstraint(kind, oc.schema, think_first=think,
                                           parallel_calls=parallel)  # fmt: skip
+        # the recipe's resolution for the model and mode (thinking: temperature 1.0) is the
+        # default; a temperature / top_p the body sets is taken as sent (below)
         recipe = {"temperature": io.temperature, "top_p": io.top_p}
         return {
             **{k: v for k, v in recipe.items() if v is not None},
@@ -309,7 +341,7 @@ class RecipeFrontend:
         }
 
 
-def _finish_reason(out: RequestOutput) -> dr.InferenceFinishReason:
+def finish_reason(out: RequestOutput) -> dr.InferenceFinishReason:
     if out.finish_reason is FinishReason.LENGTH:
         return dr.InferenceFinishReason.Length
     if out.finish_reason is FinishReason.ERROR:
@@ -319,7 +351,7 @@ def _finish_reason(out: RequestOutput) -> dr.InferenceFinishReason:
     return dr.InferenceFinishReason.Stop
 
 
-def _tokens_chunk(
+def tokens_chunk(
     out: RequestOutput, stop_ids: frozenset[int], logprobs: bool
 ) -> dr.InferenceChunk | None:
     """The delta's tokens without EOS / stop tokens (the processor does not strip them)."""
@@ -426,14 +458,14 @@ async def run_events(
         usage.count(out)
         if prep.prompt_logprobs is not None:
             prep.prompt_logprobs += out.prompt_logprobs or []
-        chunk = _tokens_chunk(out, stop_ids, prep.logprobs)
+        chunk = tokens_chunk(out, stop_ids, prep.logprobs)
         if chunk is not None:
             for ev in proc.push(chunk):
                 yield ev
         if proc.finished:  # a stop sequence ended the answer: stop the engine too
             return
         if out.finished:
-            finish = _finish_reason(out)
+            finish = finish_reason(out)
     if stream.timed_out:
         finish = dr.InferenceFinishReason.Length
     for ev in proc.push(dr.InferenceChunk.finish(finish)):

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api import completions as cmpl
+from app.api.choices import Choices
 from app.api.client import OVERLOAD_RETRY_S, EngineClient, EngineStream, open_stream
 from app.api.errors import (
     ApiError,
@@ -50,7 +51,7 @@ from app.api.tokenize import TokenizerFrontend
 from app.config import check_fields
 from app.engine.admission import Admission, EngineOverloadedError
 from app.engine.request import EngineRequest
-from app.engine.validation import RequestLimits
+from app.engine.validation import MAX_N, RequestLimits
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
@@ -70,7 +71,8 @@ class ApiConfig:
     JSON gets 400. ``max_header_bytes`` / ``max_headers``: beyond them 431.
     ``cors_allow_origins``: empty = cross-origin requests (an ``Origin`` header not listed)
     get 403; ``["*"]`` = any. ``max_pending_per_rank`` / ``max_queued_tokens_per_rank``: the
-    ranks' queue bounds (None: 2 x ``max_num_seqs`` / 32 x ``max_num_batched_tokens``)."""
+    ranks' queue bounds (None: 2 x ``max_num_seqs`` / 32 x ``max_num_batched_tokens``).
+    ``max_n``: choices one chat / completions request may ask for (more: 400 naming ``n``)."""
 
     __pydantic_config__ = {"extra": "forbid"}
 
@@ -86,6 +88,7 @@ class ApiConfig:
     cors_allow_origins: tuple[str, ...] = ()
     max_pending_per_rank: int | None = field(default=None, metadata={"gt": 0})
     max_queued_tokens_per_rank: int | None = field(default=None, metadata={"gt": 0})
+    max_n: int = field(default=16, metadata={"gt": 0, "le": MAX_N})
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -129,7 +132,7 @@ class FrontDoor:
     @property
     def limits(self) -> RequestLimits:
         """What the engine validates requests against (the same validator runs here)."""
-        return RequestLimits(self.vocab_size, self.context_limit)
+        return RequestLimits(self.vocab_size, self.context_limit, self.options.max_n)
 
 
 def frontends(cfg: FrontDoor) -> tuple[RecipeFrontend, cmpl.CompletionsFrontend]:
@@ -203,10 +206,12 @@ class _Api:
         prep = await self.gate.run(len(body), self._prepare_recipe, proto, body)
         req = prep.engine_request
         stream = await self._start(req)
+        headers = self._id_header(prep.response_id)
+        if prep.n > 1:
+            return await self._choices(prep, stream, headers)
         usage = self.recipe.usage_fix(prep)
         events = run_events(prep, stream, self.recipe.stop_ids, usage)
         resp_cls = proto.response_cls
-        headers = self._id_header(prep.response_id)
         if prep.stream:
             shape = shape_for(request.url.path)
 
@@ -243,6 +248,35 @@ class _Api:
             text = compact_json(obj)
         else:
             text = usage.apply(acc.to_json())
+        return Response(text, media_type="application/json", headers=headers)
+
+    async def _choices(
+        self, prep: Prepared, stream: EngineStream, headers: dict[str, str]
+    ) -> Response:
+        """Chat's n > 1 choices (``app.api.choices``), streamed or as one response."""
+        usages = [self.recipe.usage_fix(prep) for _ in prep.processors]
+        choices = Choices(prep, self.recipe.stop_ids, usages)
+        if prep.stream:
+
+            async def sse() -> AsyncIterator[bytes]:
+                try:
+                    async for data in choices.chunks(stream):
+                        yield sse_event(data)
+                    if (done := prep.proto.response_cls.sse_done_data()) is not None:
+                        yield sse_event(done)
+                except ApiError as e:
+                    yield sse_error_event(e, "openai")
+                except Exception:
+                    logger.exception("stream %s failed", prep.response_id)
+                    yield sse_error_event(ApiError(500, "internal error in the stream"), "openai")
+                finally:
+                    await stream.close()
+
+            return SSEResponse(sse(), headers=headers)
+        try:
+            text = await choices.response(stream)
+        finally:
+            await stream.close()
         return Response(text, media_type="application/json", headers=headers)
 
     async def completions_route(self, request: Request) -> Response:

@@ -6,6 +6,9 @@ The engine's scheduler decides *what* runs; this manager owns *where* it lives:
     adopt(req, n_blocks)      slot + fresh blocks for rows imported from another engine
     ensure(req, n_tokens)     grow the block table to cover positions < n_tokens
     commit(req, tokens, n)    register blocks whose positions are all computed
+    fork(src, dst, upto)      dst shares src's KV of positions < upto (full blocks shared,
+                              the block holding ``upto`` and the slot rows copied)
+    rename(src, dst)          src's entry passes to dst
     free(req)                 drop references (cached blocks stay evictable), free the slot
     ready(req)                every block of the request is in device memory (host-tier
                               loads done; ``poll`` first, once per schedule)
@@ -35,6 +38,7 @@ from app.cache.host_tier import HostTier
 from app.cache.kv_cache import PagedKVCache
 from app.cache.layout import CacheLayout, block_size_for
 from app.cache.radix import PrefixIndex
+from app.cache.transfer import copy_rows
 from app.config import CacheConfig
 from app.model.model import DeepseekModel
 
@@ -185,6 +189,42 @@ class CacheManager:
         if seq.query_tokens and self.index is not None:  # the admission stuck: count its hit
             self.index.record(seq.query_tokens, seq.num_cached)
             seq.query_tokens = 0
+
+    def fork(self, src: str, dst: str, upto: int) -> None:
+        """Admit ``dst`` with ``src``'s cache state of positions ``< upto`` (``src`` computed
+        them; ``dst`` goes on from ``upto``): the blocks wholly below ``upto`` shared (one more
+        reference each), the block holding position ``upto`` copied into a fresh one (both
+        write on into it: copy-on-write), the slot rows (window ring, compressor tails, draft
+        rings) copied into a fresh slot. All or nothing: raises RuntimeError (no slot) or
+        :class:`NoFreeBlocks`.
+
+            P = 4, upto = 9:  src blocks [a: 0-3][b: 4-7][c: 8-11]  ->  dst [a][b][c']
+                              (a, b shared; c' a copy of c, which holds position 8)"""
+        if dst in self._seqs:
+            raise ValueError(f"request {dst!r} is already admitted")
+        s = self._seqs[src]
+        full = upto // self.block_size
+        partial = s.blocks[full : full + 1] if upto % self.block_size else []
+        if upto % self.block_size and not partial:
+            raise ValueError(f"request {src!r} has no block for position {upto - 1}")
+        slot = self.kv.alloc_slot()
+        try:
+            fresh = self.pool.allocate(len(partial))
+        except NoFreeBlocks:
+            self.kv.free_slot(slot)
+            raise
+        self.pool.incref(s.blocks[:full])
+        copy_rows(self.kv.pools, self.layout, s.slot, slot, partial, fresh)
+        seq = _Seq(slot, s.blocks[:full] + fresh, s.extra_key, s.window_floor, s.num_cached,
+                   committed=min(s.committed, full))  # fmt: skip
+        self._seqs[dst] = seq
+        self._table(seq, 0)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Pass ``src``'s cache entry (slot, blocks, prefix state) to ``dst``."""
+        if dst in self._seqs:
+            raise ValueError(f"request {dst!r} is already admitted")
+        self._seqs[dst] = self._seqs.pop(src)
 
     def commit(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register every block whose positions are all computed (their compressed entries

@@ -190,3 +190,19 @@ def scatter(pools: PagedKV, layout: CacheLayout, state: KVState, slot: int,
     for t, idx, src in plan:
         if idx.numel():
             _bytes(t).index_copy_(0, idx, _bytes(src.to(t.device, non_blocking=True)))
+
+
+def copy_rows(
+    pools: PagedKV, layout: CacheLayout, src_slot: int, dst_slot: int, src_blocks: list[int],
+    dst_blocks: list[int],
+) -> None:  # fmt: skip
+    """Copy slot ``src_slot``'s rows to ``dst_slot`` and block ``src_blocks[i]``'s rows to
+    ``dst_blocks[i]`` in place, in their storage format (a fork's copy-on-write: ordered on
+    the pools' stream after every step launched before)."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
+    for _, g, t in _storage(pools, layout):
+        src, dst = (src_blocks, dst_blocks) if g in layout.paged else ([src_slot], [dst_slot])
+        if src:
+            b = _bytes(t)
+            b.index_copy_(0, _rows(dst, g.rows, t.device), b[_rows(src, g.rows, t.device)])

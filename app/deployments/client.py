@@ -96,7 +96,7 @@ class ServeEngineClient:
                     async for out in outs:
                         if out.engine_failed:  # the rank's step failed: not this request
                             raise _RankFailed(out.error or "")
-                        if not out.token_ids and not out.finished:
+                        if not out.token_ids and out.finish_reason is None and not out.finished:
                             if acked:
                                 continue  # a retry's ack: the caller has had one
                             acked = True

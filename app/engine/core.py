@@ -36,7 +36,8 @@ import torch
 
 from app.config import EngineConfig
 from app.engine.flight import Flight, HostSamples
-from app.engine.grammar import StructuredOutput
+from app.engine.fork import Forks
+from app.engine.grammar import GrammarMatcher, StructuredOutput
 from app.engine.handoff import Handoff, HandoffPort
 from app.engine.lifecycle import RequestTrace
 from app.engine.metrics import EngineStats
@@ -103,6 +104,7 @@ class EngineCore:
         self.structured = StructuredOutput(self.tokenizer, mcfg, self.eos_ids[0])
         self.limits = RequestLimits(mcfg.vocab_size, self.max_model_len)
         self.handoff = HandoffPort(cfg, mcfg, self.cache, self.device, self.stats)
+        self.forks = Forks(self.cache)  # requests with n > 1
         self._seqs: dict[str, Sequence] = {}
         self._flight: Flight | None = None
         self._prev_rows: dict[str, int] = {}  # request -> row of the last sample output
@@ -132,6 +134,17 @@ class EngineCore:
         ``export``: after its first token (unless that ends it) the request ends with finish
         reason HANDOFF and its decode state in the output (``app.engine.handoff``)."""
         seq = self.new_sequence(req)
+        if req.params.n > 1:  # one prefill, n forked decodes (app.engine.fork)
+            if export:
+                raise RequestError("n", "n > 1 is not served with prefill/decode disaggregation")
+            self.stats.prompt_tokens += seq.num_prompt
+
+            def matcher() -> GrammarMatcher | None:
+                return self.structured.matcher(req.params.constraint)
+
+            for s in self.forks.add(seq, matcher):
+                self.enter(s, count_prompt=False)
+            return
         if export:
             self.handoff.exporting.add(req.request_id)
         self.enter(seq)
@@ -143,20 +156,21 @@ class EngineCore:
 
     def new_sequence(self, req: EngineRequest) -> Sequence:
         """A validated request's engine state, its constraint compiled (not queued yet)."""
-        if req.request_id in self._seqs:
+        if req.request_id in self._seqs or req.request_id in self.forks.groups:
             raise RequestError("request_id", f"{req.request_id!r} is already running")
         check_request(req, self.limits)
         return Sequence(req=req, tokens=list(req.prompt_token_ids),
                         matcher=self.structured.matcher(req.params.constraint))  # fmt: skip
 
-    def enter(self, seq: Sequence, running: bool = False) -> None:
+    def enter(self, seq: Sequence, running: bool = False, count_prompt: bool = True) -> None:
         """Register ``seq``: into the waiting queue, or (``running``: its cache is already
-        in place) straight into the running batch."""
+        in place) straight into the running batch (``count_prompt``: its prompt counts in
+        the stats; a request's choices count it once)."""
         rid = seq.request_id
         if self.traces and seq.start_trace(self.traces.pop(rid, None)):
             self._num_traced += 1
         self._seqs[rid] = seq
-        self.stats.prompt_tokens += seq.num_prompt
+        self.stats.prompt_tokens += seq.num_prompt if count_prompt else 0
         if running:
             self.scheduler.running.append(seq)
         else:
@@ -164,6 +178,11 @@ class EngineCore:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request in any phase; frees its KV. None if it is unknown or done."""
+        if (members := self.forks.abort(request_id)) is not None:
+            for seq in members:
+                seq.finish_reason = FinishReason.ABORT
+                self._finish(seq)
+            return RequestOutput(request_id, finished=True, finish_reason=FinishReason.ABORT)
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
@@ -224,11 +243,13 @@ class EngineCore:
         outs: list[RequestOutput] = []
         for seq, out in self.outputs.apply(flight, host):
             self.handoff.after_token(seq, out)
-            outs.append(out)
+            done = out.finished
+            outs.append(self.forks.settle(seq, out))
             if out.token_ids:
                 seq.trace_first_token()
-            if out.finished:
+            if done:
                 self._finish(seq)
+        self._fork_ready()
         self.stats.generated_tokens += sum(len(o.token_ids) for o in outs)
         self.stats.t_update += time.perf_counter() - t1
         return outs
@@ -250,6 +271,18 @@ class EngineCore:
             self.runner.store_samples(res.tokens)
         extra = self.spec.launch(flight, live, res, self.on_draft) if self.spec else None
         flight.host = HostSamples(res, extra)
+
+    def _fork_ready(self) -> None:
+        """Fork the choices of requests whose prefill is done (``app.engine.fork``)."""
+        for group in self.forks.ready():
+            parent = group.parent
+            running, waiting = self.forks.fork(group)
+            self._seqs.pop(parent.request_id, None)
+            self.scheduler.remove(parent)  # its cache entry went to a choice
+            for seq in running:
+                self.enter(seq, running=True, count_prompt=False)
+            for seq in waiting:
+                self.enter(seq, count_prompt=False)
 
     def _release(self, flight: Flight) -> None:
         """Free requests that finished while ``flight`` still used their blocks."""

@@ -70,7 +70,8 @@ class AsyncEngine:
 
         ``stream_interval_s`` > 0 batches deltas: the first delta with tokens goes out at
         once, later ones wait up to that long for the steps that follow and go out merged
-        (fewer, larger messages to a remote consumer; the last delta is never held back).
+        (fewer, larger messages to a remote consumer; the last delta is never held back;
+        the deltas of a request with ``n`` > 1, one choice's each, are not merged).
 
         ``export``: end the request after its first token with its decode state (finish
         reason HANDOFF); ``handoff``: continue a request another engine prefilled
@@ -92,7 +93,7 @@ class AsyncEngine:
             first = True
             while not finished:
                 out = await queue.get()
-                if stream_interval_s > 0 and not first:
+                if stream_interval_s > 0 and not first and req.params.n == 1:
                     out = await _gather(queue, out, loop.time() + stream_interval_s)
                 first = first and not out.token_ids
                 finished = out.finished

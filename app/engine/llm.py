@@ -61,7 +61,8 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order, each with
-        all its tokens, text, logprobs, finish reason and cached-prompt-token count."""
+        all its tokens, text, logprobs, finish reason and cached-prompt-token count (a prompt
+        whose params ask for ``n`` > 1 gives its n choices in a row, in ``index`` order)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("prompts", "pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -78,23 +79,25 @@ class LLM:
         if len(params) != n:
             raise RequestError("sampling_params", f"{len(params)} params for {n} prompts")
         rids = [f"llm-{next(_ids)}" for _ in range(n)]
-        results = {r: RequestOutput(r) for r in rids}
+        keys = [(r, i) for r, p in zip(rids, params, strict=True) for i in range(p.n)]
+        results = {(r, i): RequestOutput(r, index=i) for r, i in keys}
         try:
             for rid, toks, p in zip(rids, ids, params, strict=True):
                 self.engine.add_request(EngineRequest(rid, tuple(toks), p))
             pending = set(rids)
             while pending:
                 for o in self.engine.step():
-                    self._merge(results[o.request_id], o)
+                    self._merge(results[o.request_id, o.index], o)
                     if o.finished:
                         pending.discard(o.request_id)
         finally:
             for rid in rids:
                 self.engine.abort(rid)
-        out = [results[r] for r in rids]
+        out = [results[k] for k in keys]
         if self.tokenizer is not None:
-            for o, p in zip(out, params, strict=True):
-                o.text = self._text(o, p)
+            by_rid = dict(zip(rids, params, strict=True))
+            for o in out:
+                o.text = self._text(o, by_rid[o.request_id])
         return out
 
     def draft(self, prompt_ids: Sequence[int], anchor: int | None = None) -> Draft:
@@ -145,7 +148,7 @@ class LLM:
             acc.prompt_logprobs = (acc.prompt_logprobs or []) + delta.prompt_logprobs
         acc.num_prompt_tokens = delta.num_prompt_tokens
         acc.num_cached_tokens = delta.num_cached_tokens
-        if delta.finished:
+        if delta.finish_reason is not None:  # the choice's last delta
             acc.finished, acc.finish_reason = True, delta.finish_reason
             acc.stop_reason, acc.error = delta.stop_reason, delta.error
 

@@ -178,7 +178,8 @@ class OutputProcessor:
         seq: Sequence, new: list[int], lp, finished: bool = False, prompt_logprobs=None
     ) -> RequestOutput:
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.output_id,
+            index=seq.choice,
             token_ids=list(new),
             logprobs=lp,
             prompt_logprobs=prompt_logprobs,

@@ -18,6 +18,9 @@ from app.engine.validation import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    LOGIT_BIAS_BOUND,
+    MAX_LOGIT_BIAS,
+    MAX_N,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
@@ -26,6 +29,7 @@ from app.engine.validation import (
     MESSAGES,
     RECIPES,
     RESPONSES,
+    Bias,
     Bool,
     Float,
     Instance,
@@ -86,8 +90,11 @@ class OutputConstraint:
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1``
-    and ``min_p == 0`` disable those filters. ``logprobs``: None = none, 0 = the chosen token's,
-    k = also the top k (<= 20). ``max_tokens`` None = up to the context limit.
+    and ``min_p == 0`` disable those filters. ``logit_bias``: ``(token id, bias)`` pairs, each
+    bias added to its token's logit (after the penalties, before the grammar mask).
+    ``logprobs``: None = none, 0 = the chosen token's, k = also the top k (<= 20).
+    ``max_tokens`` None = up to the context limit. ``n``: independent choices of one prompt
+    (prefilled once; choice i samples with seed + i: ``app.engine.fork``).
 
     The sampling-field table: each field declares here, once, its type, default, bounds and
     which endpoints take it (``spec``: ``body`` = a body / SamplingOptions field of the same
@@ -98,11 +105,11 @@ class SamplingParams:
 
     temperature: float = field(
         default=1.0,
-        metadata=spec(Float(0.0, 100.0), http_max=2.0, typed=RECIPES, body=(COMPLETIONS, GRPC)),
+        metadata=spec(Float(0.0, 100.0), http_max=2.0, body=(*RECIPES, COMPLETIONS, GRPC)),
     )
     top_p: float = field(
         default=1.0,
-        metadata=spec(Float(0.0, 1.0, lo_open=True), typed=RECIPES, body=(COMPLETIONS, GRPC)),
+        metadata=spec(Float(0.0, 1.0, lo_open=True), body=(*RECIPES, COMPLETIONS, GRPC)),
     )
     top_k: int = field(
         default=0, metadata=spec(Int(-1, INT32_MAX), body=(CHAT, MESSAGES, COMPLETIONS, GRPC))
@@ -119,6 +126,10 @@ class SamplingParams:
     )
     frequency_penalty: float = field(
         default=0.0, metadata=spec(Float(-2.0, 2.0), body=(CHAT, COMPLETIONS, GRPC))
+    )
+    logit_bias: tuple[tuple[int, float], ...] = field(
+        default=(),
+        metadata=spec(Bias(MAX_LOGIT_BIAS, LOGIT_BIAS_BOUND), body=(CHAT, COMPLETIONS, GRPC)),
     )
     seed: int | None = field(
         default=None,
@@ -166,6 +177,7 @@ class SamplingParams:
     ignore_eos: bool = field(
         default=False, metadata=spec(Bool(), body=(*RECIPES, COMPLETIONS, GRPC))
     )
+    n: int = field(default=1, metadata=spec(Int(1, MAX_N), body=(CHAT, COMPLETIONS)))
     constraint: OutputConstraint | None = field(
         default=None, metadata=spec(Instance(OutputConstraint), optional=True, recipe=RECIPES)
     )
@@ -242,7 +254,9 @@ class RequestOutput:
     """A request's state after a step (streamed as deltas, or accumulated for the offline API).
 
     ``token_ids`` are new tokens of this delta (all tokens when accumulated); ``text`` is
-    filled by the offline API and the ingress, which own the tokenizer.
+    filled by the offline API and the ingress, which own the tokenizer. With ``n`` > 1 each
+    delta is one choice's (``index``): ``finish_reason`` is set on a choice's last delta,
+    ``finished`` on the request's (its last choice's); with ``n`` = 1 they come together.
     """
 
     request_id: str
@@ -259,6 +273,7 @@ class RequestOutput:
     # finish reason HANDOFF: the request's decode state (app.engine.handoff.DecodeState in
     # the engine, a transport parcel across Ray; None when the export failed)
     handoff: object | None = None
+    index: int = 0  # the choice this delta belongs to (n > 1)
 
     @property
     def engine_failed(self) -> bool:
@@ -270,8 +285,9 @@ class RequestOutput:
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by ``later`` of the same request, as one delta (streams batch
         the deltas that pile up while the previous one is in flight)."""
-        if later.request_id != self.request_id:
-            raise ValueError(f"cannot merge deltas of {self.request_id!r} and {later.request_id!r}")
+        if (later.request_id, later.index) != (self.request_id, self.index):
+            raise ValueError(f"cannot merge deltas of {self.request_id!r} #{self.index} and "
+                             f"{later.request_id!r} #{later.index}")  # fmt: skip
         logprobs = self.logprobs
         if later.logprobs is not None:
             logprobs = [*(logprobs or []), *later.logprobs]
@@ -291,4 +307,5 @@ class RequestOutput:
             text=self.text + later.text,
             error=later.error,
             handoff=later.handoff,
+            index=self.index,
         )

@@ -1,11 +1,12 @@
 """Token sampling for a batch of rows with per-request parameters, on the device, no host sync.
 
 Order per row: penalties (repetition on prompt+output, presence/frequency on output) ->
-grammar mask -> log-probabilities (of these processed logits, before temperature) ->
-temperature -> min_p / top_k / top_p filters -> draw. Greedy rows take the argmax (lowest id
-on ties). Random rows draw with the exponential race ``argmax(p / q), q ~ Exp(1)``. A seeded
-request's ``q`` is a counter-based hash of (seed, output index, token id): the same seed gives
-the same tokens whatever else is in the batch, with no generator object per row.
+logit bias -> grammar mask (no bias lets a masked token through) -> log-probabilities (of
+these processed logits, before temperature) -> temperature -> min_p / top_k / top_p filters
+-> draw. Greedy rows take the argmax (lowest id on ties). Random rows draw with the
+exponential race ``argmax(p / q), q ~ Exp(1)``. A seeded request's ``q`` is a counter-based
+hash of (seed, output index, token id): the same seed gives the same tokens whatever else is
+in the batch, with no generator object per row.
 
 Which paths run is decided on the host from the parameters (never from device values); the
 per-row parameters travel as small tensors built with numpy.
@@ -15,9 +16,10 @@ distribution Q of ``draft_logits`` at the request's temperature and filters) ret
 ``accepted`` and the token it emits. Greedy rows accept iff d is the argmax (the token is the
 argmax either way). Random rows accept with probability min(1, P(d) / Q(d)) and otherwise draw
 from the residual max(P - Q, 0) (Leviathan et al. 2023): the emitted token is distributed as P,
-whatever Q is. Seeded rows take the accept uniform and the draft draw from their own counters
-(stream offsets of :data:`ACCEPT_STREAM` / :data:`DRAFT_STREAM`), so a request's tokens stay
-independent of the batch.
+whatever Q is. The logit bias is in both: in P as in any row, in Q because ``draw_proposal``
+adds it to the draft logits it draws from. Seeded rows take the accept uniform and the draft
+draw from their own counters (stream offsets of :data:`ACCEPT_STREAM` / :data:`DRAFT_STREAM`),
+so a request's tokens stay independent of the batch.
 """
 
 from __future__ import annotations
@@ -134,7 +136,10 @@ def draw_proposal(
 ) -> torch.Tensor:
     """Draft tokens [R] from draft ``logits`` [R, V] (fp32): the argmax for greedy rows, a
     draw from Q = the filtered softmax at the row's temperature otherwise. ``counters`` [R]
-    (device): the output index each draft proposes (seeded rows draw from DRAFT_STREAM)."""
+    (device): the output index each draft proposes (seeded rows draw from DRAFT_STREAM).
+    The rows' logit biases are added to ``logits`` in place: the drafts come from the biased
+    logits, which the proposers keep as the proposal that verification reads as Q."""
+    add_bias(logits, ps)
     tokens = logits.argmax(dim=-1)
     rand = [i for i, p in enumerate(ps) if not p.greedy]
     if not rand:
@@ -149,6 +154,25 @@ def draw_proposal(
         q[idx] = seeded_exponential(seeds, counters[idx] + DRAFT_STREAM, V)
     greedy = to_device(np.array([p.greedy for p in ps]), dev)
     return torch.where(greedy, tokens, (probs / q).argmax(dim=-1))
+
+
+def add_bias(logits: torch.Tensor, ps: Sequence[SamplingParams]) -> None:
+    """Add each row's ``logit_bias`` to its logits [R, V] in place: one scatter of the flat
+    (row, token id, bias) lists built on the host.
+
+        ps[0].logit_bias = ((7, 5.0),), ps[2].logit_bias = ((1, -1.0), (9, 2.0))
+        -> rows [0, 2, 2], ids [7, 1, 9], biases [5.0, -1.0, 2.0]"""
+    biased = [(i, p.logit_bias) for i, p in enumerate(ps) if p.logit_bias]
+    if not biased:
+        return
+    dev = logits.device
+    pairs = np.concatenate([np.asarray(b, dtype=np.float64) for _, b in biased])  # [N, 2]
+    rows = np.repeat(
+        np.asarray([i for i, _ in biased], dtype=np.int64), [len(b) for _, b in biased]
+    )
+    idx = to_device(np.stack((rows, pairs[:, 0].astype(np.int64))), dev)
+    bias = to_device(pairs[:, 1].astype(np.float32), dev)
+    logits.index_put_((idx[0], idx[1]), bias, accumulate=True)
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
@@ -239,6 +263,7 @@ def sample(
     dev, V = logits.device, logits.shape[1]
     ps = [r.params for r in rows]
     _penalize(logits, rows)
+    add_bias(logits, ps)
     if bitmask_apply is not None:
         bitmask_apply(logits)
     want_lp = [p.logprobs for p in ps]

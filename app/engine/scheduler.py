@@ -159,8 +159,9 @@ class Scheduler:
 
     def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Commit ``n`` tokens of ``seq`` to this step: computed advances now (the step is
-        in flight), a sampling chunk adds a pending token."""
-        samples = seq.num_computed + n == seq.num_known
+        in flight), a sampling chunk adds a pending token (a prefill-only one samples
+        nothing)."""
+        samples = seq.num_computed + n == seq.num_known and not seq.prefill_only
         drafts = len(seq.drafts) if samples else 0
         out.items.append(Scheduled(seq, seq.num_computed, n, samples, drafts))
         seq.num_computed += n

@@ -49,10 +49,20 @@ class Sequence:
     draft_logits: object | None = None  # their proposal logits [k, V] (device tensor)
     arrived: float = field(default_factory=time.perf_counter)  # made at add (queue wait)
     trace: RequestTrace | None = None  # phase events of a traced request (app.engine.lifecycle)
+    # parallel sampling (app.engine.fork): a prefill-only sequence computes its tokens and
+    # samples nothing; a choice's outputs carry its request's id (``group``) and its index
+    prefill_only: bool = False
+    group: str | None = None
+    choice: int = 0
 
     @property
     def request_id(self) -> str:
         return self.req.request_id
+
+    @property
+    def output_id(self) -> str:
+        """The request id its outputs carry (a choice's: its request's)."""
+        return self.group if self.group is not None else self.req.request_id
 
     @property
     def num_prompt(self) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -32,6 +33,9 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_CHARS = 256
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_N = 128  # choices of one request (OpenAI's bound; ``api.max_n`` sets the served one)
+LOGIT_BIAS_BOUND = 100.0  # a bias is in [-100, 100] (OpenAI's range)
 
 # Where a sampling field can come from: the endpoints, and how each takes it.
 CHAT, RESPONSES, MESSAGES = "chat", "responses", "messages"
@@ -57,10 +61,18 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class RequestLimits:
     """What the serving model allows: token ids below ``vocab_size``, prompt + output within
-    ``max_model_len`` positions."""
+    ``max_model_len`` positions, at most ``max_n`` choices (None: the table's bound)."""
 
     vocab_size: int | None  # None: not known here (ids are checked by the engine)
     max_model_len: int
+    max_n: int | None = None
+
+
+def _finite(v: object) -> bool:
+    """A finite number (an int of any size, not a bool; a float that is not inf / nan)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    return isinstance(v, int) or math.isfinite(v)
 
 
 # ---- value kinds: each checks one value (``name`` is the field the error names) --------------
@@ -94,7 +106,7 @@ class Float:
     json: ClassVar[tuple[tuple[type, ...], str]] = ((int, float), "a number")
 
     def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        if not _finite(v):
             raise RequestError(name, f"must be a finite number, got {v!r}")
         if (v <= self.lo if self.lo_open else v < self.lo) or v > self.hi:
             bracket = "(" if self.lo_open else "["
@@ -180,7 +192,66 @@ class Instance:
             raise RequestError(name, f"must be {self.cls.__name__}")
 
 
-Check = Int | Float | Bool | Text | TokenIds | Stops | Instance
+_DECIMAL = re.compile(r"-?[0-9]{1,12}")  # a token id as a JSON object's key
+
+
+@dataclass(frozen=True)
+class Bias:
+    """Additive logit biases: at most ``max_items`` ``(token id, bias)`` pairs, the ids distinct
+    and in ``[0, vocab_size)``, each bias finite in ``[-bound, bound]``. On the wire it is a
+    JSON object (a gRPC map) of token id -> bias, its keys decimal strings; :meth:`from_wire`
+    makes the pairs (sorted by id)."""
+
+    max_items: int
+    bound: float
+    py: ClassVar[type] = dict
+    json: ClassVar[tuple[tuple[type, ...], str]] = ((dict,), "an object of token id -> bias")
+
+    def from_wire(self, name: str, v: object) -> object:
+        """The pairs of a JSON object / gRPC map (None: no bias); anything else is left for
+        :meth:`__call__` to refuse."""
+        if v is None:
+            return ()
+        if not isinstance(v, Mapping):
+            return v
+        if len(v) > self.max_items:
+            raise RequestError(name, f"biases {len(v)} tokens; the limit is {self.max_items}")
+        pairs = []
+        for key, bias in v.items():
+            if isinstance(key, str) and _DECIMAL.fullmatch(key):
+                tid = int(key)
+            elif type(key) is int:
+                tid = key
+            else:
+                raise RequestError(name, f"keys must be token ids (decimal integers), got {key!r}")
+            pairs.append((tid, bias))
+        return tuple(sorted(pairs, key=lambda p: p[0]))
+
+    def __call__(self, name: str, v: object, vocab_size: int | None) -> None:
+        if not isinstance(v, tuple | list):
+            raise RequestError(name, "must be (token id, bias) pairs")
+        if len(v) > self.max_items:
+            raise RequestError(name, f"biases {len(v)} tokens; the limit is {self.max_items}")
+        seen = set()
+        for pair in v:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise RequestError(name, "must be (token id, bias) pairs")
+            tid, bias = pair
+            if type(tid) is not int or tid < 0:
+                raise RequestError(name, f"token ids must be integers >= 0, got {tid!r}")
+            if vocab_size is not None and tid >= vocab_size:
+                raise RequestError(name, f"token id {tid} >= vocab size {vocab_size}")
+            if tid in seen:
+                raise RequestError(name, f"token id {tid} is biased twice")
+            seen.add(tid)
+            if not _finite(bias) or abs(bias) > self.bound:
+                raise RequestError(
+                    name, f"bias of token {tid} must be a number in [-{self.bound:g}, "
+                          f"{self.bound:g}], got {bias!r}",
+                )  # fmt: skip
+
+
+Check = Int | Float | Bool | Text | TokenIds | Stops | Instance | Bias
 
 
 # ---- the field table ------------------------------------------------------------------------
@@ -249,6 +320,18 @@ def wire_fields(cls: type, endpoint: str, *how: str) -> tuple[FieldSpec, ...]:
 
 
 # ---- the checks -----------------------------------------------------------------------------
+def from_wire(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (fields of dataclass ``cls`` as a body carries them) in the dataclass's
+    form: a field whose kind has a wire form (``from_wire``) converted, the rest as is."""
+    kinds = {f.name: f.spec.check for f in specs(cls)}
+    out = dict(values)
+    for name, v in values.items():
+        conv = getattr(kinds.get(name), "from_wire", None)
+        if conv is not None:
+            out[name] = conv(name, v)
+    return out
+
+
 def check_fields(obj: object, vocab_size: int | None = None) -> None:
     """Every declared field of dataclass ``obj`` within its bounds (token ids below
     ``vocab_size`` when given): what the constructors run."""
@@ -267,6 +350,9 @@ class _Params(Protocol):
     @property
     def max_tokens(self) -> int | None: ...
 
+    @property
+    def n(self) -> int: ...
+
 
 class _Request(Protocol):
     @property
@@ -279,10 +365,12 @@ class _Request(Protocol):
 def check_request(req: _Request, limits: RequestLimits) -> None:
     """The request validator: every declared field of the request and of its sampling
     params, token ids within the model's vocabulary, prompt + ``max_tokens`` within
-    ``max_model_len``."""
+    ``max_model_len``, ``n`` within ``max_n``."""
     check_fields(req, limits.vocab_size)
     p = req.params
     check_fields(p, limits.vocab_size)
+    if limits.max_n is not None and p.n > limits.max_n:
+        raise RequestError("n", f"must be at most {limits.max_n} (api.max_n), got {p.n}")
     n, limit = len(req.prompt_token_ids), limits.max_model_len
     if n >= limit:
         raise RequestError(

@@ -24,21 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61pp/grpc/fathom.proto\x12\x06\x66\x61thom\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb5\x03\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\xa0\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.fathom.TokenIdsH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.fathom.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\xc8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r2R\n\x0fGenerateService\x12?\n\x08Generate\x12\x17.fathom.GenerateRequest\x1a\x18.fathom.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61pp/grpc/fathom.proto\x12\x06\x66\x61thom\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa3\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12:\n\nlogit_bias\x18\r \x03(\x0b\x32&.fathom.SamplingOptions.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\xa0\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.fathom.TokenIdsH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.fathom.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\xc8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r2R\n\x0fGenerateService\x12?\n\x08Generate\x12\x17.fathom.GenerateRequest\x1a\x18.fathom.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'app.grpc.fathom_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=33
   _globals['_TOKENIDS']._serialized_end=56
   _globals['_SAMPLINGOPTIONS']._serialized_start=59
-  _globals['_SAMPLINGOPTIONS']._serialized_end=496
-  _globals['_GENERATEREQUEST']._serialized_start=499
-  _globals['_GENERATEREQUEST']._serialized_end=659
-  _globals['_GENERATERESPONSE']._serialized_start=662
-  _globals['_GENERATERESPONSE']._serialized_end=862
-  _globals['_GENERATESERVICE']._serialized_start=864
-  _globals['_GENERATESERVICE']._serialized_end=946
+  _globals['_SAMPLINGOPTIONS']._serialized_end=606
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=422
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=470
+  _globals['_GENERATEREQUEST']._serialized_start=609
+  _globals['_GENERATEREQUEST']._serialized_end=769
+  _globals['_GENERATERESPONSE']._serialized_start=772
+  _globals['_GENERATERESPONSE']._serialized_end=972
+  _globals['_GENERATESERVICE']._serialized_start=974
+  _globals['_GENERATESERVICE']._serialized_end=1056
 # @@protoc_insertion_point(module_scope)

@@ -30,6 +30,7 @@ from app.deployments.router import Router  # noqa: E402
 from app.engine import startup  # noqa: E402
 from app.grpc import fathom_pb2 as pb  # noqa: E402
 from app.grpc import fathom_pb2_grpc as pbg  # noqa: E402
+from app.model.tokenizer import build_tiny_tokenizer  # noqa: E402
 from app.serve_args import ServeArgs  # noqa: E402
 from tests.integration.serve_util import deploy, wait_healthy, wait_until  # noqa: E402
 from tests.unit.test_api_errors import CASES  # noqa: E402
@@ -39,6 +40,7 @@ NO_THINK = {"thinking": {"type": "disabled"}}
 # the tiny model is random: at temperature 1 its first token is EOS often enough to flake a
 # ">= 1 output token" check, so requests that count tokens generate through EOS
 FULL = {"ignore_eos": True}
+EOS = "<｜end▁of▁sentence｜>"
 KEY = "serve-test-key"  # the app requires it (api.api_keys) on HTTP /v1/* and on gRPC
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_META = (("application", "fathom"), ("authorization", f"Bearer {KEY}"))
@@ -159,6 +161,29 @@ def test_chat_stream_and_non_stream(oai):
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert any(c.usage for c in chunks)
+
+
+def test_n_choices_and_logit_bias_through_ray(oai):
+    """Through the Serve app's ranks: ``logit_bias`` +100 on a token makes every greedy token
+    of every streamed choice it; +100 on EOS ends every choice at once with an empty delta
+    (each still reports its own finish; usage counts the prompt once)."""
+    tok = build_tiny_tokenizer()  # the tiny checkpoint's
+    (x_id,), eos_id = tok.encode("x", add_special_tokens=False).ids, tok.token_to_id(EOS)
+    chunks = list(oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3, stream=True,
+        temperature=0, logit_bias={str(x_id): 100}, stream_options={"include_usage": True},
+        extra_body={**NO_THINK, **FULL}))  # fmt: skip
+    text = {}
+    for c in chunks:
+        for ch in c.choices:
+            text[ch.index] = text.get(ch.index, "") + (ch.delta.content or "")
+    assert text == {0: "xxxx", 1: "xxxx", 2: "xxxx"}
+    assert chunks[-1].usage.completion_tokens == 12
+    r = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3,
+        temperature=0, logit_bias={str(eos_id): 100}, extra_body=NO_THINK)  # fmt: skip
+    assert [(c.index, c.finish_reason, c.message.content) for c in r.choices] == [
+        (i, "stop", "") for i in range(3)]  # fmt: skip
 
 
 def test_json_schema_output_validates(oai):

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from tokenizers import Tokenizer
 
 from app.api import (
     ApiConfig,
@@ -493,3 +494,108 @@ def test_max_completion_tokens_bounds_a_chat_answer(server):
     assert ok.json()["choices"][0]["finish_reason"] == "length"
     assert same.status_code == 200 and same.json()["usage"]["completion_tokens"] == 3
     assert both.status_code == 400 and both.json()["error"]["param"] == "max_completion_tokens"
+
+
+def test_logit_bias_takes_effect_on_chat_and_completions(tiny_ckpt, server, oai):
+    """OpenAI's ``logit_bias`` through the SDK: +100 on a token makes it every greedy token of
+    a chat answer and a completion; -100 on the unbiased completion's tokens keeps them all
+    out. A bias out of range, a key that is no token id or a token outside the vocabulary
+    gets a 400 naming the field."""
+    srv, client = server
+    tok = Tokenizer.from_file(f"{tiny_ckpt('v41')}/tokenizer.json")
+    (x,) = tok.encode("x", add_special_tokens=False).ids
+    greedy = {"max_tokens": 4, "temperature": 0}
+    c = oai.completions.create(model=MODEL, prompt="hi", logit_bias={str(x): 100}, **greedy,
+                               extra_body=FULL)  # fmt: skip
+    assert c.choices[0].text == "xxxx"
+    assert client.requests[-1].params.logit_bias == ((x, 100),)
+    r = oai.chat.completions.create(model=MODEL, messages=HI, logit_bias={str(x): 100},
+                                    **greedy, extra_body={**FULL, **NO_THINK})  # fmt: skip
+    assert r.choices[0].message.content == "xxxx"
+    plain = oai.completions.create(model=MODEL, prompt=[0, 50, 60], **greedy, extra_body=FULL)
+    seen = tok.encode(plain.choices[0].text, add_special_tokens=False).ids
+    ban = {str(t): -100 for t in seen}
+    other = oai.completions.create(model=MODEL, prompt=[0, 50, 60], logit_bias=ban, **greedy,
+                                   extra_body=FULL)  # fmt: skip
+    assert not set(client.requests[-1].params.logit_bias) - {(t, -100) for t in seen}
+    assert other.choices[0].text != plain.choices[0].text
+    bad = [
+        ("/v1/chat/completions", {"messages": HI, "logit_bias": {str(x): 101}}),
+        ("/v1/chat/completions", {"messages": HI, "logit_bias": {"x": 1}}),
+        ("/v1/chat/completions", {"messages": HI, "logit_bias": [x]}),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1000000": 1}}),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {str(x): "high"}}),
+    ]
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        for path, body in bad:
+            resp = http.post(path, json={"model": MODEL, "max_tokens": 2, **body})
+            assert resp.status_code == 400, (body, resp.text)
+            assert resp.json()["error"]["param"] == "logit_bias", resp.text
+
+
+def test_n_choices_on_chat(server, oai):
+    """``n`` choices from one engine request (one prefill, forked in the engine): each with
+    its ``index``; greedy choices agree; a seeded choice streamed is the same choice
+    unstreamed; usage counts the prompt once and sums the completions."""
+    _, client = server
+    greedy = {"max_tokens": 5, "temperature": 0}
+    r = oai.chat.completions.create(model=MODEL, messages=HI, n=3, **greedy,
+                                    extra_body={**FULL, **NO_THINK})  # fmt: skip
+    assert client.requests[-1].params.n == 3
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) == 1
+    one = oai.chat.completions.create(model=MODEL, messages=HI, **greedy,
+                                      extra_body={**FULL, **NO_THINK})  # fmt: skip
+    assert r.choices[0].message.content == one.choices[0].message.content
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens == 15
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 15
+    seeded = {"max_tokens": 6, "temperature": 1.0, "seed": 11, "n": 4, "logprobs": True}
+    whole = oai.chat.completions.create(model=MODEL, messages=HI, **seeded,
+                                        extra_body={**FULL, **NO_THINK})  # fmt: skip
+    chunks = list(oai.chat.completions.create(
+        model=MODEL, messages=HI, **seeded, stream=True, stream_options={"include_usage": True},
+        extra_body={**FULL, **NO_THINK}))  # fmt: skip
+    text = {i: "" for i in range(4)}
+    for c in chunks[:-1]:
+        assert c.usage is None and len(c.choices) == 1
+        text[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert [text[i] for i in range(4)] == [c.message.content for c in whole.choices]
+    assert len(set(text.values())) > 1  # each choice its own seed stream
+    assert all(0 < len(c.logprobs.content) <= 6 for c in whole.choices)  # EOS kept: no entry
+    finishes = [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason]
+    assert sorted(finishes) == ["length"] * 4
+
+
+def test_n_choices_on_completions_and_bounds(server, oai):
+    srv, client = server
+    kw = {"max_tokens": 4, "temperature": 1.0, "seed": 5, "extra_body": FULL}
+    whole = oai.completions.create(model=MODEL, prompt="hi", n=3, **kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage.completion_tokens == 12 and client.requests[-1].params.n == 3
+    chunks = list(oai.completions.create(model=MODEL, prompt="hi", n=3, stream=True,
+                                         stream_options={"include_usage": True}, **kw))  # fmt: skip
+    text = {i: "" for i in range(3)}
+    for c in chunks:
+        for ch in c.choices:
+            text[ch.index] += ch.text
+    assert [text[i] for i in range(3)] == [c.text for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    same = oai.completions.create(model=MODEL, prompt="hi", n=3, best_of=3, **kw)
+    assert [c.text for c in same.choices] == [c.text for c in whole.choices]
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        for path, body in [
+            ("/v1/chat/completions", {"messages": HI, "n": 17}),  # api.max_n: 16
+            ("/v1/completions", {"prompt": "hi", "n": 17}),
+            ("/v1/chat/completions", {"messages": HI, "n": 0}),
+            ("/v1/completions", {"prompt": "hi", "n": 129}),
+            ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}),
+        ]:
+            resp = http.post(path, json={"model": MODEL, "max_tokens": 2, **body})
+            assert resp.status_code == 400, (body, resp.text)
+            assert resp.json()["error"]["param"] == ("best_of" if "best_of" in body else "n")
+        msg = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": HI,
+                                              "n": 2})  # fmt: skip
+        assert msg.status_code == 400 and "argument supplied: n" in msg.json()["error"]["message"]

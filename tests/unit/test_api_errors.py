@@ -54,7 +54,7 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("temperature-5", CHAT, chat(temperature=5, **NO_THINK), 400, "temperature"),
     ("top-p-0", CHAT, chat(top_p=0), 400, "top_p"),
     ("stream-not-bool", CHAT, chat(stream="yes"), 400, "stream must be a boolean"),
-    ("n-2", CHAT, chat(n=2), 400, "n = 1"),
+    ("n-over-max", CHAT, chat(n=17), 400, "n: must be at most 16 (api.max_n)"),
     ("top-logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("frequency-penalty", CHAT, chat(frequency_penalty=5.0), 400, "frequency_penalty"),
     ("empty-messages", CHAT, chat(messages=[]), 400, "Empty input messages"),
@@ -142,7 +142,46 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("cmpl-prompt-batch-of-2", CMPL, cmpl(prompt=[[1, 2], [3]]), 400, "one prompt"),
     ("plp-string", CHAT, chat(prompt_logprobs="2"), 400, "prompt_logprobs"),
     ("plp-stream", CHAT, chat(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
+    # a field a route does not take, or takes with other values only, is refused by name
+    ("unknown-field", CHAT, chat(foo=1), 400, "unrecognized request argument supplied: foo"),
+    ("msg-unknown-field", MSGS, msgs(foo=1), 400, "unrecognized request argument supplied: foo"),
+    ("cmpl-unknown-field", CMPL, cmpl(foo=1), 400, "unrecognized request argument supplied: foo"),
+    (
+        "resp-unknown-field",
+        RESP,
+        {"model": MODEL, "input": "hi", "foo": 1},
+        400,
+        "unrecognized request argument supplied: foo",
+    ),
+    ("store-true", CHAT, chat(store=True), 400, "store: stored completions"),
+    (
+        "resp-previous-response",
+        RESP,
+        {"model": MODEL, "input": "hi", "previous_response_id": "resp_1"},
+        400,
+        "previous_response_id",
+    ),
+    ("cmpl-suffix", CMPL, cmpl(suffix="end"), 400, "suffix"),
+    (
+        "msg-any-tool-thinking",
+        MSGS,
+        msgs(
+            tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "any"}
+        ),
+        400,
+        "tool_choice",
+    ),
 ]
+# case -> the field its 400 names (``param``; the Anthropic shape has none)
+NAMED = {
+    "unknown-field": "foo",
+    "cmpl-unknown-field": "foo",
+    "resp-unknown-field": "foo",
+    "store-true": "store",
+    "resp-previous-response": "previous_response_id",
+    "cmpl-suffix": "suffix",
+    "n-over-max": "n",
+}
 POST_ROUTES = (CHAT, MSGS, CMPL, RESP)
 
 
@@ -168,6 +207,13 @@ def test_bad_request(http, path, body, status, words):
     message = err["error"]["message"]
     assert words.lower() in message.lower(), message
     assert http.get("/health").status_code == 200
+
+
+def test_refused_fields_are_named(http):
+    """A refused field is the error's ``param`` (OpenAI shape), so a client can tell which."""
+    for case_id, path, body, _, _ in (c for c in CASES if c[0] in NAMED):
+        err = http.post(path, json=body).json()["error"]
+        assert err["param"] == NAMED[case_id], (case_id, err)
 
 
 def test_every_post_route_has_bad_request_cases():

@@ -16,7 +16,17 @@ from app.api import ApiConfig, FrontDoor
 from app.api.grpc_service import GenerateService
 from app.deployments.engine_host import LocalEngineClient
 from app.engine.request import SamplingParams
-from app.engine.validation import BODY, GRPC, Bool, Float, Int, Stops, TokenIds, wire_fields
+from app.engine.validation import (
+    BODY,
+    GRPC,
+    Bias,
+    Bool,
+    Float,
+    Int,
+    Stops,
+    TokenIds,
+    wire_fields,
+)
 from app.grpc import fathom_pb2 as pb
 from app.grpc import fathom_pb2_grpc as pbg
 from app.grpc.raw import add_GenerateServiceServicer_to_server
@@ -119,6 +129,20 @@ def test_streams_and_applies_the_default_max_tokens(stub):
     assert outs[-1].prompt_tokens > 1
 
 
+def test_logit_bias_takes_effect(stub):
+    """A +100 bias makes its token the greedy choice at every step; the same request without
+    the map decodes other tokens."""
+    greedy = pb.SamplingOptions(max_tokens=4, ignore_eos=True, temperature=0)
+    plain, err = call(stub, ids_request(sampling=greedy))
+    assert err is None
+    tokens = [t for o in plain for t in o.token_ids]
+    target = next(t for t in range(5, 50) if t not in tokens)
+    biased = pb.SamplingOptions(max_tokens=4, ignore_eos=True, temperature=0,
+                                logit_bias={target: 100.0})  # fmt: skip
+    outs, err = call(stub, ids_request(sampling=biased))
+    assert err is None and [t for o in outs for t in o.token_ids] == [target] * 4
+
+
 @pytest.mark.parametrize(
     ("metadata", "words"),
     [((), "missing API key"), ((("authorization", "Bearer nope"),), "invalid API key")],
@@ -144,6 +168,10 @@ BAD = [
      grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
     ("stop-ids-oov", ids_request(sampling=pb.SamplingOptions(stop_token_ids=[10**6])),
      grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
+    ("bias-oov", ids_request(sampling=pb.SamplingOptions(logit_bias={10**6: 1.0})),
+     grpc.StatusCode.INVALID_ARGUMENT, "logit_bias"),
+    ("bias-over-100", ids_request(sampling=pb.SamplingOptions(logit_bias={7: 101.0})),
+     grpc.StatusCode.INVALID_ARGUMENT, "logit_bias"),
     ("prompt-too-long", pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=[5] * 2001)),
      grpc.StatusCode.INVALID_ARGUMENT, "limit is 2000"),
     ("long-client-id", ids_request(request_id="x" * 300), grpc.StatusCode.INVALID_ARGUMENT,
@@ -223,6 +251,7 @@ def test_proto_sampling_options_match_the_table():
         Bool: ({fd.TYPE_BOOL}, False),
         Stops: ({fd.TYPE_STRING}, True),
         TokenIds: (ints, True),
+        Bias: ({fd.TYPE_MESSAGE}, True),  # map<uint32, float>
     }
     for name, f in table.items():
         d, check = proto[name], f.spec.check
@@ -231,5 +260,10 @@ def test_proto_sampling_options_match_the_table():
         assert d.type in types and d.is_repeated == repeated, name
         if d.type in unsigned and isinstance(check, Int):
             assert check.lo >= 0, name
+        if isinstance(check, Bias):  # a map of unsigned token id -> float bias
+            entry = d.message_type
+            assert entry.GetOptions().map_entry, name
+            assert entry.fields_by_name["key"].type in unsigned, name
+            assert entry.fields_by_name["value"].type in {fd.TYPE_FLOAT, fd.TYPE_DOUBLE}, name
         if not repeated and not d.has_presence:
             assert getattr(pb.SamplingOptions(), name) == f.default, name

@@ -216,8 +216,8 @@ def _verify_once(p_logits, q_logits, params, n, seeded):
     ps = [params] * n
     if seeded:
         ps = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)]
-    Q = q_logits.expand(n, V).contiguous()
-    d = draw_proposal(Q.clone(), ps, torch.zeros(n, dtype=torch.int64))
+    Q = q_logits.expand(n, V).contiguous()  # the proposer keeps what it drew from (biased)
+    d = draw_proposal(Q, ps, torch.zeros(n, dtype=torch.int64))
     rows = [RowState(p, (1,), ()) for p in ps]
     res = sample(p_logits.expand(n, V).clone(), rows, drafts=d.numpy(), draft_logits=Q)
     return res.tokens, res.accepted
@@ -225,11 +225,14 @@ def _verify_once(p_logits, q_logits, params, n, seeded):
 
 @pytest.mark.parametrize("seeded", [False, True])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.7, top_k=4, top_p=0.9)])
+                                    SamplingParams(temperature=0.7, top_k=4, top_p=0.9),
+                                    SamplingParams(temperature=1.0, top_k=5,
+                                                   logit_bias=((0, -1.5), (3, 2.0)))])
 def test_rejection_sampling_is_lossless(params, seeded):
     """The emitted token of a verify row is distributed as the target's P (after temperature
     and filters) whatever the proposal Q: a chi-square goodness-of-fit test of 60,000 rows
-    against P over a 6-token vocabulary, alpha = 1e-3 (df = 5, critical value 20.5).
+    against P over a 6-token vocabulary, alpha = 1e-3 (df = 5, critical value 20.5). With a
+    logit bias, P and Q are the biased distributions (the bias in the target and the draft).
 
     Power (temperature 1): a sampler that accepted every draft (emitting Q) gives a
     statistic of about 60,000 * chi2-distance(Q, P) = 188,000, one that redrew rejected rows
@@ -256,9 +259,12 @@ def test_rejection_sampling_is_lossless(params, seeded):
 
 
 def _filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The sampler's distribution by hand: temperature, then top_k and top_p on the sorted
-    probabilities (the token crossing top_p stays), renormalized (fp64)."""
-    p = torch.softmax(logits.double() / params.temperature, -1)
+    """The sampler's distribution by hand: the logit bias, temperature, then top_k and top_p
+    on the sorted probabilities (the token crossing top_p stays), renormalized (fp64)."""
+    logits = logits.double().clone()
+    for t, b in params.logit_bias:
+        logits[t] += b
+    p = torch.softmax(logits / params.temperature, -1)
     order = p.argsort(descending=True)
     cum = torch.cumsum(p[order], 0)
     keep = torch.zeros_like(p, dtype=torch.bool)

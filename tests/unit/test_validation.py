@@ -27,6 +27,7 @@ from app.engine.validation import (
     TYPED,
     RequestLimits,
     check_request,
+    from_wire,
     wire_fields,
 )
 
@@ -56,6 +57,14 @@ BAD_FIELDS = [
     ("stop_token_ids", (-1,)),
     ("stop_token_ids", tuple(range(300))),
     ("stop", ("x" * 2000,)),
+    ("logit_bias", ((5, 100.5),)),
+    ("logit_bias", ((5, float("nan")),)),
+    ("logit_bias", ((-1, 1.0),)),
+    ("logit_bias", ((5, 1.0), (5, 2.0))),
+    ("logit_bias", tuple((i, 1.0) for i in range(1025))),
+    ("logit_bias", {"5": 1.0}),  # the wire form: the ingress converts it first
+    ("n", 0),
+    ("n", 129),
     ("stop", tuple(f"s{i}" for i in range(17))),
     ("stop", ("",)),
     ("logprobs", 21),
@@ -88,6 +97,7 @@ def test_request_fields_and_model_limits():
         (EngineRequest("r", tuple(range(64))), "prompt_token_ids"),  # no room left
         (EngineRequest("r", (1, 2), SamplingParams(max_tokens=63)), "max_tokens"),
         (EngineRequest("r", (1,), SamplingParams(stop_token_ids=(1000,))), "stop_token_ids"),
+        (EngineRequest("r", (1,), SamplingParams(logit_bias=((1000, 1.0),))), "logit_bias"),
     ]
     for req, name in cases:
         small = name == "logprobs"  # more alternatives than a 10-token vocabulary has
@@ -95,6 +105,10 @@ def test_request_fields_and_model_limits():
             check_request(req, RequestLimits(10, 64) if small else limits)
         assert e.value.field == name, req
     check_request(EngineRequest("r", (1, 2), SamplingParams(max_tokens=62)), limits)
+    five = EngineRequest("r", (1,), SamplingParams(n=5))
+    check_request(five, limits)  # the table's bound only
+    with pytest.raises(RequestError, match="^n: must be at most 4 \\(api.max_n\\)"):
+        check_request(five, RequestLimits(1000, 64, max_n=4))
     for bad in ({"request_id": ""}, {"request_id": "x" * 300}, {"priority": 2**40}):
         with pytest.raises(RequestError, match=next(iter(bad))):
             EngineRequest(**{"request_id": "r", "prompt_token_ids": (1,), **bad})
@@ -162,6 +176,10 @@ def accepted_params(draw) -> SamplingParams:
         "logprobs": draw(st.one_of(st.none(), st.integers(0, 20))),
         "prompt_logprobs": draw(st.one_of(st.none(), st.integers(0, 20))),
         "ignore_eos": draw(st.booleans()),
+        "logit_bias": tuple(
+            (t, draw(st.sampled_from([-100.0, -1e-3, 0.0, 7.5, 100])))
+            for t in sorted(draw(st.sets(st.integers(0, 499), max_size=4)))
+        ),
     }
     kw["min_tokens"] = draw(st.integers(0, kw["max_tokens"]))
     return SamplingParams(**kw)
@@ -178,6 +196,22 @@ def test_accepted_params_never_fail_a_step(core, params, prompt):
     assert done["fuzz"] in (FinishReason.LENGTH, FinishReason.STOP)
     pool = core.cache.pool
     assert pool.num_available == pool.num_blocks
+
+
+def test_logit_bias_wire_form():
+    """A JSON object of token id (a decimal string key; a gRPC map's int key) -> bias becomes
+    the engine's pairs, sorted by id; a key that is no token id is refused by name."""
+    bias = SamplingParams.__dataclass_fields__["logit_bias"]
+    conv = from_wire(SamplingParams, {"logit_bias": {"17": 5, "3": -100.0}, "top_k": 4})
+    assert conv == {"logit_bias": ((3, -100.0), (17, 5)), "top_k": 4}
+    assert SamplingParams(**conv).logit_bias == ((3, -100.0), (17, 5))
+    assert from_wire(SamplingParams, {"logit_bias": {9: 1.5}})["logit_bias"] == ((9, 1.5),)
+    assert from_wire(SamplingParams, {"logit_bias": None})["logit_bias"] == bias.default == ()
+    for key in ("x", "1.5", "", "１", "1e3"):
+        with pytest.raises(RequestError, match="logit_bias: keys must be token ids"):
+            from_wire(SamplingParams, {"logit_bias": {key: 1.0}})
+    with pytest.raises(RequestError, match="logit_bias: biases 1025 tokens"):
+        from_wire(SamplingParams, {"logit_bias": {str(i): 1.0 for i in range(1025)}})
 
 
 def test_validator_covers_every_sampling_field():
@@ -246,23 +280,26 @@ def test_broken_step_fails_every_request_and_stops_the_engine(engine):
 
 
 def test_which_endpoints_take_each_sampling_field():
-    """The sampling-field table's endpoints, as the README documents them: ``ignore_eos`` and
-    ``min_tokens`` on every recipe protocol, ``top_k`` on chat and messages, ``min_p`` and the
-    penalties on chat, vLLM's ``prompt_logprobs`` on chat and completions; the completions body
-    and gRPC's SamplingOptions take theirs by name."""
+    """The sampling-field table's endpoints, as the README documents them: ``temperature``,
+    ``top_p`` (as sent, over the recipe's resolution), ``ignore_eos`` and ``min_tokens`` on
+    every recipe protocol, ``top_k`` on chat and messages, ``min_p``, the
+    penalties, ``logit_bias`` and ``n`` on chat, vLLM's ``prompt_logprobs`` on chat and
+    completions; the completions body and gRPC's SamplingOptions
+    take theirs by name."""
     penalties = {"repetition_penalty", "presence_penalty", "frequency_penalty"}
     by_name = {  # endpoint -> fields read from a body field of the same name
-        CHAT: {"top_k", "min_p", *penalties, "ignore_eos", "min_tokens", "prompt_logprobs"},
-        RESPONSES: {"ignore_eos", "min_tokens"},
-        MESSAGES: {"top_k", "ignore_eos", "min_tokens"},
-        COMPLETIONS: {"temperature", "top_p", "top_k", "min_p", *penalties, "seed",
-                      "max_tokens", "stop", "logprobs", "prompt_logprobs", "ignore_eos"},
-        GRPC: {"temperature", "top_p", "top_k", "min_p", *penalties, "seed", "max_tokens",
-               "stop", "stop_token_ids", "ignore_eos"},
+        CHAT: {"temperature", "top_p", "top_k", "min_p", *penalties, "logit_bias", "ignore_eos",
+               "min_tokens", "n", "prompt_logprobs"},
+        RESPONSES: {"temperature", "top_p", "ignore_eos", "min_tokens"},
+        MESSAGES: {"temperature", "top_p", "top_k", "ignore_eos", "min_tokens"},
+        COMPLETIONS: {"temperature", "top_p", "top_k", "min_p", *penalties, "logit_bias",
+                      "seed", "max_tokens", "stop", "logprobs", "prompt_logprobs", "ignore_eos",
+                      "n"},
+        GRPC: {"temperature", "top_p", "top_k", "min_p", *penalties, "logit_bias", "seed",
+               "max_tokens", "stop", "stop_token_ids", "ignore_eos"},
     }  # fmt: skip
     for endpoint, names in by_name.items():
         assert {f.name for f in wire_fields(SamplingParams, endpoint, BODY)} == names, endpoint
-    typed = {CHAT: {"temperature", "top_p", "seed", "max_tokens"},
-             RESPONSES: {"temperature", "top_p"}, MESSAGES: {"temperature", "top_p", "max_tokens"}}
+    typed = {CHAT: {"seed", "max_tokens"}, RESPONSES: set(), MESSAGES: {"max_tokens"}}
     for endpoint, names in typed.items():
         assert {f.name for f in wire_fields(SamplingParams, endpoint, TYPED)} == names, endpoint
