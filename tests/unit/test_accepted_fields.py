@@ -45,6 +45,7 @@ TABLE = {
     "temperature": 0.5, "top_p": 0.5, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1,
     "presence_penalty": 1.0, "frequency_penalty": 1.0, "logit_bias": {"5": 3}, "seed": 3,
     "max_tokens": 3, "min_tokens": 2, "ignore_eos": True, "stop": ["x"], "logprobs": 2,
+    "prompt_logprobs": 1,
 }  # fmt: skip
 # endpoint -> field -> (value, context the value needs, set on both sides)
 PROBES: dict[str, dict[str, tuple[Any, dict[str, Any]]]] = {
@@ -91,7 +92,7 @@ PROBES: dict[str, dict[str, tuple[Any, dict[str, Any]]]] = {
         "top_logprobs": (2, {}),
         "user": ("u", {}),
         "prompt_cache_key": ("k", {}),
-        "parallel_tool_calls": (False, {}),
+        "parallel_tool_calls": (False, {"tools": R_TOOLS}),
         "store": (True, {}),
         "service_tier": ("priority", {}),
         "background": (True, {}),
