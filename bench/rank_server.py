@@ -17,7 +17,7 @@ import uvicorn
 import yaml
 
 from app.api.server import build_api
-from app.builder import app_configs
+from app.app_configs import app_configs
 from app.deployments.engine_host import LocalEngineClient
 from app.engine.engine import AsyncEngine
 from app.logs import setup_logging

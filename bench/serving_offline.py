@@ -29,7 +29,7 @@ import yaml
 from app.api import completions as cmpl
 from app.api.protocols import CHAT, Prepared, run_events
 from app.api.server import FrontDoor, frontends
-from app.builder import app_configs
+from app.app_configs import app_configs
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, RequestOutput
 from app.serve_args import ServeArgs

@@ -22,7 +22,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.config import ParallelConfig
-from app.deployments.router import EngramPlan
+from app.deployments.routing import EngramPlan
 from app.engine.parallel import RankParallel
 from app.model.ep import EPGroup, ExpertPlacement
 

@@ -24,7 +24,14 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from app.cache.events import KVEventBatch, KVSnapshot
-from app.deployments.routing import Decision, RankView, RouteQuery, RoutingConfig, RoutingPolicy
+from app.deployments.routing import (
+    Decision,
+    EngramPlan,
+    RankView,
+    RouteQuery,
+    RoutingConfig,
+    RoutingPolicy,
+)
 from app.logs import setup_logging
 from app.observability import ObservabilityConfig, setup_tracing
 
@@ -65,15 +72,6 @@ class PinnedRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         pinned = pinned_target(candidate_replicas, pending_request)
         return [pinned or candidate_replicas]
-
-
-@dataclass(frozen=True)
-class EngramPlan:
-    """The Engram placement the Router publishes: ``mode`` (replicated / host / sharded)
-    and ``key``, the node-wide name of the host copies (one per model)."""
-
-    mode: str = "replicated"
-    key: str = "fathom-engram"
 
 
 @dataclass

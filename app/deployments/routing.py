@@ -219,3 +219,12 @@ class RoutingPolicy:
     def _routed(self, q: RouteQuery, d: Decision) -> None:
         if d.target is not None and q.block_hashes and q.block_size == self.block_size:
             self.index.note_routed(d.target, q.block_hashes)
+
+
+@dataclass(frozen=True)
+class EngramPlan:
+    """The Engram placement the Router publishes: ``mode`` (replicated / host / sharded)
+    and ``key``, the node-wide name of the host copies (one per model)."""
+
+    mode: str = "replicated"
+    key: str = "fathom-engram"
