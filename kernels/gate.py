@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import op, sm_count
+from kernels.invariant import linear, pointwise
 
 
 def moe_gate_ref(
@@ -29,7 +30,7 @@ def moe_gate_ref(
     ``s = sqrt(softplus(logits))``; ids = top-k of ``s + bias`` (ties: lower id), or
     ``hash_idx`` when given (V4 hash layers); ``w = s[ids] / sum s[ids] * route_scale``.
     """
-    s = torch.sqrt(torch.nn.functional.softplus(logits.float()))
+    s = torch.sqrt(pointwise(torch.nn.functional.softplus, logits.float()))
     if hash_idx is not None:
         ids = hash_idx.long()
     else:
@@ -178,7 +179,7 @@ def moe_gate_fused_ref(
     hash_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`moe_gate_ref` of the fp32 router GEMM ``x.float() @ w_gate.float().T``."""
-    return moe_gate_ref(x.float() @ w_gate.float().t(), bias, k, route_scale, hash_idx)
+    return moe_gate_ref(linear(x.float(), w_gate.float()), bias, k, route_scale, hash_idx)
 
 
 moe_gate_fused = op(moe_gate_fused_ref, moe_gate_triton)

@@ -52,6 +52,7 @@ from app.engine.spec.speculator import OnDraft, Speculator
 from app.engine.startup import Startup
 from app.engine.validation import RequestLimits, check_request
 from app.model.model import DeepseekModel
+from kernels.dispatch import batch_invariant
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ class EngineCore:
         if probe:
             return
         logger.info("engine: %s", size.describe(slots))
-        start.finish(self)  # CUDA graphs, warm-up, the memory line, the phases' seconds
+        with batch_invariant(cfg.deterministic):  # graphs capture the mode's kernels
+            start.finish(self)  # CUDA graphs, warm-up, the memory line, the phases' seconds
         # Everything built so far (the model, the pools, the tokenizer) lives as long as the
         # engine: moved out of the collector's generations, so a collection scans only what
         # the steps allocate (a long collection stalls the host: device idle under overlap).
@@ -178,7 +180,12 @@ class EngineCore:
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step (the pipeline of the module doc); returns one output delta
-        per request that advanced."""
+        per request that advanced. In deterministic mode every kernel of it runs
+        batch-invariantly (``kernels.invariant``)."""
+        with batch_invariant(self.cfg.deterministic):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         st, t0 = self.stats, time.perf_counter()
         sched = self.scheduler.schedule()
         st.num_preemptions += len(sched.preempted)

@@ -6,13 +6,37 @@ chunked prefill, prefix hits, preemption and speculation in the matrix."""
 
 from __future__ import annotations
 
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import httpx
 import pytest
+import torch
 from pydantic import ValidationError
 
+from app.api import FrontDoor, build_api
 from app.config import EngineConfig, EngineConfigError
+from app.deployments.engine_host import LocalEngineClient
+from app.engine.core import EngineCore
+from app.engine.engine import AsyncEngine
+from app.engine.request import EngineRequest, SamplingParams, TokenLogprob
 from app.serve_args import ServeArgs
+from kernels.attention import sparse_attention_ref
+from kernels.compressor import compress_pool_ref
+from kernels.dispatch import batch_invariant
+from kernels.gate import moe_gate_ref
+from kernels.indexer import indexer_scores_paged_ref
+from kernels.invariant import grouped_linear, linear, pointwise, rows_gemm
+from kernels.mhc_ref import hc_expand_ref
+from kernels.norm import norm_rope_ref, rms_norm_ref
+from kernels.topk import topk_ref
+from tests.unit.test_api import Server
+from tools.op_bisect import prompts
 
 DET = {"deterministic": True, "bounded_replay": "off"}
+DSPARK = {"method": "dspark", "num_draft_tokens": 3}
 
 
 # ---- the option ------------------------------------------------------------------------
@@ -42,3 +66,270 @@ def test_serve_args_take_it_and_refuse_what_cannot_be_invariant():
     pd = {"prefill": {"ranks": 1}, "decode": {"ranks": 1, "engine": {"deterministic": False}}}
     with pytest.raises(ValidationError, match="'deterministic' differs between prefill"):
         ServeArgs.model_validate({"engine": DET, "pd": pd})
+
+
+# ---- the ops: each row's bits depend on that row only ----------------------------------
+ROWS = (1, 2, 3, 16, 17, 40)  # row counts of a call; row 0 is the same input in each
+
+
+def same_rows(fn, *full: torch.Tensor, mode: bool = True) -> None:
+    """``fn`` of the first M rows (of every tensor argument) for each M in ROWS, in the mode
+    (or, ``mode`` False, outside it): row 0 of the result has the same bits every time."""
+    with batch_invariant(mode):
+        outs = [fn(*(a[:m] for a in full)) for m in ROWS]
+    for m, o in zip(ROWS, outs, strict=True):
+        o = o[0] if isinstance(o, tuple) else o
+        first = outs[0][0] if isinstance(outs[0], tuple) else outs[0]
+        assert torch.equal(o[:1], first[:1]), f"row 0 differs at {m} rows"
+
+
+@pytest.mark.parametrize("k,n", [(256, 8), (64, 2048), (96, 40), (512, 256)])
+def test_linear_rows_are_batch_invariant_on_cpu(k, n):
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g)
+    same_rows(lambda x: linear(x, w), torch.randn(40, k, generator=g))
+    x = torch.randn(40, k, generator=g)
+    with batch_invariant():  # a row's place in its tile does not matter either
+        for j in (1, 7, 15, 16, 33):
+            assert torch.equal(linear(x.roll(j, 0), w).roll(-j, 0), linear(x, w))
+        wg = torch.randn(3, n // 2, k, generator=g)
+        xg = torch.randn(40, 3, k, generator=g)
+        y = grouped_linear(xg, wg)
+    torch.testing.assert_close(y, torch.einsum("tgi,goi->tgo", xg, wg))
+    torch.testing.assert_close(linear(x, w), x @ w.t())
+
+
+
+@pytest.mark.parametrize("dtype,out,split", [(torch.float32, torch.float32, 1),
+                                             (torch.float32, torch.float32, 3),
+                                             (torch.bfloat16, torch.bfloat16, 2),
+                                             (torch.bfloat16, torch.float32, 1)])  # fmt: skip
+def test_the_cuda_gemm_of_the_mode_matches_torch(dtype, out, split):
+    """``kernels.invariant.rows_gemm`` (the mode's GEMM on CUDA) under the interpreter:
+    rows past a tile, N and K past a block, K splits summed in order."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(20, 40, generator=g).to(dtype), torch.randn(24, 40, generator=g).to(dtype)
+    y = rows_gemm(x, w, out, split=split)
+    assert y.dtype == out and y.shape == (20, 24)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if torch.bfloat16 in (dtype, out) else {}
+    torch.testing.assert_close(y.float(), x.float() @ w.float().t(), **tol)
+
+@pytest.mark.parametrize("fn", [torch.sigmoid, torch.nn.functional.silu,
+                                torch.nn.functional.softplus, torch.exp2])  # fmt: skip
+def test_pointwise_ops_have_no_size_dependent_tail(fn):
+    """torch's vector and scalar CPU code differ for these; in the mode no value falls in a
+    tail, whatever the size (:func:`kernels.invariant.pointwise`)."""
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 4
+    with batch_invariant():
+        full = pointwise(fn, x)
+        for n in (1, 17, 31, 33, 100, 4097):
+            assert torch.equal(pointwise(fn, x[:n]), full[:n]), n
+    torch.testing.assert_close(full, fn(x))
+
+
+def test_the_ops_already_invariant_stay_so():
+    """The ops the table of ``kernels.invariant`` calls invariant on the CPU without the
+    mode: attention and the paged indexer (each token's products alone), the norms, RoPE,
+    mHC's expand, the compressor's pooling, softmax / log-softmax and top-k: row 0 of 1 ..
+    40 rows has the same bits. (The gate needs the mode for its softplus.)"""
+    g = torch.Generator().manual_seed(1)
+    T, H, D, N = 40, 4, 64, 300
+    kv = torch.randn(N, D, generator=g)
+    sink = torch.randn(H, generator=g)
+    ang = torch.rand(T, 8, generator=g)
+    plain = {"mode": False}
+    same_rows(lambda q, i, a: sparse_attention_ref(q, kv, i, sink, 0.125, inv_rope_angles=a,
+                                                   kv2=kv, idx2=i.flip(1)),
+              torch.randn(T, H, D, generator=g), torch.randint(-1, N, (T, 24), generator=g),
+              ang, **plain)  # fmt: skip
+    keys, table = torch.randn(64 * 4, 32, generator=g), torch.arange(4).view(1, 4)
+    same_rows(lambda q, w, vis, seq: indexer_scores_paged_ref(q, keys, None, w, vis, seq, table,
+                                                              2, 64, 128),
+              torch.randn(T, 4, 32, generator=g), torch.randn(T, 4, generator=g),
+              torch.randint(1, 128, (T,), generator=g), torch.zeros(T, dtype=torch.int64),
+              **plain)  # fmt: skip
+    x, w = torch.randn(T, 256, generator=g), torch.rand(256, generator=g)
+    same_rows(lambda x: rms_norm_ref(x, w, 1e-6), x, **plain)
+    same_rows(lambda x, c: norm_rope_ref(x, w[:64], 1e-6, c.cos(), c.sin()), x[:, :64], ang,
+              **plain)  # fmt: skip
+    same_rows(hc_expand_ref, x, torch.randn(T, 4, 256, generator=g),
+              torch.rand(T, 4, generator=g), torch.rand(T, 4, 4, generator=g), **plain)  # fmt: skip
+    v, gt = torch.randn(T, 2, 32, generator=g), torch.randn(T, 2, 32, generator=g)
+    same_rows(lambda v, gt: compress_pool_ref(v, gt, None, w[:32], 1e-6, overlap=False, ratio=2,
+                                              dim=32), v, gt, **plain)  # fmt: skip
+    same_rows(lambda lg: torch.log_softmax(lg, -1), torch.randn(T, 2048, generator=g), **plain)
+    same_rows(lambda lg: torch.softmax(lg, -1), torch.randn(T, 97, generator=g), **plain)
+    same_rows(lambda s: topk_ref(s, 16), torch.randn(T, 128, generator=g), **plain)
+    same_rows(lambda lg: moe_gate_ref(lg, w[:8], 2, 1.5), torch.randn(T, 8, generator=g))
+
+
+# ---- the engine: one request, one result, whatever else runs ------------------------------
+def engine(path: str, deterministic: bool = True, **opts: object) -> EngineCore:
+    opts.setdefault("kv_cache_bytes", 1 << 22)
+    return EngineCore(EngineConfig.from_options(path, deterministic=deterministic,
+                                                bounded_replay="off", **opts))  # fmt: skip
+
+
+def _lp(t: TokenLogprob | None) -> tuple | None:
+    """A logprob entry with its floats as their exact bits."""
+    if t is None:
+        return None
+    return (t.token_id, t.logprob.hex(), tuple((i, v.hex()) for i, v in t.top))
+
+
+class Result(NamedTuple):
+    """One request's tokens, logprobs and prompt logprobs, the floats as their exact bits
+    (``bits``), and how many of its prompt tokens were a prefix-cache hit."""
+
+    bits: tuple
+    cached: int
+
+
+def run(eng: EngineCore, reqs: list[EngineRequest], stagger: int = 0) -> dict[str, Result]:
+    """Every request's :class:`Result`; ``stagger``: steps between arrivals (0 = all at
+    once), so requests join others mid-prefill or mid-decode."""
+    acc: dict[str, tuple[list, list, list]] = {r.request_id: ([], [], []) for r in reqs}
+    cached = dict.fromkeys(acc, 0)
+    queue = list(reqs)
+    while queue or eng.has_unfinished:
+        for _ in range(min(1, len(queue)) if stagger else len(queue)):
+            eng.add_request(queue.pop(0))
+        for _ in range(max(stagger, 1)):
+            for o in eng.step():
+                toks, lps, plps = acc[o.request_id]
+                toks += o.token_ids
+                lps += map(_lp, o.logprobs or ())
+                plps += map(_lp, o.prompt_logprobs or ())
+                cached[o.request_id] = max(cached[o.request_id], o.num_cached_tokens)
+    eng.cache.check_integrity()
+    return {rid: Result(tuple(map(tuple, v)), cached[rid]) for rid, v in acc.items()}
+
+
+def greedy(n: int, **kw: object) -> SamplingParams:
+    """Greedy, ``n`` tokens, the chosen token's logprob and the top 2."""
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2, **kw)
+
+
+def test_one_prompt_among_varying_companions_gives_one_output(tiny_ckpt):
+    """SGLang's test: the same prompt 12 times, alone or among 1-7 companions of other
+    lengths and settings (some sharing its first block, so its prefix is sometimes a cold
+    prefill and sometimes a hit), arriving together or while others run, through a 24-token
+    budget that chunks prompts differently every time: one unique output."""
+    eng = engine(tiny_ckpt("v41"), max_num_batched_tokens=24)
+    target = prompts((70,), seed=3)[0]
+    rng = random.Random(0)
+    seen, hits = set(), set()
+    for i, n in enumerate((0, 1, 3, 7, 2, 5, 0, 4, 6, 1, 3, 2)):
+        others = []
+        for j, q in enumerate(prompts([rng.randint(1, 80) for _ in range(n)], seed=10 + i)):
+            if j % 2:  # shares the target's first 64-token block
+                q = target[:64] + q
+            p = (
+                greedy(rng.randint(2, 14))
+                if j % 3
+                else SamplingParams(
+                    temperature=0.8, seed=j, max_tokens=rng.randint(2, 14), ignore_eos=True
+                )
+            )
+            others.append(EngineRequest(f"o{j}", tuple(q), p))
+        reqs = others[:]
+        reqs.insert(i % (n + 1), EngineRequest("t", tuple(target), greedy(10)))
+        got = run(eng, reqs, stagger=i % 3)["t"]
+        seen.add(got.bits)
+        hits.add(got.cached > 0)
+    assert hits == {False, True}  # cold prefills and prefix hits both
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_logprobs_at_batch_one_equal_batch_n(tiny_ckpt, arch):
+    """vLLM's test: each prompt alone, then all of them at once through a 16-token budget
+    (chunked prefill, decodes beside prefills): bitwise the same tokens, logprobs, top-2
+    and prompt logprobs."""
+    eng = engine(tiny_ckpt(arch), max_num_batched_tokens=16)
+    reqs = [EngineRequest(f"r{i}", tuple(p), greedy(6, prompt_logprobs=1))
+            for i, p in enumerate(prompts((23, 5, 37, 11, 1, 30), seed=4))]  # fmt: skip
+    alone = {r.request_id: run(eng, [r])[r.request_id] for r in reqs}
+    together = run(eng, reqs)
+    assert together == alone
+
+
+def test_prefix_hit_equals_cold_prefill(tiny_ckpt):
+    """A hit reads the KV another request stored, here partly computed by its decode steps
+    (one row each): the same bits as the target's own cold prefill."""
+    path = tiny_ckpt("v41")
+    eng = engine(path)
+    head = prompts((60,), seed=5)[0]
+    gen = run(eng, [EngineRequest("o", tuple(head), greedy(10))])["o"].bits[0]
+    t = EngineRequest("t", (*head, *gen), greedy(8))  # (prompt logprobs skip the cache)
+    hit = run(eng, [t])["t"]
+    cold = run(engine(path), [t])["t"]
+    assert cold.cached == 0 and hit.cached == 64 and hit.bits == cold.bits
+
+
+def test_preemption_and_resume_keep_the_bits(tiny_ckpt):
+    path = tiny_ckpt("v41")
+    reqs = [EngineRequest(f"r{i}", tuple(p), greedy(10))
+            for i, p in enumerate(prompts((58, 60, 57, 59), seed=1))]  # fmt: skip
+    roomy = run(engine(path, max_num_batched_tokens=32), reqs)
+    probe = engine(path, block_size=64)
+    per_block, per_slot = probe.cache.kv.bytes_per_block(), probe.cache.kv.bytes_per_slot()
+    # 3 blocks of 64: running requests cross a block boundary while the pool is full
+    tight = engine(path, max_num_batched_tokens=32, block_size=64, max_num_seqs=4,
+                   kv_cache_bytes=4 * per_block + 5 * per_slot)  # fmt: skip
+    assert run(tight, reqs) == roomy and tight.stats.num_preemptions > 0
+
+
+def test_speculation_keeps_greedy_tokens_and_logprobs(tiny_ckpt):
+    """DSpark drafts verified three at a time against plain decoding: the verify rows are
+    the decode rows' bits, so greedy tokens and their logprobs are the same."""
+    path = tiny_ckpt("v41")
+    reqs = [EngineRequest(f"r{i}", tuple(p), greedy(12))
+            for i, p in enumerate(prompts((23, 5, 37, 11), seed=6))]  # fmt: skip
+    plain = run(engine(path, max_num_batched_tokens=16), reqs)
+    spec = engine(path, max_num_batched_tokens=16, speculative=DSPARK)
+    assert run(spec, reqs, stagger=1) == plain
+    assert spec.stats.spec_accepted > 0
+
+
+# ---- over HTTP -----------------------------------------------------------------------------
+def test_seeded_sampling_over_http_is_reproducible_in_any_company(tiny_ckpt):
+    """The real front door (uvicorn, the API, an async engine in the mode): a seeded
+    completion sent alone and among 2 or 5 concurrent others returns the same text and
+    logprobs (JSON floats: the exact bits); /v1/models says the server is deterministic."""
+    path = tiny_ckpt("v41")
+    eng = AsyncEngine(EngineConfig.from_options(path, kv_cache_bytes=1 << 22,
+                                                max_num_batched_tokens=32, **DET))  # fmt: skip
+    front = FrontDoor(served_model_names=("tiny",), tokenizer_path=f"{path}/tokenizer.json",
+                      context_limit=eng.core.max_model_len, deterministic=True)  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "the same request, whatever else runs",
+        "max_tokens": 8,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 7,
+        "logprobs": 2,
+        "ignore_eos": True,
+    }
+
+    def post(client: httpx.Client, prompt: str | None = None) -> dict:
+        r = client.post("/v1/completions", json=dict(body, prompt=prompt) if prompt else body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    try:
+        with Server(build_api(front, LocalEngineClient(eng))) as srv, httpx.Client(
+                base_url=srv.url, timeout=60) as client:  # fmt: skip
+            assert client.get("/v1/models").json()["data"][0]["deterministic"] is True
+            seen = set()
+            for n in (0, 2, 5, 0):
+                with ThreadPoolExecutor(n + 1) as pool:
+                    others = [pool.submit(post, client, f"company {i} " * (i + 1))
+                              for i in range(n)]  # fmt: skip
+                    mine = pool.submit(post, client)
+                    [f.result() for f in others]
+                    seen.add(json.dumps(mine.result(), sort_keys=True))
+            assert len(seen) == 1
+    finally:
+        eng.shutdown()
