@@ -91,6 +91,35 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     return torch.cat([fn(t) for t in flat.split(POINTWISE_TILE)])[:n].view(x.shape)
 
 
+def stream_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(1)`` of ``x`` [T, n, d] (mHC's streams); in the mode added left to right, one
+    stream at a time (a CUDA reduction over a short middle dimension may split it across
+    threads as the number of outputs asks)."""
+    if not invariant_mode():
+        return x.sum(1)
+    acc = x[:, 0]
+    for j in range(1, x.shape[1]):
+        acc = acc + x[:, j]
+    return acc
+
+
+def stream_mean(x: torch.Tensor) -> torch.Tensor:
+    """``x.mean(1)`` in fp32 of ``x`` [T, n, d] (:func:`stream_sum` over n in the mode)."""
+    if not invariant_mode():
+        return x.float().mean(dim=1)
+    return stream_sum(x.float()) / x.shape[1]
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """``x.mean(-1, keepdim=True)`` of ``x`` [R, K]; in the mode on CUDA a GEMM with a column
+    of ones (:func:`rows_gemm`: CUDA's reduction may split a long row across blocks when there
+    are few rows). (The CPU's reduction along a row is per row.)"""
+    if not invariant_mode() or not x.is_cuda:
+        return x.mean(-1, keepdim=True)
+    ones = torch.ones(1, x.shape[-1], dtype=x.dtype, device=x.device)
+    return rows_gemm(x, ones, torch.float32) / x.shape[-1]
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``y[t, g] = x[t, g] @ w[g]^T`` for ``x`` [T, G, I] and ``w`` [G, O, I] -> [T, G, O]
     (attention's grouped low-rank output): one einsum, or one :func:`linear` per group in

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.invariant import linear, pointwise
+from kernels.invariant import linear, pointwise, stream_sum
 from kernels.norm import rms_norm_ref
 
 
@@ -47,7 +47,7 @@ def hc_mix_ref(
 
 def hc_collapse_ref(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """``sum_j pre_j x_j``: [T, n, d], [T, n] -> [T, d] (fp32 math, x.dtype out)."""
-    return (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
+    return stream_sum(pre.unsqueeze(-1) * x.float()).to(x.dtype)
 
 
 def hc_expand_ref(

@@ -26,7 +26,7 @@ import torch
 from app.model.kv_store import KVRows
 from app.model.model import DeepseekModel, apply_pending
 from kernels.attention import sparse_attention
-from kernels.invariant import linear, pointwise
+from kernels.invariant import linear, pointwise, stream_mean
 from kernels.kv_quant import kv_qdq
 from kernels.mhc_ref import hc_collapse
 from kernels.norm import norm_rope
@@ -167,4 +167,4 @@ class DSparkDrafter:
 
 def stream_means(X: torch.Tensor) -> torch.Tensor:
     """The target feature of one tap layer: the mean of its input streams [T, n, d] -> [T, d]."""
-    return X.float().mean(dim=1).to(X.dtype)
+    return stream_mean(X).to(X.dtype)

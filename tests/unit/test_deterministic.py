@@ -7,6 +7,7 @@ chunked prefill, prefix hits, preemption and speculation in the matrix."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -23,14 +24,19 @@ from app.engine.core import EngineCore
 from app.engine.engine import AsyncEngine
 from app.engine.request import EngineRequest, SamplingParams, TokenLogprob
 from app.serve_args import ServeArgs
-from kernels.attention import sparse_attention_ref
-from kernels.compressor import compress_pool_ref
+from kernels.attention import sparse_attention, sparse_attention_ref
+from kernels.compressor import compress_pool, compress_pool_ref
 from kernels.dispatch import batch_invariant
-from kernels.gate import moe_gate_ref
-from kernels.indexer import indexer_scores_paged_ref
+from kernels.gate import moe_gate_fused, moe_gate_fused_ref, moe_gate_ref
+from kernels.indexer import indexer_scores_paged, indexer_scores_paged_ref
 from kernels.invariant import grouped_linear, linear, pointwise, rows_gemm
-from kernels.mhc_ref import hc_expand_ref
+from kernels.linear import dense_linear, linear_f32
+from kernels.mhc import hc_post_pre, hc_pre
+from kernels.mhc_ref import hc_expand_ref, hc_post_pre_ref, hc_pre_ref
+from kernels.moe import moe_fp8
+from kernels.moe_ref import moe_fp8_ref
 from kernels.norm import norm_rope_ref, rms_norm_ref
+from kernels.quant import quantize_fp8_block
 from kernels.topk import topk_ref
 from tests.unit.test_api import Server
 from tools.op_bisect import prompts
@@ -162,6 +168,74 @@ def test_the_ops_already_invariant_stay_so():
     same_rows(lambda s: topk_ref(s, 16), torch.randn(T, 128, generator=g), **plain)
     same_rows(lambda lg: moe_gate_ref(lg, w[:8], 2, 1.5), torch.randn(T, 8, generator=g))
 
+
+
+# ---- the mode's CUDA entries, under the interpreter: still the references' function ----------
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the Triton interpreter runs these on the CPU")  # fmt: skip
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@interpreted
+def test_the_cuda_entries_of_the_mode_match_their_references():
+    """Each op's ``invariant`` entry (what the mode runs on CUDA) computes its reference's
+    function: dense and head GEMMs, both mHC ops, attention, the paged indexer, the
+    compressor's pooling, the gate and the fp8 experts."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 32, generator=g), torch.randn(24, 32, generator=g)
+    assert rel(dense_linear.invariant(x, w), x @ w.t()) < 1e-6
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert rel(linear_f32.invariant(xb, wb), xb.float() @ wb.float().t()) < 1e-6
+    n, d = 4, 64
+    X = torch.randn(3, n, d, generator=g)
+    mix = (torch.randn(n * (n + 2), n * d, generator=g) / (n * d) ** 0.5,
+           0.5 * torch.randn(n * (n + 2), generator=g), 1 + 0.2 * torch.randn(3, generator=g),
+           1 + 0.1 * torch.randn(d, generator=g), 20, 1e-6, 1e-6, 1e-6)  # fmt: skip
+    for got, ref in zip(hc_pre.invariant(X, *mix), hc_pre_ref(X, *mix), strict=True):
+        assert rel(got, ref) < 1e-5
+    post = (torch.randn(3, d, generator=g), X, torch.rand(3, n, generator=g),
+            torch.rand(3, n, n, generator=g))  # fmt: skip
+    for got, ref in zip(hc_post_pre.invariant(*post, *mix), hc_post_pre_ref(*post, *mix),
+                        strict=True):  # fmt: skip
+        assert rel(got, ref) < 1e-5
+    q, kv = torch.randn(3, 4, 32, generator=g), torch.randn(40, 32, generator=g)
+    idx, sink = torch.randint(-1, 40, (3, 20), generator=g), torch.randn(4, generator=g)
+    args = (q, kv, idx, sink, 0.2)
+    kw = {"kv2": kv, "idx2": idx.flip(1), "inv_rope_angles": torch.rand(3, 4, generator=g)}
+    assert rel(sparse_attention.invariant(*args, **kw), sparse_attention_ref(*args, **kw)) < 1e-5
+    keys, table = torch.randn(64 * 2, 32, generator=g), torch.tensor([[1, 0]])
+    zero = torch.zeros(3, dtype=torch.int64)
+    sargs = (torch.randn(3, 4, 32, generator=g), keys, None, torch.randn(3, 4, generator=g),
+             torch.tensor([5, 17, 60]), zero, table, 1, 64, 64)  # fmt: skip
+    got = indexer_scores_paged.invariant(*sargs, seq_start=zero[:1])
+    ref = indexer_scores_paged_ref(*sargs)
+    seen = ~ref.isinf()
+    assert torch.equal(~got.isinf(), seen) and rel(got[seen], ref[seen]) < 1e-5
+    v, gt, nw = (torch.randn(6, 2, 32, generator=g), torch.randn(6, 2, 32, generator=g),
+                 torch.rand(32, generator=g))  # fmt: skip
+    pool = {"overlap": False, "ratio": 2, "dim": 32}
+    assert rel(compress_pool.invariant(v, gt, None, nw, 1e-6, **pool),
+               compress_pool_ref(v, gt, None, nw, 1e-6, **pool)) < 1e-5  # fmt: skip
+    xg, wg, bias = (torch.randn(5, 64, generator=g), torch.randn(8, 64, generator=g),
+                    torch.randn(8, generator=g))  # fmt: skip
+    ids, wts = moe_gate_fused.invariant(xg, wg, bias, 2, 1.5)
+    rids, rwts = moe_gate_fused_ref(xg, wg, bias, 2, 1.5)
+    assert torch.equal(ids, rids) and rel(wts, rwts) < 1e-5
+    d, inter = 64, 32
+    w13 = [quantize_fp8_block(torch.randn(2 * inter, d, generator=g) / 8, (32, 32))
+           for _ in range(4)]  # fmt: skip
+    w2 = [quantize_fp8_block(torch.randn(d, inter, generator=g) / 6, (32, 32)) for _ in range(4)]
+    experts = (torch.stack([a for a, _ in w13]), torch.stack([b for _, b in w13]),
+               torch.stack([a for a, _ in w2]), torch.stack([b for _, b in w2]))  # fmt: skip
+    xm = torch.randn(5, d, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)])
+    wts = torch.rand(5, 2, generator=g)
+    got = moe_fp8.invariant(xm, ids, wts, *experts, (32, 32), 0.7)
+    ref = moe_fp8_ref(xm.double(), ids, wts.double(), *experts, (32, 32), 0.7)
+    assert rel(got, ref) < 1e-2
 
 # ---- the engine: one request, one result, whatever else runs ------------------------------
 def engine(path: str, deterministic: bool = True, **opts: object) -> EngineCore:
