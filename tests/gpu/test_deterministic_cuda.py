@@ -164,7 +164,7 @@ def test_batch_one_equals_batch_n_on_cuda(tiny_ckpt):
 
 
 @pytest.mark.gpu_mem(4)
-def test_speculation_seeded_sampling_and_preemption_on_cuda(tiny_ckpt):
+def test_speculation_and_seeded_sampling_in_company_on_cuda(tiny_ckpt):
     path = tiny_ckpt("v41")
     reqs = [EngineRequest(f"r{i}", tuple(p), greedy(12))
             for i, p in enumerate(prompts((23, 5, 37, 11), seed=6))]  # fmt: skip
