@@ -407,3 +407,22 @@ def test_seeded_sampling_over_http_is_reproducible_in_any_company(tiny_ckpt):
             assert len(seen) == 1
     finally:
         eng.shutdown()
+
+
+# ---- its cost: the bench's plumbing (timings are the GPU's to say) -----------------------------
+def test_the_cost_bench_runs_on_the_cpu(tmp_path):
+    from bench import deterministic as bench
+
+    bench.main(["--model", "tiny", "--device", "cpu", "--batches", "1,3", "--context", "20",
+                "--prefill", "0x1x16,8x2x8", "--reps", "1", "--out", str(tmp_path)])  # fmt: skip
+    doc = json.loads((tmp_path / "deterministic.json").read_text())
+    assert doc["benchmark"] == "deterministic" and doc["card"].startswith("CPU")
+    recs = doc["records"]
+    cases = [("deterministic.decode_step", 1), ("deterministic.decode_step", 3),
+             ("deterministic.prefill_step", 16), ("deterministic.prefill_step", 8)]  # fmt: skip
+    assert [(r["name"], r["params"].get("batch", r["params"].get("new_tokens"))) for r in recs] \
+        == [c for c in cases for _ in bench.MODES]  # fmt: skip
+    for off, on in zip(recs[::2], recs[1::2], strict=True):
+        assert (off["params"]["mode"], on["params"]["mode"]) == bench.MODES
+        assert off["value"] > 0 and on["value"] > 0 and on["peer"]["default"] == off["value"]
+        assert on["peer"]["ratio"] > 0
