@@ -36,6 +36,9 @@ path does and what the mode does (``default -> mode``):
         tiles autotuned per key-count bucket  ->  one fixed config (``kernels.indexer``)
     sigmoid, SiLU, softplus (CPU)
         vector code, scalar code in the tail  ->  :func:`pointwise`
+    sums over mHC's streams (the collapse, DSpark's taps); V4's head-mix norm (CUDA)
+        torch reductions, configured by the number of outputs  ->  :func:`stream_sum` /
+        :func:`stream_mean` (one stream at a time), :func:`row_mean` (:func:`rows_gemm`)
     attention, paged indexer (CPU)
         invariant: per-token products (a batch over tokens), each token's own keys
     norms, RoPE, SwiGLU (CUDA), KV rounding, compressor pooling, Engram, softmax, sampling

@@ -156,11 +156,16 @@ def test_one_prompt_among_varying_companions_gives_one_output_on_cuda(tiny_ckpt)
 
 @pytest.mark.gpu_mem(4)
 def test_batch_one_equals_batch_n_on_cuda(tiny_ckpt):
-    eng = engine(tiny_ckpt("v41"), max_num_batched_tokens=16, **GPU)
+    """Each prompt alone on an eager engine (no graphs, no overlap), then all at once with
+    graphs and overlap: the same bits."""
+    path = tiny_ckpt("v41")
+    eager = engine(path, max_num_batched_tokens=16, cuda_graphs=False, overlap_schedule=False,
+                   **GPU)  # fmt: skip
     reqs = [EngineRequest(f"r{i}", tuple(p), greedy(6, prompt_logprobs=1))
             for i, p in enumerate(prompts((23, 5, 37, 11, 1, 30), seed=4))]  # fmt: skip
-    alone = {r.request_id: run(eng, [r])[r.request_id] for r in reqs}
-    assert run(eng, reqs) == alone
+    alone = {r.request_id: run(eager, [r])[r.request_id] for r in reqs}
+    graphs = engine(path, max_num_batched_tokens=16, **GPU)
+    assert run(graphs, reqs) == alone and graphs.stats.graph_steps > 0
 
 
 @pytest.mark.gpu_mem(4)

@@ -22,6 +22,7 @@ from app.config import EngineConfig, EngineConfigError
 from app.deployments.engine_host import LocalEngineClient
 from app.engine.core import EngineCore
 from app.engine.engine import AsyncEngine
+from app.engine.llm import LLM
 from app.engine.request import EngineRequest, SamplingParams, TokenLogprob
 from app.serve_args import ServeArgs
 from kernels.attention import sparse_attention, sparse_attention_ref
@@ -46,7 +47,8 @@ DSPARK = {"method": "dspark", "num_draft_tokens": 3}
 
 
 # ---- the option ------------------------------------------------------------------------
-def test_the_option_and_its_refusals():
+def test_the_option_and_its_refusals(tiny_ckpt):
+    assert LLM(tiny_ckpt("v41"), **DET).engine.cfg.deterministic
     cfg = EngineConfig.from_options("/m", **DET)
     assert cfg.deterministic and cfg.deterministic_problem() is None
     assert not EngineConfig.from_options("/m").deterministic  # off by default
@@ -317,14 +319,15 @@ def test_one_prompt_among_varying_companions_gives_one_output(tiny_ckpt):
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
 def test_logprobs_at_batch_one_equal_batch_n(tiny_ckpt, arch):
-    """vLLM's test: each prompt alone, then all of them at once through a 16-token budget
-    (chunked prefill, decodes beside prefills): bitwise the same tokens, logprobs, top-2
-    and prompt logprobs."""
-    eng = engine(tiny_ckpt(arch), max_num_batched_tokens=16)
+    """vLLM's test: each prompt alone (overlap scheduling off), then all of them at once
+    through a 16-token budget (chunked prefill, decodes beside prefills, overlap on):
+    bitwise the same tokens, logprobs, top-2 and prompt logprobs."""
+    path = tiny_ckpt(arch)
+    one = engine(path, max_num_batched_tokens=16, overlap_schedule=False)
     reqs = [EngineRequest(f"r{i}", tuple(p), greedy(6, prompt_logprobs=1))
             for i, p in enumerate(prompts((23, 5, 37, 11, 1, 30), seed=4))]  # fmt: skip
-    alone = {r.request_id: run(eng, [r])[r.request_id] for r in reqs}
-    together = run(eng, reqs)
+    alone = {r.request_id: run(one, [r])[r.request_id] for r in reqs}
+    together = run(engine(path, max_num_batched_tokens=16), reqs)
     assert together == alone
 
 
