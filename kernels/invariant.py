@@ -9,8 +9,9 @@ the mode, :func:`linear` computes every row the same way whatever M is:
     CPU    rows in tiles of ROW_TILE (the last one padded with zeros), one GEMM call of
            exactly [ROW_TILE, K] per tile: every row sees the same call; a row's result
            does not depend on its place in the tile (tests/unit/test_deterministic.py)
-    CUDA   one Triton kernel of fixed tiles (BM x BN x BK) and a K split fixed by N, K and
-           the GPU's SM count, never by M; the splits are summed in split order
+    CUDA   one Triton kernel of fixed tiles (BM x BN x BK, :data:`TILES` by dtype) and a K
+           split fixed by N, K and the GPU's SM count, never by M; the splits are summed in
+           split order
 
 Outside the mode it is ``torch.nn.functional.linear``. Every op of the step, what its default
 path does and what the mode does (``default -> mode``):
@@ -63,7 +64,11 @@ from kernels.dispatch import invariant_mode, sm_count
 
 ROW_TILE = 16  # CPU: rows per GEMM call in the mode
 POINTWISE_TILE = 4096  # CPU: values per element-wise call in the mode (under torch's grain)
-BM, BN, BK = 64, 128, 64  # CUDA: the fixed tiles of _rows_gemm
+# CUDA: the fixed tiles (BM, BN, BK) of _rows_gemm by operand dtype: 16-bit operands on the
+# tensor cores; fp32 ones (exact products, CUDA cores: the LM head and compressors the loader
+# keeps in fp32) in 16-row tiles, since a decode step's one row pays for the whole tile
+TILES = {torch.bfloat16: (64, 128, 64), torch.float16: (64, 128, 64),
+         torch.float32: (16, 64, 32)}  # fmt: skip
 _INTERPRET_TILES = (16, 16, 16)  # under TRITON_INTERPRET=1 (numpy is slow at 64 x 128)
 
 
@@ -145,7 +150,7 @@ def _cpu_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def rows_split(n: int, k: int, sms: int, bn: int = BN, bk: int = BK) -> int:
+def rows_split(n: int, k: int, sms: int, bn: int, bk: int) -> int:
     """K splits of :func:`rows_gemm` for an [N, K] weight: about one program per SM at one
     row tile, each split keeping at least four K blocks; a function of N, K and the GPU,
     never of the rows."""
@@ -195,9 +200,9 @@ def rows_gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
     """The CUDA :func:`linear` of the mode (and the LM head's fp32 one): ``x`` [..., K] @
     ``w`` [N, K]^T -> ``out_dtype``, fixed tiles and ``split`` K splits (default
     :func:`rows_split`), summed in split order (:func:`_split_sum_cast`)."""
-    if w.dim() != 2 or x.shape[-1] != w.shape[1] or x.dtype != w.dtype:
-        raise ValueError(f"x [..., K] and w [N, K] of one dtype: {tuple(x.shape)} {x.dtype}, "
-                         f"{tuple(w.shape)} {w.dtype}")  # fmt: skip
+    if w.dim() != 2 or x.shape[-1] != w.shape[1] or x.dtype != w.dtype or x.dtype not in TILES:
+        raise ValueError(f"x [..., K] and w [N, K] of one dtype of {list(TILES)}: "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}")  # fmt: skip
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -209,7 +214,7 @@ def rows_gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
     if m == 0 or n == 0:
         return torch.empty(y_shape, dtype=out_dtype, device=x.device)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    bm, bn, bk = _INTERPRET_TILES if interp else (BM, BN, BK)
+    bm, bn, bk = _INTERPRET_TILES if interp else TILES[x2.dtype]
     sms = sm_count(x.device) if x.is_cuda else 4
     if split is None:
         split = rows_split(n, k, sms, bn, bk)
