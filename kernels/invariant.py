@@ -150,12 +150,17 @@ def _cpu_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+MAX_SPLIT = 8  # K splits of rows_gemm at most
+
+
 def rows_split(n: int, k: int, sms: int, bn: int, bk: int) -> int:
     """K splits of :func:`rows_gemm` for an [N, K] weight: about one program per SM at one
-    row tile, each split keeping at least four K blocks; a function of N, K and the GPU,
-    never of the rows."""
+    row tile (a decode step streams the weight once over the whole GPU), each split keeping
+    at least four K blocks, at most :data:`MAX_SPLIT`; a function of N, K and the GPU, never
+    of the rows. The price is paid at prefill, where every row's fp32 partials are written
+    and summed ``split`` times (docs/performance.md, Deterministic mode)."""
     blocks = triton.cdiv(n, bn)
-    return max(1, min(k // (4 * bk), round(sms / blocks)))
+    return max(1, min(k // (4 * bk), MAX_SPLIT, round(sms / blocks)))
 
 
 @triton.jit
