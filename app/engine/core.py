@@ -80,9 +80,11 @@ class EngineCore:
         self.tokenizer, self.eos_ids = checkpoint_text(Path(cfg.model), mcfg.eos_token_id)
         if spec is not None and proposer is None:
             check_speculation(spec, model)
-        # the KV pool (one layout: allocation = accounting), measured on a probe on CUDA
-        size = start.pool(cfg, model, proposer is None,
-                          lambda c: EngineCore(c, model, proposer, parallel, probe=True))
+        # the KV pool (one layout: allocation = accounting), measured on a probe on CUDA (in
+        # deterministic mode with the mode's kernels: their workspaces are part of the peak)
+        with batch_invariant(cfg.deterministic):
+            size = start.pool(cfg, model, proposer is None,
+                              lambda c: EngineCore(c, model, proposer, parallel, probe=True))
         self.max_model_len, slots = size.max_model_len, cfg.scheduler.max_num_seqs
         self.cache = size.make_cache(model, cfg, self.device)
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
