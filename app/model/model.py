@@ -323,8 +323,8 @@ class DeepseekModel(nn.Module):
         mix = linear(flat, owner.hc_head_fn.float()) * torch.rsqrt(
             row_mean(flat.square()) + self.cfg.rms_norm_eps
         )
-        pre = pointwise(torch.sigmoid, mix * owner.hc_head_scale.float()
-                        + owner.hc_head_base.float())
+        logits = mix * owner.hc_head_scale.float() + owner.hc_head_base.float()
+        pre = pointwise(torch.sigmoid, logits)
         return hc_collapse(X, pre + self.cfg.hc_eps)
 
     def hidden(self, batch: ForwardBatch, features: list | None = None) -> torch.Tensor:
