@@ -69,6 +69,7 @@ def app_configs(sa: ServeArgs) -> AppConfigs:
         request_id_header=None,  # Serve's proxy sends x-request-id
         # shed load before any work: what every rank's queue holds, plus what is being prepared
         max_in_flight=-(-max_ranks * max_pending // sa.ingress_replicas) + 32,
+        deterministic=engine_cfg.deterministic,
     )
     caching = engine_cfg.cache.enable_prefix_caching
     block_size = block_size_for(mcfg, engine_cfg.cache.block_size) if caching else 0

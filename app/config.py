@@ -270,6 +270,11 @@ class EngineConfig:
     ``load_format``: "auto" loads the checkpoint's safetensors; "dummy" reads no weights
     (``model`` holds config.json and the tokenizer only): random weights of the real shapes
     and formats, drawn on the device from ``seed`` (benchmarks without a checkpoint).
+    ``deterministic``: batch-invariant steps (``kernels.invariant``): every token's logits
+    are computed in an order that depends on that token's data only, never on the other
+    requests of a step, its size, padding or chunking, so a greedy or seeded request gives
+    the same tokens and logprobs bitwise in any company. It refuses what computes another
+    function by design (:meth:`deterministic_problem`).
     """
 
     model: str
@@ -282,6 +287,7 @@ class EngineConfig:
     overlap_schedule: bool = True
     cuda_graphs: bool = True
     seed: int = 0
+    deterministic: bool = False
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None
@@ -318,6 +324,34 @@ class EngineConfig:
         if self.expert_layout == "fp8_rows" and self.packed_experts == "off":
             raise EngineConfigError("expert_layout 'fp8_rows' holds packed experts: "
                                     "packed_experts cannot be 'off'")  # fmt: skip
+        problem = self.deterministic_problem()
+        if problem is not None:
+            raise EngineConfigError(f"deterministic: true {problem}")
+
+    def deterministic_problem(self) -> str | None:
+        """What of this config the deterministic mode cannot make batch-invariant (None: all
+        of it, or the mode is off). Each is an option whose result depends on what else is
+        scheduled: bounded replay (a prefix hit computes another function than a cold
+        prefill), fp8 MoE activations (taken above a row count) and the fp8 dense kernels
+        (chosen by the row count)."""
+        if not self.deterministic:
+            return None
+        if self.cache.bounded_replay != "off":
+            return (
+                f"needs bounded_replay 'off', got {self.cache.bounded_replay!r}: after a "
+                "prefix hit, replay computes another function than a cold prefill"
+            )
+        if self.moe_prefill_act != "bf16":
+            return (
+                f"needs moe_prefill_act 'bf16', got {self.moe_prefill_act!r}: fp8 "
+                "activations are taken above a row count, so they depend on the batch"
+            )
+        if self.packed_dense_flag():
+            return (
+                "needs experimental.packed_dense off: its fp8 kernels are chosen by the "
+                "row count of a step"
+            )
+        return None
 
     def packed_experts_flag(self) -> bool | None:
         """``packed_experts`` as :func:`app.model.loader.load_model` takes it (None = auto;

@@ -133,6 +133,10 @@ class ServeArgs(BaseModel):
             raise ValueError("autoscaling of expert-parallel gangs is not supported: set dp_size")
         if ep > 1 and self.pd is not None:
             raise ValueError("pd ranks as expert-parallel gangs are not supported (yet)")
+        if ep > 1 and self.engine.get("deterministic"):
+            raise ValueError("engine.deterministic: true needs ep_size 1: an expert-parallel "
+                             "gang sums a token's experts in an order that depends on the "
+                             "other tokens of the step")  # fmt: skip
         self.parallel.check_ranks(self.dp_size)  # EngineConfigError names the option
         return self
 
@@ -161,6 +165,9 @@ class ServeArgs(BaseModel):
             if a != b:
                 raise ValueError(f"pd: engine option {name!r} differs between prefill ({a!r}) "
                                  f"and decode ({b!r}); the KV layout must be the same")  # fmt: skip
+        if p.deterministic != d.deterministic:
+            raise ValueError("pd: engine option 'deterministic' differs between prefill and "
+                             "decode; a request's bits depend on both roles")  # fmt: skip
         return self
 
     def pd_engine_config(self, path: Path, role: Role) -> EngineConfig:

@@ -298,4 +298,28 @@ def sparse_attention_triton(
     return out
 
 
-sparse_attention = op(sparse_attention_ref, sparse_attention_triton)
+def invariant_launch(H: int) -> dict[str, int]:
+    """The portable kernel's one launch shape in the deterministic mode (by head count only;
+    two of the autotuner's configs)."""
+    if _INTERPRET:
+        return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4}
+    if H >= 64:
+        return {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+
+
+def sparse_attention_invariant(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+                               sink: torch.Tensor, scale: float, **kw) -> torch.Tensor:  # fmt: skip
+    """:func:`sparse_attention_triton` in the deterministic mode: the portable kernel at one
+    launch shape (:func:`invariant_launch`) and one KV split, so a token's online softmax
+    takes its keys in the same blocks whatever the batch: its key lists are fixed by its
+    own positions (window, top-k), and the padding of a wider step (V4's all-visible
+    entries) adds blocks of masked keys, which change nothing. (Splits by key count would
+    fill the GPU better at small batches; here they would move a token's keys between
+    splits as a step's widest list changes.)"""
+    return sparse_attention_triton(q, kv, idx, sink, scale, splits=1, kernel="tl",
+                                   launch=invariant_launch(q.shape[1]), **kw)  # fmt: skip
+
+
+sparse_attention = op(sparse_attention_ref, sparse_attention_triton,
+                      invariant=sparse_attention_invariant)  # fmt: skip

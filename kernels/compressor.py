@@ -19,6 +19,7 @@ channel, then normalizes, rotates, casts and scatters: one pass over kv/gate, on
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -173,10 +174,12 @@ def compress_pool_triton(
     angles: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
+    launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Triton ``compress_pool_ref`` (same arguments): fused pool + RMSNorm + RoPE + scatter.
     ``kv``/``gate`` fp32/bf16 with contiguous channels; ``dim`` a power of two;
-    ``out`` [rows, dim] (e.g. a paged pool flattened to rows) in any float dtype."""
+    ``out`` [rows, dim] (e.g. a paged pool flattened to rows) in any float dtype;
+    ``launch`` (BLOCK_E, num_warps) bypasses the autotuner."""
     _check(kv, gate, first, norm_w, overlap=overlap, ratio=ratio, dim=dim)
     E, span, _ = kv.shape
     if dim < 16 or dim & (dim - 1):
@@ -208,16 +211,23 @@ def compress_pool_triton(
     def grid(meta):
         return (triton.cdiv(E, meta["BLOCK_E"]),)
 
-    _pool_kernel[grid](
+    kernel = _pool_kernel if launch is None else _pool_kernel.fn
+    kernel[grid](
         kv, g, first_t, norm_w, ang, out, rows, E, triton.next_power_of_2(E), eps,
         kv.stride(0), kv.stride(1), g.stride(0), g.stride(1), ang.stride(0), out.stride(0),
         SPAN=span, RATIO=ratio, DIM=dim, R=R, OVERLAP=overlap, HAS_GATE=gate is not None,
-        ROPE=R > 0, HAS_ROWS=out_rows is not None,
+        ROPE=R > 0, HAS_ROWS=out_rows is not None, **(launch or {}),
     )  # fmt: skip
     return out
 
 
-compress_pool = op(compress_pool_ref, compress_pool_triton)
+# The deterministic mode's one launch shape (the autotuner picks per entry-count bucket, and
+# the tile's shape lays out the RMSNorm's sum over the channels)
+INVARIANT_LAUNCH = {"BLOCK_E": 2, "num_warps": 4}
+
+compress_pool = op(compress_pool_ref, compress_pool_triton,
+                   invariant=functools.partial(compress_pool_triton,
+                                               launch=INVARIANT_LAUNCH))  # fmt: skip
 
 
 # ---- the step's compressor groups -----------------------------------------------------------

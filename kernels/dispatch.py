@@ -6,6 +6,12 @@ reference otherwise (CPU, and CUDA inside :func:`reference_kernels`).
 ``when`` narrows the Triton path to the inputs its kernel supports (e.g. top-k row widths);
 ``device_arg`` names the argument whose device decides (default: the first tensor). The
 returned function carries ``.reference`` and ``.triton`` for tests and benchmarks.
+
+Inside :func:`batch_invariant` (the engine's deterministic mode) an op's ``invariant`` entry,
+where it has one, takes the place of its Triton entry on CUDA: a kernel whose reduction
+order per row never depends on the row count (``kernels.invariant`` says which ops need one
+and why the others do not); the references read :func:`invariant_mode` where a GEMM over
+rows would otherwise pick its algorithm by the row count.
 """
 
 from __future__ import annotations
@@ -40,6 +46,24 @@ def reference_kernels(*names: str) -> Iterator[None]:
         yield
     finally:
         _state.reference = prev
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool = True) -> Iterator[None]:
+    """Compute every op of this thread batch-invariantly while inside (``on``; False leaves
+    the mode as it is): each row's result depends on that row's data only, never on how many
+    rows a call has (the engine enters it around its steps in deterministic mode)."""
+    prev = getattr(_state, "invariant", False)
+    _state.invariant = prev or on
+    try:
+        yield
+    finally:
+        _state.invariant = prev
+
+
+def invariant_mode() -> bool:
+    """Whether this thread is inside :func:`batch_invariant`."""
+    return getattr(_state, "invariant", False)
 
 
 def op_name(fn: Callable[..., Any]) -> str:
@@ -109,26 +133,28 @@ def op(
     when: Callable[..., bool] | None = None,
     device_arg: int | None = None,
     name: str | None = None,
+    invariant: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """The dispatching function of one op (the reference's name and docstring), registered in
-    :data:`OPS` under ``name`` (default: the reference's name without ``_ref``)."""
+    :data:`OPS` under ``name`` (default: the reference's name without ``_ref``).
+    ``invariant``: the op's CUDA entry inside :func:`batch_invariant` (every input its
+    Triton entry would take, and those ``when`` refuses too)."""
 
     name = name or op_name(reference)
 
     @functools.wraps(reference)
     def run(*args: Any, **kwargs: Any) -> Any:
         t = _decider(args, kwargs, device_arg)
-        if (
-            triton is not None
-            and t is not None
-            and t.is_cuda
-            and not _use_reference(name)
-            and (when is None or when(*args, **kwargs))
-        ):
+        if triton is None or t is None or not t.is_cuda or _use_reference(name):
+            return reference(*args, **kwargs)
+        if invariant is not None and invariant_mode():
+            return invariant(*args, **kwargs)
+        if when is None or when(*args, **kwargs):
             return triton(*args, **kwargs)
         return reference(*args, **kwargs)
 
     run.reference, run.triton, run.op_name = reference, triton, name  # type: ignore[attr-defined]
+    run.invariant = invariant  # type: ignore[attr-defined]
     if triton is not None:
         OPS.setdefault(name, run)
     return run

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import op
+from kernels.invariant import pointwise
 from kernels.quant import e8m0_to_float, is_e8m0
 
 
@@ -66,7 +67,7 @@ def engram_gate_ref(
     h, key = x.float(), key.float()
     rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
     dot = (h * (q_w.float() * k_w.float()) * key).sum(-1) * rstd * x.shape[-1] ** -0.5
-    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    gate = pointwise(torch.sigmoid, torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
     gate = gate.masked_fill(blocked.unsqueeze(-1), 0.0)
     return (h + gate.unsqueeze(-1) * val.float().unsqueeze(1)).to(x.dtype)
 

@@ -8,6 +8,7 @@ expert id or the V4 hash ids, normalize x route scale).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import op, sm_count
+from kernels.invariant import linear, pointwise
 
 
 def moe_gate_ref(
@@ -29,7 +31,7 @@ def moe_gate_ref(
     ``s = sqrt(softplus(logits))``; ids = top-k of ``s + bias`` (ties: lower id), or
     ``hash_idx`` when given (V4 hash layers); ``w = s[ids] / sum s[ids] * route_scale``.
     """
-    s = torch.sqrt(torch.nn.functional.softplus(logits.float()))
+    s = torch.sqrt(pointwise(torch.nn.functional.softplus, logits.float()))
     if hash_idx is not None:
         ids = hash_idx.long()
     else:
@@ -117,11 +119,15 @@ def moe_gate_triton(
     k: int,
     route_scale: float,
     hash_idx: torch.Tensor | None = None,
+    *,
+    fixed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MegaGate: ``x`` [T, d], ``w_gate`` [E, d] -> (ids [T, k] int64, weights [T, k] fp32).
 
     Same result as ``moe_gate_ref(x.float() @ w_gate.float().T, ...)``; ``bias`` [E] fp32
     (or V4.1 ``bias_vl``), ``hash_idx`` [T, k] (V4 ``tid2eid[tokens]``) replaces the top-k.
+    ``fixed`` (the deterministic mode): the tiles and K splits of a 64-token call whatever
+    the tokens, so a token's logits are summed in one order.
     """
     if x.dim() != 2 or w_gate.dim() != 2 or x.shape[1] != w_gate.shape[1]:
         raise ValueError(
@@ -141,11 +147,11 @@ def moe_gate_triton(
         return ids, weights
     bf16 = x.dtype == w_gate.dtype == torch.bfloat16 and not _interpret()
     cdt, prec = (tl.bfloat16, "tf32") if bf16 else (tl.float32, "ieee")
-    bt = 16 if t <= 16 else 64
-    be = 64 if t <= 64 else 128
+    bt = 16 if t <= 16 and not fixed else 64
+    be = 64 if t <= 64 or fixed else 128
     bk = next(b for b in (128, 64, 32, 16) if d % b == 0)
     sms = sm_count(x.device) if x.is_cuda else 4
-    blocks = triton.cdiv(t, bt) * triton.cdiv(n_exp, be)
+    blocks = (1 if fixed else triton.cdiv(t, bt)) * triton.cdiv(n_exp, be)
     split = max(1, min(d // bk, triton.cdiv(2 * sms, blocks)))
     k_per = triton.cdiv(d // bk, split) * bk
     part = torch.empty(split, t, n_exp, dtype=torch.float32, device=x.device)
@@ -159,7 +165,7 @@ def moe_gate_triton(
     # 1 / 2 / 4 warps 8.1 / 7.15 / 9.7 us at 1 token, 8.4 / 7.3 / 6.2 at 8, 8.8 / 7.5 / 6.4
     # at 64; outputs equal)
     be = triton.next_power_of_2(n_exp)
-    warps = max(1, min(8, be // (128 if t >= 8 else 256)))
+    warps = max(1, min(8, be // (128 if t >= 8 or fixed else 256)))
     _gate_topk[(t,)](
         part, part.stride(0), bias if bias is not None else part,
         hash_idx.contiguous() if hash_idx is not None else ids, ids, weights, t, n_exp,
@@ -178,10 +184,11 @@ def moe_gate_fused_ref(
     hash_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`moe_gate_ref` of the fp32 router GEMM ``x.float() @ w_gate.float().T``."""
-    return moe_gate_ref(x.float() @ w_gate.float().t(), bias, k, route_scale, hash_idx)
+    return moe_gate_ref(linear(x.float(), w_gate.float()), bias, k, route_scale, hash_idx)
 
 
-moe_gate_fused = op(moe_gate_fused_ref, moe_gate_triton)
+moe_gate_fused = op(moe_gate_fused_ref, moe_gate_triton,
+                    invariant=functools.partial(moe_gate_triton, fixed=True))  # fmt: skip
 
 
 __all__ = ["moe_gate", "moe_gate_fused", "moe_gate_fused_ref", "moe_gate_ref", "moe_gate_triton"]

@@ -13,6 +13,7 @@ the key pool through the block table; ``entry_rows`` maps selected entries to po
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -210,9 +211,11 @@ def indexer_scores_triton(
     visible: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Triton ``indexer_scores_ref``: ``q`` [T, H, D] and ``k`` [C, D] in one dtype (fp32, bf16,
-    fp16), ``w`` [T, H], ``visible`` [T] int -> fp32 [T, C] (into ``out`` if given)."""
+    fp16), ``w`` [T, H], ``visible`` [T] int -> fp32 [T, C] (into ``out`` if given);
+    ``launch`` (BLOCK_C, num_warps, num_stages) bypasses the autotuner."""
     T, HI, DI = q.shape
     C = k.shape[0]
     if k.dim() != 2 or k.shape[1] != DI or w.shape != (T, HI) or visible.shape != (T,):
@@ -238,11 +241,13 @@ def indexer_scores_triton(
         c_blocks = triton.cdiv(C, meta["BLOCK_C"])
         return (c_blocks, min(t_blocks, max(1, triton.cdiv(4 * sms, c_blocks))))
 
-    _scores_kernel[grid](
+    kernel = _scores_kernel if launch is None else _scores_kernel.fn
+    kernel[grid](
         q, k, w, visible.contiguous(), out, T, C, HI, DI, triton.next_power_of_2(T),
         triton.next_power_of_2(C),
         q.stride(0), q.stride(1), k.stride(0), w.stride(0), out.stride(0),
         HP=HP, DP=DP, BLOCK_T=bt, F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+        **(launch or {}),
     )  # fmt: skip
     return out
 
@@ -297,9 +302,10 @@ def indexer_scores_paged_triton(
     seq_start: torch.Tensor,
     blocks: TokenBlocks | None = None,
     out: torch.Tensor | None = None,
+    launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Triton :func:`indexer_scores_paged_ref` (``seq_start`` [B]: first token of each
-    sequence, for the token blocks)."""
+    sequence, for the token blocks); ``launch`` as in :func:`indexer_scores_triton`."""
     T, HI, DI = q.shape
     mx = key_scale is not None
     if w.shape != (T, HI) or visible.shape != (T,) or token_seq.shape != (T,):
@@ -329,12 +335,13 @@ def indexer_scores_paged_triton(
     def grid(meta):
         return (triton.cdiv(num_cols, meta["BLOCK_C"]), tb.numel())
 
-    _paged_scores_kernel[grid](
+    kernel = _paged_scores_kernel if launch is None else _paged_scores_kernel.fn
+    kernel[grid](
         q, keys, ks, w, visible.contiguous(), token_seq.contiguous(), tb, table, out, T,
         num_cols, HI, DI, triton.next_power_of_2(num_cols), q.stride(0), q.stride(1),
         keys.stride(0), ks.stride(0), w.stride(0), table.stride(0), out.stride(0),
         RATIO=ratio, P=block_size, HP=HP, DP=DP, BLOCK_T=bt, MXFP4=mx,
-        F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, **(launch or {}),
     )  # fmt: skip
     return out
 
@@ -408,6 +415,15 @@ def _entry_rows_supported(entries: torch.Tensor, seq: torch.Tensor, block_table:
             and block_table.shape[1] > 0 and not entries.is_floating_point())  # fmt: skip
 
 
-indexer_scores = op(indexer_scores_ref, indexer_scores_triton)
+# The deterministic mode's one launch shape of the scores kernels (one of the autotuner's):
+# the autotuner picks per key-count bucket, and the tile shapes the dot and the head sum
+INVARIANT_LAUNCH = ({"BLOCK_C": 16, "num_warps": 4} if _INTERPRET
+                    else {"BLOCK_C": 64, "num_warps": 4, "num_stages": 2})  # fmt: skip
+
+indexer_scores = op(indexer_scores_ref, indexer_scores_triton,
+                    invariant=functools.partial(indexer_scores_triton,
+                                                launch=INVARIANT_LAUNCH))  # fmt: skip
 entry_rows = op(entry_rows_ref, entry_rows_triton, when=_entry_rows_supported)
-indexer_scores_paged = op(indexer_scores_paged_ref, indexer_scores_paged_triton)
+indexer_scores_paged = op(indexer_scores_paged_ref, indexer_scores_paged_triton,
+                          invariant=functools.partial(indexer_scores_paged_triton,
+                                                      launch=INVARIANT_LAUNCH))  # fmt: skip

@@ -29,6 +29,7 @@ import triton.language as tl
 from kernels import dense_wgmma as dw
 from kernels import moe_decode as md
 from kernels.dispatch import capability, op, sm_count, split_counters
+from kernels.invariant import _split_sum_cast, linear, rows_gemm
 from kernels.moe_grouped import _dot_dtype, _moe_gemm, _scale_arg, _scale_launch
 from kernels.moe_tiles import _gemm_tiles, _num_sms
 from kernels.quant import dequantize_fp8_block, is_e8m0
@@ -36,7 +37,7 @@ from kernels.quant import dequantize_fp8_block, is_e8m0
 
 def linear_f32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x`` [M, K], ``w`` [N, K] -> fp32 [M, N]."""
-    return torch.nn.functional.linear(x.float(), w.float())
+    return linear(x.float(), w.float())
 
 
 @triton.jit
@@ -84,8 +85,16 @@ def _half_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
 
 
+def _linear_f32_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The deterministic mode's LM head: ``kernels.invariant.rows_gemm`` to fp32 (bf16 /
+    fp16 operands as stored), else the reference (whose GEMM the mode fixes too)."""
+    if _half_operands(x, w):
+        return rows_gemm(x, w, torch.float32)
+    return linear_f32_ref(x, w)
+
+
 linear_f32 = op(linear_f32_ref, lambda x, w: linear_f32_triton(x.contiguous(), w),
-                when=_half_operands)
+                when=_half_operands, invariant=_linear_f32_invariant)
 
 
 # ---- bf16 / fp16 dense projections at decode sizes ----------------------------------------
@@ -94,8 +103,8 @@ GEMV_MAX_ROWS = 16  # rows up to which a plain projection takes the split-K deco
 
 def dense_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w^T`` for ``x`` [..., K] and ``w`` [N, K] of one dtype (``nn.Linear``'s product:
-    cuBLAS on CUDA)."""
-    return torch.nn.functional.linear(x, w)
+    cuBLAS on CUDA; batch-invariant in the deterministic mode: ``kernels.invariant``)."""
+    return linear(x, w)
 
 
 @triton.jit
@@ -198,7 +207,8 @@ def _gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.stride(0) % 8 == 0 and x.numel() <= GEMV_MAX_ROWS * k)  # fmt: skip
 
 
-dense_linear = op(dense_linear_ref, dense_linear_triton, when=_gemv_fits)
+dense_linear = op(dense_linear_ref, dense_linear_triton, when=_gemv_fits,
+                  invariant=lambda x, w: rows_gemm(x, w, x.dtype))
 
 
 # ---- fp8 dense projections with the checkpoint's block scales ----------------------------------
@@ -284,7 +294,7 @@ def fp8_linear_ref(
     """``x @ dequant(w)^T`` in ``x.dtype``: ``w`` [N, K] e4m3 with e8m0 (or fp32) ``scale``
     [ceil(N/b0), ceil(K/b1)] per ``block`` (b0, b1) -- what the dequantized model computes.
     ``plan`` (the decode kernel's, :func:`fp8_decode_plan`) does not change the result."""
-    return torch.nn.functional.linear(x, dequantize_fp8_block(w, scale, block, x.dtype))
+    return linear(x, dequantize_fp8_block(w, scale, block, x.dtype))
 
 
 def fp8_linear_triton(
@@ -428,18 +438,6 @@ def _one_group_rows(n_rows: int, n_tiles: int, device: torch.device):
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         kept.append((rows, tile_e))
     return rows[:n_rows], tile_e[:n_tiles]
-
-
-@triton.jit
-def _split_sum_cast(y_ptr, sys, out_ptr, n_elem, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = sum_s y[s]`` over the first ``n_elem`` values of each split (in split order,
-    fp32), rounded to out's dtype: the split-K reduction and the cast in one launch."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n_elem
-    acc = tl.load(y_ptr + i, mask=m, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(y_ptr + s * sys + i, mask=m, other=0.0)
-    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 fp8_linear = op(fp8_linear_ref, fp8_linear_triton)

@@ -18,6 +18,7 @@ to count itself in runs the finish), else as those two launches (:func:`_finish_
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,6 +30,7 @@ from kernels.mhc_ref import hc_expand_ref, hc_post_pre_ref, hc_pre_ref
 
 FINISH_TILE_MAX = 32768  # most stream values (n x next power of 2 of d) one-tile holds
 FUSED_MAX_TOKENS = 4  # the one-launch form up to this many tokens (each reads all of fn)
+FIXED_SPLITS = 32  # d splits of the mix in the deterministic mode (fewer when d is short)
 
 
 @triton.jit
@@ -305,14 +307,17 @@ def _mix_and_finish(
     rms_eps: float,
     pre_in: torch.Tensor | None,
     post_args: tuple | None,
+    fixed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the split-d mix (reading ``src``; writing ``x`` when ``post_args``) and the
-    finish: one launch (:func:`_finish_form` "fused") or two."""
+    finish: one launch (:func:`_finish_form` "fused") or two. ``fixed`` (the deterministic
+    mode): always the two-launch "loop" form with :data:`FIXED_SPLITS` d splits at most (a
+    function of d alone), so a token's sums never depend on how many tokens the call has."""
     t, n, d = x.shape
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
     sms = sm_count(dev) if x.is_cuda else 4
-    form = _finish_form(t, n, d, sms)
+    form = "loop" if fixed else _finish_form(t, n, d, sms)
     wp = triton.next_power_of_2(n * (n + 2))
     out, post, comb = post_args if post_args is not None else (x, x, x)
     pre, post2, comb2 = (
@@ -343,7 +348,10 @@ def _mix_and_finish(
         )  # fmt: skip
         return y, post2, comb2, pre
     bt = 16
-    split = max(1, min(chunks, triton.cdiv(2 * sms, triton.cdiv(t, bt))))
+    if fixed:
+        split = min(chunks, FIXED_SPLITS)
+    else:
+        split = max(1, min(chunks, triton.cdiv(2 * sms, triton.cdiv(t, bt))))
     d_per = triton.cdiv(chunks, split) * bd
     mp = torch.empty(split, t, wp, **f32)
     sq = torch.empty(split, t, **f32)
@@ -396,14 +404,17 @@ def hc_pre_triton(
     norm_eps: float,
     rms_eps: float,
     pre_in: torch.Tensor | None = None,
+    *,
+    fixed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused mix + Sinkhorn + collapse + RMSNorm: ``x`` [T, n, d] -> (normed [T, d] x.dtype,
-    post [T, n], comb [T, n, n], pre [T, n]) fp32; collapse with ``pre_in`` when given."""
+    post [T, n], comb [T, n, n], pre [T, n]) fp32; collapse with ``pre_in`` when given.
+    ``fixed``: the launch form of the deterministic mode (:func:`_mix_and_finish`)."""
     t, n, d = _check_streams(x, fn)
     if t == 0:
         return hc_pre_ref(x, fn, base, scale, norm_w, iters, hc_eps, norm_eps, rms_eps, pre_in)
     return _mix_and_finish(x, x, fn, base, scale, norm_w, iters, hc_eps, norm_eps, rms_eps,
-                           pre_in, None)  # fmt: skip
+                           pre_in, None, fixed)  # fmt: skip
 
 
 def hc_post_triton(
@@ -439,8 +450,11 @@ def hc_post_pre_triton(
     norm_eps: float,
     rms_eps: float,
     pre_in: torch.Tensor | None = None,
+    *,
+    fixed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Post update of one sublayer fused with the mix + collapse + norm of the next.
+    """Post update of one sublayer fused with the mix + collapse + norm of the next
+    (``fixed``: as in :func:`hc_pre_triton`).
 
     -> (X' [T, n, d] out.dtype, normed [T, d], post', comb', pre')."""
     t, n, d = _check_streams(x, fn)
@@ -452,10 +466,11 @@ def hc_post_pre_triton(
     x_new = torch.empty(t, n, d, dtype=out.dtype, device=x.device)
     post_args = (out, post.float().contiguous(), comb.float().contiguous())
     res = _mix_and_finish(x, x_new, fn, base, scale, norm_w, iters, hc_eps, norm_eps, rms_eps,
-                          pre_in, post_args)  # fmt: skip
+                          pre_in, post_args, fixed)  # fmt: skip
     return (x_new, *res)
 
 
-hc_pre = op(hc_pre_ref, hc_pre_triton)
+hc_pre = op(hc_pre_ref, hc_pre_triton, invariant=functools.partial(hc_pre_triton, fixed=True))
 hc_post = op(hc_expand_ref, hc_post_triton, name="hc_post")
-hc_post_pre = op(hc_post_pre_ref, hc_post_pre_triton)
+hc_post_pre = op(hc_post_pre_ref, hc_post_pre_triton,
+                 invariant=functools.partial(hc_post_pre_triton, fixed=True))  # fmt: skip

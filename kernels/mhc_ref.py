@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.invariant import linear, pointwise, stream_sum
 from kernels.norm import rms_norm_ref
 
 
@@ -34,19 +35,19 @@ def hc_mix_ref(
     """``x`` [T, n, d] -> (pre [T, n], post [T, n], comb [T, n, n]), all fp32."""
     n = x.shape[1]
     flat = x.flatten(1).float()
-    m = (flat @ fn.float().t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    m = linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     s = scale.float()
     scales = torch.cat((s[0].expand(n), s[1].expand(n), s[2].expand(n * n)))
     logits = m * scales + base.float()
-    pre = torch.sigmoid(logits[:, :n]) + hc_eps
-    post = 2 * torch.sigmoid(logits[:, n : 2 * n])
+    pre = pointwise(torch.sigmoid, logits[:, :n]) + hc_eps
+    post = 2 * pointwise(torch.sigmoid, logits[:, n : 2 * n])
     comb = sinkhorn_ref(logits[:, 2 * n :].unflatten(-1, (n, n)), iters, hc_eps)
     return pre, post, comb
 
 
 def hc_collapse_ref(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """``sum_j pre_j x_j``: [T, n, d], [T, n] -> [T, d] (fp32 math, x.dtype out)."""
-    return (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
+    return stream_sum(pre.unsqueeze(-1) * x.float()).to(x.dtype)
 
 
 def hc_expand_ref(

@@ -27,6 +27,7 @@ launches (:func:`_moe_run_fused`), else the four above with those GEMMs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -38,7 +39,14 @@ from kernels.dispatch import capability, op, split_counters
 from kernels.moe_align import _align, _combine, _quant_rows, _reduce_swiglu, _y_buffer
 from kernels.moe_grouped import _INTERPRET, _dot_dtype, _moe_gemm, _scale_arg, _scale_launch
 from kernels.moe_ref import moe_fp4_ref, moe_fp8_ref, moe_fp8_rows_ref
-from kernels.moe_tiles import MoeTiles, _local_load, _num_sms, pick_tiles, rows_per_expert
+from kernels.moe_tiles import (
+    MoeTiles,
+    _local_load,
+    _num_sms,
+    fixed_tiles,
+    pick_tiles,
+    rows_per_expert,
+)
 from kernels.quant import is_e8m0
 
 
@@ -77,10 +85,12 @@ def _moe_run(
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
     row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fixed: bool = False,
 ) -> torch.Tensor:
     """The MoE layer's launches. ``act_fp8`` (the fp8 rows layout only, ``block[1]`` 0): x and
     H quantized to e4m3 with one scale per row, once each, and multiplied on the fp8 tensor
-    cores."""
+    cores. ``fixed`` (the deterministic mode): :func:`~kernels.moe_tiles.fixed_tiles` and no
+    decode kernels, whatever the rows."""
     if act_fp8 and block[1] != 0:
         raise ValueError("fp8 activations (one scale per row) need the fp8 rows layout")
     if fp16_mma and (act_fp8 or not 0 < limit <= 1024):
@@ -91,8 +101,10 @@ def _moe_run(
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     if n_slots == 0:
         return out
-    if (tiles, block_m, split_k) != (None, None, None):
+    if (tiles, block_m, split_k) != (None, None, None) or fixed:
         row_refs = None  # the launch overrides shape ``_moe_gemm``'s launches
+    if fixed and tiles is None:
+        tiles = fixed_tiles(d, inter, block[1], _num_sms(x.device), pairs)
     if tiles is None:
         tiles = pick_tiles(n_slots, n_local, n_experts or n_local, d, inter, block[1],
                            _num_sms(x.device), act_fp8, pairs,
@@ -292,6 +304,7 @@ def moe_fp8_triton(
     tiles: MoeTiles | None = None,
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
+    fixed: bool = False,
 ) -> torch.Tensor:
     """MegaMoE over fp8 e4m3 block-scaled experts: ``w13`` [E, 2I, d] (W1 rows then W3 rows),
     ``s13`` [E, 2I/b0, d/b1], ``w2`` [E, d, I], ``s2`` [E, d/b0, I/b1] (e8m0 or fp32).
@@ -302,7 +315,7 @@ def moe_fp8_triton(
     as ``block_m`` / ``split_k`` override BM and the K splits (tests and sweeps).
     ``fp16_mma`` (None = the dispatch's choice: at decode tile heights for bf16 activations
     under a clamp, on the GPU) forces the fp16-MMA path on or off, so that the CPU
-    interpreter tests cover it.
+    interpreter tests cover it. ``fixed``: the deterministic mode's launches (``_moe_run``).
     """
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
@@ -319,7 +332,7 @@ def moe_fp8_triton(
         raise ValueError(f"scales {tuple(s13.shape)} {tuple(s2.shape)}, want {want13} {want2}")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, block, limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k,
-                    fp16_mma=fp16_mma, out_dtype=out_dtype)  # fmt: skip
+                    fp16_mma=fp16_mma, out_dtype=out_dtype, fixed=fixed)  # fmt: skip
 
 
 def moe_fp8_rows_triton(
@@ -340,6 +353,7 @@ def moe_fp8_rows_triton(
     block_m: int | None = None,
     split_k: int | None = None,
     fp16_mma: bool | None = None,
+    fixed: bool = False,
 ) -> torch.Tensor:
     """MegaMoE over experts in the *fp8 rows* layout (``moe_formats.fp4_to_fp8_rows``): e4m3
     ``w13`` [E, 2I, d] and ``w2`` [E, d, I] with one fp32 scale per row, ``s13`` [E, 2I],
@@ -360,7 +374,7 @@ def moe_fp8_rows_triton(
                          f"experts {tuple(w13.shape)} {tuple(w2.shape)}")  # fmt: skip
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, (1, 0), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    fp16_mma=fp16_mma, out_dtype=out_dtype)  # fmt: skip
+                    fp16_mma=fp16_mma, out_dtype=out_dtype, fixed=fixed)  # fmt: skip
 
 
 def moe_fp4_triton(
@@ -382,6 +396,7 @@ def moe_fp4_triton(
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
     row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fixed: bool = False,
 ) -> torch.Tensor:
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
@@ -412,7 +427,8 @@ def moe_fp4_triton(
         raise ValueError(f"fp4 scales {tuple(s13.shape)} {tuple(s2.shape)} do not fit")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, pairs=pairs,
-                    fp16_mma=fp16_mma, out_dtype=out_dtype, row_refs=row_refs)  # fmt: skip
+                    fp16_mma=fp16_mma, out_dtype=out_dtype, row_refs=row_refs,
+                    fixed=fixed)  # fmt: skip
 
 
 def _unused_n_experts(ref):
@@ -427,6 +443,10 @@ def _unused_n_experts(ref):
     return run
 
 
-moe_fp8 = op(_unused_n_experts(moe_fp8_ref), moe_fp8_triton)
-moe_fp4 = op(_unused_n_experts(moe_fp4_ref), moe_fp4_triton)
-moe_fp8_rows = op(_unused_n_experts(moe_fp8_rows_ref), moe_fp8_rows_triton)
+# the deterministic mode: the fixed launches (``_moe_run``'s ``fixed``)
+moe_fp8 = op(_unused_n_experts(moe_fp8_ref), moe_fp8_triton,
+             invariant=functools.partial(moe_fp8_triton, fixed=True))
+moe_fp4 = op(_unused_n_experts(moe_fp4_ref), moe_fp4_triton,
+             invariant=functools.partial(moe_fp4_triton, fixed=True))
+moe_fp8_rows = op(_unused_n_experts(moe_fp8_rows_ref), moe_fp8_rows_triton,
+                  invariant=functools.partial(moe_fp8_rows_triton, fixed=True))  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.invariant import linear, pointwise
 from kernels.moe_formats import fp4_from_pairs
 from kernels.quant import dequantize_fp4, dequantize_fp8_block
 
@@ -19,7 +20,7 @@ def swiglu_clamp(h1: torch.Tensor, h3: torch.Tensor, limit: float) -> torch.Tens
     if limit > 0:
         h1 = h1.clamp(max=limit)
         h3 = h3.clamp(-limit, limit)
-    return torch.nn.functional.silu(h1) * h3
+    return pointwise(torch.nn.functional.silu, h1) * h3
 
 
 def moe_experts_ref(
@@ -53,10 +54,10 @@ def moe_experts_ref(
         sel = (flat_ids == e).nonzero(as_tuple=True)[0]
         t = tok[sel]
         xe = fake_quant_act(x[t]) if act_fp8 else x[t]
-        h = swiglu_clamp(xe @ w1[e].t(), xe @ w3[e].t(), limit)
+        h = swiglu_clamp(linear(xe, w1[e]), linear(xe, w3[e]), limit)
         if act_fp8:
             h = fake_quant_act(h.to(torch.bfloat16).to(h.dtype))
-        y = (h @ w2[e].t()).float() * flat_w[sel].unsqueeze(-1)
+        y = linear(h, w2[e]).float() * flat_w[sel].unsqueeze(-1)
         out.index_add_(0, t, y)
     return out.to(out_dtype or x.dtype)
 

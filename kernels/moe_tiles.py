@@ -112,6 +112,18 @@ def pick_tiles(
     )
 
 
+def fixed_tiles(d: int, inter: int, sb_k: int, sms: int, pairs: bool = False) -> MoeTiles:
+    """The deterministic mode's tiles: 64 rows (bf16 MMA, or fp16 on the fp8 rows layout as
+    at every height) and no K split, whatever the rows per expert, so a routed row is
+    multiplied in one order in any batch (:func:`pick_tiles` changes all of them with the
+    rows). ``sb_k``, ``pairs`` as there."""
+    rows = sb_k == 0
+    min_bk = 0 if rows else min(sb_k, 128)
+    n2 = d // 2 if pairs else d
+    return MoeTiles(64, _gemm_tiles(64, inter, d, 1, sms, min_bk, True, False, pairs, rows),
+                    _gemm_tiles(64, n2, inter, 1, sms, min_bk, pairs, False, pairs, rows))
+
+
 def rows_per_expert(n_slots: int, n_local: int, n_experts: int) -> float:
     """Expected routed rows per touched local expert when ``n_slots`` (token, slot) pairs
     spread uniformly over ``n_experts`` of which ``n_local`` are here: what sizes the tiles

@@ -103,7 +103,8 @@ class FrontDoor:
     id (None under Ray Serve, whose proxy already sends ``x-request-id``).
     ``max_in_flight``: generation requests this server holds at once (being prepared,
     queued or streaming); beyond it 429 at once, before any parsing or engine call (load
-    shedding in front of the ranks' own bounds)."""
+    shedding in front of the ranks' own bounds). ``deterministic``: the ranks run the
+    engine's deterministic mode (said on the model card)."""
 
     served_model_names: tuple[str, ...]
     tokenizer_path: str
@@ -113,6 +114,7 @@ class FrontDoor:
     vocab_size: int | None = None
     request_id_header: str | None = "x-request-id"
     max_in_flight: int | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -329,6 +331,7 @@ class _Api:
             "created": self.created,
             "owned_by": "fathom",
             "max_model_len": self.cfg.context_limit,
+            "deterministic": self.cfg.deterministic,
         }
 
 

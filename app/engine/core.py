@@ -53,6 +53,7 @@ from app.engine.spec.speculator import OnDraft, Speculator
 from app.engine.startup import Startup
 from app.engine.validation import RequestLimits, check_request
 from app.model.model import DeepseekModel
+from kernels.dispatch import batch_invariant
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,11 @@ class EngineCore:
         self.tokenizer, self.eos_ids = checkpoint_text(Path(cfg.model), mcfg.eos_token_id)
         if spec is not None and proposer is None:
             check_speculation(spec, model)
-        # the KV pool (one layout: allocation = accounting), measured on a probe on CUDA
-        size = start.pool(cfg, model, proposer is None,
-                          lambda c: EngineCore(c, model, proposer, parallel, probe=True))
+        # the KV pool (one layout: allocation = accounting), measured on a probe on CUDA (in
+        # deterministic mode with the mode's kernels: their workspaces are part of the peak)
+        with batch_invariant(cfg.deterministic):
+            size = start.pool(cfg, model, proposer is None,
+                              lambda c: EngineCore(c, model, proposer, parallel, probe=True))
         self.max_model_len, slots = size.max_model_len, cfg.scheduler.max_num_seqs
         self.cache = size.make_cache(model, cfg, self.device)
         self.scheduler = Scheduler(cfg.scheduler, self.cache)
@@ -117,7 +120,8 @@ class EngineCore:
         if probe:
             return
         logger.info("engine: %s", size.describe(slots))
-        start.finish(self)  # CUDA graphs, warm-up, the memory line, the phases' seconds
+        with batch_invariant(cfg.deterministic):  # graphs capture the mode's kernels
+            start.finish(self)  # CUDA graphs, warm-up, the memory line, the phases' seconds
         # Everything built so far (the model, the pools, the tokenizer) lives as long as the
         # engine: moved out of the collector's generations, so a collection scans only what
         # the steps allocate (a long collection stalls the host: device idle under overlap).
@@ -197,7 +201,12 @@ class EngineCore:
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step (the pipeline of the module doc); returns one output delta
-        per request that advanced."""
+        per request that advanced. In deterministic mode every kernel of it runs
+        batch-invariantly (``kernels.invariant``)."""
+        with batch_invariant(self.cfg.deterministic):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         st, t0 = self.stats, time.perf_counter()
         sched = self.scheduler.schedule()
         st.num_preemptions += len(sched.preempted)

@@ -29,6 +29,7 @@ from app.model.layers import Linear, RMSNorm, StackingModule, stacked_projection
 from app.model.rope import Rotary, apply_rope
 from kernels.attention import sparse_attention
 from kernels.indexer import indexer_scores_paged
+from kernels.invariant import grouped_linear
 from kernels.kv_quant import kv_qdq
 from kernels.norm import norm_rope, norm_rope_pair, rms_norm_ref
 from kernels.topk import topk
@@ -124,7 +125,7 @@ class Attention(StackingModule):
         g = self.cfg.o_groups
         grouped = o.reshape(o.shape[0], g, -1)
         w = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)
-        y = torch.einsum("tgi,goi->tgo", grouped.to(w.dtype), w).flatten(1)
+        y = grouped_linear(grouped.to(w.dtype), w).flatten(1)
         return self.wo_b(y)
 
     # ---- the batched step -----------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 from app.model.kv_store import KVRows
 from app.model.model import DeepseekModel, apply_pending
 from kernels.attention import sparse_attention
+from kernels.invariant import linear, pointwise, stream_mean
 from kernels.kv_quant import kv_qdq
 from kernels.mhc_ref import hc_collapse
 from kernels.norm import norm_rope
@@ -141,10 +142,10 @@ class DSparkDrafter:
         toks, logits, conf = [], [], []
         for k in range(num_drafts):  # semi-autoregressive: d_{k+1} conditions on d_k
             e = embed[prev]
-            z = base[:, k] + torch.nn.functional.linear(e.float(), head.float())
+            z = base[:, k] + linear(e.float(), head.float())
             c_in = torch.cat((g[:, k].float(), e.float()), dim=-1)
             w = last.confidence_head.proj.weight.float()
-            conf.append(torch.sigmoid(torch.nn.functional.linear(c_in, w)).squeeze(-1))
+            conf.append(pointwise(torch.sigmoid, linear(c_in, w)).squeeze(-1))
             tok = z.argmax(-1) if pick is None else pick(k, z)
             toks.append(tok)
             logits.append(z)
@@ -166,4 +167,4 @@ class DSparkDrafter:
 
 def stream_means(X: torch.Tensor) -> torch.Tensor:
     """The target feature of one tap layer: the mean of its input streams [T, n, d] -> [T, d]."""
-    return X.float().mean(dim=1).to(X.dtype)
+    return stream_mean(X).to(X.dtype)

@@ -24,6 +24,7 @@ from app.model.ep import EPGroup, ExpertShard
 from app.model.forward_batch import ForwardBatch
 from app.model.layers import Linear, RMSNorm
 from app.model.moe import MoE
+from kernels.invariant import linear, pointwise, row_mean, stream_mean
 from kernels.linear import linear_f32
 from kernels.mhc import hc_post, hc_post_pre, hc_pre
 from kernels.mhc_ref import hc_collapse
@@ -132,7 +133,7 @@ class Block(nn.Module):
             X, pending, "hc_attn", self.attn_norm, p if v41 else None
         )
         if capture is not None:
-            capture.append(X.float().mean(dim=1).to(X.dtype))
+            capture.append(stream_mean(X).to(X.dtype))
         att = self.attn(h, batch, meta, state)
         X, h, post, comb, f_pre = self._post_pre(
             X, (att, post, comb), "hc_ffn", self.ffn_norm, a_pre if v41 else None
@@ -319,10 +320,11 @@ class DeepseekModel(nn.Module):
         """V4's collapse of the streams [R, n, d] -> [R, d] with ``owner``'s ``hc_head_*``
         weights (the model's, or the MTP block's own)."""
         flat = X.flatten(1).float()
-        mix = (flat @ owner.hc_head_fn.float().t()) * torch.rsqrt(
-            flat.square().mean(-1, keepdim=True) + self.cfg.rms_norm_eps
+        mix = linear(flat, owner.hc_head_fn.float()) * torch.rsqrt(
+            row_mean(flat.square()) + self.cfg.rms_norm_eps
         )
-        pre = torch.sigmoid(mix * owner.hc_head_scale.float() + owner.hc_head_base.float())
+        logits = mix * owner.hc_head_scale.float() + owner.hc_head_base.float()
+        pre = pointwise(torch.sigmoid, logits)
         return hc_collapse(X, pre + self.cfg.hc_eps)
 
     def hidden(self, batch: ForwardBatch, features: list | None = None) -> torch.Tensor:
