@@ -324,7 +324,8 @@ def test_anthropic_messages(server):
 
 def test_disconnect_aborts_and_frees_kv(server, engine):
     srv, client = server
-    body = {"model": MODEL, "messages": HI, "max_tokens": 5000, "stream": True, **NO_THINK}
+    body = {"model": MODEL, "messages": HI, "max_tokens": 5000, "stream": True, "ignore_eos": True,
+            **NO_THINK}  # it is still running when the client goes
     with (
         httpx.Client(base_url=srv.url, timeout=30) as http,
         http.stream("POST", "/v1/chat/completions", json=body) as r,
