@@ -59,7 +59,7 @@ _OWN: dict[str, dict[str, Rule]] = {
         **_taken(
             "model messages stream stream_options max_completion_tokens stop logprobs "
             "top_logprobs response_format tools tool_choice reasoning_effort thinking user "
-            "prompt_cache_key parallel_tool_calls"
+            "prompt_cache_key parallel_tool_calls chat_template_kwargs"
         ),
         "store": _STORE,
         "service_tier": _TIER,

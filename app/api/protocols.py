@@ -191,6 +191,37 @@ def completion_tokens_as_max_tokens(body: bytes, raw: Mapping[str, Any]) -> byte
     return json.dumps({**raw, "max_tokens": limit}).encode()
 
 
+def template_kwargs_as_thinking(body: bytes, raw: Mapping[str, Any]) -> bytes:
+    """vLLM's / SGLang's ``chat_template_kwargs: {"thinking": bool}`` (how their clients turn
+    DeepSeek's thinking on and off) as chat's ``thinking`` field; any other key, or a
+    ``thinking`` field that says otherwise, gets a 400 naming it."""
+    kwargs = raw.get("chat_template_kwargs")
+    if kwargs is None:
+        return body
+    if not isinstance(kwargs, Mapping):
+        raise ApiError(400, "chat_template_kwargs must be an object",
+                       param="chat_template_kwargs")  # fmt: skip
+    for key in kwargs:
+        if key != "thinking":
+            raise ApiError(400, f"chat_template_kwargs.{key}: not a template argument of this "
+                                "model (it takes thinking: true / false)",
+                           param="chat_template_kwargs")  # fmt: skip
+    think = kwargs.get("thinking")
+    if think is None:
+        return body
+    if not isinstance(think, bool):
+        raise ApiError(400, "chat_template_kwargs.thinking must be a boolean",
+                       param="chat_template_kwargs")  # fmt: skip
+    mode = {"type": "enabled" if think else "disabled"}
+    other = raw.get("thinking")
+    if isinstance(other, Mapping) and other.get("type") not in (None, mode["type"]):
+        raise ApiError(400, f"chat_template_kwargs.thinking ({think}) and thinking "
+                            f"({other.get('type')}) differ: send one of them",
+                       param="chat_template_kwargs")  # fmt: skip
+    fields = {k: v for k, v in json.loads(body).items() if k != "chat_template_kwargs"}
+    return json.dumps({**fields, "thinking": mode}).encode()
+
+
 class RecipeFrontend:
     """Converts protocol bodies to engine requests for one served model."""
 
@@ -231,6 +262,7 @@ class RecipeFrontend:
         check_fields(proto.name, raw)
         if proto is CHAT:
             body = completion_tokens_as_max_tokens(body, raw)
+            body = template_kwargs_as_thinking(body, raw)
             if raw.get("n") not in (None, 1):  # the recipe converts one choice; the engine
                 body = json.dumps({**json.loads(body), "n": 1}).encode()  # forks n
         try:

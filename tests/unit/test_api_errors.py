@@ -144,6 +144,12 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("plp-stream", CHAT, chat(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
     # a field a route does not take, or takes with other values only, is refused by name
     ("unknown-field", CHAT, chat(foo=1), 400, "unrecognized request argument supplied: foo"),
+    ("template-kwargs-other-key", CHAT, chat(chat_template_kwargs={"enable_thinking": True}), 400,
+     "chat_template_kwargs.enable_thinking"),
+    ("template-kwargs-not-bool", CHAT, chat(chat_template_kwargs={"thinking": "yes"}), 400,
+     "chat_template_kwargs.thinking must be a boolean"),
+    ("template-kwargs-disagree", CHAT, chat(chat_template_kwargs={"thinking": True},
+                                            thinking={"type": "disabled"}), 400, "differ"),
     ("msg-unknown-field", MSGS, msgs(foo=1), 400, "unrecognized request argument supplied: foo"),
     ("cmpl-unknown-field", CMPL, cmpl(foo=1), 400, "unrecognized request argument supplied: foo"),
     (
