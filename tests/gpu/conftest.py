@@ -40,8 +40,11 @@ def pytest_configure(config):
     # The CPU references these tests compare with run in every xdist worker at once: torch's
     # default of one thread per core in each of them oversubscribes the host (on the 16-core
     # H200 machine a 60-forward reference went past a 400 s timeout with 6 workers).
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    # Only where the GPU tests run: on a CPU machine this conftest is loaded by any run that
+    # collects tests/ and would override the thread count the CPU suite chose.
+    if torch.cuda.is_available():
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(config, items):
