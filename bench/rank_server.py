@@ -36,6 +36,7 @@ def serve_args(args: argparse.Namespace) -> tuple[ServeArgs, str, int]:
         raise SystemExit("--config, or --port and --kv-bytes")
     sa = ServeArgs.model_validate({
         "model": args.model,
+        "dp_size": 1,
         "engine": {"kv_cache_bytes": args.kv_bytes, "max_model_len": 4096, "max_num_seqs": 16,
                    "max_num_batched_tokens": 1024},
         "api": {"request_timeout_s": 300},
