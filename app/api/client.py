@@ -7,7 +7,7 @@ over Serve handles, ``app.deployments.client``; an in-process rank engine over a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
 import anyio
@@ -39,6 +39,35 @@ class EngineClient(Protocol):
     async def stats(self) -> dict: ...
 
     async def ready(self) -> bool: ...
+
+    async def context_limit(self) -> int | None:
+        """The engines' ``max_model_len`` (the smallest over ranks); None until one reports."""
+        ...
+
+
+class ContextSync:
+    """Adopts the engines' context limit once they report it. A rank sizes its KV pool at
+    start-up (``gpu_memory_utilization`` of the card it finds), so its ``max_model_len`` can
+    be below the one the front door was built with; ``apply`` gets the engines' limit when
+    it is lower, once. Awaited before a front door answers with or checks against it."""
+
+    def __init__(self, client: EngineClient, configured: int,
+                 apply: Callable[[int], None]) -> None:  # fmt: skip
+        self.client, self.configured, self.apply = client, configured, apply
+        self.done = False
+
+    async def __call__(self) -> None:
+        if self.done:
+            return
+        try:
+            limit = await self.client.context_limit()
+        except Exception:  # not reachable yet: try again on the next request
+            return
+        if limit is None:
+            return
+        self.done = True
+        if limit < self.configured:
+            self.apply(limit)
 
 
 async def open_stream(

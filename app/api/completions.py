@@ -196,6 +196,10 @@ class CompletionsFrontend:
         self.max_prompt = max_prompt
         self.bos = self.tokenizer.token_to_id("<｜begin▁of▁sentence｜>")
 
+    def set_limits(self, limits: RequestLimits, max_prompt: int) -> None:
+        """Validate against new limits (the engines' lower context limit)."""
+        self.limits, self.context_limit, self.max_prompt = limits, limits.max_model_len, max_prompt
+
     def prepare(self, body: CompletionBody) -> tuple[EngineRequest, str]:
         """The engine request (internal id) and the response's public ``cmpl-`` id."""
         if body.model not in self.served:

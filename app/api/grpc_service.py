@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tokenizers import Tokenizer
 
-from app.api.client import EngineClient, open_stream
+from app.api.client import ContextSync, EngineClient, open_stream
 from app.api.errors import ApiError
 from app.api.limits import check_api_key, make_request
 from app.engine.admission import Admission, EngineOverloadedError
@@ -76,9 +76,14 @@ class GenerateService:
         self.cfg, self.opts = cfg, cfg.options
         self.in_flight = in_flight or Admission(cfg.max_in_flight, None)
         self.client = client
+        self.sync_context = ContextSync(client, cfg.context_limit, self._narrow)
         self.tokenizer = Tokenizer.from_file(cfg.tokenizer_path)
         self.bos = bos_token_id
         self.app_name = app_name
+
+    def _narrow(self, context_limit: int) -> None:
+        """Serve at the engines' lower context limit (:class:`ContextSync`)."""
+        self.cfg = self.cfg.narrowed(context_limit)
 
     async def generate(
         self, raw: bytes | GenerateRequest, context: GrpcContext
@@ -94,6 +99,7 @@ class GenerateService:
                 ticket = self.in_flight.admit(0)  # the same bound as the HTTP routes
             except EngineOverloadedError as e:
                 raise ApiError(429, f"the server is overloaded ({e}); retry later") from None
+            await self.sync_context()
             request = self._parse(raw)
             rid = request.request_id or f"gen-{uuid.uuid4().hex}"
             req = await self._engine_request(request)

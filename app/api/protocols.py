@@ -253,6 +253,11 @@ class RecipeFrontend:
         end = self.tokenizer.encode(dr.SpecialToken.ThinkingEnd.default_str())
         self.think_end_id = end[0] if len(end) == 1 else None
 
+    def set_limits(self, limits: RequestLimits, max_prompt_tokens: int) -> None:
+        """Validate against new limits (the engines' lower context limit)."""
+        self.limits, self.context_limit = limits, limits.max_model_len
+        self.max_prompt_tokens = max_prompt_tokens
+
     def usage_fix(self, prep: Prepared) -> UsageFix:
         n = len(prep.engine_request.prompt_token_ids)
         return UsageFix(n, self.think_end_id if prep.in_reasoning else None)

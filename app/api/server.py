@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI
@@ -22,7 +22,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api import completions as cmpl
 from app.api.choices import Choices
-from app.api.client import OVERLOAD_RETRY_S, EngineClient, EngineStream, open_stream
+from app.api.client import (
+    OVERLOAD_RETRY_S,
+    ContextSync,
+    EngineClient,
+    EngineStream,
+    open_stream,
+)
 from app.api.errors import (
     ApiError,
     api_error_handler,
@@ -131,6 +137,16 @@ class FrontDoor:
         limit = self.options.max_prompt_tokens
         return self.context_limit - 1 if limit is None else limit
 
+    def narrowed(self, context_limit: int) -> FrontDoor:
+        """This front door at a lower context limit (a prompt limit at or above it comes
+        down to ``context_limit - 1``)."""
+        if context_limit >= self.context_limit:
+            return self
+        opts = self.options
+        if opts.max_prompt_tokens is not None and opts.max_prompt_tokens >= context_limit:
+            opts = replace(opts, max_prompt_tokens=context_limit - 1)
+        return replace(self, context_limit=context_limit, options=opts)
+
     @property
     def limits(self) -> RequestLimits:
         """What the engine validates requests against (the same validator runs here)."""
@@ -161,12 +177,22 @@ class _Api:
             cfg.context_limit,
         )  # fmt: skip
         self.created = int(time.time())
+        self.sync_context = ContextSync(client, cfg.context_limit, self._narrow)
         self.gate = PrepareGate()
         self.in_flight = in_flight or Admission(cfg.max_in_flight, None)
+
+    def _narrow(self, context_limit: int) -> None:
+        """Serve at the engines' lower context limit (:class:`ContextSync`)."""
+        self.cfg = self.cfg.narrowed(context_limit)
+        for fe in (self.recipe, self.completions):
+            fe.set_limits(self.cfg.limits, self.cfg.prompt_limit)
+        self.tokenizer.context_limit = self.cfg.context_limit
+        logger.info("context limit %d: the engines' max_model_len", self.cfg.context_limit)
 
     async def shed(self, handler: Callable[[], Awaitable[Response]]) -> Response:
         """Run a generation route within ``max_in_flight`` (429 beyond it); a streamed
         response holds its slot until the stream is over."""
+        await self.sync_context()
         try:
             ticket = self.in_flight.admit(0)
         except EngineOverloadedError as e:
@@ -316,6 +342,7 @@ class _Api:
         self, request: Request, fn: Callable[[Mapping[str, Any]], dict[str, Any]]
     ) -> JSONResponse:
         """``/tokenize`` / ``/detokenize``: ``fn`` of the body (a worker thread)."""
+        await self.sync_context()
         body = await self._body(request)
         raw = parse_json(body, self.opts.max_json_depth)
         return JSONResponse(await self.gate.run(len(body), fn, raw))
@@ -420,11 +447,13 @@ def build_api(
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request) -> dict[str, Any]:
         api.check_auth(request)
+        await api.sync_context()
         return api.tokenizer.info()
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         api.check_auth(request)
+        await api.sync_context()
         return {"object": "list", "data": [api.model_card(n) for n in cfg.served_model_names]}
 
     @app.get("/v1/models/{name:path}")
@@ -432,12 +461,15 @@ def build_api(
         api.check_auth(request)
         if name not in cfg.served_model_names:
             raise ApiError(404, f"model {name!r} does not exist", param="model")
+        await api.sync_context()
         return api.model_card(name)
 
     @app.get("/health")
     async def health() -> Response:
         try:
             ok = await client.ready()
+            if ok:
+                await api.sync_context()
         except Exception as e:  # an unreachable engine is just not ready
             logger.warning("readiness check failed: %r", e)
             ok = False

@@ -235,6 +235,10 @@ class ServeEngineClient:
         except Exception:
             return False
 
+    async def context_limit(self) -> int | None:
+        """The live ranks' smallest ``max_model_len``, from the Router."""
+        return await asyncio.wait_for(self.router.context_limit.remote(), CONTROL_TIMEOUT_S)
+
 
 class MeteredClient:
     """Wraps an engine client: records TTFT, TPOT, latency and token counts of every request
@@ -281,6 +285,9 @@ class MeteredClient:
 
     async def ready(self) -> bool:
         return await self.inner.ready()
+
+    async def context_limit(self) -> int | None:
+        return await self.inner.context_limit()
 
 
 def _with_trace(req: EngineRequest) -> EngineRequest:

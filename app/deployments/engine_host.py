@@ -140,6 +140,9 @@ class LocalEngineClient:
     async def ready(self) -> bool:
         return not self._draining
 
+    async def context_limit(self) -> int | None:
+        return self.engine.core.max_model_len
+
     def drain(self, draining: bool = True) -> None:
         """Stop (or resume) taking new requests."""
         self._draining = draining

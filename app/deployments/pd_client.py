@@ -86,3 +86,8 @@ class PDEngineClient:
 
     async def ready(self) -> bool:
         return await self.prefill.ready() and await self.decode.ready()
+
+    async def context_limit(self) -> int | None:
+        """The smaller side's limit; None until both sides have reported."""
+        pre, dec = await asyncio.gather(self.prefill.context_limit(), self.decode.context_limit())
+        return None if pre is None or dec is None else min(pre, dec)

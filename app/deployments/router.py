@@ -279,6 +279,12 @@ class Router:
     async def ranks_stats(self) -> dict[str, dict[str, float]]:
         return {k: dict(v.stats) for k, v in self._live().items()}
 
+    async def context_limit(self) -> int | None:
+        """The live ranks' smallest ``max_model_len`` (their meta); None before any reports."""
+        lens = [int(v.meta["max_model_len"]) for v in self._live().values()  # type: ignore[call-overload]
+                if "max_model_len" in v.meta]  # fmt: skip
+        return min(lens) if lens else None
+
     async def index_stats(self) -> dict[str, object]:
         """Per rank: indexed blocks, event sequence, whether indexed (tests, operators)."""
         idx = self.policy.index

@@ -600,3 +600,28 @@ def test_n_choices_on_completions_and_bounds(server, oai):
         msg = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": HI,
                                               "n": 2})  # fmt: skip
         assert msg.status_code == 400 and "argument supplied: n" in msg.json()["error"]["message"]
+
+
+def test_front_door_adopts_the_engines_context_limit(tiny_ckpt, engine):
+    """A front door built with a context limit above its engines' (a rank sizes its KV pool
+    on the card it finds) adopts theirs once they answer: the model card, the tokenizer
+    info and its own checks, before any request reaches a rank."""
+    limit = engine.core.max_model_len
+    client = SpyClient(engine)
+    cfg = FrontDoor(served_model_names=(MODEL,), context_limit=4 * limit,
+                    tokenizer_path=f"{tiny_ckpt('v41')}/tokenizer.json")  # fmt: skip
+    app = build_api(cfg, client)
+    over = {"model": MODEL, "prompt": [7] * limit, "max_tokens": 1}
+
+    async def main() -> tuple[httpx.Response, ...]:
+        async with _asgi(app) as c:
+            return (await c.get("/v1/models"), await c.get("/tokenizer_info"),
+                    await c.post("/v1/completions", json=over))  # fmt: skip
+
+    models, info, too_long = asyncio.run(main())
+    assert models.json()["data"][0]["max_model_len"] == limit
+    assert info.json()["model_max_length"] == limit
+    assert too_long.status_code == 400, too_long.text
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert f"the limit is {limit - 1}" in too_long.json()["error"]["message"]
+    assert not client.requests  # the front door refused it

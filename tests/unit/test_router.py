@@ -133,6 +133,19 @@ def test_router_picks_least_loaded_live_rank():
     asyncio.run(run())
 
 
+def test_router_context_limit_is_the_live_ranks_smallest():
+    async def run() -> None:
+        router = _router()
+        assert await router.context_limit() is None  # no rank reported yet
+        await router.report("a", {}, {"max_model_len": 65536})
+        await router.report("b", {}, {"max_model_len": 32768})
+        assert await router.context_limit() == 32768
+        router.ranks["b"].seen = time.monotonic() - STALE_S - 1  # b stopped reporting
+        assert await router.context_limit() == 65536
+
+    asyncio.run(run())
+
+
 def test_shared_prefix_goes_to_the_rank_holding_it():
     async def run() -> None:
         router = _router()
