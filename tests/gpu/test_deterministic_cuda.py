@@ -1,13 +1,12 @@
 """The deterministic mode on CUDA: every op the mode changes gives a row the same bits at any
 row count (bf16, shapes of the flash rank's order), and the engine (a tiny V4.1 checkpoint
 with packed fp4 experts, bf16, CUDA graphs on: decode batches padded to graph buckets) gives a
-request the same tokens and logprobs bitwise among any companions, at batch 1 and batch N,
-with chunked prefill, prefix hits, preemption and speculation. The CPU twins of these tests
-are tests/unit/test_deterministic.py (whose helpers these reuse)."""
+request the same tokens and logprobs bitwise among any companions (50 runs, batches of 1 ..
+256), at batch 1 and batch N, with chunked prefill, overlap, prefix hits, speculation and a
+PD handoff. The CPU twins of these tests are tests/unit/test_deterministic.py (whose helpers
+these reuse; ``FATHOM_DETERMINISTIC=0`` runs both with the mode off, the control)."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -22,7 +21,17 @@ from kernels.linear import dense_linear, linear_f32
 from kernels.mhc import hc_post_pre, hc_pre
 from kernels.moe import moe_fp4, moe_fp8
 from kernels.quant import quantize_fp4, quantize_fp8_block
-from tests.unit.test_deterministic import DSPARK, engine, greedy, run
+from tests.unit.test_deterministic import (
+    DSPARK,
+    PD_CASES,
+    SWEEP,
+    engine,
+    greedy,
+    pd_vs_colocated,
+    run,
+    sweep,
+    sweep_engines,
+)
 from tools.op_bisect import prompts
 
 pytestmark = pytest.mark.cuda
@@ -84,6 +93,7 @@ def test_attention_indexer_compressor_rows_are_invariant():
     idx2 = torch.randint(-1, N, (M, 512), generator=g, device="cuda")
     sink = torch.randn(H, generator=g, device="cuda")
     ang = torch.rand(M, 32, generator=g, device="cuda")
+
     def attend(q, i, i2, a):
         return sparse_attention(q, kv, i, sink, D**-0.5, kv2=kv, idx2=i2, inv_rope_angles=a)
 
@@ -131,27 +141,26 @@ def test_gate_and_experts_rows_are_invariant():
 GPU = {"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 8, "kv_cache_bytes": 1 << 26}
 
 
+@pytest.mark.gpu_mem(6)
+def test_fifty_runs_among_batches_up_to_256_give_one_output_on_cuda(tiny_ckpt):
+    """SGLang's test on CUDA, graphs on: the same prompts 50 times, alone or among up to 255
+    companions (``SWEEP``: batches of 1 .. 256, some sharing the target's first block), on
+    an engine with chunked prefill and overlap, one with overlap off and one speculating;
+    decode batches replay graphs of padded buckets up to 256: one output per target."""
+    engs = sweep_engines(tiny_ckpt("v41"), **GPU, max_model_len=512)  # 512: fewer graph widths
+    seen, hits = sweep(engs, SWEEP)
+    assert all(e.stats.graph_steps > 0 for e in engs) and hits == {False, True}
+    assert {k: len(v) for k, v in seen.items()} == dict.fromkeys(seen, 1)
+
+
 @pytest.mark.gpu_mem(4)
-def test_one_prompt_among_varying_companions_gives_one_output_on_cuda(tiny_ckpt):
-    """SGLang's test on CUDA, graphs on: 12 runs, one output; decode batches of 1-8 requests
-    replay graphs of padded buckets."""
-    eng = engine(tiny_ckpt("v41"), max_num_batched_tokens=24, **GPU)
-    target = prompts((70,), seed=3)[0]
-    rng = random.Random(0)
-    seen, hits = set(), set()
-    for i, n in enumerate((0, 1, 3, 7, 2, 5, 0, 4, 6, 1, 3, 2)):
-        others = []
-        for j, q in enumerate(prompts([rng.randint(1, 80) for _ in range(n)], seed=10 + i)):
-            if j % 2:
-                q = target[:64] + q
-            others.append(EngineRequest(f"o{j}", tuple(q), greedy(rng.randint(2, 14))))
-        reqs = others[:]
-        reqs.insert(i % (n + 1), EngineRequest("t", tuple(target), greedy(10)))
-        got = run(eng, reqs, stagger=i % 3)["t"]
-        seen.add(got.bits)
-        hits.add(got.cached > 0)
-    assert eng.stats.graph_steps > 0 and hits == {False, True}
-    assert len(seen) == 1
+@pytest.mark.parametrize("spec,lost", PD_CASES.values(), ids=PD_CASES)
+def test_a_pd_request_equals_the_same_request_colocated_on_cuda(tiny_ckpt, spec, lost):
+    """Prefill on one CUDA engine, the KV state through host memory (the object-store
+    transport's form), decode on another among the others' (graphs): the bits of the same
+    request served alone."""
+    alone, pd = pd_vs_colocated(tiny_ckpt("v41"), spec, lost, **{**GPU, "max_num_seqs": 16})
+    assert pd.bits == alone.bits
 
 
 @pytest.mark.gpu_mem(4)

@@ -1,13 +1,16 @@
 """The deterministic mode (``EngineConfig.deterministic``): its option and refusals, the
 batch-invariant ops of the CPU step (``kernels.invariant``), and the engine giving one
-request the same tokens and logprobs bitwise in any company: SGLang's test (one prompt among
-varying companions, one unique output) and vLLM's (logprobs at batch 1 == batch N), with
-chunked prefill, prefix hits, preemption and speculation in the matrix."""
+request the same tokens and logprobs bitwise in any company: SGLang's test (one prompt run
+50 times among varying companions, one unique output) and vLLM's (logprobs at batch 1 ==
+batch N), with chunked prefill, overlap, prefix hits, preemption, speculation and a PD
+handoff in the matrix. ``FATHOM_DETERMINISTIC=0`` runs them with the mode off (the control:
+the engine tests then fail)."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -20,10 +23,18 @@ from pydantic import ValidationError
 from app.api import FrontDoor, build_api
 from app.config import EngineConfig, EngineConfigError
 from app.deployments.engine_host import LocalEngineClient
+from app.deployments.pd import _HostTensor
 from app.engine.core import EngineCore
 from app.engine.engine import AsyncEngine
+from app.engine.handoff import DecodeState, Handoff
 from app.engine.llm import LLM
-from app.engine.request import EngineRequest, SamplingParams, TokenLogprob
+from app.engine.request import (
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from app.serve_args import ServeArgs
 from kernels.attention import sparse_attention, sparse_attention_ref
 from kernels.compressor import compress_pool, compress_pool_ref
@@ -107,7 +118,6 @@ def test_linear_rows_are_batch_invariant_on_cpu(k, n):
     torch.testing.assert_close(linear(x, w), x @ w.t())
 
 
-
 @pytest.mark.parametrize("dtype,out,split", [(torch.float32, torch.float32, 1),
                                              (torch.float32, torch.float32, 3),
                                              (torch.bfloat16, torch.bfloat16, 2),
@@ -121,6 +131,7 @@ def test_the_cuda_gemm_of_the_mode_matches_torch(dtype, out, split):
     assert y.dtype == out and y.shape == (20, 24)
     tol = {"atol": 2e-2, "rtol": 2e-2} if torch.bfloat16 in (dtype, out) else {}
     torch.testing.assert_close(y.float(), x.float() @ w.float().t(), **tol)
+
 
 @pytest.mark.parametrize("fn", [torch.sigmoid, torch.nn.functional.silu,
                                 torch.nn.functional.softplus, torch.exp2])  # fmt: skip
@@ -169,7 +180,6 @@ def test_the_ops_already_invariant_stay_so():
     same_rows(lambda lg: torch.softmax(lg, -1), torch.randn(T, 97, generator=g), **plain)
     same_rows(lambda s: topk_ref(s, 16), torch.randn(T, 128, generator=g), **plain)
     same_rows(lambda lg: moe_gate_ref(lg, w[:8], 2, 1.5), torch.randn(T, 8, generator=g))
-
 
 
 # ---- the mode's CUDA entries, under the interpreter: still the references' function ----------
@@ -239,8 +249,14 @@ def test_the_cuda_entries_of_the_mode_match_their_references():
     ref = moe_fp8_ref(xm.double(), ids, wts.double(), *experts, (32, 32), 0.7)
     assert rel(got, ref) < 1e-2
 
+
 # ---- the engine: one request, one result, whatever else runs ------------------------------
-def engine(path: str, deterministic: bool = True, **opts: object) -> EngineCore:
+# The control run: ``FATHOM_DETERMINISTIC=0`` builds every engine of these tests (and of
+# tests/gpu/test_deterministic_cuda.py) with the mode off, which the engine tests must then fail.
+MODE = os.environ.get("FATHOM_DETERMINISTIC", "1") != "0"
+
+
+def engine(path: str, deterministic: bool = MODE, **opts: object) -> EngineCore:
     opts.setdefault("kv_cache_bytes", 1 << 22)
     return EngineCore(EngineConfig.from_options(path, deterministic=deterministic,
                                                 bounded_replay="off", **opts))  # fmt: skip
@@ -261,24 +277,39 @@ class Result(NamedTuple):
     cached: int
 
 
-def run(eng: EngineCore, reqs: list[EngineRequest], stagger: int = 0) -> dict[str, Result]:
-    """Every request's :class:`Result`; ``stagger``: steps between arrivals (0 = all at
-    once), so requests join others mid-prefill or mid-decode."""
-    acc: dict[str, tuple[list, list, list]] = {r.request_id: ([], [], []) for r in reqs}
-    cached = dict.fromkeys(acc, 0)
+class Collected:
+    """Each request's outputs as steps give them: tokens, logprobs and prompt logprobs (the
+    floats as their exact bits) and its prefix-cache hit."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, tuple[list, list, list]] = {}
+        self.cached: dict[str, int] = {}
+
+    def take(self, o: RequestOutput) -> None:
+        toks, lps, plps = self.acc.setdefault(o.request_id, ([], [], []))
+        toks += o.token_ids
+        lps += map(_lp, o.logprobs or ())
+        plps += map(_lp, o.prompt_logprobs or ())
+        self.cached[o.request_id] = max(self.cached.get(o.request_id, 0), o.num_cached_tokens)
+
+    def result(self, rid: str) -> Result:
+        return Result(tuple(map(tuple, self.acc[rid])), self.cached[rid])
+
+
+def run(eng: EngineCore, reqs: list[EngineRequest], stagger: int = 0, wave: int = 1
+        ) -> dict[str, Result]:  # fmt: skip
+    """Every request's :class:`Result`; ``stagger``: steps between arrivals of ``wave``
+    requests each (0 = all at once), so requests join others mid-prefill or mid-decode."""
+    got = Collected()
     queue = list(reqs)
     while queue or eng.has_unfinished:
-        for _ in range(min(1, len(queue)) if stagger else len(queue)):
+        for _ in range(min(wave, len(queue)) if stagger else len(queue)):
             eng.add_request(queue.pop(0))
         for _ in range(max(stagger, 1)):
             for o in eng.step():
-                toks, lps, plps = acc[o.request_id]
-                toks += o.token_ids
-                lps += map(_lp, o.logprobs or ())
-                plps += map(_lp, o.prompt_logprobs or ())
-                cached[o.request_id] = max(cached[o.request_id], o.num_cached_tokens)
+                got.take(o)
     eng.cache.check_integrity()
-    return {rid: Result(tuple(map(tuple, v)), cached[rid]) for rid, v in acc.items()}
+    return {r.request_id: got.result(r.request_id) for r in reqs}
 
 
 def greedy(n: int, **kw: object) -> SamplingParams:
@@ -286,35 +317,70 @@ def greedy(n: int, **kw: object) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2, **kw)
 
 
-def test_one_prompt_among_varying_companions_gives_one_output(tiny_ckpt):
-    """SGLang's test: the same prompt 12 times, alone or among 1-7 companions of other
-    lengths and settings (some sharing its first block, so its prefix is sometimes a cold
-    prefill and sometimes a hit), arriving together or while others run, through a 24-token
-    budget that chunks prompts differently every time: one unique output."""
-    eng = engine(tiny_ckpt("v41"), max_num_batched_tokens=24)
+# companions of the target in SGLang's test: batches of 1 .. 256 on CUDA; on the CPU batches of
+# 1 .. 64 (steps of 256 rows take ~60 ms there: 50 runs up to 256 take ~4 min on 2 cores)
+SWEEP = (0, 255, 1, 63, 2, 127, 3, 16, 200, 7, 31, 100, 17)
+SWEEP_CPU = (0, 1, 3, 17, 63, 2, 7, 31)
+SWEEP_ENGINES = (  # chunked prefill with overlap; overlap off; speculation
+    {"max_num_batched_tokens": 32},
+    {"max_num_batched_tokens": 256, "overlap_schedule": False},
+    {"max_num_batched_tokens": 64, "speculative": DSPARK},
+)
+
+
+def companions(n: int, head: list[int], rng: random.Random, seed: int) -> list[EngineRequest]:
+    """``n`` other requests of 1-16 prompt tokens (every fourth after ``head``, the target's
+    first block), greedy or seeded, of 2-8 output tokens."""
+    out = []
+    for j, q in enumerate(prompts([rng.randint(1, 16) for _ in range(n)], seed=seed)):
+        q = head + q if j % 4 == 1 else q
+        n_out = rng.randint(2, 8)
+        p = greedy(n_out) if j % 3 else SamplingParams(temperature=0.8, seed=j, max_tokens=n_out,
+                                                       ignore_eos=True)  # fmt: skip
+        out.append(EngineRequest(f"o{j}", tuple(q), p))
+    return out
+
+
+def sweep_engines(path: str, **opts: object) -> list[EngineCore]:
+    """An engine of each of ``SWEEP_ENGINES``, room for 256 requests."""
+    return [engine(path, **{**opts, "max_num_seqs": 256, **e}) for e in SWEEP_ENGINES]
+
+
+def sweep(engs: list[EngineCore], batches: tuple[int, ...], runs: int = 50
+          ) -> tuple[dict[str, set], set[bool]]:  # fmt: skip
+    """SGLang's test: ``runs`` runs of one greedy and one seeded prompt among ``batches``
+    companions in turn (some sharing the greedy target's first block), on ``engs`` in turn,
+    the requests arriving at once or in waves while others run. -> each target's outputs
+    (the seeded one's with and without speculation apart: its rejection sampling draws
+    other numbers) and whether the greedy one's prompt was a prefix hit."""
     target = prompts((70,), seed=3)[0]
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=8, ignore_eos=True,
+                            logprobs=2)  # fmt: skip
     rng = random.Random(0)
-    seen, hits = set(), set()
-    for i, n in enumerate((0, 1, 3, 7, 2, 5, 0, 4, 6, 1, 3, 2)):
-        others = []
-        for j, q in enumerate(prompts([rng.randint(1, 80) for _ in range(n)], seed=10 + i)):
-            if j % 2:  # shares the target's first 64-token block
-                q = target[:64] + q
-            p = (
-                greedy(rng.randint(2, 14))
-                if j % 3
-                else SamplingParams(
-                    temperature=0.8, seed=j, max_tokens=rng.randint(2, 14), ignore_eos=True
-                )
-            )
-            others.append(EngineRequest(f"o{j}", tuple(q), p))
-        reqs = others[:]
-        reqs.insert(i % (n + 1), EngineRequest("t", tuple(target), greedy(10)))
-        got = run(eng, reqs, stagger=i % 3)["t"]
-        seen.add(got.bits)
-        hits.add(got.cached > 0)
+    seen: dict[str, set] = {"greedy": set(), "seeded": set(), "seeded, speculating": set()}
+    hits = set()
+    for i in range(runs):
+        n, eng = batches[i % len(batches)], engs[i % len(engs)]
+        reqs = companions(n, target[:64], rng, seed=100 + i)
+        reqs.insert(rng.randint(0, n), EngineRequest("t", tuple(target), greedy(10)))
+        reqs.insert(rng.randint(0, n + 1), EngineRequest("s", tuple(target[::-1]), seeded))
+        got = run(eng, reqs, stagger=i % 3, wave=1 + n // 8)
+        seen["greedy"].add(got["t"].bits)
+        seen["seeded, speculating" if eng.cfg.speculative else "seeded"].add(got["s"].bits)
+        hits.add(got["t"].cached > 0)
+    return seen, hits
+
+
+def test_fifty_runs_among_varying_companions_give_one_output(tiny_ckpt):
+    """SGLang's test on the CPU: the same prompts run 50 times, alone or among up to 63
+    companions (``SWEEP_CPU``; the GPU test runs batches up to 256) of other lengths and
+    settings, some sharing the target's first block (so its prefix is sometimes a cold
+    prefill and sometimes a hit), arriving together or while others run, on an engine with
+    chunked prefill and overlap, one with overlap off and one speculating: one unique
+    output (tokens and logprobs) per target."""
+    seen, hits = sweep(sweep_engines(tiny_ckpt("v41"), kv_cache_bytes=1 << 24), SWEEP_CPU)
     assert hits == {False, True}  # cold prefills and prefix hits both
-    assert len(seen) == 1
+    assert {k: len(v) for k, v in seen.items()} == dict.fromkeys(seen, 1)
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
@@ -342,6 +408,74 @@ def test_prefix_hit_equals_cold_prefill(tiny_ckpt):
     hit = run(eng, [t])["t"]
     cold = run(engine(path), [t])["t"]
     assert cold.cached == 0 and hit.cached == 64 and hit.bits == cold.bits
+
+
+# ---- prefill/decode disaggregation: a handed-off request vs the same request colocated -----
+def wire(state: DecodeState, device: torch.device) -> DecodeState:
+    """``state`` as the object-store transport carries it (``app.deployments.pd``: uint8
+    numpy buffers, pickled) and a decode rank on ``device`` receives it."""
+    state.wait_ready()
+    host = pickle.loads(pickle.dumps(state.map_tensors(_HostTensor.of)))
+    return host.map_tensors(lambda h: h.tensor(device))
+
+
+def pd_run(pre: EngineCore, dec: EngineCore, reqs: list[EngineRequest],
+           lost: frozenset[str] = frozenset()) -> dict[str, Result]:  # fmt: skip
+    """The PD path on two engines: every request prefilled on ``pre`` in export mode (as on
+    a prefill rank; all arriving at once), its decode state carried by :func:`wire` to
+    ``dec``, where the handoffs arrive one per step in the order they came, beside the
+    decodes of those before (the states of ``lost`` are dropped: those resume as local
+    prefills there). -> each request's :class:`Result` over both engines."""
+    got, handoffs = Collected(), []
+    for r in reqs:
+        pre.add_request(r, export=True)
+    while pre.has_unfinished:
+        for o in pre.step():
+            got.take(o)
+            if o.finish_reason is FinishReason.HANDOFF:
+                state = None if o.request_id in lost else wire(o.handoff, dec.device)
+                handoffs.append((o.request_id, Handoff(tuple(o.token_ids), state)))
+    assert len(handoffs) == len(reqs) and pre.stats.kv_exports == len(reqs)
+    by_id = {r.request_id: r for r in reqs}
+    while handoffs or dec.has_unfinished:
+        if handoffs:
+            rid, h = handoffs.pop(0)
+            assert dec.add_handoff(by_id[rid], h) == (None if h.state else "no_state")
+        for o in dec.step():
+            got.take(o)
+    dec.cache.check_integrity()
+    assert dec.stats.kv_imports == len(reqs) - len(lost)
+    return {r.request_id: got.result(r.request_id) for r in reqs}
+
+
+def pd_vs_colocated(path: str, spec: dict | None, lost: frozenset[str] = frozenset({"o1", "o6"}),
+                    **opts: object) -> tuple[Result, Result]:  # fmt: skip
+    """One request ``t`` served alone on one engine (overlap off, no speculation) and through
+    :func:`pd_run` among 9 others ``o0`` .. ``o8`` (chunked prefill on both sides, ``spec``
+    on both, the states of ``lost`` lost): (colocated, PD)."""
+    t = EngineRequest("t", tuple(prompts((90,), seed=7)[0]), greedy(10, prompt_logprobs=1))
+    alone = run(engine(path, overlap_schedule=False, **opts), [t])["t"]
+    others = companions(9, list(t.prompt_token_ids[:64]), random.Random(1), seed=8)
+    reqs = [*others[:4], t, *others[4:]]
+    both = {"max_num_batched_tokens": 24, "speculative": spec, **opts}
+    got = pd_run(engine(path, **both), engine(path, **both), reqs, lost)
+    return alone, got["t"]
+
+
+PD_CASES = {
+    "plain": (None, frozenset({"o1", "o6"})),
+    "speculating": (DSPARK, frozenset({"o1", "o6"})),  # its pending drafts travel
+    "state lost": (None, frozenset({"t", "o6"})),
+}  # the decode engine prefills it again
+
+
+@pytest.mark.parametrize("spec,lost", PD_CASES.values(), ids=PD_CASES)
+def test_a_pd_request_equals_the_same_request_colocated(tiny_ckpt, spec, lost):
+    """Prefilled on one engine in chunks among 9 others, its KV state over the wire, decoded
+    on another among the others' decodes and local prefills: the same tokens, logprobs and
+    prompt logprobs bitwise as served alone on one engine."""
+    alone, pd = pd_vs_colocated(tiny_ckpt("v41"), spec, lost)
+    assert len(alone.bits[2]) == 90 and pd.bits == alone.bits
 
 
 def test_preemption_and_resume_keep_the_bits(tiny_ckpt):
