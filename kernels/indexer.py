@@ -9,6 +9,9 @@ form the M side of one ``tl.dot`` (64 rows), then ReLU, head weights, and a head
 [BLOCK_T, BLOCK_C] scores. Entry blocks that no token of the block can see are written as
 -inf without a dot. The paged form reads every token's own sequence's keys in place from
 the key pool through the block table; ``entry_rows`` maps selected entries to pool rows.
+Its decode steps (one token per sequence) and the deterministic mode take the token kernel
+instead (``kernels.indexer_token``: grid (token, key chunk), each chunk's keys streamed once
+with the token's heads on the other side of the dot).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import op, sm_count
+from kernels.indexer_token import FIXED_LAUNCH, token_scores
 from kernels.kv_quant import e2m1_to_f32
 from kernels.topk import topk_triton
 
@@ -303,9 +307,15 @@ def indexer_scores_paged_triton(
     blocks: TokenBlocks | None = None,
     out: torch.Tensor | None = None,
     launch: dict[str, int] | None = None,
+    kernel: str = "auto",
+    dequant: str | None = None,
 ) -> torch.Tensor:
     """Triton :func:`indexer_scores_paged_ref` (``seq_start`` [B]: first token of each
-    sequence, for the token blocks); ``launch`` as in :func:`indexer_scores_triton`."""
+    sequence, for the token blocks). ``kernel``: "token" (``kernels.indexer_token``: one
+    token a program row, key chunks over the grid), "blocks" (token blocks x entry tiles,
+    keys read once per block), "auto": token when every sequence has one token (T == B: a
+    decode step), else blocks. ``launch`` as in :func:`indexer_scores_triton` (the token
+    kernel: also a split by the key count alone); ``dequant``: the token kernel's."""
     T, HI, DI = q.shape
     mx = key_scale is not None
     if w.shape != (T, HI) or visible.shape != (T,) or token_seq.shape != (T,):
@@ -316,10 +326,17 @@ def indexer_scores_paged_triton(
         raise ValueError(f"keys must be [N, {DI}] in q's dtype, got {keys.dtype}")
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("q, keys and w need a contiguous last dim")
+    if kernel not in ("auto", "token", "blocks"):
+        raise ValueError(f"kernel must be 'auto', 'token' or 'blocks', got {kernel!r}")
     if out is None:
         out = torch.empty((T, num_cols), device=q.device, dtype=torch.float32)
+    elif out.shape != (T, num_cols) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out must be fp32 [T, C] with a contiguous last dim: {tuple(out.shape)}")
     if T == 0 or num_cols == 0:
         return out
+    if kernel == "token" or (kernel == "auto" and seq_start.numel() == T):
+        return token_scores(q, keys, key_scale, w, visible, token_seq, block_table, ratio,
+                            block_size, out, launch=launch, dequant=dequant)  # fmt: skip
     HP, DP = max(16, triton.next_power_of_2(HI)), max(32, triton.next_power_of_2(DI))
     bt = _scores_block_t(HI)
     if blocks is None:
@@ -424,6 +441,10 @@ indexer_scores = op(indexer_scores_ref, indexer_scores_triton,
                     invariant=functools.partial(indexer_scores_triton,
                                                 launch=INVARIANT_LAUNCH))  # fmt: skip
 entry_rows = op(entry_rows_ref, entry_rows_triton, when=_entry_rows_supported)
-indexer_scores_paged = op(indexer_scores_paged_ref, indexer_scores_paged_triton,
-                          invariant=functools.partial(indexer_scores_paged_triton,
-                                                      launch=INVARIANT_LAUNCH))  # fmt: skip
+# The mode's paged scores: the token kernel at every step (decode and prefill alike, so a
+# token's bits never depend on its step's other sequences), one tile, a split by key count
+_paged_invariant = functools.partial(indexer_scores_paged_triton, kernel="token",
+                                     launch=FIXED_LAUNCH)  # fmt: skip
+indexer_scores_paged = op(
+    indexer_scores_paged_ref, indexer_scores_paged_triton, invariant=_paged_invariant
+)

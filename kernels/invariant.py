@@ -35,6 +35,11 @@ path does and what the mode does (``default -> mode``):
         by key count (``kernels.attention``)
     indexer scores (CUDA)
         tiles autotuned per key-count bucket  ->  one fixed config (``kernels.indexer``)
+    paged indexer scores (CUDA)
+        decode steps: the token kernel, key chunks per token by the grid's fill; other steps:
+        the token-blocks kernel  ->  the token kernel at every step (a token's row is
+        computed alike in a decode step and in a prefill chunk), one fixed tile, chunks by
+        key count (``kernels.indexer_token``)
     sigmoid, SiLU, softplus (CPU)
         vector code, scalar code in the tail  ->  :func:`pointwise`
     sums over mHC's streams (the collapse, DSpark's taps); V4's head-mix norm (CUDA)

@@ -332,6 +332,61 @@ def test_paged_indexer_scores(mx, B, n, C):
     assert _rel(out[fin], ref[fin]) < 1e-2
 
 
+@pytest.mark.parametrize("dequant", ["bits", "dot_scaled"])
+@pytest.mark.parametrize("B,C,r", [(1, 32768, 1), (64, 8192, 2), (256, 2048, 1)])
+def test_decode_indexer_scores_token_kernel(dequant, B, C, r):
+    """The decode path (one token per sequence: the token kernel, "auto") at V4.1-Flash
+    shapes (32 heads x 128, mxfp4 + e8m0 keys, 64-position blocks shuffled): equal to the
+    reference and to the token-blocks kernel, ragged visible counts (0, mid-block, a block
+    edge, all), B = 1 at 32K entries and B = 256; both dequantizations."""
+    from kernels.kv_quant import kv_pack
+
+    g = torch.Generator(device=DEV).manual_seed(B + C + r)
+    P = 64
+    nb = C * r // P
+    table = torch.randperm(B * nb + 3, device=DEV, generator=g)[: B * nb].view(B, nb)
+    keys, ks = kv_pack(torch.randn((B * nb + 4) * (P // r), 128, device=DEV, generator=g),
+                       "mxfp4")  # fmt: skip
+    q = torch.randn(B, 32, 128, device=DEV, generator=g).bfloat16()
+    w = torch.randn(B, 32, device=DEV, generator=g)
+    seq = torch.arange(B, device=DEV)
+    vis = torch.randint(1, C + 1, (B,), device=DEV, generator=g)
+    vis[0] = C - 37
+    if B > 3:
+        vis[1:4] = torch.tensor([0, P // r, C])
+    out = torch.full((B, C), float("nan"), device=DEV)
+    ix.indexer_scores_paged_triton(q, keys, ks, w, vis, seq, table, r, P, C, seq_start=seq,
+                                   out=out, dequant=dequant)  # fmt: skip
+    ref = ix.indexer_scores_paged_ref(q.float(), keys, ks, w, vis, seq, table, r, P, C)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out)) and bool((out[~fin] == float("-inf")).all())
+    assert _rel(out[fin], ref[fin]) < 1e-5  # exact products, fp32 sums
+    old = ix.indexer_scores_paged_triton(q, keys, ks, w, vis, seq, table, r, P, C,
+                                         seq_start=seq, kernel="blocks")  # fmt: skip
+    assert _rel(out[fin], old[fin]) < 1e-5
+
+
+def test_token_kernel_float_keys_and_prefill_rows():
+    """The token kernel (the deterministic mode's at every step) over bf16 keys and over
+    prefill chunks (several tokens a sequence) equals the reference."""
+    g = torch.Generator(device=DEV).manual_seed(9)
+    P, r, B, n, C = 64, 2, 3, 40, 4096
+    nb = C * r // P
+    table = torch.randperm(B * nb + 3, device=DEV, generator=g)[: B * nb].view(B, nb)
+    keys = torch.randn((B * nb + 4) * (P // r), 128, device=DEV, generator=g).bfloat16()
+    q = torch.randn(B * n, 32, 128, device=DEV, generator=g).bfloat16()
+    w = torch.randn(B * n, 32, device=DEV, generator=g)
+    seq = torch.arange(B, device=DEV).repeat_interleave(n)
+    vis = torch.randint(0, C + 1, (B * n,), device=DEV, generator=g)
+    out = ix.indexer_scores_paged_triton(q, keys, None, w, vis, seq, table, r, P, C,
+                                         seq_start=torch.arange(B, device=DEV) * n,
+                                         kernel="token")  # fmt: skip
+    ref = ix.indexer_scores_paged_ref(q.float(), keys.float(), None, w, vis, seq, table, r, P, C)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out))
+    assert _rel(out[fin], ref[fin]) < 1e-5
+
+
 @pytest.mark.parametrize("T,k", [(1, 512), (64, 512), (300, 1024)])
 def test_entry_rows_on_gpu(T, k):
     """The step's pool rows of selected entries in one launch = the reference, exactly

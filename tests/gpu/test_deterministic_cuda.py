@@ -17,6 +17,7 @@ from kernels.compressor import compress_pool
 from kernels.dispatch import batch_invariant
 from kernels.gate import moe_gate_fused
 from kernels.indexer import indexer_scores_paged
+from kernels.kv_quant import kv_pack
 from kernels.linear import dense_linear, linear_f32
 from kernels.mhc import hc_post_pre, hc_pre
 from kernels.moe import moe_fp4, moe_fp8
@@ -104,6 +105,11 @@ def test_attention_indexer_compressor_rows_are_invariant():
     vis = torch.randint(1, 64 * 40, (M,), generator=g, device="cuda")
     seq = torch.zeros(M, dtype=torch.int64, device="cuda")
     same_rows(lambda q, w, v, s: indexer_scores_paged(q, keys, None, w, v, s, table, 1, 64,
+                                                      64 * 40, seq_start=s[:1]),
+              rand(M, 32, 128, g=g), rand(M, 32, g=g, dtype=torch.float32), vis, seq)  # fmt: skip
+    # mxfp4 keys (the cache's): one row alone is a decode step, more are a prefill chunk
+    codes, scale = kv_pack(rand(64 * 40, 128, g=g, dtype=torch.float32), "mxfp4")
+    same_rows(lambda q, w, v, s: indexer_scores_paged(q, codes, scale, w, v, s, table, 1, 64,
                                                       64 * 40, seq_start=s[:1]),
               rand(M, 32, 128, g=g), rand(M, 32, g=g, dtype=torch.float32), vis, seq)  # fmt: skip
     nw = 1 + rand(512, g=g, dtype=torch.float32, scale=0.1)

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from kernels import indexer as ix  # noqa: E402
 from kernels import topk as tk  # noqa: E402
+from kernels.indexer_token import FIXED_LAUNCH, FIXED_TILES, splits, t_class  # noqa: E402
 from kernels.topk_grid import grid_topk  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -357,3 +358,106 @@ def test_paged_scores_take_the_step_token_blocks():
     with pytest.raises(ValueError, match="token blocks of"):
         ix.indexer_scores_paged_triton(q, keys, None, w, vis, seq, table, r, P, C,
                                        seq_start=start, blocks=other)  # fmt: skip
+
+
+def _decode_case(seed: int, B: int, ratio: int, mx: bool, P=16, nb=4, H=5, D=64):
+    """B sequences of one token each over shuffled, non-contiguous blocks of one pool; mxfp4
+    keys as random bytes (every code, -0 included) with scales 2^-17 .. 2^12, or floats."""
+    g = torch.Generator().manual_seed(seed)
+    n = (B * nb + 3) * (P // ratio)
+    table = torch.randperm(B * nb + 3, generator=g)[: B * nb].view(B, nb)
+    if mx:
+        keys = torch.randint(0, 256, (n, D // 2), generator=g, dtype=torch.uint8)
+        scale = torch.randint(110, 140, (n, D // 32), generator=g, dtype=torch.uint8)
+    else:
+        keys, scale = torch.randn(n, D, generator=g), None
+    q, w = torch.randn(B, H, D, generator=g), torch.randn(B, H, generator=g)
+    return q, keys, scale, w, table, nb * P // ratio
+
+
+def _close_to_ref(out, q, keys, scale, w, vis, seq, table, ratio, P, C):
+    ref = ix.indexer_scores_paged_ref(q.double(), keys if scale is not None else keys.double(),
+                                      scale, w.double(), vis, seq, table, ratio, P, C)  # fmt: skip
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out)) and bool((out[~fin] == float("-inf")).all())
+    assert float((out.double() - ref)[fin].norm() / ref[fin].norm()) < 1e-6
+
+
+@pytest.mark.parametrize("mx", [False, True])
+@pytest.mark.parametrize(("B", "ratio"), [(1, 1), (4, 2)])
+def test_decode_steps_take_the_token_kernel(monkeypatch, mx, B, ratio):
+    """A decode step (one token per sequence) goes to the token kernel, whose scores equal the
+    reference's: ragged visible counts (none, a block edge, mid-block, all), B = 1 and B > 1,
+    chunk programs wholly past the visible ones; a fixed launch (the deterministic mode's
+    split, by the key count) gives the same bits as the free one."""
+    P = 16
+    q, keys, scale, w, table, C = _decode_case(B + ratio, B, ratio, mx, P=P)
+    vis = torch.tensor([C - 5, 0, P // ratio, C][:B]) if B > 1 else torch.tensor([C // 2 + 3])
+    seq = torch.arange(B)
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape[0])
+        return token_scores(*a, **kw)
+
+    token_scores = ix.token_scores
+    monkeypatch.setattr(ix, "token_scores", spy)
+    out = torch.full((B, C), float("nan"))
+    ix.indexer_scores_paged_triton(q, keys, scale, w, vis, seq, table, ratio, P, C,
+                                   seq_start=seq, out=out)  # fmt: skip
+    assert calls == [B]
+    _close_to_ref(out, q, keys, scale, w, vis, seq, table, ratio, P, C)
+    fixed = ix.indexer_scores_paged_triton(q, keys, scale, w, vis, seq, table, ratio, P, C,
+                                           seq_start=seq, launch=FIXED_LAUNCH)  # fmt: skip
+    assert torch.equal(out, fixed)
+    n_tiles = C // FIXED_LAUNCH["BLOCK_C"]
+    assert splits(B, n_tiles, 1, fixed=False) > splits(B, n_tiles, 1, fixed=True)
+
+
+def test_the_token_kernel_serves_prefill_chunks(monkeypatch):
+    """Chunks of several tokens (the deterministic mode's every step) through the token
+    kernel equal the reference; "auto" gives them to the token-blocks kernel."""
+    P, r = 16, 2
+    q, keys, scale, w, table, C = _decode_case(7, 2, r, True, P=P)
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    start = torch.tensor([0, 3])
+    g = torch.Generator().manual_seed(8)
+    q, w = torch.randn(5, *q.shape[1:], generator=g), torch.randn(5, w.shape[1], generator=g)
+    vis = torch.tensor([3, 4, 5, 31, 32])
+    out = ix.indexer_scores_paged_triton(q, keys, scale, w, vis, seq, table, r, P, C,
+                                         seq_start=start, kernel="token")  # fmt: skip
+    _close_to_ref(out, q, keys, scale, w, vis, seq, table, r, P, C)
+    monkeypatch.setattr(ix, "token_scores", None)  # "auto" must not call it at T > B
+    blocks = ix.indexer_scores_paged_triton(q, keys, scale, w, vis, seq, table, r, P, C,
+                                            seq_start=start)  # fmt: skip
+    _close_to_ref(blocks, q, keys, scale, w, vis, seq, table, r, P, C)
+
+
+def test_token_kernel_splits():
+    """A free launch fills the SMs (at most one tile a program, more chunks for fewer
+    tokens); a fixed one splits by the key count alone."""
+    assert splits(1, 256, 132, fixed=False) == 256  # B = 1 at 32K: a tile a program
+    assert splits(256, 256, 132, fixed=False) == 5
+    assert splits(8, 16, 132, fixed=False) == 16
+    assert {splits(t, 256, 132, fixed=True) for t in (1, 7, 256)} == {256 // FIXED_TILES}
+    assert splits(4096, 3, 132, fixed=False) == 1
+    assert [t_class(t) for t in (1, 7, 8, 63, 64, 256, 4096)] == [0, 0, 1, 1, 2, 2, 2]
+
+
+def test_the_modes_entry_gives_a_row_the_same_bits_in_any_step():
+    """The deterministic mode's entry (the token kernel, fixed launch) at 1 token (a decode
+    step) and at 2 and 5 tokens of one sequence (prefill chunks): row 0 has the same bits."""
+    P, r = 16, 1
+    q, keys, scale, w, table, C = _decode_case(11, 1, r, True, P=P)
+    g = torch.Generator().manual_seed(12)
+    q, w = torch.randn(5, *q.shape[1:], generator=g), torch.randn(5, w.shape[1], generator=g)
+    vis = torch.tensor([37, 38, 39, 40, 41])
+    seq, start = torch.zeros(5, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    rows = [
+        ix.indexer_scores_paged.invariant(
+            q[:m], keys, scale, w[:m], vis[:m], seq[:m], table, r, P, C, seq_start=start
+        )[:1]
+        for m in (1, 2, 5)
+    ]
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
+    _close_to_ref(rows[0], q[:1], keys, scale, w[:1], vis[:1], seq[:1], table, r, P, C)
