@@ -16,11 +16,13 @@ from typing import Any
 import uvicorn
 import yaml
 
+from app.api.metered import MeteredClient, metrics_app
 from app.api.server import build_api
 from app.app_configs import app_configs
 from app.deployments.engine_host import LocalEngineClient
 from app.engine.engine import AsyncEngine
 from app.logs import setup_logging
+from app.observability import RequestMetrics
 from app.serve_args import ServeArgs
 
 
@@ -57,9 +59,16 @@ def main() -> None:
         raise SystemExit("one engine: dp_size 1, no pd")
     cfgs = app_configs(sa)
     engine = AsyncEngine(cfgs.engine)  # on CUDA: weights, profile, graphs, warm-up
-    client = LocalEngineClient(engine, cfgs.max_pending_per_rank, cfgs.max_queued_tokens_per_rank,
-                               sa.routing.stream_interval_s)  # fmt: skip
-    uvicorn.run(build_api(cfgs.api, client), host=host, port=port, log_level="warning")
+    local = LocalEngineClient(engine, cfgs.max_pending_per_rank, cfgs.max_queued_tokens_per_rank,
+                              sa.routing.stream_interval_s)  # fmt: skip
+    metrics = RequestMetrics()  # /metrics as the Ingress serves it: requests and the rank's gauges
+    client = MeteredClient(local, metrics, sa.names()[0])
+
+    async def ranks_stats() -> dict[str, dict]:
+        return {"0": await local.stats()}
+
+    app = build_api(cfgs.api, client, metrics_app=metrics_app(metrics, ranks_stats))
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -156,7 +156,9 @@ class Checks:
 
     def disconnect(self) -> dict[str, Any]:
         base = self._settled({})
-        body = {"model": self.model, "prompt": "Once upon a time " * 200, "max_tokens": 4000,
+        # long enough to be running when the client leaves, within the served context
+        max_tokens = min(4000, self._context_limit() // 2)
+        body = {"model": self.model, "prompt": "Once upon a time " * 50, "max_tokens": max_tokens,
                 "ignore_eos": True, "stream": True}  # fmt: skip
         req = urllib.request.Request(f"{self.url}/v1/completions", json.dumps(body).encode(),
                                      {"content-type": "application/json"})  # fmt: skip
@@ -175,10 +177,13 @@ class Checks:
                 busy.get("num_free_blocks"), "free_blocks_after": after.get("num_free_blocks"),
                 "released_s": round(time.monotonic() - t0, 2)}  # fmt: skip
 
-    def too_long(self) -> dict[str, Any]:
+    def _context_limit(self) -> int:
+        """The served model's ``max_model_len`` (its ``/v1/models`` card)."""
         models = json.loads(urllib.request.urlopen(f"{self.url}/v1/models", timeout=10).read())
-        card = next(m for m in models["data"] if m["id"] == self.model)
-        limits = {"ingress": int(card.get("max_model_len") or 0)}
+        return int(next(m for m in models["data"] if m["id"] == self.model)["max_model_len"])
+
+    def too_long(self) -> dict[str, Any]:
+        limits = {"ingress": self._context_limit()}
         if self.rank_limit:
             limits["rank"] = self.rank_limit
         seen = {}

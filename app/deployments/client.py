@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -25,12 +24,11 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from app.api.client import EngineClient
 from app.cache.radix import chain_hashes
 from app.deployments.routing import RouteQuery
 from app.engine.admission import EngineOverloadedError, EngineUnavailableError, Refusal
 from app.engine.request import EngineRequest, RequestError, RequestOutput
-from app.observability import RequestMetrics, carrier, tracer
+from app.observability import carrier, tracer
 
 logger = logging.getLogger(__name__)
 _PASS_THROUGH = (RequestError, EngineOverloadedError, EngineUnavailableError)
@@ -238,56 +236,6 @@ class ServeEngineClient:
     async def context_limit(self) -> int | None:
         """The live ranks' smallest ``max_model_len``, from the Router."""
         return await asyncio.wait_for(self.router.context_limit.remote(), CONTROL_TIMEOUT_S)
-
-
-class MeteredClient:
-    """Wraps an engine client: records TTFT, TPOT, latency and token counts of every request
-    (HTTP and gRPC alike) in :class:`app.observability.RequestMetrics`."""
-
-    def __init__(self, inner: EngineClient, metrics: RequestMetrics, model: str) -> None:
-        self.inner, self.metrics, self.model = inner, metrics, model
-
-    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
-        t0, ttft, n_gen, last = time.perf_counter(), None, 0, None
-        try:
-            async with aclosing(self.inner.generate(req)) as outs:
-                async for out in outs:
-                    if out.token_ids and ttft is None:
-                        ttft = time.perf_counter() - t0
-                    n_gen += len(out.token_ids)
-                    last = out
-                    yield out
-        finally:
-            reason = "disconnect"
-            if last is not None and last.finished and last.finish_reason is not None:
-                reason = last.finish_reason.value
-            self._observe(
-                self.model,
-                ttft,
-                time.perf_counter() - t0,
-                len(req.prompt_token_ids),
-                n_gen,
-                last.num_cached_tokens if last else 0,
-                reason,
-            )
-
-    def _observe(self, *args) -> None:
-        try:  # metrics never fail a request
-            self.metrics.observe(*args)
-        except Exception:
-            logger.exception("recording request metrics failed")
-
-    async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
-
-    async def stats(self) -> dict:
-        return await self.inner.stats()
-
-    async def ready(self) -> bool:
-        return await self.inner.ready()
-
-    async def context_limit(self) -> int | None:
-        return await self.inner.context_limit()
 
 
 def _with_trace(req: EngineRequest) -> EngineRequest:

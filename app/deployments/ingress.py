@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-from prometheus_client import make_asgi_app
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.api.grpc_service import GenerateService
+from app.api.metered import MeteredClient, metrics_app
 from app.api.server import FrontDoor, build_api
-from app.deployments.client import MeteredClient, ServeEngineClient
+from app.deployments.client import ServeEngineClient
 from app.deployments.pd_client import PDEngineClient
 from app.engine.admission import Admission
 from app.grpc.fathom_pb2 import GenerateResponse
@@ -62,15 +62,7 @@ class Ingress:
         )
 
     def __serve_build_asgi_app__(self):
-        metrics_app = make_asgi_app(self.metrics.registry)
-
-        async def metrics(scope, receive, send):  # refresh rank gauges on each scrape
-            try:
-                self.metrics.set_ranks(await self.engines.ranks_stats())
-            except Exception as e:  # a scrape still answers (with the last rank gauges)
-                logger.warning("rank stats for /metrics failed: %r", e)
-            await metrics_app(scope, receive, send)
-
+        metrics = metrics_app(self.metrics, self.engines.ranks_stats)
         return build_api(self.api_cfg, self.client, metrics_app=metrics, in_flight=self.in_flight)
 
     async def Generate(  # noqa: N802 (the gRPC method name)
