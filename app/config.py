@@ -30,6 +30,8 @@ ExpertLayout = Literal["auto", "fp8_rows"]
 EXPERT_LAYOUTS: tuple[str, ...] = typing.get_args(ExpertLayout)
 MoePrefillAct = Literal["bf16", "fp8"]
 MOE_PREFILL_ACTS: tuple[str, ...] = typing.get_args(MoePrefillAct)
+DenseAct = Literal["bf16", "fp8"]
+DENSE_ACTS: tuple[str, ...] = typing.get_args(DenseAct)
 LoadFormat = Literal["auto", "dummy"]  # the loader's choices (app.model.checkpoint.LOAD_FORMATS)
 LOAD_FORMATS: tuple[str, ...] = typing.get_args(LoadFormat)
 PDFault = Literal["none", "export", "header"]
@@ -267,6 +269,10 @@ class EngineConfig:
     "fp8_rows": re-encoded exactly as e4m3 with one scale per row, twice the bytes, for
     prefill-heavy ranks). ``moe_prefill_act``: "fp8" multiplies prefill-sized MoE steps with
     fp8 activations (one scale per token row; needs ``fp8_rows``), "bf16" keeps bf16.
+    ``dense_act``: "fp8" computes the release's fp8 dense projections as its inference does:
+    each input rounded to e4m3 in per-token groups of the weight block's columns (32 on V4.1,
+    128 on V4) with power-of-two scales, times the fp8 weights kept as released
+    (:meth:`dense_weights_packed`); "bf16" multiplies the unrounded activations (exact).
     ``load_format``: "auto" loads the checkpoint's safetensors; "dummy" reads no weights
     (``model`` holds config.json and the tokenizer only): random weights of the real shapes
     and formats, drawn on the device from ``seed`` (benchmarks without a checkpoint).
@@ -283,6 +289,7 @@ class EngineConfig:
     packed_experts: PackedExpertsMode = "auto"
     expert_layout: ExpertLayout = "auto"
     moe_prefill_act: MoePrefillAct = "bf16"
+    dense_act: DenseAct = "bf16"
     load_format: LoadFormat = "auto"
     overlap_schedule: bool = True
     cuda_graphs: bool = True
@@ -314,6 +321,10 @@ class EngineConfig:
         if self.moe_prefill_act not in MOE_PREFILL_ACTS:
             raise EngineConfigError(
                 f"moe_prefill_act must be one of {MOE_PREFILL_ACTS}, got {self.moe_prefill_act!r}"
+            )
+        if self.dense_act not in DENSE_ACTS:
+            raise EngineConfigError(
+                f"dense_act must be one of {DENSE_ACTS}, got {self.dense_act!r}"
             )
         if self.load_format not in LOAD_FORMATS:
             raise EngineConfigError(
@@ -366,6 +377,14 @@ class EngineConfig:
         if mode == "auto":
             return self.device.startswith("cuda")
         return mode == "on"
+
+    def dense_weights_packed(self) -> bool:
+        """Whether the dense fp8 projections keep the checkpoint's bytes (the loader's
+        ``packed_dense``): ``experimental.packed_dense``, or ``dense_act`` "fp8" outside the
+        deterministic mode. The mode multiplies the rounded activations by dequantized
+        weights in its batch-invariant GEMM instead (the same products; the fp8 kernels
+        are chosen by a step's row count)."""
+        return self.packed_dense_flag() or (self.dense_act == "fp8" and not self.deterministic)
 
     @classmethod
     def from_options(cls, model: str, **options: object) -> EngineConfig:

@@ -44,6 +44,7 @@ from app.model.checkpoint import (
     TensorLoad,
     TensorSpec,
     checkpoint_names,
+    plan_act_groups,
     plan_dense,
     plan_loads,
     plan_packing,
@@ -128,6 +129,7 @@ class LoadedState:
     tensors: dict[str, torch.Tensor]
     packed: dict[str, ExpertPacking]
     dense: dict[str, tuple[int, int]] = field(default_factory=dict)  # packed fp8: block
+    act_groups: dict[str, int] = field(default_factory=dict)  # plan_act_groups
 
 
 def load_state(
@@ -181,7 +183,7 @@ def load_state(
             for p in packed.values():
                 out.update(_read_packed(ckpt, p, dev))
                 bar.update(3 * len(p.experts))
-        return LoadedState(out, packed, dense)
+        return LoadedState(out, packed, dense, plan_act_groups(loads))
 
 
 def _install_dense(model: nn.Module, state: LoadedState) -> None:
@@ -193,6 +195,14 @@ def _install_dense(model: nn.Module, state: LoadedState) -> None:
         owner = model.get_submodule(parent) if parent else model
         w, s = state.tensors[name], state.tensors[scale_name(name)]
         setattr(owner, child, Fp8Linear(w, s, block))
+
+
+def _round_activations(model: nn.Module, state: LoadedState) -> int:
+    """``dense_act="fp8"``: each of the release's fp8 projections (plain or packed) rounds its
+    input to fp8 in groups of its weight block's columns -> how many do."""
+    for name, group in state.act_groups.items():
+        model.get_submodule(name.removesuffix(".weight")).act_group = group
+    return len(state.act_groups)
 
 
 def build_empty_model(
@@ -283,6 +293,7 @@ def load_model(
     prefill_act_fp8: bool = False,
     load_format: str = "auto",
     seed: int = 0,
+    dense_act: str = "bf16",
 ) -> DeepseekModel:
     """Build :class:`DeepseekModel` from ``path/config.json`` and load its weights.
 
@@ -302,10 +313,14 @@ def load_model(
     safetensors; "dummy" reads none (a directory holding weights is refused with a
     :class:`~app.model.checkpoint.LoadFormatError`): every tensor of config.json's shapes is
     drawn at random (``seed``) on ``device`` in the checkpoint's formats, then planned,
-    packed and installed as read ones are.
+    packed and installed as read ones are. ``dense_act``: "fp8" rounds the inputs of the
+    release's fp8 dense projections as the release does (:func:`_round_activations`;
+    ``packed_dense`` keeps their fp8 weights for the fp8 GEMM), "bf16" leaves them as is.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if dense_act not in ("bf16", "fp8"):
+        raise ValueError(f"dense_act must be 'bf16' or 'fp8', got {dense_act!r}")
     cfg = ModelConfig.from_file(path)
     if shard is not None and shard.placement.n_experts != cfg.n_routed_experts:
         raise CheckpointError(f"{path}: {cfg.n_routed_experts} routed experts, the placement "
@@ -321,6 +336,9 @@ def load_model(
     _install_packed(model, state)
     _install_dense(model, state)
     model.load_state_dict(state.tensors, assign=True, strict=True)
+    if dense_act == "fp8" and not _round_activations(model, state):
+        logger.warning("dense_act fp8: %s stores no fp8 dense projection, nothing to round",
+                       path)  # fmt: skip
     cuda = torch.device(device).type == "cuda"
     if expert_layout == "fp8_rows":
         _fp8_rows_layout(model, prefill_act_fp8, cuda)

@@ -4,10 +4,18 @@ fp8 weights (``kernels.linear.fp8_act_linear``) and the model's ``dense_act="fp8
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from app.config import EngineConfig, EngineConfigError
+from app.engine.llm import LLM
+from app.engine.request import SamplingParams
+from app.model.layers import Fp8Linear, Linear
+from app.model.loader import load_model
+from kernels.dispatch import batch_invariant
 from kernels.fp8_act import act_quant_triton, act_round_triton
 from kernels.linear import fp8_act_linear_ref, fp8_act_linear_triton
 from kernels.quant import (
@@ -16,6 +24,7 @@ from kernels.quant import (
     quantize_fp8_block,
     round_fp8_act,
 )
+from tests.support.reference import sequence_logits
 
 
 def release_round(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -98,3 +107,91 @@ def test_fp8_act_gemm_bf16_rounds_once_and_splits_k(split):
     assert out.dtype == torch.bfloat16
     ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
     assert ((out.double() - ref).abs() <= ulp + 1e-6 * ref.abs().max()).all()
+
+
+# ---- the model: dense_act="fp8" --------------------------------------------------------------
+# the modules whose input the release rounds, written from its model.py: every fp8 weight's
+# linear() -- the attention's wq_a / wq_b / wkv / wo_b, the indexer's wq_b, the shared expert
+# (W1 and W3 read its input; W2 its SwiGLU output), Engram's wkv; not wo_a (bf16 there)
+RELEASE_ROUNDED = re.compile(r"(?:attn\.(?:wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|engram\.wkv"
+                             r"|shared_experts|shared_experts\.w2)$")
+
+
+def rounding_on_reference(path: str):
+    """The checkpoint's model with unrounded projections, every input the release rounds
+    rounded by :func:`release_round` in hooks (groups of the weight block's columns)."""
+    model = load_model(path)
+    group = model.cfg.quantization.weight_block_size[1]
+    hooked = 0
+    for name, m in model.named_modules():
+        if RELEASE_ROUNDED.search(name) and not name.startswith("mtp."):
+            m.register_forward_pre_hook(lambda _, a: (release_round(a[0], group), *a[1:]))
+            hooked += 1
+    assert hooked
+    return model
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_dense_act_fp8_computes_the_release_rounding(tiny_ckpt, arch):
+    """The model with ``dense_act="fp8"`` (fp8 weights kept, as the engine loads it) against
+    the rounding-on reference: as close as fp32 sums allow, and far closer than the exact
+    (unrounded, the default) path, which differs from it by the rounding itself."""
+    path = tiny_ckpt(arch)
+    ref = rounding_on_reference(path)
+    fp8 = load_model(path, dense_act="fp8", packed_dense=True)
+    exact = load_model(path)
+    rounded = [m for m in fp8.modules() if getattr(m, "act_group", 0)]
+    assert rounded and all(isinstance(m, Fp8Linear) for m in rounded)
+    assert not any(m.act_group for m in exact.modules() if isinstance(m, (Linear, Fp8Linear)))
+    ids = torch.randint(3, 500, (23,), generator=torch.Generator().manual_seed(1))
+    want = sequence_logits(ref, ids)
+    e_fp8 = _rel(sequence_logits(fp8, ids), want)
+    e_exact = _rel(sequence_logits(exact, ids), want)
+    assert e_fp8 < 1e-5 and e_fp8 * 100 < e_exact, (e_fp8, e_exact)
+
+
+def test_the_engine_option(tiny_ckpt):
+    """``dense_act`` in the one config path: "fp8" loads the release's projections as fp8
+    with rounded inputs and greedy decoding follows the rounding-on reference; the
+    deterministic mode takes it with dequantized weights (its invariant GEMM); bad values
+    are refused naming the option."""
+    path = tiny_ckpt("v41")
+    ids = torch.randint(3, 500, (19,), generator=torch.Generator().manual_seed(2))
+    llm = LLM(path, kv_cache_bytes=1 << 22, dense_act="fp8", bounded_replay="off")
+    att = llm.engine.model.layers[0].attn
+    assert isinstance(att.wq_a, Fp8Linear) and att.wq_a.act_group == 32
+    assert att.wo_a.act_group == 0  # fp8 in the checkpoint, bf16 in the release: an einsum
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    got = llm.generate(prompt_token_ids=[ids.tolist()], sampling_params=params)[0].token_ids
+    ref, out = rounding_on_reference(path), ids.clone()
+    for _ in range(5):
+        out = torch.cat((out, sequence_logits(ref, out)[-1].argmax().view(1)))
+    assert list(got) == out[ids.numel():].tolist()
+    det = LLM(path, kv_cache_bytes=1 << 22, dense_act="fp8", deterministic=True,
+              bounded_replay="off")  # fmt: skip
+    assert not det.engine.cfg.dense_weights_packed()
+    wq_a = det.engine.model.layers[0].attn.wq_a
+    assert type(wq_a) is Linear and wq_a.act_group == 32
+    assert EngineConfig.from_options(path, dense_act="fp8").dense_weights_packed()
+    with pytest.raises(EngineConfigError, match="dense_act must be one of"):
+        EngineConfig(model=path, dense_act="fp16")
+
+
+def test_a_rounded_projection_is_batch_invariant():
+    """What the deterministic mode runs for ``dense_act="fp8"``: a plain projection with
+    rounded inputs gives row 0 the same bits whatever the row count (the rounding is per row,
+    the Triton quantizer's rows too)."""
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(96, 40)
+    lin.weight.data = torch.randn(40, 96, generator=g)
+    lin.act_group = 32
+    x = _acts(40, 96, torch.float32, seed=5)
+    with batch_invariant():
+        outs = [lin(x[:m]) for m in (1, 2, 3, 16, 17, 40)]
+    assert all(torch.equal(o[:1], outs[0][:1]) for o in outs)
+    full = act_round_triton(x, 32)
+    assert all(torch.equal(act_round_triton(x[:m], 32), full[:m]) for m in (1, 3, 17))
