@@ -535,6 +535,8 @@ def _fp8_act_grouped(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, scale: 
         launch = ((16, 32, 64 if k % 64 == 0 else 32, 1, 4, 1) if interp
                   else fp8_act_launch(m, n, k, _num_sms(q.device)))  # fmt: skip
     bm, bn, bk, split, warps, stages = launch
+    if n % bn or k % bk:
+        raise ValueError(f"tiles {bn} x {bk} do not divide N = {n}, K = {k}")
     n_tiles = -(-m // bm)
     s, e8 = _scale_arg(scale.unsqueeze(0))
     w3 = w.unsqueeze(0)

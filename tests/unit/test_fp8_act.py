@@ -195,3 +195,21 @@ def test_a_rounded_projection_is_batch_invariant():
     assert all(torch.equal(o[:1], outs[0][:1]) for o in outs)
     full = act_round_triton(x, 32)
     assert all(torch.equal(act_round_triton(x[:m], 32), full[:m]) for m in (1, 3, 17))
+
+
+def test_the_dense_act_bench_checks_what_it_times(monkeypatch):
+    """``bench/dense_act.py``'s layer on small shapes, under the interpreter: every variant
+    is checked against its reference before it is timed (the quantizer bit for bit), and its
+    bytes and FLOPs (the floors) count the weights as the variant holds them."""
+    from bench import dense_act
+
+    monkeypatch.setattr(dense_act, "ARCHS", {"v41": (((96, 64), (64, 96)), (32, 32)),
+                                             "v4": (((128, 128),), (128, 128))})  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for arch in ("v41", "v4"):
+        layer = dense_act.Layer(arch, "cpu", g)
+        xs = layer.inputs(20, g)
+        for v in dense_act.VARIANTS:
+            assert layer.error(v, xs) <= (0 if v == "quant" else 1e-2), v
+        (b16, f16), (b8, f8) = layer.bytes_flops("bf16", 20), layer.bytes_flops("fp8act", 20)
+        assert f16 == f8 == sum(2 * 20 * n * k for n, k in layer.shapes) and b8 < b16
