@@ -30,8 +30,8 @@ ExpertLayout = Literal["auto", "fp8_rows"]
 EXPERT_LAYOUTS: tuple[str, ...] = typing.get_args(ExpertLayout)
 MoePrefillAct = Literal["bf16", "fp8"]
 MOE_PREFILL_ACTS: tuple[str, ...] = typing.get_args(MoePrefillAct)
-DenseAct = Literal["bf16", "fp8"]
-DENSE_ACTS: tuple[str, ...] = typing.get_args(DenseAct)
+ActPrecision = Literal["bf16", "fp8"]  # dense_act / expert_act
+ACT_PRECISIONS: tuple[str, ...] = typing.get_args(ActPrecision)
 LoadFormat = Literal["auto", "dummy"]  # the loader's choices (app.model.checkpoint.LOAD_FORMATS)
 LOAD_FORMATS: tuple[str, ...] = typing.get_args(LoadFormat)
 PDFault = Literal["none", "export", "header"]
@@ -273,6 +273,8 @@ class EngineConfig:
     each input rounded to e4m3 in per-token groups of the weight block's columns (32 on V4.1,
     128 on V4) with power-of-two scales, times the fp8 weights kept as released
     (:meth:`dense_weights_packed`); "bf16" multiplies the unrounded activations (exact).
+    ``expert_act``: "fp8" rounds the routed experts' activations the same way (x before W1 /
+    W3, the SwiGLU output before W2); both "fp8": the release's whole activation rounding.
     ``load_format``: "auto" loads the checkpoint's safetensors; "dummy" reads no weights
     (``model`` holds config.json and the tokenizer only): random weights of the real shapes
     and formats, drawn on the device from ``seed`` (benchmarks without a checkpoint).
@@ -289,7 +291,8 @@ class EngineConfig:
     packed_experts: PackedExpertsMode = "auto"
     expert_layout: ExpertLayout = "auto"
     moe_prefill_act: MoePrefillAct = "bf16"
-    dense_act: DenseAct = "bf16"
+    dense_act: ActPrecision = "bf16"
+    expert_act: ActPrecision = "bf16"
     load_format: LoadFormat = "auto"
     overlap_schedule: bool = True
     cuda_graphs: bool = True
@@ -322,10 +325,15 @@ class EngineConfig:
             raise EngineConfigError(
                 f"moe_prefill_act must be one of {MOE_PREFILL_ACTS}, got {self.moe_prefill_act!r}"
             )
-        if self.dense_act not in DENSE_ACTS:
-            raise EngineConfigError(
-                f"dense_act must be one of {DENSE_ACTS}, got {self.dense_act!r}"
-            )
+        for name in ("dense_act", "expert_act"):
+            if getattr(self, name) not in ACT_PRECISIONS:
+                raise EngineConfigError(
+                    f"{name} must be one of {ACT_PRECISIONS}, got {getattr(self, name)!r}"
+                )
+        if self.expert_act == "fp8" and self.moe_prefill_act == "fp8":
+            raise EngineConfigError("expert_act 'fp8' rounds the experts' activations as the "
+                                    "release does; moe_prefill_act 'fp8' rounds them per row: "
+                                    "one of them")  # fmt: skip
         if self.load_format not in LOAD_FORMATS:
             raise EngineConfigError(
                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"

@@ -26,15 +26,36 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def round_groups(g, FLOOR: tl.constexpr, HW_CVT: tl.constexpr):
+    """Groups ``g`` [R, NG, G] (fp32) rounded as the release rounds them -> (e4m3 codes
+    (int32), their values (fp32, unscaled), the groups' scales [R, NG] (fp32 powers of two),
+    the scales' e8m0 codes (int32)): each scale from the group's amax (floored at ``FLOOR``;
+    the release's ``amax * (1/448)`` rounded up to a power of two, from the bits), the values
+    times the exact reciprocal, clamped to +-448 and rounded to e4m3. ``HW_CVT``: the GPU's
+    e4m3 conversion (round to nearest even, as ``_e4m3`` computes from the bits under the
+    interpreter, whose fp8 casts misround). Also the MoE kernels' SwiGLU epilogue
+    (``kernels.moe_grouped``)."""
+    amax = tl.maximum(tl.max(tl.abs(g), axis=2), FLOOR)
+    scale = _pow2_ceil(amax * (1.0 / 448.0))
+    e = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+    v = tl.minimum(tl.maximum(g * inv[:, :, None], -448.0), 448.0)
+    if HW_CVT:
+        v8 = v.to(tl.float8e4nv)
+        code = v8.to(tl.uint8, bitcast=True).to(tl.int32)
+        val = v8.to(tl.float32)
+    else:
+        code, val = _e4m3(v)
+    return code, val, scale, e
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, sx, q_ptr, sq, s_ptr, ss, M, K, FLOOR: tl.constexpr,
                       G: tl.constexpr, CH: tl.constexpr, BR: tl.constexpr,
                       ROUND: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
-    """Rows ``[BR]`` x chunks of ``CH`` columns (CH // G groups): each group's scale from its
-    amax (the release's ``amax * (1/448)`` rounded up to a power of two, from the bits), the
-    values times the exact reciprocal, clamped to +-448 and rounded to e4m3. ``ROUND``: the
-    rounded values in x's dtype to ``q_ptr``, no scales; else the e4m3 codes as bytes and the
-    scales' e8m0 codes. ``HW_CVT``: the GPU's e4m3 conversion (round to nearest even, as
-    ``_e4m3`` computes from the bits under the interpreter, whose fp8 casts misround)."""
+    """Rows ``[BR]`` x chunks of ``CH`` columns (CH // G groups) through
+    :func:`round_groups`. ``ROUND``: the rounded values in x's dtype to ``q_ptr``, no scales;
+    else the e4m3 codes as bytes and the scales' e8m0 codes."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = r < M
     r64 = r.to(tl.int64)
@@ -42,18 +63,7 @@ def _act_quant_kernel(x_ptr, sx, q_ptr, sq, s_ptr, ss, M, K, FLOOR: tl.constexpr
         c = k0 + tl.arange(0, CH)
         m = rm[:, None] & (c < K)[None, :]
         x = tl.load(x_ptr + r64[:, None] * sx + c[None, :], mask=m, other=0.0).to(tl.float32)
-        g = tl.reshape(x, (BR, CH // G, G))
-        amax = tl.maximum(tl.max(tl.abs(g), axis=2), FLOOR)
-        scale = _pow2_ceil(amax * (1.0 / 448.0))
-        e = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
-        v = tl.minimum(tl.maximum(g * inv[:, :, None], -448.0), 448.0)
-        if HW_CVT:
-            v8 = v.to(tl.float8e4nv)
-            code = v8.to(tl.uint8, bitcast=True).to(tl.int32)
-            val = v8.to(tl.float32)
-        else:
-            code, val = _e4m3(v)
+        code, val, scale, e = round_groups(tl.reshape(x, (BR, CH // G, G)), FLOOR, HW_CVT)
         if ROUND:
             out = tl.reshape(val * scale[:, :, None], (BR, CH))
             tl.store(q_ptr + r64[:, None] * sq + c[None, :], out.to(q_ptr.dtype.element_ty),

@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from kernels import moe_decode
+from kernels.fp8_act import round_groups
 from kernels.kv_quant import e2m1_to_f32
-from kernels.quant import is_e8m0
+from kernels.quant import ACT_AMAX_FLOOR, is_e8m0
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -85,8 +86,16 @@ def _f16_sixteenth(v, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _as_gemm_input(h, dt: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr):
-    """SwiGLU output ``h`` (fp32) as the W2 GEMM reads it: fp16 x 2^-4 on the F16 path."""
+def _as_gemm_input(h, dt: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr,
+                   RG: tl.constexpr = 0):  # fmt: skip
+    """SwiGLU output ``h`` (fp32, [rows, N]) as the W2 GEMM reads it: fp16 x 2^-4 on the F16
+    path. ``RG`` > 0: first rounded as the release rounds W2's input (``kernels.fp8_act``,
+    groups of ``RG`` columns, which the tile's columns hold whole); exact in bf16 / fp32."""
+    if RG > 0:
+        r: tl.constexpr = h.shape[0]
+        c: tl.constexpr = h.shape[1]
+        _, v, sc, _ = round_groups(tl.reshape(h, (r, c // RG, RG)), ACT_AMAX_FLOOR, USE_ASM)
+        h = tl.reshape(v * sc[:, :, None], (r, c))
     if F16:
         return _f16_sixteenth(h, USE_ASM)
     else:
@@ -295,7 +304,7 @@ def _moe_gemm(
     SCALE_E8M0: tl.constexpr, SCALE_WORDS: tl.constexpr, SB_N: tl.constexpr,
     SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr, CDT: tl.constexpr, A_FP8: tl.constexpr,
     F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GK: tl.constexpr,
-    SA_K: tl.constexpr = 0,
+    SA_K: tl.constexpr = 0, RG: tl.constexpr = 0,
 ):  # fmt: skip
     """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``; with
     ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked). ``GK``: K columns per MMA group
@@ -308,7 +317,8 @@ def _moe_gemm(
     after the loop: no promotion. ``A_FP8`` with ``SA_K`` > 0 (fp8 weights in blocks, ``SB_K``
     > 0): A is e4m3 with an e8m0 scale per row and ``SA_K`` columns at ``sa_ptr`` (row stride
     ``ssa``, groups contiguous); ``GK`` divides ``SA_K`` and ``SB_K``; each group's partial
-    is promoted (:func:`_act_group_dot`).
+    is promoted (:func:`_act_group_dot`). ``RG`` (with ``FUSE_SWIGLU``): H rounded in groups
+    of ``RG`` columns as it is stored (:func:`_as_gemm_input`).
 
     Scales: the re-encoding's 2^6 (fp4 codes as e4m3) and, under ``F16``, the 2^4 of the
     activations' fp16 x 2^-4 are folded into the scales' exponents (no multiply).
@@ -381,7 +391,7 @@ def _moe_gemm(
             acc1 = tl.minimum(acc1, limit)
             acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = acc1 * tl.sigmoid(acc1) * acc3
-        tl.store(o_ptrs, _as_gemm_input(h, out_ptr.dtype.element_ty, F16, USE_ASM))
+        tl.store(o_ptrs, _as_gemm_input(h, out_ptr.dtype.element_ty, F16, USE_ASM, RG))
     else:
         tl.store(o_ptrs, acc1)
         if GATED:

@@ -205,6 +205,18 @@ def _round_activations(model: nn.Module, state: LoadedState) -> int:
     return len(state.act_groups)
 
 
+def _round_expert_activations(model: nn.Module, cfg: ModelConfig) -> int:
+    """``expert_act="fp8"``: every MoE layer's routed experts round x and H as the release
+    does, in groups of the checkpoint's weight block columns (its ``fp8_block_size``, which
+    its ``fp4_gemm`` takes for the activations of fp4 experts too) -> how many layers do."""
+    if cfg.quantization is None:
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.act_group = cfg.quantization.weight_block_size[1]
+    return len(layers)
+
+
 def build_empty_model(
     cfg: ModelConfig, kv_quant: bool = False, shard: ExpertShard | None = None
 ) -> DeepseekModel:
@@ -294,6 +306,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     dense_act: str = "bf16",
+    expert_act: str = "bf16",
 ) -> DeepseekModel:
     """Build :class:`DeepseekModel` from ``path/config.json`` and load its weights.
 
@@ -315,12 +328,14 @@ def load_model(
     drawn at random (``seed``) on ``device`` in the checkpoint's formats, then planned,
     packed and installed as read ones are. ``dense_act``: "fp8" rounds the inputs of the
     release's fp8 dense projections as the release does (:func:`_round_activations`;
-    ``packed_dense`` keeps their fp8 weights for the fp8 GEMM), "bf16" leaves them as is.
+    ``packed_dense`` keeps their fp8 weights for the fp8 GEMM), "bf16" leaves them as is;
+    ``expert_act`` the same for the routed experts (:func:`_round_expert_activations`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    if dense_act not in ("bf16", "fp8"):
-        raise ValueError(f"dense_act must be 'bf16' or 'fp8', got {dense_act!r}")
+    for name, act in (("dense_act", dense_act), ("expert_act", expert_act)):
+        if act not in ("bf16", "fp8"):
+            raise ValueError(f"{name} must be 'bf16' or 'fp8', got {act!r}")
     cfg = ModelConfig.from_file(path)
     if shard is not None and shard.placement.n_experts != cfg.n_routed_experts:
         raise CheckpointError(f"{path}: {cfg.n_routed_experts} routed experts, the placement "
@@ -338,6 +353,9 @@ def load_model(
     model.load_state_dict(state.tensors, assign=True, strict=True)
     if dense_act == "fp8" and not _round_activations(model, state):
         logger.warning("dense_act fp8: %s stores no fp8 dense projection, nothing to round",
+                       path)  # fmt: skip
+    if expert_act == "fp8" and not _round_expert_activations(model, cfg):
+        logger.warning("expert_act fp8: %s stores no quantized experts, nothing to round",
                        path)  # fmt: skip
     cuda = torch.device(device).type == "cuda"
     if expert_layout == "fp8_rows":

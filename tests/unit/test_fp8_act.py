@@ -1,6 +1,7 @@
 """fp8 activations as the release computes them: the per-token-group quantizer
 (``kernels.quant.quantize_fp8_act``, ``kernels.fp8_act``), the fp8 GEMM against block-scaled
-fp8 weights (``kernels.linear.fp8_act_linear``) and the model's ``dense_act="fp8"``."""
+fp8 weights (``kernels.linear.fp8_act_linear``), the MoE kernels' rounding and the model's
+``dense_act`` / ``expert_act``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from app.model.loader import load_model
 from kernels.dispatch import batch_invariant
 from kernels.fp8_act import act_quant_triton, act_round_triton
 from kernels.linear import fp8_act_linear_ref, fp8_act_linear_triton
+from kernels.moe_ref import swiglu_clamp
 from kernels.quant import (
     dequantize_fp8_block,
     quantize_fp8_act,
@@ -109,6 +111,49 @@ def test_fp8_act_gemm_bf16_rounds_once_and_splits_k(split):
     assert ((out.double() - ref).abs() <= ulp + 1e-6 * ref.abs().max()).all()
 
 
+@pytest.mark.parametrize("fmt,block,group", [("fp8", (32, 32), 32), ("fp8", (128, 128), 128),
+                                              ("fp4", (1, 32), 32), ("fp4", (1, 32), 128),
+                                              ("pairs", (1, 32), 32)])  # fmt: skip
+@pytest.mark.parametrize("split", [None, 2])
+def test_moe_kernels_round_x_and_h_as_the_release(fmt, block, group, split):
+    """The MegaMoE launches with ``act_group`` (x rounded in one launch, H in the SwiGLU
+    epilogue or the K splits' reduction) = the reference rounding x and H, with fp32 sums;
+    the rounding is real (the unrounded experts differ by far more)."""
+    from kernels.moe import moe_fp4_triton, moe_fp8_triton
+    from kernels.moe_formats import fp4_to_pairs
+    from kernels.moe_ref import moe_fp4_ref, moe_fp8_ref
+    from kernels.quant import quantize_fp4
+
+    def stacked(quant, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [quant(m) for m in ws]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+    g = torch.Generator().manual_seed(group + (split or 0))
+    e, d, inter, t, k = 4, 128, 128, 5, 2
+    w13 = torch.randn(e, 2 * inter, d, generator=g) / 8
+    w2 = torch.randn(e, d, inter, generator=g) / 8
+    x = _acts(t, d, torch.float32, seed=group) / 100
+    ids, w = torch.randint(0, e, (t, k), generator=g), torch.rand(t, k, generator=g)
+    if fmt == "fp8":
+        (q13, s13), (q2, s2) = (stacked(lambda m: quantize_fp8_block(m, block), ws)
+                                for ws in (w13, w2))  # fmt: skip
+        ref = moe_fp8_ref(x, ids, w, q13, s13, q2, s2, block, 10.0, act_group=group)
+        plain = moe_fp8_ref(x, ids, w, q13, s13, q2, s2, block, 10.0)
+        out = moe_fp8_triton(x, ids, w, q13, s13, q2, s2, block, 10.0, split_k=split,
+                             act_group=group)  # fmt: skip
+    else:
+        (q13, s13), (q2, s2) = (stacked(quantize_fp4, ws) for ws in (w13, w2))
+        ref = moe_fp4_ref(x, ids, w, q13, s13, q2, s2, 10.0, act_group=group)
+        plain = moe_fp4_ref(x, ids, w, q13, s13, q2, s2, 10.0)
+        pairs = fmt == "pairs"
+        if pairs:
+            q13, q2 = fp4_to_pairs(q13), fp4_to_pairs(q2)
+        out = moe_fp4_triton(x, ids, w, q13, s13, q2, s2, 10.0, split_k=split, pairs=pairs,
+                             act_group=group)  # fmt: skip
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < 1e-6 and ((plain - ref).norm() / ref.norm()).item() > 100 * rel
+
+
 # ---- the model: dense_act="fp8" --------------------------------------------------------------
 # the modules whose input the release rounds, written from its model.py: every fp8 weight's
 # linear() -- the attention's wq_a / wq_b / wkv / wo_b, the indexer's wq_b, the shared expert
@@ -135,39 +180,74 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def release_experts(x, ids, weights, w1, w2, w3, limit, act_fp8=False, out_dtype=None,
+                    act_group=0, *, group: int) -> torch.Tensor:  # fmt: skip
+    """The routed experts as the release computes them (``moe_experts``' signature): its
+    ``linear()`` rounds x before W1 / W3 and the SwiGLU output before W2."""
+    out = torch.zeros(x.shape[0], w2[0].shape[0], dtype=torch.float32)
+    for e in torch.unique(ids).tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        xe = release_round(x[t], group)
+        h = swiglu_clamp(xe @ w1[e].T, xe @ w3[e].T, limit)
+        out.index_add_(0, t, (release_round(h, group) @ w2[e].T) * weights[t, j, None])
+    return out.to(out_dtype or x.dtype)
+
+
 @pytest.mark.parametrize("arch", ["v41", "v4"])
-def test_dense_act_fp8_computes_the_release_rounding(tiny_ckpt, arch):
-    """The model with ``dense_act="fp8"`` (fp8 weights kept, as the engine loads it) against
-    the rounding-on reference: as close as fp32 sums allow, and far closer than the exact
-    (unrounded, the default) path, which differs from it by the rounding itself."""
+def test_fp8_acts_compute_the_release_rounding(tiny_ckpt, arch, monkeypatch):
+    """The model with ``dense_act="fp8"`` (fp8 weights kept, as the engine loads them) against
+    the rounding-on reference of the dense projections, and with ``expert_act="fp8"`` too
+    (packed experts, as on CUDA) against the release's whole rounding: as close as fp32 sums
+    allow, far closer than the exact (unrounded, the default) path. The dense rounding alone
+    is not closer to the whole rounding than none: on these models every rounding moves the
+    logits by tens of percent."""
+    from app.model import moe
+
     path = tiny_ckpt(arch)
     ref = rounding_on_reference(path)
-    fp8 = load_model(path, dense_act="fp8", packed_dense=True)
+    dense = load_model(path, dense_act="fp8", packed_dense=True)
+    both = load_model(path, dense_act="fp8", expert_act="fp8", packed_dense=True,
+                      packed_experts=True)  # fmt: skip
     exact = load_model(path)
-    rounded = [m for m in fp8.modules() if getattr(m, "act_group", 0)]
+    rounded = [m for m in dense.modules() if getattr(m, "act_group", 0)]
     assert rounded and all(isinstance(m, Fp8Linear) for m in rounded)
-    assert not any(m.act_group for m in exact.modules() if isinstance(m, (Linear, Fp8Linear)))
+    assert not any(m.act_group for m in exact.modules() if hasattr(m, "act_group"))
+    group = ref.cfg.quantization.weight_block_size[1]
+    moes = [m for m in both.modules() if isinstance(m, moe.MoE)]
+    assert moes and all(m.act_group == group and isinstance(m.experts, moe.PackedExperts)
+                        for m in moes)  # fmt: skip
     ids = torch.randint(3, 500, (23,), generator=torch.Generator().manual_seed(1))
+    got_dense, got_both = sequence_logits(dense, ids), sequence_logits(both, ids)
+    got_exact = sequence_logits(exact, ids)
     want = sequence_logits(ref, ids)
-    e_fp8 = _rel(sequence_logits(fp8, ids), want)
-    e_exact = _rel(sequence_logits(exact, ids), want)
-    assert e_fp8 < 1e-5 and e_fp8 * 100 < e_exact, (e_fp8, e_exact)
+    e_dense, e_exact = _rel(got_dense, want), _rel(got_exact, want)
+    assert e_dense < 1e-5 and e_dense * 100 < e_exact, (e_dense, e_exact)
+    monkeypatch.setattr(moe, "moe_experts", lambda *a, **k: release_experts(*a, **k, group=group))
+    whole = sequence_logits(ref, ids)
+    e_both, e_exact = _rel(got_both, whole), _rel(got_exact, whole)
+    assert e_both < 1e-5 and e_both * 100 < e_exact, (e_both, e_exact)
 
 
-def test_the_engine_option(tiny_ckpt):
-    """``dense_act`` in the one config path: "fp8" loads the release's projections as fp8
-    with rounded inputs and greedy decoding follows the rounding-on reference; the
-    deterministic mode takes it with dequantized weights (its invariant GEMM); bad values
-    are refused naming the option."""
+def test_the_engine_options(tiny_ckpt, monkeypatch):
+    """``dense_act`` / ``expert_act`` in the one config path: "fp8" loads the release's
+    projections as fp8 with rounded inputs, the MoE layers rounding their experts', and
+    greedy decoding follows the release's rounding; the deterministic mode takes them with
+    dequantized dense weights (its invariant GEMM); bad values and the per-row fp8 MoE
+    activations beside ``expert_act`` are refused naming the options."""
+    from app.model import moe
+
     path = tiny_ckpt("v41")
     ids = torch.randint(3, 500, (19,), generator=torch.Generator().manual_seed(2))
-    llm = LLM(path, kv_cache_bytes=1 << 22, dense_act="fp8", bounded_replay="off")
+    llm = LLM(path, kv_cache_bytes=1 << 22, dense_act="fp8", expert_act="fp8",
+              bounded_replay="off")  # fmt: skip
     att = llm.engine.model.layers[0].attn
     assert isinstance(att.wq_a, Fp8Linear) and att.wq_a.act_group == 32
     assert att.wo_a.act_group == 0  # fp8 in the checkpoint, bf16 in the release: an einsum
+    assert llm.engine.model.layers[0].ffn.act_group == 32
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     got = llm.generate(prompt_token_ids=[ids.tolist()], sampling_params=params)[0].token_ids
     ref, out = rounding_on_reference(path), ids.clone()
+    monkeypatch.setattr(moe, "moe_experts", lambda *a, **k: release_experts(*a, **k, group=32))
     for _ in range(5):
         out = torch.cat((out, sequence_logits(ref, out)[-1].argmax().view(1)))
     assert list(got) == out[ids.numel():].tolist()
@@ -179,6 +259,11 @@ def test_the_engine_option(tiny_ckpt):
     assert EngineConfig.from_options(path, dense_act="fp8").dense_weights_packed()
     with pytest.raises(EngineConfigError, match="dense_act must be one of"):
         EngineConfig(model=path, dense_act="fp16")
+    with pytest.raises(EngineConfigError, match="expert_act must be one of"):
+        EngineConfig(model=path, expert_act="fp4")
+    with pytest.raises(EngineConfigError, match="expert_act 'fp8' rounds"):
+        EngineConfig(model=path, expert_act="fp8", expert_layout="fp8_rows",
+                     moe_prefill_act="fp8")  # fmt: skip
 
 
 def test_a_rounded_projection_is_batch_invariant():
