@@ -366,7 +366,7 @@ def _fp8_grouped(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     _moe_gemm[(n_tiles, N // t.bn, t.split)](
         x2, x2.stride(0), x2, x2.stride(0), rows, tile_e, w3, w3.stride(0), w3.stride(1),
-        *scale_args, y, y.stride(0), y.stride(1), M, 1, N, K, k_per, 0.0,
+        *scale_args, y, y.stride(0), y.stride(1), M, 1, N, K, k_per, 0.0, None,
         A_GATHER=False, GATED=False, FUSE_SWIGLU=False, FP4=False, PAIRS=False,
         USE_ASM=not interp, SB_N=b0, SB_K=b1, HAS_LIMIT=False, CDT=_dot_dtype(x2),
         A_FP8=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
@@ -549,7 +549,7 @@ def _fp8_act_grouped(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, scale: 
     sa8 = sa.view(torch.uint8)
     _moe_gemm[(n_tiles, n // bn, split)](
         q, q.stride(0), sa8, sa8.stride(0), rows, tile_e, w3, w3.stride(0), w3.stride(1),
-        *scale_args, y, y.stride(0), y.stride(1), m, 1, n, k, k_per, 0.0,
+        *scale_args, y, y.stride(0), y.stride(1), m, 1, n, k, k_per, 0.0, None,
         A_GATHER=False, GATED=False, FUSE_SWIGLU=False, FP4=False, PAIRS=False,
         USE_ASM=not interp, SB_N=block[0], SB_K=block[1], HAS_LIMIT=False, CDT=tl.float32,
         A_FP8=True, F16=False, BM=bm, BN=bn, BK=bk, SA_K=group, num_warps=warps,

@@ -152,6 +152,8 @@ def _moe_run(
                   SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8,
                   F16=f16)  # fmt: skip
     round_h = {"RG": rg} if rg else {}
+    # the release weights H before W2 (and rounds the product): the combine then adds as is
+    rw = weights.reshape(-1).float().contiguous() if rg else None
     h_dtype = torch.float16 if f16 else torch.float32 if cdt == tl.float32 else torch.bfloat16
     h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
     k1 = -(-(d // g1.bk) // g1.split) * g1.bk
@@ -167,15 +169,15 @@ def _moe_run(
     grid1 = (n_tiles, inter // g1.bn, g1.split)
     launch1 = dict(BN=g1.bn, BK=g1.bk, num_warps=g1.warps, num_stages=g1.stages, **scale_kw)
     if g1.split == 1:
-        _moe_gemm[grid1](*gate_args, h, 0, h.stride(0), n_slots, topk, inter, d, k1, limit,
+        _moe_gemm[grid1](*gate_args, h, 0, h.stride(0), n_slots, topk, inter, d, k1, limit, rw,
                          A_GATHER=True, GATED=True, FUSE_SWIGLU=True, **launch1, **round_h,
                          **common)  # fmt: skip
     else:
         part = torch.empty(g1.split, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
         _moe_gemm[grid1](*gate_args, part, part.stride(0), part.stride(1), n_slots, topk, inter,
-                         d, k1, limit, A_GATHER=True, GATED=True, FUSE_SWIGLU=False, **launch1,
-                         **common)  # fmt: skip
-        _reduce_swiglu(part, h, tile_e, inter, limit, bm, f16, rg)
+                         d, k1, limit, None, A_GATHER=True, GATED=True, FUSE_SWIGLU=False,
+                         **launch1, **common)  # fmt: skip
+        _reduce_swiglu(part, h, tile_e, inter, limit, bm, f16, rg, rows, rw)
     y = _y_buffer(x, g2.split, n_rows)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
     scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk)
@@ -183,10 +185,11 @@ def _moe_run(
     _moe_gemm[(n_tiles, n2 // g2.bn, g2.split)](
         ha, ha.stride(0), hs, hs.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
         *scale_args, y, y.stride(0), y.stride(1),
-        n_slots, topk, n2, inter, k2, limit, A_GATHER=False, GATED=pairs, FUSE_SWIGLU=False,
+        n_slots, topk, n2, inter, k2, limit, None, A_GATHER=False, GATED=pairs,
+        FUSE_SWIGLU=False,
         BN=g2.bn, BK=g2.bk, num_warps=g2.warps, num_stages=g2.stages, **scale_kw, **common,
     )  # fmt: skip
-    return _combine(y, inv, weights, out)
+    return _combine(y, inv, torch.ones_like(weights) if rg else weights, out)
 
 
 # token slots (tokens x top-k) up to which the decode layer is two launches. H200,

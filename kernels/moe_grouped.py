@@ -298,7 +298,7 @@ def _moe_gemm(
     a_ptr, sam, sa_ptr, ssa, rows_ptr, tile_e_ptr,
     w_ptr, swe, swn, s_ptr, sse, ssn, ssk,
     out_ptr, sos, som,
-    n_slots, topk, N, K, k_per_split, limit,
+    n_slots, topk, N, K, k_per_split, limit, rw_ptr,
     A_GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
     FP4: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
     SCALE_E8M0: tl.constexpr, SCALE_WORDS: tl.constexpr, SB_N: tl.constexpr,
@@ -317,8 +317,9 @@ def _moe_gemm(
     after the loop: no promotion. ``A_FP8`` with ``SA_K`` > 0 (fp8 weights in blocks, ``SB_K``
     > 0): A is e4m3 with an e8m0 scale per row and ``SA_K`` columns at ``sa_ptr`` (row stride
     ``ssa``, groups contiguous); ``GK`` divides ``SA_K`` and ``SB_K``; each group's partial
-    is promoted (:func:`_act_group_dot`). ``RG`` (with ``FUSE_SWIGLU``): H rounded in groups
-    of ``RG`` columns as it is stored (:func:`_as_gemm_input`).
+    is promoted (:func:`_act_group_dot`). ``RG`` (with ``FUSE_SWIGLU``): H times its slot's
+    routing weight (``rw_ptr``, fp32 [slots]; the release weights H before W2, and rounds
+    the product) rounded in groups of ``RG`` columns as it is stored (:func:`_as_gemm_input`).
 
     Scales: the re-encoding's 2^6 (fp4 codes as e4m3) and, under ``F16``, the 2^4 of the
     activations' fp16 x 2^-4 are folded into the scales' exponents (no multiply).
@@ -391,6 +392,8 @@ def _moe_gemm(
             acc1 = tl.minimum(acc1, limit)
             acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = acc1 * tl.sigmoid(acc1) * acc3
+        if RG > 0:
+            h = h * tl.load(rw_ptr + slot, mask=rmask, other=0.0)[:, None]
         tl.store(o_ptrs, _as_gemm_input(h, out_ptr.dtype.element_ty, F16, USE_ASM, RG))
     else:
         tl.store(o_ptrs, acc1)

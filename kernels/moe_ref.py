@@ -43,7 +43,8 @@ def moe_experts_ref(
     ``act_fp8``: both GEMMs' activations rounded by :func:`fake_quant_act`, one scale per
     row (h after a bf16 round trip, as the kernels store it). ``act_group``: rounded as the
     release rounds them instead (``kernels.quant.round_fp8_act``, groups of that many
-    columns; h as computed, in x's dtype).
+    columns), h after the routing weight, which the release applies before W2 (and so rounds
+    the product; without rounding the weight goes on W2's output, the same sum).
     """
     out = torch.zeros(
         x.shape[0], w2[0].shape[0] if w2 else x.shape[1], dtype=torch.float32, device=x.device
@@ -63,8 +64,10 @@ def moe_experts_ref(
         if act_fp8:
             h = fake_quant_act(h.to(torch.bfloat16).to(h.dtype))
         if act_group:
-            h = round_fp8_act(h, act_group)
-        y = linear(h, w2[e]).float() * flat_w[sel].unsqueeze(-1)
+            h = round_fp8_act(h * flat_w[sel].unsqueeze(-1).to(h.dtype), act_group)
+            y = linear(h, w2[e]).float()
+        else:
+            y = linear(h, w2[e]).float() * flat_w[sel].unsqueeze(-1)
         out.index_add_(0, t, y)
     return out.to(out_dtype or x.dtype)
 

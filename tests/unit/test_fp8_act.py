@@ -183,13 +183,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def release_experts(x, ids, weights, w1, w2, w3, limit, act_fp8=False, out_dtype=None,
                     act_group=0, *, group: int) -> torch.Tensor:  # fmt: skip
     """The routed experts as the release computes them (``moe_experts``' signature): its
-    ``linear()`` rounds x before W1 / W3 and the SwiGLU output before W2."""
+    ``linear()`` rounds x before W1 / W3 and, before W2, the SwiGLU output times the routing
+    weight (its ``Expert.forward`` weights the intermediate state, not the output)."""
     out = torch.zeros(x.shape[0], w2[0].shape[0], dtype=torch.float32)
     for e in torch.unique(ids).tolist():
         t, j = (ids == e).nonzero(as_tuple=True)
         xe = release_round(x[t], group)
-        h = swiglu_clamp(xe @ w1[e].T, xe @ w3[e].T, limit)
-        out.index_add_(0, t, (release_round(h, group) @ w2[e].T) * weights[t, j, None])
+        h = swiglu_clamp(xe @ w1[e].T, xe @ w3[e].T, limit) * weights[t, j, None]
+        out.index_add_(0, t, release_round(h, group) @ w2[e].T)
     return out.to(out_dtype or x.dtype)
 
 
