@@ -1,7 +1,7 @@
 """fp8 activations as the release computes them, on CUDA: the quantizer with the GPU's e4m3
 conversion (bit for bit the torch reference), the fp8 GEMM's two paths at V4.1- and
-V4-Flash shapes against fp64, in a CUDA graph, and the engine's ``dense_act="fp8"``
-against the CPU."""
+V4-Flash shapes against fp64, in a CUDA graph, the MoE kernels' rounding at V4.1-Flash
+expert shapes, and the model's ``dense_act`` / ``expert_act`` against the CPU."""
 
 from __future__ import annotations
 
@@ -85,6 +85,35 @@ def test_fp8_act_linear_in_a_cuda_graph(m):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("t", [1, 8, 64, 512, 4096])
+@pytest.mark.parametrize("pairs", [False, True])
+def test_moe_rounds_x_and_h_as_the_release(t, pairs):
+    """fp4 experts of V4.1-Flash shape (d 5120, I 2304, 48 of 384 experts local) with
+    ``act_group`` 32, bf16 activations: the reference's rounding of x and the weighted H,
+    within bf16 roundings (the kernel rounds the fp32 H, the reference its bf16 copy)."""
+    from kernels.moe import moe_fp4_triton
+    from kernels.moe_formats import fp4_to_pairs
+    from kernels.moe_ref import moe_fp4_ref
+
+    g = torch.Generator(device="cuda").manual_seed(t)
+    e, d, inter = 48, 5120, 2304
+    def ints(lo: int, hi: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, device="cuda", generator=g).to(dtype)
+
+    p13 = ints(-128, 128, (e, 2 * inter, d // 2), torch.int8)
+    p2 = ints(-128, 128, (e, d, inter // 2), torch.int8)
+    q13 = ints(119, 123, (e, 2 * inter, d // 32), torch.uint8)
+    q2 = ints(119, 123, (e, d, inter // 32), torch.uint8)
+    x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(t, 384, device="cuda", generator=g).argsort(-1)[:, :6]
+    w = torch.rand(t, 6, device="cuda", generator=g)
+    ref = moe_fp4_ref(x.float(), ids, w, p13, q13, p2, q2, 10.0, act_group=32)
+    w13, w2 = (fp4_to_pairs(p13), fp4_to_pairs(p2)) if pairs else (p13, p2)
+    out = moe_fp4_triton(x, ids, w, w13, q13, w2, q2, 10.0, n_experts=384, pairs=pairs,
+                         act_group=32)  # fmt: skip
+    assert _rel(out, ref) < 1e-2
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     from app.model.tiny import make_tiny_checkpoint
@@ -98,15 +127,16 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
-def test_dense_act_fp8_model_matches_cpu(ckpts, arch):
-    """The fp32 model with ``dense_act="fp8"`` (fp8 weights kept) on CUDA against the same on
-    the CPU, over 41 tokens (the rounded-activation path) and 300 (the fp8 MMA path): the
-    logits of the CPU's rounding-on forward."""
+def test_fp8_act_model_matches_cpu(ckpts, arch):
+    """The fp32 model with ``dense_act`` and ``expert_act`` "fp8" (fp8 dense weights kept,
+    experts packed) on CUDA against the same on the CPU, over 41 tokens (the rounded dense
+    activations) and 300 (the fp8 MMA path): the logits of the CPU's release rounding."""
     from app.model.loader import load_model
     from tests.support.reference import sequence_logits
 
-    cpu = load_model(ckpts[arch], dense_act="fp8", packed_dense=True)
-    gpu = load_model(ckpts[arch], device="cuda", dense_act="fp8", packed_dense=True)
+    opts = {"dense_act": "fp8", "expert_act": "fp8", "packed_dense": True}
+    cpu = load_model(ckpts[arch], **opts)
+    gpu = load_model(ckpts[arch], device="cuda", **opts)
     for n in (41, 300):
         ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n))
         ref = sequence_logits(cpu, ids).double()
