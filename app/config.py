@@ -30,6 +30,8 @@ ExpertLayout = Literal["auto", "fp8_rows"]
 EXPERT_LAYOUTS: tuple[str, ...] = typing.get_args(ExpertLayout)
 MoePrefillAct = Literal["bf16", "fp8"]
 MOE_PREFILL_ACTS: tuple[str, ...] = typing.get_args(MoePrefillAct)
+ActPrecision = Literal["bf16", "fp8"]  # dense_act / expert_act
+ACT_PRECISIONS: tuple[str, ...] = typing.get_args(ActPrecision)
 LoadFormat = Literal["auto", "dummy"]  # the loader's choices (app.model.checkpoint.LOAD_FORMATS)
 LOAD_FORMATS: tuple[str, ...] = typing.get_args(LoadFormat)
 PDFault = Literal["none", "export", "header"]
@@ -267,6 +269,12 @@ class EngineConfig:
     "fp8_rows": re-encoded exactly as e4m3 with one scale per row, twice the bytes, for
     prefill-heavy ranks). ``moe_prefill_act``: "fp8" multiplies prefill-sized MoE steps with
     fp8 activations (one scale per token row; needs ``fp8_rows``), "bf16" keeps bf16.
+    ``dense_act``: "fp8" computes the release's fp8 dense projections as its inference does:
+    each input rounded to e4m3 in per-token groups of the weight block's columns (32 on V4.1,
+    128 on V4) with power-of-two scales, times the fp8 weights kept as released
+    (:meth:`dense_weights_packed`); "bf16" multiplies the unrounded activations (exact).
+    ``expert_act``: "fp8" rounds the routed experts' activations the same way (x before W1 /
+    W3, the SwiGLU output before W2); both "fp8": the release's whole activation rounding.
     ``load_format``: "auto" loads the checkpoint's safetensors; "dummy" reads no weights
     (``model`` holds config.json and the tokenizer only): random weights of the real shapes
     and formats, drawn on the device from ``seed`` (benchmarks without a checkpoint).
@@ -283,6 +291,8 @@ class EngineConfig:
     packed_experts: PackedExpertsMode = "auto"
     expert_layout: ExpertLayout = "auto"
     moe_prefill_act: MoePrefillAct = "bf16"
+    dense_act: ActPrecision = "bf16"
+    expert_act: ActPrecision = "bf16"
     load_format: LoadFormat = "auto"
     overlap_schedule: bool = True
     cuda_graphs: bool = True
@@ -315,6 +325,15 @@ class EngineConfig:
             raise EngineConfigError(
                 f"moe_prefill_act must be one of {MOE_PREFILL_ACTS}, got {self.moe_prefill_act!r}"
             )
+        for name in ("dense_act", "expert_act"):
+            if getattr(self, name) not in ACT_PRECISIONS:
+                raise EngineConfigError(
+                    f"{name} must be one of {ACT_PRECISIONS}, got {getattr(self, name)!r}"
+                )
+        if self.expert_act == "fp8" and self.moe_prefill_act == "fp8":
+            raise EngineConfigError("expert_act 'fp8' rounds the experts' activations as the "
+                                    "release does; moe_prefill_act 'fp8' rounds them per row: "
+                                    "one of them")  # fmt: skip
         if self.load_format not in LOAD_FORMATS:
             raise EngineConfigError(
                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
@@ -366,6 +385,14 @@ class EngineConfig:
         if mode == "auto":
             return self.device.startswith("cuda")
         return mode == "on"
+
+    def dense_weights_packed(self) -> bool:
+        """Whether the dense fp8 projections keep the checkpoint's bytes (the loader's
+        ``packed_dense``): ``experimental.packed_dense``, or ``dense_act`` "fp8" outside the
+        deterministic mode. The mode multiplies the rounded activations by dequantized
+        weights in its batch-invariant GEMM instead (the same products; the fp8 kernels
+        are chosen by a step's row count)."""
+        return self.packed_dense_flag() or (self.dense_act == "fp8" and not self.deterministic)
 
     @classmethod
     def from_options(cls, model: str, **options: object) -> EngineConfig:

@@ -39,6 +39,7 @@ from app.engine.core import EngineCore
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.tiny import make_tiny_checkpoint
 from bench.common import record, write
+from bench.flash_rank import DENSE_MODES
 
 PHASES = ("t_schedule", "t_prepare", "t_launch", "t_wait", "t_update")
 
@@ -129,7 +130,7 @@ class Rank:
     def __init__(
         self, max_seqs: int, kv_bytes: int | None, ep: int, max_tokens: int, model=None,
         device="cuda", dense: str = "bf16", ring_headroom: int = 3, draft_stages: int = 0,
-        context: int = 36864,
+        context: int = 36864, expert_act: str = "bf16",
     ) -> None:  # fmt: skip
         from app.cache.manager import CacheManager
         from app.config import CacheConfig
@@ -138,7 +139,8 @@ class Rank:
 
         t0 = time.perf_counter()
         self.device, self.ep = torch.device(device), ep
-        self.model = build_flash_rank(device, ep=ep, dense=dense) if model is None else model
+        self.model = (build_flash_rank(device, ep=ep, dense=dense, expert_act=expert_act)
+                      if model is None else model)  # fmt: skip
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             print(f"built flash-rank in {time.perf_counter() - t0:.1f} s, "
@@ -299,6 +301,7 @@ def decode(rank: Rank, args, bw: float) -> list[dict]:
                 floor, spec_floor = own.total / bw, fp8.total / bw
                 best = min(v for v in res.values() if v == v)
                 params = {"batch": B, "context": ctx, "tokens_per_request": q, "ep": rank.ep,
+                          "dense": args.dense, "expert_act": args.expert_act,
                           "bytes": {"dense": own.dense, "experts": own.experts, "kv": own.kv},
                           "floor_fp8_dense_ms": spec_floor * 1e3}  # fmt: skip
                 for graph in (True, False):
@@ -365,7 +368,8 @@ def _prefill_cases(rank: Rank, args, rate: float, cases: list, layout: str) -> l
             fl = prefill_flops(rank.model, tokens, ctx + new // 2, decoder_rows=rows)
             floor = fl / rate
             p = {"context": ctx, "requests": reqs, "new_tokens": new, "decoder_replay": replay,
-                 "gflop": fl / 1e9, "rate_bf16_tflops": rate / 1e12, "experts": layout}  # fmt: skip
+                 "gflop": fl / 1e9, "rate_bf16_tflops": rate / 1e12, "experts": layout,
+                 "dense": args.dense, "expert_act": args.expert_act}  # fmt: skip
             records.append(record("engine.prefill_step", t * 1e3, "ms", p, floor=floor * 1e3))
             print(f"{layout:>14} {ctx:>6} {reqs:>4} {new:>6} {replay!s:>6} {t * 1e3:8.1f} "
                   f"{tokens / t:8.0f} {floor * 1e3:8.1f} {t / floor:7.2f}", flush=True)
@@ -587,8 +591,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--gap-batches", default="256", help="gap: the EngineCore's batch sizes")
     ap.add_argument("--gap-overlap", default="on", help="gap: overlap scheduling, on and / or off")
-    ap.add_argument("--dense", default="bf16", choices=("bf16", "fp8"),
-                    help="flash-rank dense projections: bf16, or fp8 blocks (packed_dense)")
+    ap.add_argument("--dense", default="bf16", choices=DENSE_MODES,
+                    help="flash-rank dense projections: bf16, fp8 blocks (packed_dense), or "
+                         "fp8 blocks with fp8 activations (dense_act: fp8)")
+    ap.add_argument("--expert-act", default="bf16", choices=("bf16", "fp8"),
+                    help="flash-rank routed experts: the release's fp8 activation rounding "
+                         "(expert_act: fp8) or none")
     ap.add_argument("--no-eager", action="store_true", help="decode: CUDA graph only")
     ap.add_argument("--verify-batches", default="1,32,256",
                     help="decode batches also timed as verify steps of 1 + 3 tokens")
@@ -621,7 +629,7 @@ def _run(args) -> None:
     ctx = max([int(c) + 4 for c in args.contexts.split(",")]
               + [int(c.split("x")[0]) + int(c.split("x")[2]) for c in args.prefill.split(",")])
     rank = Rank(max_seqs=256, kv_bytes=kv, ep=8, max_tokens=32768, dense=args.dense,
-                context=ctx)  # fmt: skip
+                context=ctx, expert_act=args.expert_act)  # fmt: skip
     parts = {"decode": lambda: decode(rank, args, bw), "profile": lambda: profile(rank, args),
              "origins": lambda: origins(rank, args),
              "prefill": lambda: prefill(rank, args, rate, bw),

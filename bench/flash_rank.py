@@ -76,12 +76,15 @@ def flash_config() -> ModelConfig:
 
 
 def build_flash_rank(
-    device: str = "cuda", ep: int = EP, seed: int = 0, dense: str = "bf16"
+    device: str = "cuda", ep: int = EP, seed: int = 0, dense: str = "bf16",
+    expert_act: str = "bf16",
 ) -> DeepseekModel:
     """The rank of an EP-``ep`` deployment on ``device`` (EP8: the shipped ``flash-rank``,
     57.7 GB on a GPU): random weights (``seed``) through the engine's loader; ``dense="fp8"``
-    keeps the dense fp8 projections as stored (the loader's ``packed_dense``, 51.8 GB)."""
-    return load_rank(rank_dir(ep), device, seed, dense)
+    keeps the dense fp8 projections as stored (the loader's ``packed_dense``, 51.8 GB),
+    ``dense="fp8act"`` also rounds their activations (``dense_act: fp8``); ``expert_act``
+    as the engine option."""
+    return load_rank(rank_dir(ep), device, seed, dense, expert_act)
 
 
 def rank_dir(ep: int = EP) -> Path:
@@ -114,11 +117,20 @@ def tiny_rank_dir(out: str | Path) -> Path:
     return out
 
 
-def load_rank(path: str | Path, device: str, seed: int = 0, dense: str = "bf16") -> DeepseekModel:
+DENSE_MODES = ("bf16", "fp8", "fp8act")  # bf16 copies; fp8 as stored; + rounded activations
+
+
+def load_rank(path: str | Path, device: str, seed: int = 0, dense: str = "bf16",
+              expert_act: str = "bf16") -> DeepseekModel:  # fmt: skip
     """Random weights for the config at ``path`` (``load_format="dummy"``): bf16 compute,
-    routed experts packed (fp4 in the pairs layout on CUDA), V4.1 cache formats."""
+    routed experts packed (fp4 in the pairs layout on CUDA), V4.1 cache formats; ``dense``
+    one of :data:`DENSE_MODES`, ``expert_act`` the engine option's value."""
+    if dense not in DENSE_MODES:
+        raise ValueError(f"dense must be one of {DENSE_MODES}, got {dense!r}")
     return load_model(path, device, torch.bfloat16, kv_quant=True, packed_experts=True,
-                      packed_dense=dense == "fp8", load_format="dummy", seed=seed)  # fmt: skip
+                      packed_dense=dense != "bf16", load_format="dummy", seed=seed,
+                      dense_act="fp8" if dense == "fp8act" else "bf16",
+                      expert_act=expert_act)  # fmt: skip
 
 
 # ---- floors ---------------------------------------------------------------------------------

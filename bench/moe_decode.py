@@ -15,6 +15,9 @@ reduce, combine), checked against the fp32 torch reference before it is timed:
 - ``tl.pairs``: fp4 pairs through ``_moe_gemm`` (what experts without exact row
   references take)
 - ``tl.fp8_rows``: the same weights re-encoded as e4m3 rows (twice the bytes)
+- ``tl.pairs.release_act``: ``tl.pairs`` with x and H rounded as the release rounds them
+  (``expert_act: fp8``, groups of 32: bf16 MMA, no decode kernels), checked against the
+  reference with the same rounding
 - ``gluon.gemms``: the two decode GEMM launches alone, on pre-aligned inputs
 - peer ``torch._scaled_grouped_mm`` rowwise on the fp8 rows copy (its two GEMM launches
   only; inputs sorted, padded and quantized outside the timed call)
@@ -160,12 +163,18 @@ def main() -> None:
             return moe_fp8_rows_triton(s[0], s[1], s[2], rows["w13"], rows["s13"], rows["w2"],
                                        rows["s2"], LIMIT, n_experts=E_ALL)  # fmt: skip
 
+        def rel(s: tuple) -> torch.Tensor:  # expert_act: fp8
+            return moe_fp4_triton(s[0], s[1], s[2], ex["r13"], ex["q13"], ex["r2"], ex["q2"],
+                                  LIMIT, n_experts=E_ALL, pairs=True, act_group=32)  # fmt: skip
+
         s0 = sets[0]
-        ref = moe_fp4_ref(s0[0].float(), s0[1], s0[2], ex["p13"], ex["q13"], ex["p2"],
-                          ex["q2"], LIMIT)  # fmt: skip
+        refs_ = {g: moe_fp4_ref(s0[0].float(), s0[1], s0[2], ex["p13"], ex["q13"], ex["p2"],
+                                ex["q2"], LIMIT, act_group=g) for g in (0, 32)}  # fmt: skip
         timed: dict[str, float] = {}
-        for name, fn in (("moe.decode.gluon", gl_), ("moe.decode.tl.pairs", tlp),
-                         ("moe.decode.tl.fp8_rows", rws)):  # fmt: skip
+        for name, fn, g in (("moe.decode.gluon", gl_, 0), ("moe.decode.tl.pairs", tlp, 0),
+                            ("moe.decode.tl.fp8_rows", rws, 0),
+                            ("moe.decode.tl.pairs.release_act", rel, 32)):  # fmt: skip
+            ref = refs_[g]
             out = fn(s0).float()
             err = float((out - ref).norm() / ref.norm())
             if not err < 1e-2:

@@ -14,7 +14,10 @@ Layouts and paths (``kernels.moe``):
 - ``fp8_rows.*``: the fp4 experts re-encoded exactly as e4m3 with one scale per row
   (``kernels.moe_formats.fp4_to_fp8_rows``, ``expert_layout: fp8_rows``); bf16 activations,
   or fp8 activations with one scale per row (``act_fp8.rowwise``, ``moe_prefill_act: fp8``:
-  both scales after the loop, the fp8 MMAs accumulate in place).
+  both scales after the loop, the fp8 MMAs accumulate in place);
+- ``fp4.pairs.release_act``: the default layout with x and H rounded as the release rounds
+  them (``expert_act: fp8``, groups of 32; bf16 MMA), its accuracy against the reference
+  with the same rounding.
 
 Peers in the same run, GEMM launches only (inputs already sorted by expert and quantized,
 which favours them): ``torch._scaled_grouped_mm`` (rowwise fp8: per-token activation scales,
@@ -158,19 +161,22 @@ def _paths(ex: dict[str, Any], n_all: int) -> dict[str, Callable[..., torch.Tens
         "moe.prefill.fp4.pairs.bf16": fp4p,
         "moe.prefill.fp8_rows.bf16": rows_,
         "moe.prefill.fp8_rows.act_fp8.rowwise": lambda s, **kw: rows_(s, act_fp8=True, **kw),
+        "moe.prefill.fp4.pairs.release_act": lambda s, **kw: fp4p(s, act_group=32, **kw),
     }
 
 
-def _accuracy(fn: Callable[..., torch.Tensor], s: tuple, ex: dict[str, Any], n: int = 256) -> float:
+def _accuracy(fn: Callable[..., torch.Tensor], s: tuple, ex: dict[str, Any], n: int = 256,
+              act_group: int = 0) -> float:  # fmt: skip
     """||out - ref|| / ||ref|| on the first ``n`` tokens; ref: the fp32 expert loop over the
-    fp4 experts' exact values with bf16 activations."""
+    fp4 experts' exact values with bf16 activations (``act_group``: rounded as the release
+    rounds them)."""
     x, ids, w = s[0][:n].contiguous(), s[1][:n].contiguous(), s[2][:n].contiguous()
     f13, f2 = ex["bf13"].float(), ex["bf2"].float()
     n_pad = E_ALL
     w1 = [f13[e, :INTER] for e in range(E_LOCAL)] + [None] * (n_pad - E_LOCAL)
     w3 = [f13[e, INTER:] for e in range(E_LOCAL)] + [None] * (n_pad - E_LOCAL)
     w2 = [f2[e] for e in range(E_LOCAL)] + [f2[0]] * (n_pad - E_LOCAL)
-    ref = moe_experts_ref(x.float(), ids, w, w1, w2, w3, LIMIT)
+    ref = moe_experts_ref(x.float(), ids, w, w1, w2, w3, LIMIT, act_group=act_group)
     out = fn((x, ids, w)).float()
     return float((out - ref).norm() / ref.norm())
 
@@ -268,7 +274,8 @@ def main() -> None:
             for name, fn in paths.items():
                 val = _us(_rotating(lambda s, fn=fn: fn(s), sets))
                 # the 32x32-block fp8 experts are other (random) weights: no shared reference
-                err = float("nan") if "blocks32" in name else _accuracy(fn, sets[0], ex)
+                err = (float("nan") if "blocks32" in name else
+                       _accuracy(fn, sets[0], ex, act_group=32 if "release_act" in name else 0))
                 tf = flops / (val * 1e-6)
                 params = {
                     "tokens": t,

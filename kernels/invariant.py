@@ -47,7 +47,8 @@ path does and what the mode does (``default -> mode``):
         :func:`stream_mean` (one stream at a time), :func:`row_mean` (:func:`rows_gemm`)
     attention, paged indexer (CPU)
         invariant: per-token products (a batch over tokens), each token's own keys
-    norms, RoPE, SwiGLU (CUDA), KV rounding, compressor pooling, Engram, softmax, sampling
+    norms, RoPE, SwiGLU (CUDA), KV rounding, fp8 activation rounding (``dense_act``),
+    compressor pooling, Engram, softmax, sampling
         invariant: one row (or group) per program, reductions along the row
     top-k, candidate blocks, gate top-k, argmax
         invariant: selections, exact in any order

@@ -15,6 +15,12 @@ at decode sizes a Gluon kernel planned once per weight (:func:`fp8_decode_plan`)
 from :data:`WG_MIN_TOKENS` rows the wgmma kernel (``kernels.dense_wgmma``), else the
 ``mma.sync`` decode kernel (``kernels.moe_decode``); larger calls take the one-group
 MegaMoE GEMM.
+
+``fp8_act_linear``: the release's fp8 GEMM, ``round(x) @ dequant(W)^T`` with x rounded to
+fp8 in per-token groups (``kernels.fp8_act``): from :data:`FP8_MMA_MIN_ROWS` rows the
+activations are quantized once and multiplied on the fp8 tensor cores (the one-group MegaMoE
+GEMM with per-group activation scales), below it the rounded activations go through
+``fp8_linear``'s kernels, whose products are exact too.
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ import triton.language as tl
 from kernels import dense_wgmma as dw
 from kernels import moe_decode as md
 from kernels.dispatch import capability, op, sm_count, split_counters
+from kernels.fp8_act import act_quant_triton, act_round_triton
 from kernels.invariant import _split_sum_cast, linear, rows_gemm
 from kernels.moe_grouped import _dot_dtype, _moe_gemm, _scale_arg, _scale_launch
 from kernels.moe_tiles import _gemm_tiles, _num_sms
-from kernels.quant import dequantize_fp8_block, is_e8m0
+from kernels.quant import dequantize_fp8_block, is_e8m0, round_fp8_act
 
 
 def linear_f32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -359,7 +366,7 @@ def _fp8_grouped(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     _moe_gemm[(n_tiles, N // t.bn, t.split)](
         x2, x2.stride(0), x2, x2.stride(0), rows, tile_e, w3, w3.stride(0), w3.stride(1),
-        *scale_args, y, y.stride(0), y.stride(1), M, 1, N, K, k_per, 0.0,
+        *scale_args, y, y.stride(0), y.stride(1), M, 1, N, K, k_per, 0.0, None,
         A_GATHER=False, GATED=False, FUSE_SWIGLU=False, FP4=False, PAIRS=False,
         USE_ASM=not interp, SB_N=b0, SB_K=b1, HAS_LIMIT=False, CDT=_dot_dtype(x2),
         A_FP8=False, F16=False, BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps,
@@ -441,3 +448,114 @@ def _one_group_rows(n_rows: int, n_tiles: int, device: torch.device):
 
 
 fp8_linear = op(fp8_linear_ref, fp8_linear_triton)
+
+
+# ---- the release's fp8 GEMM: fp8 activations x fp8 block weights ------------------------------
+# rows from which rounded activations go through the fp8 x fp8 GEMM (below: the rounded
+# activations through fp8_linear's decode-tuned kernels; bench/dense_act.py times both)
+FP8_MMA_MIN_ROWS = 128
+
+
+def fp8_act_linear_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    group: int,
+    plan: Fp8DecodePlan | None = None,
+) -> torch.Tensor:
+    """``round(x) @ dequant(w)^T`` in ``x.dtype``: x rounded as the release rounds a quantized
+    GEMM's input (:func:`~kernels.quant.round_fp8_act`, groups of ``group`` columns), then
+    :func:`fp8_linear_ref` -- the release's ``act_quant`` + ``fp8_gemm`` up to the order of the
+    fp32 sums (every product is exact on both sides). ``plan`` as there."""
+    return fp8_linear_ref(round_fp8_act(x, group), w, scale, block)
+
+
+def fp8_act_linear_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    group: int,
+    plan: Fp8DecodePlan | None = None,
+    mma: bool | None = None,
+    launch: tuple[int, int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Triton :func:`fp8_act_linear_ref`. ``mma`` (None: from :data:`FP8_MMA_MIN_ROWS` rows
+    on sm_89+): quantize x (``kernels.fp8_act``) and multiply e4m3 by e4m3 with per-group
+    promotion (:func:`_fp8_act_grouped`, ``launch`` as :func:`fp8_act_launch` returns it);
+    else round x and take :func:`fp8_linear_triton` (``plan``)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m = x2.shape[0]
+    if mma is None:
+        mma = m >= FP8_MMA_MIN_ROWS and x.is_cuda and capability(x.device) >= (8, 9)
+    if not mma:
+        return fp8_linear_triton(act_round_triton(x2, group), w, scale, block,
+                                 plan).view(*shape[:-1], w.shape[0])  # fmt: skip
+    n, k = w.shape
+    b0, b1 = block
+    if x2.shape[1] != k or w.dtype != torch.float8_e4m3fn or not is_e8m0(scale):
+        raise ValueError(f"w must be e4m3 [N, {x2.shape[1]}] with e8m0 scales, got {w.dtype} "
+                         f"{tuple(w.shape)} and {scale.dtype} scales")  # fmt: skip
+    if n % 32 or k % 32 or b1 % 32 or group % 32 or scale.shape != (-(-n // b0), -(-k // b1)):
+        raise ValueError(f"fp8 linear {n} x {k} with block {block}, activation groups of "
+                         f"{group} and scale {tuple(scale.shape)} does not fit the kernel")
+    if m == 0:
+        return x.new_empty(*shape[:-1], n)
+    q, sa = act_quant_triton(x2, group)
+    y = _fp8_act_grouped(q, sa, w, scale, block, group, x.dtype, launch)
+    return y.view(*shape[:-1], n)
+
+
+def fp8_act_launch(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
+    """(rows per tile, N tile, K tile, K splits, warps, stages) of :func:`_fp8_act_grouped`:
+    128-row tiles from 128 rows (8 warps), else the smallest of 16 / 32 / 64 holding the rows
+    with K splits for about two programs per SM; 128-wide N and K tiles where they divide."""
+    bm = next((b for b in (16, 32, 64) if m <= b), 128)
+    bn = next(b for b in (128, 64, 32) if n % b == 0)
+    bk = next(b for b in (128, 64, 32) if k % b == 0)
+    tiles = -(-m // bm) * (n // bn)
+    split = 1 if bm >= 64 else max(1, min(k // bk // 2, -(-2 * sms // tiles)))
+    return bm, bn, bk, split, 8 if bm >= 128 else 4, 3 if bm >= 128 else 4
+
+
+def _fp8_act_grouped(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                     block: tuple[int, int], group: int, out_dtype: torch.dtype,
+                     launch: tuple[int, int, int, int, int, int] | None = None,
+                     ) -> torch.Tensor:  # fmt: skip
+    """[M, N] in ``out_dtype``: e4m3 activations ``q`` [M, K] with e8m0 scales ``sa`` [M,
+    K/group] times the e4m3 weights through the MegaMoE GEMM with one group (``SA_K``): one fp8
+    MMA per group of min(K tile, weight block columns, ``group``) columns, promoted with the
+    row's and the weight block's scales."""
+    m, k = q.shape
+    n = w.shape[0]
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if launch is None:
+        launch = ((16, 32, 64 if k % 64 == 0 else 32, 1, 4, 1) if interp
+                  else fp8_act_launch(m, n, k, _num_sms(q.device)))  # fmt: skip
+    bm, bn, bk, split, warps, stages = launch
+    if n % bn or k % bk:
+        raise ValueError(f"tiles {bn} x {bk} do not divide N = {n}, K = {k}")
+    n_tiles = -(-m // bm)
+    s, e8 = _scale_arg(scale.unsqueeze(0))
+    w3 = w.unsqueeze(0)
+    rows, tile_e = _one_group_rows(n_tiles * bm, n_tiles, q.device)
+    y = torch.empty(split, n_tiles * bm, n, device=q.device,
+                    dtype=out_dtype if split == 1 else torch.float32)  # fmt: skip
+    k_per = -(-(k // bk) // split) * bk
+    scale_args, scale_kw = _scale_launch(s, e8, block[1], bk)
+    scale_kw["GK"] = min(scale_kw["GK"], group)
+    sa8 = sa.view(torch.uint8)
+    _moe_gemm[(n_tiles, n // bn, split)](
+        q, q.stride(0), sa8, sa8.stride(0), rows, tile_e, w3, w3.stride(0), w3.stride(1),
+        *scale_args, y, y.stride(0), y.stride(1), m, 1, n, k, k_per, 0.0, None,
+        A_GATHER=False, GATED=False, FUSE_SWIGLU=False, FP4=False, PAIRS=False,
+        USE_ASM=not interp, SB_N=block[0], SB_K=block[1], HAS_LIMIT=False, CDT=tl.float32,
+        A_FP8=True, F16=False, BM=bm, BN=bn, BK=bk, SA_K=group, num_warps=warps,
+        num_stages=stages, **scale_kw,
+    )  # fmt: skip
+    return _sum_splits(y, m, n, out_dtype)
+
+
+fp8_act_linear = op(fp8_act_linear_ref, fp8_act_linear_triton)

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from kernels import moe_decode
 from kernels.dispatch import capability, op, split_counters
+from kernels.fp8_act import act_round_triton
 from kernels.moe_align import _align, _combine, _quant_rows, _reduce_swiglu, _y_buffer
 from kernels.moe_grouped import _INTERPRET, _dot_dtype, _moe_gemm, _scale_arg, _scale_launch
 from kernels.moe_ref import moe_fp4_ref, moe_fp8_ref, moe_fp8_rows_ref
@@ -86,13 +87,20 @@ def _moe_run(
     out_dtype: torch.dtype | None = None,
     row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
     fixed: bool = False,
+    act_group: int = 0,
 ) -> torch.Tensor:
     """The MoE layer's launches. ``act_fp8`` (the fp8 rows layout only, ``block[1]`` 0): x and
     H quantized to e4m3 with one scale per row, once each, and multiplied on the fp8 tensor
     cores. ``fixed`` (the deterministic mode): :func:`~kernels.moe_tiles.fixed_tiles` and no
-    decode kernels, whatever the rows."""
+    decode kernels, whatever the rows. ``act_group``: x and H rounded as the release rounds
+    them (``kernels.fp8_act``, groups of that many columns; x in one launch, H as the SwiGLU
+    epilogue stores it) and multiplied in bf16 / fp32 MMA, where their products are exact:
+    no fp16 path and no decode kernels (whose fp16 operands would not hold every rounded
+    value)."""
     if act_fp8 and block[1] != 0:
         raise ValueError("fp8 activations (one scale per row) need the fp8 rows layout")
+    if act_group and (act_fp8 or fp16_mma):
+        raise ValueError("the release's activation rounding takes bf16 / fp32 MMA")
     if fp16_mma and (act_fp8 or not 0 < limit <= 1024):
         raise ValueError("fp16_mma needs bf16 activations and a SwiGLU clamp in (0, 1024]")
     t, d = x.shape
@@ -101,8 +109,13 @@ def _moe_run(
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     if n_slots == 0:
         return out
-    if (tiles, block_m, split_k) != (None, None, None) or fixed:
+    if (tiles, block_m, split_k) != (None, None, None) or fixed or act_group:
         row_refs = None  # the launch overrides shape ``_moe_gemm``'s launches
+    rg = min(act_group, inter)  # H's groups (one narrower group: the row)
+    if act_group and inter % rg:
+        raise ValueError(f"H rounds in groups of {act_group}: I = {inter} is not a multiple")
+    if act_group:
+        x = act_round_triton(x, act_group)
     if fixed and tiles is None:
         tiles = fixed_tiles(d, inter, block[1], _num_sms(x.device), pairs)
     if tiles is None:
@@ -110,6 +123,8 @@ def _moe_run(
                            _num_sms(x.device), act_fp8, pairs,
                            _dot_dtype(x) != tl.float32)  # fmt: skip
     tiles = _override(tiles, block_m, split_k)
+    if rg and tiles.gate_up.bn % rg:  # the SwiGLU epilogue holds H's groups whole
+        tiles = replace(tiles, gate_up=replace(tiles.gate_up, bn=rg))
     bm, g1, g2 = tiles.bm, tiles.gate_up, tiles.down
     n2 = d // 2 if pairs else d  # pairs: each W2 tile computes columns n and n + d/2
     if inter % g1.bn or n2 % g2.bn:  # the grids tile N exactly (no column masks)
@@ -121,7 +136,7 @@ def _moe_run(
     # takes fp16 MMA at every tile height (e4m3 -> fp16 is one cvt per two values).
     cdt = _dot_dtype(x)
     rows_layout = block[1] == 0
-    f16 = (cdt == tl.bfloat16 and not act_fp8 and (bm < 64 or rows_layout)
+    f16 = (cdt == tl.bfloat16 and not act_fp8 and not act_group and (bm < 64 or rows_layout)
            and 0 < limit <= 1024 and not _INTERPRET)  # fmt: skip
     if fp16_mma is not None:  # forced (the interpreter tests run the path too)
         f16 = fp16_mma
@@ -136,6 +151,9 @@ def _moe_run(
     common = dict(HAS_LIMIT=limit > 0, CDT=cdt, FP4=fp4, PAIRS=pairs, SB_N=block[0],
                   SB_K=block[1], BM=bm, USE_ASM=not _INTERPRET, A_FP8=act_fp8,
                   F16=f16)  # fmt: skip
+    round_h = {"RG": rg} if rg else {}
+    # the release weights H before W2 (and rounds the product): the combine then adds as is
+    rw = weights.reshape(-1).float().contiguous() if rg else None
     h_dtype = torch.float16 if f16 else torch.float32 if cdt == tl.float32 else torch.bfloat16
     h = torch.empty(n_rows, inter, dtype=h_dtype, device=x.device)
     k1 = -(-(d // g1.bk) // g1.split) * g1.bk
@@ -151,15 +169,15 @@ def _moe_run(
     grid1 = (n_tiles, inter // g1.bn, g1.split)
     launch1 = dict(BN=g1.bn, BK=g1.bk, num_warps=g1.warps, num_stages=g1.stages, **scale_kw)
     if g1.split == 1:
-        _moe_gemm[grid1](*gate_args, h, 0, h.stride(0), n_slots, topk, inter, d, k1, limit,
-                         A_GATHER=True, GATED=True, FUSE_SWIGLU=True, **launch1,
+        _moe_gemm[grid1](*gate_args, h, 0, h.stride(0), n_slots, topk, inter, d, k1, limit, rw,
+                         A_GATHER=True, GATED=True, FUSE_SWIGLU=True, **launch1, **round_h,
                          **common)  # fmt: skip
     else:
         part = torch.empty(g1.split, n_rows, 2 * inter, dtype=torch.float32, device=x.device)
         _moe_gemm[grid1](*gate_args, part, part.stride(0), part.stride(1), n_slots, topk, inter,
-                         d, k1, limit, A_GATHER=True, GATED=True, FUSE_SWIGLU=False, **launch1,
-                         **common)  # fmt: skip
-        _reduce_swiglu(part, h, tile_e, inter, limit, bm, f16)
+                         d, k1, limit, None, A_GATHER=True, GATED=True, FUSE_SWIGLU=False,
+                         **launch1, **common)  # fmt: skip
+        _reduce_swiglu(part, h, tile_e, inter, limit, bm, f16, rg, rows, rw)
     y = _y_buffer(x, g2.split, n_rows)
     k2 = -(-(inter // g2.bk) // g2.split) * g2.bk
     scale_args, scale_kw = _scale_launch(s2, e8_2, block[1], g2.bk)
@@ -167,10 +185,11 @@ def _moe_run(
     _moe_gemm[(n_tiles, n2 // g2.bn, g2.split)](
         ha, ha.stride(0), hs, hs.stride(0), rows, tile_e, w2, w2.stride(0), w2.stride(1),
         *scale_args, y, y.stride(0), y.stride(1),
-        n_slots, topk, n2, inter, k2, limit, A_GATHER=False, GATED=pairs, FUSE_SWIGLU=False,
+        n_slots, topk, n2, inter, k2, limit, None, A_GATHER=False, GATED=pairs,
+        FUSE_SWIGLU=False,
         BN=g2.bn, BK=g2.bk, num_warps=g2.warps, num_stages=g2.stages, **scale_kw, **common,
     )  # fmt: skip
-    return _combine(y, inv, weights, out)
+    return _combine(y, inv, torch.ones_like(weights) if rg else weights, out)
 
 
 # token slots (tokens x top-k) up to which the decode layer is two launches. H200,
@@ -305,6 +324,7 @@ def moe_fp8_triton(
     fp16_mma: bool | None = None,
     out_dtype: torch.dtype | None = None,
     fixed: bool = False,
+    act_group: int = 0,
 ) -> torch.Tensor:
     """MegaMoE over fp8 e4m3 block-scaled experts: ``w13`` [E, 2I, d] (W1 rows then W3 rows),
     ``s13`` [E, 2I/b0, d/b1], ``w2`` [E, d, I], ``s2`` [E, d/b0, I/b1] (e8m0 or fp32).
@@ -316,6 +336,7 @@ def moe_fp8_triton(
     ``fp16_mma`` (None = the dispatch's choice: at decode tile heights for bf16 activations
     under a clamp, on the GPU) forces the fp16-MMA path on or off, so that the CPU
     interpreter tests cover it. ``fixed``: the deterministic mode's launches (``_moe_run``).
+    ``act_group``: the release's activation rounding (``_moe_run``).
     """
     _check_experts(x, ids, weights, w13, w2)
     inter = w13.shape[1] // 2
@@ -332,7 +353,8 @@ def moe_fp8_triton(
         raise ValueError(f"scales {tuple(s13.shape)} {tuple(s2.shape)}, want {want13} {want2}")
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, block, limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k,
-                    fp16_mma=fp16_mma, out_dtype=out_dtype, fixed=fixed)  # fmt: skip
+                    fp16_mma=fp16_mma, out_dtype=out_dtype, fixed=fixed,
+                    act_group=act_group)  # fmt: skip
 
 
 def moe_fp8_rows_triton(
@@ -354,6 +376,7 @@ def moe_fp8_rows_triton(
     split_k: int | None = None,
     fp16_mma: bool | None = None,
     fixed: bool = False,
+    act_group: int = 0,
 ) -> torch.Tensor:
     """MegaMoE over experts in the *fp8 rows* layout (``moe_formats.fp4_to_fp8_rows``): e4m3
     ``w13`` [E, 2I, d] and ``w2`` [E, d, I] with one fp32 scale per row, ``s13`` [E, 2I],
@@ -361,7 +384,8 @@ def moe_fp8_rows_triton(
     accumulate in place. ``act_fp8``: x and H quantized to e4m3 with one scale per row
     (``moe_ref.fake_quant_act``'s rounding), once each in their own launch, and multiplied
     on the fp8 tensor cores, which accumulate in their fast mode over all of K (both row
-    scales after the loop). Same routing arguments and result as :func:`moe_fp8_triton`."""
+    scales after the loop). Same routing arguments, result and ``act_group`` as
+    :func:`moe_fp8_triton`."""
     _check_experts(x, ids, weights, w13, w2)
     d, inter = x.shape[1], w13.shape[1] // 2
     if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
@@ -374,7 +398,8 @@ def moe_fp8_rows_triton(
                          f"experts {tuple(w13.shape)} {tuple(w2.shape)}")  # fmt: skip
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, False, (1, 0), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, act_fp8,
-                    fp16_mma=fp16_mma, out_dtype=out_dtype, fixed=fixed)  # fmt: skip
+                    fp16_mma=fp16_mma, out_dtype=out_dtype, fixed=fixed,
+                    act_group=act_group)  # fmt: skip
 
 
 def moe_fp4_triton(
@@ -397,6 +422,7 @@ def moe_fp4_triton(
     out_dtype: torch.dtype | None = None,
     row_refs: tuple[torch.Tensor, torch.Tensor] | None = None,
     fixed: bool = False,
+    act_group: int = 0,
 ) -> torch.Tensor:
     """MegaMoE over packed fp4 experts, dequantized in-kernel: ``w13`` int8 [E, 2I, d/2]
     (W1 rows then W3 rows, even column in the low nibble), ``s13`` e8m0 [E, 2I, d/32],
@@ -407,7 +433,8 @@ def moe_fp4_triton(
     ``fp16_mma`` and ``out_dtype`` as in :func:`moe_fp8_triton`.
     ``row_refs`` (r13, r2) of ``moe_decode.row_refs`` for these scales, when
     exact: decode batches in the pairs layout then run :mod:`kernels.moe_decode`'s GEMMs
-    where they apply (:func:`_decode_fits`); without them ``_moe_gemm`` runs every call."""
+    where they apply (:func:`_decode_fits`); without them ``_moe_gemm`` runs every call.
+    ``act_group`` as in :func:`moe_fp8_triton`."""
     _check_experts(x, ids, weights, w13, w2)
     d = x.shape[1]
     inter = w13.shape[1] if pairs else w13.shape[1] // 2
@@ -428,7 +455,7 @@ def moe_fp4_triton(
     return _moe_run(x, ids, weights, w13, s13, w2, s2, inter, True, (1, 32), limit,
                     local_expert_offset, n_experts, tiles, block_m, split_k, pairs=pairs,
                     fp16_mma=fp16_mma, out_dtype=out_dtype, row_refs=row_refs,
-                    fixed=fixed)  # fmt: skip
+                    fixed=fixed, act_group=act_group)  # fmt: skip
 
 
 def _unused_n_experts(ref):

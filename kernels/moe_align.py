@@ -26,12 +26,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _swiglu_reduce(
-    p_ptr, sps, spm, h_ptr, shm, tile_e_ptr, N, limit,
+    p_ptr, sps, spm, h_ptr, shm, tile_e_ptr, N, limit, rows_ptr, rw_ptr, n_slots,
     SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, RG: tl.constexpr = 0,
 ):  # fmt: skip
     """H = swiglu(sum_s P[s, :, :N], sum_s P[s, :, N:]) for one tile and column block
-    (F16: times 2^-4, the fp16 input convention of the next GEMM)."""
+    (F16: times 2^-4, the fp16 input convention of the next GEMM; RG: times the row's
+    routing weight (``rw_ptr`` by slot, ``rows_ptr``), rounded in groups of RG columns,
+    ``moe_grouped._as_gemm_input``)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if tl.load(tile_e_ptr + pid_m) < 0:
         return
@@ -48,8 +50,12 @@ def _swiglu_reduce(
         h1 = tl.minimum(h1, limit)
         h3 = tl.minimum(tl.maximum(h3, -limit), limit)
     h = h1 * tl.sigmoid(h1) * h3
+    if RG > 0:
+        slot = tl.load(rows_ptr + pos)
+        h = h * tl.load(rw_ptr + slot, mask=slot < n_slots, other=0.0)[:, None]
     tl.store(h_ptr + pos[:, None] * shm + n[None, :],
-             _as_gemm_input(h, h_ptr.dtype.element_ty, F16, USE_ASM), mask=cmask)  # fmt: skip
+             _as_gemm_input(h, h_ptr.dtype.element_ty, F16, USE_ASM, RG),
+             mask=cmask)  # fmt: skip
 
 
 @triton.jit
@@ -191,11 +197,17 @@ def _align(
 
 
 def _reduce_swiglu(part: torch.Tensor, h: torch.Tensor, tile_e: torch.Tensor, inter: int,
-                   limit: float, bm: int, f16: bool) -> None:  # fmt: skip
-    """H = SwiGLU(sum of the W13 GEMM's K-split partials ``part`` [split, rows, 2I])."""
-    _swiglu_reduce[(tile_e.numel(), triton.cdiv(inter, 64))](
-        part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit,
-        SPLIT=part.shape[0], HAS_LIMIT=limit > 0, F16=f16, USE_ASM=not _INTERPRET, BM=bm, BN=64,
+                   limit: float, bm: int, f16: bool, rg: int = 0,
+                   rows: torch.Tensor | None = None,
+                   rw: torch.Tensor | None = None) -> None:  # fmt: skip
+    """H = SwiGLU(sum of the W13 GEMM's K-split partials ``part`` [split, rows, 2I]); ``rg``:
+    times the routing weight ``rw`` [slots] of each row's slot (``rows``), rounded in groups
+    of that many columns (a divisor of I)."""
+    bn = max(64, rg)
+    _swiglu_reduce[(tile_e.numel(), triton.cdiv(inter, bn))](
+        part, part.stride(0), part.stride(1), h, h.stride(0), tile_e, inter, limit, rows, rw,
+        rw.numel() if rw is not None else 0, SPLIT=part.shape[0], HAS_LIMIT=limit > 0, F16=f16,
+        USE_ASM=not _INTERPRET, BM=bm, BN=bn, RG=rg,
     )  # fmt: skip
 
 

@@ -5,7 +5,9 @@ rows] @ W_e^T``, the weights dequantized in registers (fp8 blocks or packed fp4:
 per PTX op), one MMA per scale group (32 or 128 K columns) with its block scales applied to
 the fp32 partial. The MMA is fp16 at decode tile heights (activations stored as fp16 x
 2^-4), bf16 at prefill tiles, or fp8 x fp8 for the fp8 rows layout's fp8 activations
-(quantized once per launch, one scale per row on each side, both after the K loop). Gated
+(quantized once per launch, one scale per row on each side, both after the K loop) and for
+the release's fp8 activations against fp8 block weights (a scale per token per group of
+``SA_K`` columns: each group's fp8 partial is promoted to fp32 with both scales). Gated
 (W1|W3) with the clamped SwiGLU in the epilogue, or plain (W2). ``kernels.moe`` launches it
 for the MoE layer, ``kernels.linear`` with one group for the fp8 dense projections.
 """
@@ -19,8 +21,9 @@ import triton
 import triton.language as tl
 
 from kernels import moe_decode
+from kernels.fp8_act import round_groups
 from kernels.kv_quant import e2m1_to_f32
-from kernels.quant import is_e8m0
+from kernels.quant import ACT_AMAX_FLOOR, is_e8m0
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -83,8 +86,16 @@ def _f16_sixteenth(v, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _as_gemm_input(h, dt: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr):
-    """SwiGLU output ``h`` (fp32) as the W2 GEMM reads it: fp16 x 2^-4 on the F16 path."""
+def _as_gemm_input(h, dt: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr,
+                   RG: tl.constexpr = 0):  # fmt: skip
+    """SwiGLU output ``h`` (fp32, [rows, N]) as the W2 GEMM reads it: fp16 x 2^-4 on the F16
+    path. ``RG`` > 0: first rounded as the release rounds W2's input (``kernels.fp8_act``,
+    groups of ``RG`` columns, which the tile's columns hold whole); exact in bf16 / fp32."""
+    if RG > 0:
+        r: tl.constexpr = h.shape[0]
+        c: tl.constexpr = h.shape[1]
+        _, v, sc, _ = round_groups(tl.reshape(h, (r, c // RG, RG)), ACT_AMAX_FLOOR, USE_ASM)
+        h = tl.reshape(v * sc[:, :, None], (r, c))
     if F16:
         return _f16_sixteenth(h, USE_ASM)
     else:
@@ -244,6 +255,30 @@ def _w_dot(a, w, s, acc, USE_ASM: tl.constexpr, CDT: tl.constexpr,
 
 
 @triton.jit
+def _act_group_dot(a_base, rmask, kg, w_base, n, swn, sa, s, acc, USE_ASM: tl.constexpr,
+                   GK: tl.constexpr):  # fmt: skip
+    """``acc + (A @ W^T) * sa[:, None] * s[None, :]`` for one group of fp8 activations
+    (scales ``sa`` [BM]) and fp8 weights (scales ``s`` [BN]): the fp8 MMA's partial of the
+    group starts at zero and is promoted to fp32 with both scales, as the release's fp8
+    GEMM does per K block (the tensor cores' fast accumulation stays within the group).
+    The interpreter multiplies the e4m3 values in fp32."""
+    w = tl.load(w_base + n[:, None] * swn + (kg + tl.arange(0, GK))[None, :])
+    a = _a_group(a_base, rmask, kg, GK)
+    if USE_ASM:
+        p = tl.dot(a, tl.trans(w))
+    else:
+        p = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return acc + p * (sa[:, None] * s[None, :])
+
+
+@triton.jit
+def _act_scale(sa_base, rmask, kg, SA_K: tl.constexpr):
+    """The activations' e8m0 scales [BM] of the group holding column ``kg`` as fp32."""
+    raw = tl.load(sa_base + kg // SA_K, mask=rmask, other=127)
+    return ((raw.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _pair_dot(a_base, rmask, kg, w_base, n, swn, s1, s3, acc1, acc3,
               USE_ASM: tl.constexpr, CDT: tl.constexpr, GK: tl.constexpr,
               SCALE_ON_W: tl.constexpr, F16: tl.constexpr):  # fmt: skip
@@ -263,12 +298,13 @@ def _moe_gemm(
     a_ptr, sam, sa_ptr, ssa, rows_ptr, tile_e_ptr,
     w_ptr, swe, swn, s_ptr, sse, ssn, ssk,
     out_ptr, sos, som,
-    n_slots, topk, N, K, k_per_split, limit,
+    n_slots, topk, N, K, k_per_split, limit, rw_ptr,
     A_GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
     FP4: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
     SCALE_E8M0: tl.constexpr, SCALE_WORDS: tl.constexpr, SB_N: tl.constexpr,
     SB_K: tl.constexpr, HAS_LIMIT: tl.constexpr, CDT: tl.constexpr, A_FP8: tl.constexpr,
     F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GK: tl.constexpr,
+    SA_K: tl.constexpr = 0, RG: tl.constexpr = 0,
 ):  # fmt: skip
     """One (tile, N block, K split): ``acc = A[tile rows] @ W_e[n, k-range]^T``; with
     ``GATED`` also the W3 rows ``n + N`` (W1|W3 stacked). ``GK``: K columns per MMA group
@@ -278,12 +314,19 @@ def _moe_gemm(
     ``moe_formats.fp4_to_fp8_rows``), applied to the accumulators once, after the K loop, so
     the MMAs accumulate in place. ``A_FP8`` (with ``SB_K == 0``): A is e4m3 with one scale
     per row over all of K at ``sa_ptr`` (row stride ``ssa``), applied with the weights'
-    after the loop: no promotion.
+    after the loop: no promotion. ``A_FP8`` with ``SA_K`` > 0 (fp8 weights in blocks, ``SB_K``
+    > 0): A is e4m3 with an e8m0 scale per row and ``SA_K`` columns at ``sa_ptr`` (row stride
+    ``ssa``, groups contiguous); ``GK`` divides ``SA_K`` and ``SB_K``; each group's partial
+    is promoted (:func:`_act_group_dot`). ``RG`` (with ``FUSE_SWIGLU``): H times its slot's
+    routing weight (``rw_ptr``, fp32 [slots]; the release weights H before W2, and rounds
+    the product) rounded in groups of ``RG`` columns as it is stored (:func:`_as_gemm_input`).
 
     Scales: the re-encoding's 2^6 (fp4 codes as e4m3) and, under ``F16``, the 2^4 of the
     activations' fp16 x 2^-4 are folded into the scales' exponents (no multiply).
     ``SCALE_WORDS`` (e8m0 per 32 columns, BK a multiple of 128): ``s_ptr`` is the scales read
     as int32, ``ssn`` / ``sse`` in words, one load per row for four groups."""
+    tl.static_assert(SA_K == 0 or (A_FP8 and SB_K > 0 and not FP4 and not PAIRS),
+                     "activation groups go with fp8 block weights")
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(tile_e_ptr + pid_m)
     if e < 0:
@@ -318,7 +361,14 @@ def _moe_gemm(
             else:
                 s1 = _scale(s_row1 + (kg // SB_K) * ssk, SCALE_E8M0, L2)
                 s3 = _scale(s_row3 + (kg // SB_K) * ssk, SCALE_E8M0, L2) if GATED else s1
-            if PAIRS:
+            if A_FP8 and SA_K > 0:
+                sa = _act_scale(sa_base, rmask, kg, SA_K)
+                acc1 = _act_group_dot(a_base, rmask, kg, w_base, n, swn, sa, s1, acc1, USE_ASM,
+                                      GK)  # fmt: skip
+                if GATED:
+                    acc3 = _act_group_dot(a_base, rmask, kg, w_base, n + N, swn, sa, s3, acc3,
+                                          USE_ASM, GK)  # fmt: skip
+            elif PAIRS:
                 acc1, acc3 = _pair_dot(a_base, rmask, kg, w_base, n, swn, s1, s3, acc1, acc3,
                                        USE_ASM, CDT, GK, BM >= 64, F16)  # fmt: skip
             else:
@@ -331,7 +381,7 @@ def _moe_gemm(
         acc1 = acc1 * _scale(s_row1, SCALE_E8M0, L2)[None, :]
         if GATED:
             acc3 = acc3 * _scale(s_row3, SCALE_E8M0, L2)[None, :]
-    if A_FP8:
+    if A_FP8 and SA_K == 0:
         tl.static_assert(SB_K == 0, "row activation scales go with row weight scales")
         sa_row = tl.load(sa_base, mask=rmask, other=0.0)[:, None]
         acc1 = acc1 * sa_row
@@ -342,7 +392,9 @@ def _moe_gemm(
             acc1 = tl.minimum(acc1, limit)
             acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = acc1 * tl.sigmoid(acc1) * acc3
-        tl.store(o_ptrs, _as_gemm_input(h, out_ptr.dtype.element_ty, F16, USE_ASM))
+        if RG > 0:
+            h = h * tl.load(rw_ptr + slot, mask=rmask, other=0.0)[:, None]
+        tl.store(o_ptrs, _as_gemm_input(h, out_ptr.dtype.element_ty, F16, USE_ASM, RG))
     else:
         tl.store(o_ptrs, acc1)
         if GATED:

@@ -12,7 +12,7 @@ import torch
 
 from kernels.invariant import linear, pointwise
 from kernels.moe_formats import fp4_from_pairs
-from kernels.quant import dequantize_fp4, dequantize_fp8_block
+from kernels.quant import dequantize_fp4, dequantize_fp8_block, round_fp8_act
 
 
 def swiglu_clamp(h1: torch.Tensor, h3: torch.Tensor, limit: float) -> torch.Tensor:
@@ -33,6 +33,7 @@ def moe_experts_ref(
     limit: float,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
+    act_group: int = 0,
 ) -> torch.Tensor:
     """``x`` [T, d], ``ids``/``weights`` [T, k]; per-expert weights w1/w3 [I, d], w2 [d, I]
     -> [T, d] in ``out_dtype`` (default ``x.dtype``; the sum over experts is fp32).
@@ -40,7 +41,10 @@ def moe_experts_ref(
     Experts absent from ``w1`` (None) are not local to this rank and contribute nothing;
     neither does id -1 (an empty slot).
     ``act_fp8``: both GEMMs' activations rounded by :func:`fake_quant_act`, one scale per
-    row (h after a bf16 round trip, as the kernels store it).
+    row (h after a bf16 round trip, as the kernels store it). ``act_group``: rounded as the
+    release rounds them instead (``kernels.quant.round_fp8_act``, groups of that many
+    columns), h after the routing weight, which the release applies before W2 (and so rounds
+    the product; without rounding the weight goes on W2's output, the same sum).
     """
     out = torch.zeros(
         x.shape[0], w2[0].shape[0] if w2 else x.shape[1], dtype=torch.float32, device=x.device
@@ -54,10 +58,16 @@ def moe_experts_ref(
         sel = (flat_ids == e).nonzero(as_tuple=True)[0]
         t = tok[sel]
         xe = fake_quant_act(x[t]) if act_fp8 else x[t]
+        if act_group:
+            xe = round_fp8_act(xe, act_group)
         h = swiglu_clamp(linear(xe, w1[e]), linear(xe, w3[e]), limit)
         if act_fp8:
             h = fake_quant_act(h.to(torch.bfloat16).to(h.dtype))
-        y = linear(h, w2[e]).float() * flat_w[sel].unsqueeze(-1)
+        if act_group:
+            h = round_fp8_act(h * flat_w[sel].unsqueeze(-1).to(h.dtype), act_group)
+            y = linear(h, w2[e]).float()
+        else:
+            y = linear(h, w2[e]).float() * flat_w[sel].unsqueeze(-1)
         out.index_add_(0, t, y)
     return out.to(out_dtype or x.dtype)
 
@@ -84,6 +94,7 @@ def _stacked_ref(
     offset: int,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
+    act_group: int = 0,
 ) -> torch.Tensor:
     n_exp = max(int(ids.max()) + 1, offset + w13.shape[0])
     inter = w13.shape[1] // 2
@@ -94,7 +105,7 @@ def _stacked_ref(
         w1[offset + i], w3[offset + i] = w13[i, :inter], w13[i, inter:]
         w2s[offset + i] = w2[i]
     w2s = [w if w is not None else w2[0] for w in w2s]  # only shapes are read for non-local
-    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit, act_fp8, out_dtype)
+    return moe_experts_ref(x, ids, weights, w1, w2s, w3, limit, act_fp8, out_dtype, act_group)
 
 
 def moe_fp8_ref(
@@ -109,13 +120,15 @@ def moe_fp8_ref(
     limit: float,
     local_expert_offset: int = 0,
     out_dtype: torch.dtype | None = None,
+    act_group: int = 0,
 ) -> torch.Tensor:
     """Dequantize stacked fp8 experts (``w13`` [E, 2I, d] = W1|W3, ``w2`` [E, d, I]) to
-    ``x.dtype`` and run :func:`moe_experts_ref`; expert ``offset + i`` is ``w13[i]``."""
+    ``x.dtype`` and run :func:`moe_experts_ref` (``act_group`` as there); expert
+    ``offset + i`` is ``w13[i]``."""
     w13f = dequantize_fp8_block(w13, s13, block, x.dtype)
     w2f = dequantize_fp8_block(w2, s2, block, x.dtype)
     return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset,
-                        out_dtype=out_dtype)
+                        out_dtype=out_dtype, act_group=act_group)
 
 
 def moe_fp8_rows_ref(
@@ -130,15 +143,16 @@ def moe_fp8_rows_ref(
     local_expert_offset: int = 0,
     act_fp8: bool = False,
     out_dtype: torch.dtype | None = None,
+    act_group: int = 0,
 ) -> torch.Tensor:
     """Experts in the *fp8 rows* layout (``moe_formats.fp4_to_fp8_rows``): e4m3 ``w13``
     [E, 2I, d] and ``w2`` [E, d, I], one fp32 scale per row (``s13`` [E, 2I], ``s2``
     [E, d]), dequantized to ``x.dtype``; ``act_fp8`` rounds the activations with one scale
-    per row."""
+    per row, ``act_group`` as the release does (:func:`moe_experts_ref`)."""
     w13f = (w13.float() * s13.float().unsqueeze(-1)).to(x.dtype)
     w2f = (w2.float() * s2.float().unsqueeze(-1)).to(x.dtype)
     return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset, act_fp8,
-                        out_dtype)
+                        out_dtype, act_group)
 
 
 def moe_fp4_ref(
@@ -153,14 +167,15 @@ def moe_fp4_ref(
     local_expert_offset: int = 0,
     pairs: bool = False,
     out_dtype: torch.dtype | None = None,
+    act_group: int = 0,
 ) -> torch.Tensor:
     """Packed fp4 experts (``w13`` [E, 2I, d/2] int8 + [E, 2I, d/32] scales, ``w2``
-    [E, d, I/2] + [E, d, I/32]) dequantized to ``x.dtype``, then :func:`moe_experts_ref`.
-    ``pairs``: the weights are in the ``moe_formats.fp4_to_pairs`` layout (unpacked here
-    first)."""
+    [E, d, I/2] + [E, d, I/32]) dequantized to ``x.dtype``, then :func:`moe_experts_ref`
+    (``act_group`` as there). ``pairs``: the weights are in the ``moe_formats.fp4_to_pairs``
+    layout (unpacked here first)."""
     if pairs:
         w13, w2 = fp4_from_pairs(w13), fp4_from_pairs(w2)
     w13f = dequantize_fp4(w13, s13, x.dtype)
     w2f = dequantize_fp4(w2, s2, x.dtype)
     return _stacked_ref(x, ids, weights, w13f, w2f, limit, local_expert_offset,
-                        out_dtype=out_dtype)
+                        out_dtype=out_dtype, act_group=act_group)

@@ -8,8 +8,15 @@ dimension (stacked experts [E, R, C]) is accepted by the dequantizers:
     fp8 rowwise   weight [R, C] float8_e4m3fn, scale [R, C/32] e8m0   (= block (1, 32))
     fp4           weight [R, C/2] int8, two codes per byte, EVEN column in the LOW nibble,
                   scale [R, C/32] e8m0
+    fp8 act       x [..., K] float8_e4m3fn, scale [..., ceil(K/g)] e8m0   (= block (1, g))
 
 Every scale is a power of two: the smallest one with ``amax / scale <= qmax``.
+
+fp8 activations are what the release's inference (``inference/model.py``: ``linear()`` calls
+``act_quant(x, block, "ue8m0", ...)`` before ``fp8_gemm`` / ``fp4_gemm``) multiplies its
+quantized weights by: per token, groups of ``g`` columns (the checkpoint's weight block
+columns: 32 on V4.1, 128 on V4), each group's amax floored at :data:`ACT_AMAX_FLOOR`, a
+power-of-two scale, values rounded to e4m3 (nearest, ties to even).
 Dequantization fills a preallocated output a few rows at a time, so no full-size fp32
 temporary of a huge tensor (an Engram table) is ever built.
 """
@@ -22,6 +29,7 @@ E4M3_MAX = 448.0
 FP4_MAX = 6.0
 FP4_GROUP = 32
 E8M0_BIAS = 127
+ACT_AMAX_FLOOR = 1e-4  # the release's act_quant floors each group's amax here
 # E2M1 code -> value (bit 3 is the sign).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_VALUES = FP4_VALUES + tuple(-v for v in FP4_VALUES)
@@ -92,12 +100,13 @@ def _expand(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int])
 
 
 def quantize_fp8_block(
-    w: torch.Tensor, block: tuple[int, int]
+    w: torch.Tensor, block: tuple[int, int], amax_floor: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """2-D weight -> (float8_e4m3fn weight, e8m0 scale [ceil(R/br), ceil(C/bc)])."""
+    """2-D weight -> (float8_e4m3fn weight, e8m0 scale [ceil(R/br), ceil(C/bc)]); each block's
+    amax taken at least ``amax_floor``."""
     if w.dim() != 2:
         raise ValueError(f"fp8 block quantization needs a 2-D tensor, got shape {tuple(w.shape)}")
-    scale = pow2_scale(_block_amax(w, block), E4M3_MAX)
+    scale = pow2_scale(_block_amax(w, block).clamp_min(amax_floor), E4M3_MAX)
     q = (w.float() / _expand(scale, block, tuple(w.shape))).clamp(-E4M3_MAX, E4M3_MAX)
     return q.to(torch.float8_e4m3fn), float_to_e8m0(scale)
 
@@ -142,6 +151,32 @@ def dequantize_fp8_rowwise(
     """Inverse of :func:`quantize_fp8_rowwise`; the group is ``dim / scale.shape[1]``."""
     group = q.shape[1] // scale.shape[1]
     return dequantize_fp8_block(q, scale, (1, group), dtype)
+
+
+def quantize_fp8_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x`` [..., K] -> (float8_e4m3fn [..., K], e8m0 scale [..., ceil(K/group)]),
+    the release's ``act_quant`` (module doc); a last group narrower than ``group`` is one
+    group of the columns left."""
+    k = x.shape[-1]
+    q, s = quantize_fp8_block(x.reshape(-1, k), (1, group), ACT_AMAX_FLOOR)
+    return q.view(x.shape), s.view(*x.shape[:-1], s.shape[-1])
+
+
+def dequantize_fp8_act(
+    q: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_act`: ``q`` [..., K], ``scale`` [..., ceil(K/group)]."""
+    k = q.shape[-1]
+    out = dequantize_fp8_block(q.reshape(-1, k), scale.reshape(-1, scale.shape[-1]),
+                               (1, group), dtype)  # fmt: skip
+    return out.view(q.shape)
+
+
+def round_fp8_act(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` rounded as the release rounds a quantized GEMM's activations (quantized, then
+    dequantized in fp32) in x's dtype: every value is an e4m3 value times a power of two,
+    exact in bf16 / fp32."""
+    return dequantize_fp8_act(*quantize_fp8_act(x, group), group, x.dtype)
 
 
 # ---- fp4 E2M1 -------------------------------------------------------------------------

@@ -107,7 +107,8 @@ class Startup:
                 model = load_model(
                     Path(cfg.model), self.device, TORCH_DTYPES[cfg.dtype],
                     kv_quant=cfg.cache.kv_quant, packed_experts=cfg.packed_experts_flag(),
-                    packed_dense=cfg.packed_dense_flag(),
+                    packed_dense=cfg.dense_weights_packed(), dense_act=cfg.dense_act,
+                    expert_act=cfg.expert_act,
                     shard=parallel.shard if parallel is not None else None,
                     expert_layout=cfg.expert_layout,
                     prefill_act_fp8=cfg.moe_prefill_act == "fp8",

@@ -94,7 +94,9 @@ _KIND_RULES: tuple[tuple[re.Pattern[str], QuantKind], ...] = (
 
 _QUANTIZED: frozenset[QuantKind] = frozenset(("fp8", "fp4", "fp8_rowwise"))
 # Dense fp8 projections ``packed_dense`` keeps as stored (Fp8Linear). wo_a is left out: the
-# attention's grouped output multiplies its 8 row groups with one einsum.
+# attention's grouped output multiplies its 8 row groups with one einsum. These are also the
+# projections whose input the release rounds to fp8 (its ``linear()`` runs ``act_quant`` +
+# ``fp8_gemm`` for every fp8 weight; its converter dequantizes wo_a to bf16, an einsum).
 _DENSE_PACKABLE = re.compile(
     _BLOCK + r"(?:attn\.(?:wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
     r"|engram\.wkv)\.weight$|^mtp\.\d+\.main_proj\.weight$"
@@ -489,6 +491,15 @@ def plan_dense(ckpt: CheckpointSource, loads: list[TensorLoad]) -> dict[str, tup
         if n % 32 == 0 and k % 32 == 0 and ld.block[1] % 32 == 0:
             out[ld.name] = ld.block
     return out
+
+
+def plan_act_groups(loads: list[TensorLoad]) -> dict[str, int]:
+    """The release's fp8 dense projections -> the columns of their activation groups: every
+    fp8 weight of :data:`_DENSE_PACKABLE`, whose input the release's ``linear()`` rounds to
+    fp8 in per-token groups of its weight block's columns (``fp8_block_size``: 32 on V4.1,
+    128 on V4) before ``fp8_gemm``. Empty for a checkpoint stored unquantized."""
+    return {ld.name: ld.block[1] for ld in loads
+            if ld.how == "fp8" and _DENSE_PACKABLE.search(ld.name)}  # fmt: skip
 
 
 def checkpoint_names(path: str | Path) -> set[str]:

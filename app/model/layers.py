@@ -7,20 +7,40 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kernels.linear import Fp8DecodePlan, dense_linear, fp8_decode_plan, fp8_linear
+from kernels.fp8_act import act_round
+from kernels.linear import (
+    Fp8DecodePlan,
+    dense_linear,
+    fp8_act_linear,
+    fp8_decode_plan,
+    fp8_linear,
+)
 from kernels.norm import rms_norm
 
 
 class Linear(nn.Module):
-    """``y = x @ W^T`` with ``weight`` [out, in]; fp8/fp4 checkpoints are dequantized at load."""
+    """``y = x @ W^T`` with ``weight`` [out, in]; fp8/fp4 checkpoints are dequantized at load.
+
+    ``act_group`` (set by the loader under ``dense_act="fp8"`` on the release's fp8
+    projections; 0: off): the input is first rounded as the release rounds a quantized
+    GEMM's input, to e4m3 in per-token groups of that many columns with power-of-two scales
+    (``kernels.fp8_act``); the products with the dequantized weights are then exact."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.act_group = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x.to(self.weight.dtype), self.weight)
+        x = x.to(self.weight.dtype)
+        if self.act_group:
+            x = act_round(x, self.act_group)
+        return dense_linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        act = f", fp8 activations in groups of {self.act_group}" if self.act_group else ""
+        return f"{self.in_features} -> {self.out_features}{act}"
 
 
 class RMSNorm(nn.Module):
@@ -44,7 +64,8 @@ class Fp8Linear(nn.Module):
     On CUDA, :meth:`prepare` (before any CUDA-graph capture: it synchronizes once) makes the
     decode kernel's plan (``kernels.linear.fp8_decode_plan``), which decode-sized calls then
     take; a projection without one (not prepared, or outside the kernel's exact range) keeps
-    the MegaMoE GEMM."""
+    the MegaMoE GEMM. ``act_group`` as for :class:`Linear`: the release's fp8 GEMM, fp8
+    activations times the fp8 weights (``kernels.linear.fp8_act_linear``)."""
 
     def __init__(
         self,
@@ -59,6 +80,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.plan: Fp8DecodePlan | None = None
         self._planned: tuple[torch.device, int] | None = None  # the weight the plan is for
+        self.act_group = 0
 
     def prepare(self) -> bool:
         """Make the decode kernel's plan for the weight as it is now (CUDA) -> whether it
@@ -76,10 +98,13 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan if self.plan is not None and self.plan.refs.device == x.device else None
+        if self.act_group:
+            return fp8_act_linear(x, self.weight, self.scale, self.block, self.act_group, plan)
         return fp8_linear(x, self.weight, self.scale, self.block, plan)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, fp8 block {self.block}"
+        act = f", fp8 activations in groups of {self.act_group}" if self.act_group else ""
+        return f"{self.in_features} -> {self.out_features}, fp8 block {self.block}{act}"
 
 
 def stack_problem(parts: Sequence[nn.Module], same_shape: bool = False) -> str | None:
@@ -98,6 +123,8 @@ def stack_problem(parts: Sequence[nn.Module], same_shape: bool = False) -> str |
         return "input widths, dtypes or devices differ"
     if same_shape and any(p.weight.shape != w0.shape for p in parts):
         return "output widths differ"
+    if any(p.act_group != parts[0].act_group for p in parts):
+        return "activation rounding differs"
     if kind is Fp8Linear:
         b, sdt = parts[0].block, parts[0].scale.dtype
         if any(p.block != b or p.scale.dtype != sdt for p in parts):
@@ -108,9 +135,10 @@ def stack_problem(parts: Sequence[nn.Module], same_shape: bool = False) -> str |
 
 
 def _marks(parts: Sequence[nn.Module]) -> tuple:
-    """What a stack was made from: each part and the storage of its weight (and scale)."""
+    """What a stack was made from: each part, the storage of its weight (and scale) and its
+    activation rounding."""
     return tuple((p, p.weight.data_ptr(), p.scale.data_ptr() if isinstance(p, Fp8Linear)
-                  else 0) for p in parts)  # fmt: skip
+                  else 0, p.act_group) for p in parts)  # fmt: skip
 
 
 def stacked_projection(owner: nn.Module, key: str, parts: Sequence[nn.Module],
@@ -140,6 +168,7 @@ def stacked_projection(owner: nn.Module, key: str, parts: Sequence[nn.Module],
         else:
             stack = Linear(w0.shape[1], weight.shape[0], dtype=w0.dtype)
             stack.weight = nn.Parameter(weight, requires_grad=False)
+        stack.act_group = parts[0].act_group  # one input, rounded once for every part
         row = srow = 0
         for p in parts:
             n = p.weight.shape[0]

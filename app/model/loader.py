@@ -44,6 +44,7 @@ from app.model.checkpoint import (
     TensorLoad,
     TensorSpec,
     checkpoint_names,
+    plan_act_groups,
     plan_dense,
     plan_loads,
     plan_packing,
@@ -128,6 +129,7 @@ class LoadedState:
     tensors: dict[str, torch.Tensor]
     packed: dict[str, ExpertPacking]
     dense: dict[str, tuple[int, int]] = field(default_factory=dict)  # packed fp8: block
+    act_groups: dict[str, int] = field(default_factory=dict)  # plan_act_groups
 
 
 def load_state(
@@ -181,7 +183,7 @@ def load_state(
             for p in packed.values():
                 out.update(_read_packed(ckpt, p, dev))
                 bar.update(3 * len(p.experts))
-        return LoadedState(out, packed, dense)
+        return LoadedState(out, packed, dense, plan_act_groups(loads))
 
 
 def _install_dense(model: nn.Module, state: LoadedState) -> None:
@@ -193,6 +195,26 @@ def _install_dense(model: nn.Module, state: LoadedState) -> None:
         owner = model.get_submodule(parent) if parent else model
         w, s = state.tensors[name], state.tensors[scale_name(name)]
         setattr(owner, child, Fp8Linear(w, s, block))
+
+
+def _round_activations(model: nn.Module, state: LoadedState) -> int:
+    """``dense_act="fp8"``: each of the release's fp8 projections (plain or packed) rounds its
+    input to fp8 in groups of its weight block's columns -> how many do."""
+    for name, group in state.act_groups.items():
+        model.get_submodule(name.removesuffix(".weight")).act_group = group
+    return len(state.act_groups)
+
+
+def _round_expert_activations(model: nn.Module, cfg: ModelConfig) -> int:
+    """``expert_act="fp8"``: every MoE layer's routed experts round x and H as the release
+    does, in groups of the checkpoint's weight block columns (its ``fp8_block_size``, which
+    its ``fp4_gemm`` takes for the activations of fp4 experts too) -> how many layers do."""
+    if cfg.quantization is None:
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.act_group = cfg.quantization.weight_block_size[1]
+    return len(layers)
 
 
 def build_empty_model(
@@ -283,6 +305,8 @@ def load_model(
     prefill_act_fp8: bool = False,
     load_format: str = "auto",
     seed: int = 0,
+    dense_act: str = "bf16",
+    expert_act: str = "bf16",
 ) -> DeepseekModel:
     """Build :class:`DeepseekModel` from ``path/config.json`` and load its weights.
 
@@ -302,10 +326,16 @@ def load_model(
     safetensors; "dummy" reads none (a directory holding weights is refused with a
     :class:`~app.model.checkpoint.LoadFormatError`): every tensor of config.json's shapes is
     drawn at random (``seed``) on ``device`` in the checkpoint's formats, then planned,
-    packed and installed as read ones are.
+    packed and installed as read ones are. ``dense_act``: "fp8" rounds the inputs of the
+    release's fp8 dense projections as the release does (:func:`_round_activations`;
+    ``packed_dense`` keeps their fp8 weights for the fp8 GEMM), "bf16" leaves them as is;
+    ``expert_act`` the same for the routed experts (:func:`_round_expert_activations`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    for name, act in (("dense_act", dense_act), ("expert_act", expert_act)):
+        if act not in ("bf16", "fp8"):
+            raise ValueError(f"{name} must be 'bf16' or 'fp8', got {act!r}")
     cfg = ModelConfig.from_file(path)
     if shard is not None and shard.placement.n_experts != cfg.n_routed_experts:
         raise CheckpointError(f"{path}: {cfg.n_routed_experts} routed experts, the placement "
@@ -321,6 +351,12 @@ def load_model(
     _install_packed(model, state)
     _install_dense(model, state)
     model.load_state_dict(state.tensors, assign=True, strict=True)
+    if dense_act == "fp8" and not _round_activations(model, state):
+        logger.warning("dense_act fp8: %s stores no fp8 dense projection, nothing to round",
+                       path)  # fmt: skip
+    if expert_act == "fp8" and not _round_expert_activations(model, cfg):
+        logger.warning("expert_act fp8: %s stores no quantized experts, nothing to round",
+                       path)  # fmt: skip
     cuda = torch.device(device).type == "cuda"
     if expert_layout == "fp8_rows":
         _fp8_rows_layout(model, prefill_act_fp8, cuda)

@@ -269,13 +269,15 @@ class PackedExperts(nn.Module):
         weights: torch.Tensor,
         n_experts: int | None = None,
         out_dtype: torch.dtype | None = None,
+        act_group: int = 0,
     ) -> torch.Tensor:
         """``x`` [T, d], ``ids`` / ``weights`` [T, k] (global expert ids out of ``n_experts``,
         which sizes the kernels' tiles; default: all local) -> [T, d] in ``out_dtype``
-        (default ``x.dtype``)."""
+        (default ``x.dtype``); ``act_group``: x and H rounded as the release rounds them
+        (:attr:`MoE.act_group`)."""
         x = x.contiguous()
         off = self.local_expert_offset
-        kw = {"n_experts": n_experts, "out_dtype": out_dtype}
+        kw = {"n_experts": n_experts, "out_dtype": out_dtype, "act_group": act_group}
         if self.fmt == "fp8":
             return moe_fp8(x, ids, weights, self.w13, self.s13, self.w2, self.s2, self.block,
                            self.limit, off, **kw)  # fmt: skip
@@ -302,6 +304,11 @@ class MoE(nn.Module):
 
     ``experts`` is built as a ModuleList of :class:`Expert`; the loader may swap it for a
     :class:`PackedExperts` (fp8 / fp4 checkpoints), which ``forward`` then runs.
+
+    ``act_group`` (set by the loader under ``expert_act="fp8"``; 0: off): the routed
+    experts' activations -- x before W1 / W3 and the SwiGLU output before W2 -- rounded as
+    the release rounds a quantized GEMM's input (``kernels.fp8_act``, per token in groups of
+    that many columns); the shared expert's are its projections' (``Linear.act_group``).
 
     Expert parallelism (``shard``: the expert ids this rank holds, in slot order):
     ``experts`` is a ModuleDict keyed by global expert id (the checkpoint's names), or the
@@ -336,6 +343,7 @@ class MoE(nn.Module):
             self.experts = nn.ModuleDict({str(e): Expert(d, inter, limit) for e in shard.local})
         self.shared_experts = Expert(d, inter, limit)
         self.ep: EPGroup | None = None
+        self.act_group = 0
 
     def set_ep(self, placement: ExpertPlacement, group: EPGroup) -> None:
         """Run the routed experts over ``group`` (this layer holds ``placement.local(rank)``)."""
@@ -355,7 +363,8 @@ class MoE(nn.Module):
         if rows.shape[0] == 0:
             return rows.new_zeros(rows.shape, dtype=dtype)
         if isinstance(self.experts, PackedExperts):  # its offset is this rank's first slot
-            return self.experts(rows, slots, w, len(self._placement.slots), dtype)
+            return self.experts(rows, slots, w, len(self._placement.slots), dtype,
+                                self.act_group)  # fmt: skip
         local = list(self.experts.values())  # slot order; index len(local): not held here
         off, n = self.slot_offset, len(local)
         held = (slots >= off) & (slots < off + n)
@@ -363,6 +372,7 @@ class MoE(nn.Module):
             rows, torch.where(held, slots - off, n), w,
             [e.w1.weight for e in local] + [None], [e.w2.weight for e in local] + [None],
             [e.w3.weight for e in local] + [None], self.limit, out_dtype=dtype,
+            act_group=self.act_group,
         )  # fmt: skip
 
     def _ep_routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -384,12 +394,13 @@ class MoE(nn.Module):
             return self._ep_routed(x, ids, w) + self.shared_experts(x)
         if isinstance(self.experts, PackedExperts):
             n_experts = self.gate.weight.shape[0]
-            return self.experts(x, ids, w, n_experts) + self.shared_experts(x)
+            routed = self.experts(x, ids, w, n_experts, act_group=self.act_group)
+            return routed + self.shared_experts(x)
         routed = moe_experts(
             x, ids, w,
             [e.w1.weight for e in self.experts],
             [e.w2.weight for e in self.experts],
             [e.w3.weight for e in self.experts],
-            self.limit,
+            self.limit, act_group=self.act_group,
         )  # fmt: skip
         return routed + self.shared_experts(x)
