@@ -9,6 +9,11 @@ rejected ones wrote (``app.engine.spec.verify``).
     verify   (host) m of one verify chunk, counted; rejected positions computed again
     take     (host) the drafts the next step verifies, within max_tokens and the context
 
+With the checkpoint's drafter, ``launch`` of a step that sampled is one static-shape draft
+step (``app.engine.spec.step``) run by ``DraftGraphs``: a CUDA graph per batch bucket on
+CUDA, the same function eagerly elsewhere. Proposers without it (test proposers) and steps
+with a logit bias run the protocol's ``observe`` and ``propose`` eagerly.
+
 Constrained requests (a grammar) decode one token at a time.
 """
 
@@ -23,17 +28,21 @@ from app.cache.manager import CacheManager
 from app.config import SpeculativeConfig
 from app.engine.flight import Flight, LiveRows
 from app.engine.metrics import EngineStats
+from app.engine.request import SamplingParams
 from app.engine.runner import StepInputs
-from app.engine.sampler import SampleOutput, to_device
+from app.engine.sampler import PickKind, SampleOutput, proposal_arrays, to_device
 from app.engine.scheduler import Scheduled
 from app.engine.sequence import Sequence
-from app.engine.spec.proposer import Proposer, make_proposer
+from app.engine.spec.graphs import DraftGraphs
+from app.engine.spec.proposer import DrafterProposer, Proposer, make_proposer
+from app.engine.spec.step import CTX_ROWS, REQ_ROWS, DraftInputs, DraftOutputs
 from app.engine.spec.verify import accepted_lengths, accepted_prefix
 from app.model.dspark import DraftBlock
 from app.model.model import DeepseekModel
 
 # called with each step's proposed blocks: (request ids, anchors [R], the block)
 OnDraft = Callable[[list[str], torch.Tensor, DraftBlock], None]
+_GREEDY = SamplingParams(temperature=0.0)  # the draws of rows whose drafts are dropped
 
 
 class Speculator:
@@ -41,10 +50,15 @@ class Speculator:
 
     def __init__(
         self, proposer: Proposer, num_drafts: int, cache: CacheManager, max_model_len: int,
-        stats: EngineStats,
+        stats: EngineStats, vocab: int,
     ) -> None:  # fmt: skip
         self.proposer, self.num_drafts, self.cache = proposer, num_drafts, cache
-        self.max_model_len, self.stats = max_model_len, stats
+        self.max_model_len, self.stats, self.vocab = max_model_len, stats, vocab
+        # the static draft step of the checkpoint's drafter (None: the protocol's calls)
+        self.steps: DraftGraphs | None = None
+        if isinstance(proposer, DrafterProposer):
+            self.steps = DraftGraphs(proposer, num_drafts, cache.kv.max_slots,
+                                     cache.pools.trash_slot, cache.kv.device)  # fmt: skip
 
     @classmethod
     def build(
@@ -56,7 +70,8 @@ class Speculator:
         if spec is None:
             return None
         proposer = proposer or make_proposer(spec, model, cache.pools)
-        return cls(proposer, spec.num_draft_tokens, cache, max_model_len, stats)
+        return cls(proposer, spec.num_draft_tokens, cache, max_model_len, stats,
+                   model.cfg.vocab_size)
 
     @staticmethod
     def speculates(seq: Sequence) -> bool:
@@ -74,6 +89,10 @@ class Speculator:
             none = np.zeros(0, np.int64)
             self._observe(flight, [], none, none, none, None, None)
             return []
+        if self.steps is not None:
+            inputs = self.draft_inputs(flight, live)
+            if inputs is not None:
+                return self._launch_step(flight, live, res, inputs, on_draft)
         items, bases, counts = live.items, live.bases, live.counts
         dev, inp = res.tokens.device, flight.inputs
         m = accepted_lengths(res.accepted, bases, counts, dev)
@@ -102,6 +121,68 @@ class Speculator:
         if on_draft is not None:
             on_draft([s.request_id for s in seqs], anchors[idx], block)
         flight.draft_rows = {s.request_id: r for r, s in enumerate(seqs)}
+        flight.drafts = block.logits
+        return [m, block.ids]
+
+    def draft_inputs(self, flight: Flight, live: LiveRows) -> DraftInputs | None:
+        """The host half of the draft step of a sampled step (``app.engine.spec.step``);
+        None when a speculating row has a logit bias (its draws add it on the host)."""
+        items, bases, counts = live.items, live.bases, live.counts
+        seqs = [it.seq for it in items]
+        spec = [self.speculates(s) for s in seqs]
+        params = [s.req.params if on else _GREEDY for s, on in zip(seqs, spec, strict=True)]
+        if any(p.logit_bias for p in params):
+            return None
+        R, inp = len(items), flight.inputs
+        ends = np.fromiter((it.start + it.num_tokens for it in items), np.int64, count=R)
+        starts = ends - counts
+        prompt = np.fromiter((s.num_prompt for s in seqs), np.int64, count=R)
+        slots = np.fromiter((self.cache.slot_of(s.request_id) for s in seqs), np.int64, count=R)
+        index = {id(it): k for k, it in enumerate(inp.items)}
+        where = np.asarray([index[id(it)] for it in items], np.int64)
+        anchor_rows = np.full(R, -1, np.int64)
+        ctx = np.zeros((len(CTX_ROWS), 0), np.int64)
+        if flight.features is not None and inp.feat_rows.size:
+            req_of = np.full(len(inp.items), -1, np.int64)
+            req_of[where] = np.arange(R)
+            pos, item = inp.feat_pos, inp.feat_item
+            nxt_host = np.zeros(pos.size, np.int64)
+            nxt_row = np.full(pos.size, -1, np.int64)
+            if self.proposer.needs_next_tokens:
+                nxt_host, nxt_row = _next_token_rows(inp, where, ends, bases, counts)
+            ctx = np.stack((pos, inp.spec.slots[item], req_of[item], nxt_host, nxt_row))
+            # the feature row of each request's first sampled position (its rows are
+            # contiguous): + m is its anchor's
+            first_row = np.searchsorted(item, where)
+            anchor_rows = first_row + starts - pos[np.minimum(first_row, pos.size - 1)]
+        pick_ints, floats = proposal_arrays(params, self.vocab)
+        cols = {"slots": slots, "starts": starts, "bases": bases, "counts": counts,
+                "first_output": starts + 2 - prompt, "anchor_rows": anchor_rows}  # fmt: skip
+        req = np.stack([cols[f] for f in REQ_ROWS[:6]] + list(pick_ints))
+        return DraftInputs(req, floats, ctx, int(counts.sum()), PickKind.of(params))
+
+    def _launch_step(
+        self, flight: Flight, live: LiveRows, res: SampleOutput, inputs: DraftInputs,
+        on_draft: OnDraft | None,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """:meth:`launch` through the draft step: m of every sampled request, the drafts of
+        the speculating ones. Their proposal logits are copied out of the shared outputs
+        when a random row reads them (a request may verify its drafts steps later)."""
+        out = self.steps.run(inputs, res.tokens, res.accepted, flight.features)
+        seqs = [it.seq for it in live.items]
+        sel = [k for k, s in enumerate(seqs) if self.speculates(s)]
+        if not sel:
+            return [out.m]
+        m, spec = out.m, [seqs[k] for k in sel]
+        if len(sel) < len(seqs):
+            idx = to_device(np.asarray(sel, dtype=np.int64), m.device)
+            out = DraftOutputs(*(t[idx] if t is not None else None for t in out.tensors()))
+        elif inputs.kind.random:
+            out.logits = out.logits.clone()
+        block = DraftBlock(out.ids, out.logits, out.confidence)
+        if on_draft is not None:
+            on_draft([s.request_id for s in spec], out.anchors, block)
+        flight.draft_rows = {s.request_id: r for r, s in enumerate(spec)}
         flight.drafts = block.logits
         return [m, block.ids]
 
@@ -153,13 +234,13 @@ class Speculator:
             seq.draft_logits = flight.drafts[flight.draft_rows[seq.request_id]]
 
 
-def _next_tokens(
-    inp: StepInputs, where: np.ndarray, ends: np.ndarray, bases: np.ndarray,
-    counts: np.ndarray, sampled: torch.Tensor | None, dev: torch.device,
-) -> torch.Tensor:  # fmt: skip
-    """The token after each feature row (device [N]): a sampled row's own sample (for an
-    accepted draft row that is the draft itself), else the next input token of the chunk,
-    or of the prompt after a mid-prefill chunk."""
+def _next_token_rows(
+    inp: StepInputs, where: np.ndarray, ends: np.ndarray, bases: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The token after each feature row, as (the token where the host knows it, else -1;
+    the sampled row that holds it, else -1): a sampled row's own sample (for an accepted
+    draft row that is the draft itself), else the next input token of the chunk, or of the
+    prompt after a mid-prefill chunk."""
     spec, pos, item = inp.spec, inp.feat_pos, inp.feat_item
     B = spec.num_seqs
     flat0 = np.concatenate(([0], np.cumsum(spec.lens)[:-1]))
@@ -177,8 +258,17 @@ def _next_tokens(
     for r in np.flatnonzero(~is_s & ~inside):  # the last row of a mid-prefill chunk
         it = inp.items[item[r]]
         host[r] = it.seq.tokens[it.start + it.num_tokens]
+    return host, sidx.astype(np.int64)
+
+
+def _next_tokens(
+    inp: StepInputs, where: np.ndarray, ends: np.ndarray, bases: np.ndarray,
+    counts: np.ndarray, sampled: torch.Tensor | None, dev: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """The token after each feature row (device [N]; :func:`_next_token_rows`)."""
+    host, sidx = _next_token_rows(inp, where, ends, bases, counts)
     out = to_device(host, dev)
-    if is_s.any():
-        rows = np.flatnonzero(is_s)
+    rows = np.flatnonzero(sidx >= 0)
+    if rows.size:
         out[to_device(rows, dev)] = sampled[to_device(sidx[rows], dev)]
     return out
