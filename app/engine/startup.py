@@ -26,7 +26,9 @@ what was allocated before):
     is capped there.
 The CUDA graphs' memory is measured on the probe: the largest key of each verify width
 (the shared pool's high-water mark and the shared outputs) and a few of the smallest (each
-graph's own cost), extrapolated to every key by their static input buffers.
+graph's own cost), extrapolated to every key by their static input buffers; a speculating
+engine's draft-step graphs (``app.engine.spec.graphs``) the same way: the largest bucket's
+and the smallest's, the others at the smallest's cost.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from app.engine.graphs import CudaGraphRunner, width_buckets
 from app.engine.parallel import RankParallel
 from app.engine.request import MAX_TOP_LOGPROBS, EngineRequest, SamplingParams
 from app.engine.runner import ModelRunner, capturable
+from app.engine.spec.graphs import DraftGraphs
 from app.engine.warmup import Engine, drive, params, prompt, warm_up
 from app.model.checkpoint import LoadFormatError
 from app.model.loader import load_model
@@ -285,18 +288,24 @@ def _graph_bytes(core: Engine, T: int, widths: list[int]) -> int:
         return 0
     max_q = 1 + core.cache.layout.ring - model.cfg.sliding_window
     qs = verify_widths(core.cfg, max_q)
-    return graph_bytes(core.runner, core.cfg.scheduler.max_num_seqs, qs, T, widths)
+    drafts = None
+    if core.spec is not None and core.spec.steps is not None:  # the probe's, without a pool
+        s = core.spec.steps
+        drafts = DraftGraphs(s.proposer, s.k, s.buckets[-1], s.trash_slot, s.device)
+    return graph_bytes(core.runner, core.cfg.scheduler.max_num_seqs, qs, T, widths, drafts)
 
 
 def graph_bytes(
     runner: ModelRunner, max_batch: int, qs: tuple[int, ...], max_tokens: int,
-    widths: list[int],
+    widths: list[int], drafts: DraftGraphs | None = None,
 ) -> int:  # fmt: skip
     """Bytes the CUDA graphs of every key (:func:`app.engine.graphs.graph_keys`) will hold,
     measured with ``runner``'s model and pools (the graphs are captured, then dropped): the
     largest key of each verify width (the shared pool's high-water mark and the shared
     outputs), a few of the smallest (each graph's own cost beyond its input buffer), the
-    other keys extrapolated by their input buffers."""
+    other keys extrapolated by their input buffers. With ``drafts`` (a speculating engine's
+    draft step, no pool yet) its graphs too, in the same pool: the largest bucket's and the
+    smallest's, the others at the smallest's cost."""
     max_q = 1 + runner.cache.layout.ring - runner.model.cfg.sliding_window
     g = CudaGraphRunner(runner.model, runner.builder, max_batch, runner.features, max_q)
     keys = g.keys(qs, max_tokens, widths)
@@ -313,6 +322,17 @@ def graph_bytes(
     u2 = used_bytes(runner.device)
     own = max(0, u2 - u1 - sum(g.input_bytes(k) for k in smallest)) // max(1, len(smallest))
     rest = sum(g.input_bytes(k) + own for k in keys if k not in g.graphs)
+    if drafts is not None:
+        drafts.use_pool(g.pool)
+        dkeys = drafts.keys()
+        drafts.capture(dkeys[0])
+        u3 = used_bytes(runner.device)
+        if len(dkeys) > 1:
+            drafts.capture(dkeys[-1])
+        u4 = used_bytes(runner.device)
+        rest += max(0, u4 - u3) * max(0, len(dkeys) - 2)
+        u2 = u4
+        del drafts
     del g
     return u2 - u0 + rest
 
@@ -349,19 +369,28 @@ def verify_widths(cfg: EngineConfig, max_q: int) -> tuple[int, ...]:
 
 
 def capture(core: Engine, log: Callable[..., None]) -> int:
-    """Capture every CUDA-graph key of ``core`` (largest first), with progress lines ->
-    how many."""
+    """Capture every CUDA-graph key of ``core`` (largest first), then the draft step's of a
+    speculating engine (``app.engine.spec.graphs``), with progress lines -> how many."""
     runner = core.runner
     if runner.graphs is None:
         return 0
     max_q = 1 + core.cache.layout.ring - core.model.cfg.sliding_window
     keys = runner.graph_keys(verify_widths(core.cfg, max_q))
+    drafts = core.spec.steps if core.spec is not None else None
+    dkeys = drafts.keys() if drafts is not None and drafts.pool is not None else []
+    n = len(keys) + len(dkeys)
     t0 = last = time.perf_counter()
     for i, key in enumerate(keys, 1):
         runner.capture_graph(key)
         now = time.perf_counter()
-        if now - last >= PROGRESS_S or i == len(keys):
+        if now - last >= PROGRESS_S or i == n:
             last = now
-            log("CUDA graphs %d / %d (batch %d, %d tokens each, width %d), %.1f s", i,
-                len(keys), *key, now - t0)  # fmt: skip
-    return len(keys)
+            log("CUDA graphs %d / %d (batch %d, %d tokens each, width %d), %.1f s", i, n,
+                *key, now - t0)  # fmt: skip
+    for i, key in enumerate(dkeys, len(keys) + 1):
+        drafts.capture(key)
+        now = time.perf_counter()
+        if now - last >= PROGRESS_S or i == n:
+            last = now
+            log("CUDA graphs %d / %d (draft step, batch %d), %.1f s", i, n, key[0], now - t0)
+    return n

@@ -12,10 +12,13 @@ verify graph and the draft.
 
 The graphs share the decode graphs' memory pool (``CudaGraphRunner.pool``; one graph runs
 at a time on one stream) and one set of output buffers sized for the largest bucket, so
-each adds its static input buffers and its own nodes; start-up captures the greedy kind of
+each adds its own nodes (the static input buffers are views of one set, the largest
+bucket's); start-up captures the greedy kind of
 every bucket (:meth:`DraftGraphs.keys`), other kinds are captured on first use. Without a
 pool (the CPU, graphs off) :meth:`DraftGraphs.run` calls the same function eagerly on the
-same padded buffers.
+same padded buffers when ``pad`` is set, else at the step's own sizes (the CPU's default:
+padding rows change no request's bits only where the kernels are batch-invariant, as in the
+deterministic mode).
 """
 
 from __future__ import annotations
@@ -45,15 +48,16 @@ class DraftGraphs:
         self.device = torch.device(device)
         self.q = num_drafts + 1
         self.buckets = batch_buckets(max_batch)
-        self.bufs: dict[int, DraftBuffers] = {}  # per bucket, shared by its kinds
+        self.arena: DraftBuffers | None = None  # the largest bucket's; the others view it
         self.graphs: dict[DraftKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.pad = False  # pad to the buckets without graphs too (always with graphs)
         self.out = SharedOutputs(self.buckets[-1])  # m, anchors, ids, logits, confidence
         self.captures = self.replays = 0
 
     def use_pool(self, pool) -> None:
         """Capture and replay graphs in ``pool`` (the decode graphs')."""
-        self.pool = pool
+        self.pool, self.pad = pool, True
 
     def bucket(self, inp: DraftInputs) -> int | None:
         """The batch bucket of ``inp`` (None: beyond the largest)."""
@@ -66,9 +70,10 @@ class DraftGraphs:
         """The keys start-up captures: the greedy kind of every bucket, largest first."""
         return [(b, PickKind()) for b in reversed(self.buckets)]
 
-    def input_bytes(self, bucket: int) -> int:
-        """Bytes of a bucket's static input buffers."""
-        return self._buffers(bucket).nbytes
+    def input_bytes(self) -> int:
+        """Bytes of the static input buffers (the largest bucket's, which every graph
+        views)."""
+        return self._buffers(self.buckets[-1]).nbytes
 
     @torch.inference_mode()
     def run(
@@ -79,7 +84,7 @@ class DraftGraphs:
         no row had a draft) and ``features`` [N, F]: outputs of its R requests (views of the
         shared outputs when a graph replayed: read before the next draft step)."""
         R, b = inp.num_requests, self.bucket(inp)
-        if b is None:  # beyond every bucket: eagerly at its own sizes
+        if b is None or not self.pad:  # eagerly at its own sizes
             buf = DraftBuffers.allocate(R, inp.num_context, inp.num_sampled,
                                         *self._feature_spec(), self.device)  # fmt: skip
             buf.fill(inp, tokens, accepted, features)
@@ -125,9 +130,9 @@ class DraftGraphs:
         return (p.feature_width if p.needs_features else 0), p.feature_dtype
 
     def _buffers(self, b: int) -> DraftBuffers:
-        buf = self.bufs.get(b)
-        if buf is None:
+        if self.arena is None:
+            top, q = self.buckets[-1], self.q
             with torch.inference_mode():
-                buf = self.bufs[b] = DraftBuffers.allocate(b, b * self.q, b * self.q,
-                                                           *self._feature_spec(), self.device)
-        return buf
+                self.arena = DraftBuffers.allocate(top, top * q, top * q, *self._feature_spec(),
+                                                   self.device)  # fmt: skip
+        return self.arena.prefix(b, b * self.q, b * self.q)

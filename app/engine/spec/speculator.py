@@ -28,21 +28,19 @@ from app.cache.manager import CacheManager
 from app.config import SpeculativeConfig
 from app.engine.flight import Flight, LiveRows
 from app.engine.metrics import EngineStats
-from app.engine.request import SamplingParams
 from app.engine.runner import StepInputs
 from app.engine.sampler import PickKind, SampleOutput, proposal_arrays, to_device
 from app.engine.scheduler import Scheduled
 from app.engine.sequence import Sequence
 from app.engine.spec.graphs import DraftGraphs
 from app.engine.spec.proposer import DrafterProposer, Proposer, make_proposer
-from app.engine.spec.step import CTX_ROWS, REQ_ROWS, DraftInputs, DraftOutputs
+from app.engine.spec.step import BIG, CTX_ROWS, REQ_ROWS, DraftInputs
 from app.engine.spec.verify import accepted_lengths, accepted_prefix
 from app.model.dspark import DraftBlock
 from app.model.model import DeepseekModel
 
 # called with each step's proposed blocks: (request ids, anchors [R], the block)
 OnDraft = Callable[[list[str], torch.Tensor, DraftBlock], None]
-_GREEDY = SamplingParams(temperature=0.0)  # the draws of rows whose drafts are dropped
 
 
 class Speculator:
@@ -73,6 +71,11 @@ class Speculator:
         return cls(proposer, spec.num_draft_tokens, cache, max_model_len, stats,
                    model.cfg.vocab_size)
 
+    def use_graphs(self, pool) -> None:
+        """Run the draft step as CUDA graphs in ``pool`` (the decode graphs')."""
+        if self.steps is not None:
+            self.steps.use_pool(pool)
+
     @staticmethod
     def speculates(seq: Sequence) -> bool:
         """Whether ``seq`` drafts (constrained requests decode one token at a time)."""
@@ -90,9 +93,9 @@ class Speculator:
             self._observe(flight, [], none, none, none, None, None)
             return []
         if self.steps is not None:
-            inputs = self.draft_inputs(flight, live)
-            if inputs is not None:
-                return self._launch_step(flight, live, res, inputs, on_draft)
+            step = self.draft_inputs(flight, live)
+            if step is not None:
+                return self._launch_step(flight, live, res, *step, on_draft)
         items, bases, counts = live.items, live.bases, live.counts
         dev, inp = res.tokens.device, flight.inputs
         m = accepted_lengths(res.accepted, bases, counts, dev)
@@ -124,65 +127,75 @@ class Speculator:
         flight.drafts = block.logits
         return [m, block.ids]
 
-    def draft_inputs(self, flight: Flight, live: LiveRows) -> DraftInputs | None:
-        """The host half of the draft step of a sampled step (``app.engine.spec.step``);
-        None when a speculating row has a logit bias (its draws add it on the host)."""
+    def draft_inputs(
+        self, flight: Flight, live: LiveRows
+    ) -> tuple[DraftInputs, np.ndarray] | None:
+        """The host half of the draft step of a sampled step (``app.engine.spec.step``): its
+        requests are the speculating sampled ones (-> their indices among ``live``); a
+        sampled request that does not speculate has no drafts, so its rows are committed up
+        to its first sampled position, decided here. None when no request speculates, or
+        one has a logit bias (its draws add it on the host)."""
         items, bases, counts = live.items, live.bases, live.counts
         seqs = [it.seq for it in items]
-        spec = [self.speculates(s) for s in seqs]
-        params = [s.req.params if on else _GREEDY for s, on in zip(seqs, spec, strict=True)]
-        if any(p.logit_bias for p in params):
+        on = np.fromiter((self.speculates(s) for s in seqs), bool, count=len(seqs))
+        sel = np.flatnonzero(on)
+        params = [seqs[k].req.params for k in sel]
+        if not sel.size or (counts[~on] > 1).any() or any(p.logit_bias for p in params):
             return None
-        R, inp = len(items), flight.inputs
-        ends = np.fromiter((it.start + it.num_tokens for it in items), np.int64, count=R)
+        inp = flight.inputs
+        ends = np.fromiter((it.start + it.num_tokens for it in items), np.int64, count=len(seqs))
         starts = ends - counts
-        prompt = np.fromiter((s.num_prompt for s in seqs), np.int64, count=R)
-        slots = np.fromiter((self.cache.slot_of(s.request_id) for s in seqs), np.int64, count=R)
+        prompt = np.fromiter((seqs[k].num_prompt for k in sel), np.int64, count=sel.size)
+        slots = np.fromiter((self.cache.slot_of(seqs[k].request_id) for k in sel), np.int64,
+                            count=sel.size)  # fmt: skip
         index = {id(it): k for k, it in enumerate(inp.items)}
         where = np.asarray([index[id(it)] for it in items], np.int64)
-        anchor_rows = np.full(R, -1, np.int64)
+        anchor_rows = np.full(sel.size, -1, np.int64)
         ctx = np.zeros((len(CTX_ROWS), 0), np.int64)
         if flight.features is not None and inp.feat_rows.size:
-            req_of = np.full(len(inp.items), -1, np.int64)
-            req_of[where] = np.arange(R)
             pos, item = inp.feat_pos, inp.feat_item
+            req_of = np.full(len(inp.items), -1, np.int64)
+            req_of[where[sel]] = np.arange(sel.size)
+            last = np.full(len(inp.items), BIG, np.int64)  # committed up to (host-known)
+            last[where[~on]] = starts[~on]
+            trash = self.cache.pools.trash_slot
+            ctx_slots = np.where(pos <= last[item], inp.spec.slots[item], trash)
             nxt_host = np.zeros(pos.size, np.int64)
             nxt_row = np.full(pos.size, -1, np.int64)
             if self.proposer.needs_next_tokens:
                 nxt_host, nxt_row = _next_token_rows(inp, where, ends, bases, counts)
-            ctx = np.stack((pos, inp.spec.slots[item], req_of[item], nxt_host, nxt_row))
+            ctx = np.stack((pos, ctx_slots, req_of[item], nxt_host, nxt_row))
             # the feature row of each request's first sampled position (its rows are
             # contiguous): + m is its anchor's
-            first_row = np.searchsorted(item, where)
-            anchor_rows = first_row + starts - pos[np.minimum(first_row, pos.size - 1)]
+            first_row = np.searchsorted(item, where[sel])
+            anchor_rows = first_row + starts[sel] - pos[np.minimum(first_row, pos.size - 1)]
         pick_ints, floats = proposal_arrays(params, self.vocab)
-        cols = {"slots": slots, "starts": starts, "bases": bases, "counts": counts,
-                "first_output": starts + 2 - prompt, "anchor_rows": anchor_rows}  # fmt: skip
+        cols = {"slots": slots, "starts": starts[sel], "bases": bases[sel],
+                "counts": counts[sel], "first_output": starts[sel] + 2 - prompt,
+                "anchor_rows": anchor_rows}  # fmt: skip
         req = np.stack([cols[f] for f in REQ_ROWS[:6]] + list(pick_ints))
-        return DraftInputs(req, floats, ctx, int(counts.sum()), PickKind.of(params))
+        return DraftInputs(req, floats, ctx, int(counts.sum()), PickKind.of(params)), sel
 
     def _launch_step(
         self, flight: Flight, live: LiveRows, res: SampleOutput, inputs: DraftInputs,
-        on_draft: OnDraft | None,
+        sel: np.ndarray, on_draft: OnDraft | None,
     ) -> list[torch.Tensor]:  # fmt: skip
-        """:meth:`launch` through the draft step: m of every sampled request, the drafts of
-        the speculating ones. Their proposal logits are copied out of the shared outputs
-        when a random row reads them (a request may verify its drafts steps later)."""
+        """:meth:`launch` through the draft step over the speculating requests ``sel``: m of
+        every sampled request (0 for the others), the drafts. The proposal logits are
+        copied out of the shared outputs when a random row reads them (a request may verify
+        its drafts steps later)."""
         out = self.steps.run(inputs, res.tokens, res.accepted, flight.features)
-        seqs = [it.seq for it in live.items]
-        sel = [k for k, s in enumerate(seqs) if self.speculates(s)]
-        if not sel:
-            return [out.m]
-        m, spec = out.m, [seqs[k] for k in sel]
-        if len(sel) < len(seqs):
-            idx = to_device(np.asarray(sel, dtype=np.int64), m.device)
-            out = DraftOutputs(*(t[idx] if t is not None else None for t in out.tensors()))
-        elif inputs.kind.random:
+        seqs = [live.items[k].seq for k in sel]
+        m = out.m
+        if sel.size < len(live.items):
+            m = torch.zeros(len(live.items), dtype=out.m.dtype, device=out.m.device)
+            m[to_device(sel, m.device)] = out.m
+        if inputs.kind.random:
             out.logits = out.logits.clone()
         block = DraftBlock(out.ids, out.logits, out.confidence)
         if on_draft is not None:
-            on_draft([s.request_id for s in spec], out.anchors, block)
-        flight.draft_rows = {s.request_id: r for r, s in enumerate(spec)}
+            on_draft([s.request_id for s in seqs], out.anchors, block)
+        flight.draft_rows = {s.request_id: r for r, s in enumerate(seqs)}
         flight.drafts = block.logits
         return [m, block.ids]
 

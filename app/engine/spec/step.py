@@ -6,12 +6,12 @@ fixed by the step's sizes, so that a CUDA graph captures it per batch bucket
     host    DraftInputs (numpy): per sampled request its slot, first sampled position
             (``start``), first row in the samples (``base``) and rows (``count``, 1 + its
             drafts), the output index of its first draft at m = 0, its draw settings; per
-            context row (the step's feature rows) its position, slot and sampled request
+            context row (the step's feature rows) its position, slot and request (-1:
+            none, committed by the host)
     device  m       leading accepted drafts of each request (accept flags of its rows)
             anchor  start + m, its last committed position; bonus = tokens[base + m]
-            observe context rows at or below their request's anchor (or of a request the
-                    step did not sample: prefill chunks) -> the drafter's rings; the rest ->
-                    the trash slot
+            observe context rows at or below their request's anchor (or without one) ->
+                    the drafter's rings; the rest -> the trash slot
             block   the drafter's block at the anchors, each draft drawn on the device from
                     static per-row settings (``ProposalRows``)
 
@@ -23,8 +23,8 @@ rows, positions from 0), one sampled row (no draft: m = 0), greedy; context rows
 trash slot. No real row reads a padding row: every op of the step is row-wise, or reads the
 rings through the request's own slot.
 
-Rows that do not speculate (constrained requests) are drafted greedily and their drafts
-dropped by the caller: their m and anchors are needed all the same.
+Its requests are the step's speculating ones: a sampled request that does not speculate
+(constrained) has no drafts, so the host decides which of its context rows are committed.
 """
 
 from __future__ import annotations
@@ -92,9 +92,10 @@ class DraftInputs:
 @dataclass
 class DraftBuffers:
     """A draft step's device inputs at fixed sizes: the host inputs (``ints``: ``req`` then
-    ``ctx`` flattened, one copy; ``floats``), and the step's device outputs copied in:
-    ``tokens`` [S] int64, ``accepted`` [S] bool, ``features`` [N, F] (None: a drafter that
-    reads none)."""
+    ``ctx`` flattened, one copy; ``floats``: the float rows flattened), and the step's device
+    outputs copied in: ``tokens`` [S] int64, ``accepted`` [S] bool, ``features`` [N, F]
+    (None: a drafter that reads none). :meth:`prefix` views the buffers of smaller sizes
+    at the front of larger ones (the graphs of every bucket share one set)."""
 
     ints: torch.Tensor
     floats: torch.Tensor
@@ -110,9 +111,19 @@ class DraftBuffers:
         z = dict(device=device)
         n_int = len(REQ_ROWS) * R + len(CTX_ROWS) * N
         feats = torch.zeros(N, width, dtype=dtype, **z) if width else None
-        return cls(torch.zeros(n_int, dtype=torch.int64, **z), torch.ones(3, R, **z),
+        return cls(torch.zeros(n_int, dtype=torch.int64, **z), torch.ones(3 * R, **z),
                    torch.zeros(S, dtype=torch.int64, **z), torch.zeros(S, dtype=torch.bool, **z),
                    feats, R, N)  # fmt: skip
+
+    def prefix(self, R: int, N: int, S: int) -> DraftBuffers:
+        """Buffers of ``R`` requests, ``N`` context and ``S`` sampled rows: views at the
+        front of these."""
+        if R > self.R or N > self.N or self.tokens.numel() < S:
+            raise ValueError(f"({R}, {N}, {S}) beyond the buffers' sizes")
+        n_int = len(REQ_ROWS) * R + len(CTX_ROWS) * N
+        feats = self.features[:N] if self.features is not None else None
+        return DraftBuffers(self.ints[:n_int], self.floats[: 3 * R], self.tokens[:S],
+                            self.accepted[:S], feats, R, N)  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +208,7 @@ def draft_step(
     if proposer.anchor_features and buf.features is not None:
         feats = buf.features[req["anchor_rows"] + m]
     pick_ints = torch.stack([req[f] for f in ("greedy", "seeded", "seed", "top_k")])
-    rows = ProposalRows(kind, pick_ints, buf.floats)
+    rows = ProposalRows(kind, pick_ints, buf.floats.view(3, buf.R))
     first = req["first_output"] + m
 
     def pick(k: int, logits: torch.Tensor) -> torch.Tensor:
