@@ -92,7 +92,7 @@ class Speculator:
             none = np.zeros(0, np.int64)
             self._observe(flight, [], none, none, none, None, None)
             return []
-        if self.steps is not None:
+        if self.steps is not None and self.steps.proposer is self.proposer:  # (not replaced)
             step = self.draft_inputs(flight, live)
             if step is not None:
                 return self._launch_step(flight, live, res, *step, on_draft)
