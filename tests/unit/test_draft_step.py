@@ -123,16 +123,17 @@ def test_static_step_equals_the_protocol_path(tiny_ckpt, arch, spec, pad):
     assert static.spec.steps.captures == 0  # no graphs on the CPU: the function ran eagerly
 
 
-def _inputs(R: int, k: int, rng: np.random.Generator) -> DraftInputs:
+def draft_inputs(R: int, k: int, rng: np.random.Generator, ps=None) -> DraftInputs:
     """Host inputs of R requests in slots 0 .. R-1 verifying up to k drafts at random
-    positions (greedy and seeded top-k draws), with context rows: the step's rows of each
-    request, then 3 rows of no request."""
+    positions (draws of ``ps``, default: greedy and seeded top-k ones), with context rows:
+    the step's rows of each request, then 3 rows of no request."""
     counts = rng.integers(1, k + 2, R)
     N = int(counts.sum()) + 3
     bases = np.concatenate(([0], np.cumsum(counts)[:-1]))
     starts = rng.integers(k + 2, 60, R)
-    ps = [SamplingParams(temperature=0) if i % 2 else
-          SamplingParams(temperature=1.2, top_k=9, seed=i) for i in range(R)]  # fmt: skip
+    if ps is None:
+        ps = [SamplingParams(temperature=0) if i % 2 else
+              SamplingParams(temperature=1.2, top_k=9, seed=i) for i in range(R)]  # fmt: skip
     ints, floats = proposal_arrays(ps, 512)
     req = np.stack([np.arange(R), starts, bases, counts, starts + 2 - 5,
                     np.zeros(R, np.int64), *ints])  # fmt: skip
@@ -160,7 +161,7 @@ def test_padding_to_a_larger_bucket_changes_no_request(tiny_ckpt, deterministic)
     rings = eng.cache.pools.draft
     base = [r.data.clone() for r in rings]
     for R in (1, 3, 5):
-        inp = _inputs(R, k, rng)
+        inp = draft_inputs(R, k, rng)
         N, S = inp.num_context, inp.num_sampled
         g = torch.Generator().manual_seed(R)
         tokens = torch.randint(0, 500, (S,), generator=g)
