@@ -291,7 +291,7 @@ def _graph_bytes(core: Engine, T: int, widths: list[int]) -> int:
     drafts = None
     if core.spec is not None and core.spec.steps is not None:  # the probe's, without a pool
         s = core.spec.steps
-        drafts = DraftGraphs(s.proposer, s.k, s.buckets[-1], s.trash_slot, s.device)
+        drafts = DraftGraphs(s.proposer, s.k, s.buckets[-1], s.trash_slot, s.device, s.dtype)
     return graph_bytes(core.runner, core.cfg.scheduler.max_num_seqs, qs, T, widths, drafts)
 
 

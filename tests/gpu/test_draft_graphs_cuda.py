@@ -51,11 +51,12 @@ def test_draft_graph_replay_equals_eager(tiny_ckpt, arch, spec):
     graphs: DraftGraphs = eng.spec.steps
     assert graphs.pool is not None  # start-up captured the greedy kind of every bucket
     assert all((b, PickKind()) in graphs.graphs for b in graphs.buckets)
-    eager = DraftGraphs(graphs.proposer, graphs.k, 16, graphs.trash_slot, graphs.device)
+    eager = DraftGraphs(graphs.proposer, graphs.k, 16, graphs.trash_slot, graphs.device,
+                        graphs.dtype)
     eager.pad = True  # the same padded buffers, no graph
     k, rng, W = graphs.k, np.random.default_rng(0), eng.model.cfg.sliding_window
     rings = eng.cache.pools.draft
-    width, dt = graphs.proposer.feature_width, graphs.proposer.feature_dtype
+    width, dt = graphs.proposer.feature_width, graphs.dtype
     for R in (1, 3, 6, 13):
         for name, ps in KINDS.items():
             inp = draft_inputs(R, k, rng, ps(R))

@@ -156,7 +156,7 @@ def test_padding_to_a_larger_bucket_changes_no_request(tiny_ckpt, deterministic)
     eng = engine(tiny_ckpt("v41"), DSPARK, static=True, pad=True, deterministic=deterministic)
     steps: DraftGraphs = eng.spec.steps
     k, rng = steps.k, np.random.default_rng(0)
-    feats_w, dt = steps.proposer.feature_width, steps.proposer.feature_dtype
+    feats_w, dt = steps.proposer.feature_width, steps.dtype
     trash = steps.trash_slot
     rings = eng.cache.pools.draft
     base = [r.data.clone() for r in rings]

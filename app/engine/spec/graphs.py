@@ -38,14 +38,15 @@ DraftKey = tuple[int, PickKind]  # (batch bucket, draw kind)
 class DraftGraphs:
     """Runs the draft step of ``proposer`` (``num_drafts`` per request) for up to
     ``max_batch`` requests, padded to batch buckets; captured and replayed once
-    :meth:`use_pool` gave it a CUDA-graph pool (module doc)."""
+    :meth:`use_pool` gave it a CUDA-graph pool (module doc). ``dtype``: the model's compute
+    dtype, that of the target features a step returns (the streams: the cache layout's)."""
 
     def __init__(
         self, proposer: DrafterProposer, num_drafts: int, max_batch: int, trash_slot: int,
-        device: torch.device,
+        device: torch.device, dtype: torch.dtype,
     ) -> None:  # fmt: skip
         self.proposer, self.k, self.trash_slot = proposer, num_drafts, trash_slot
-        self.device = torch.device(device)
+        self.device, self.dtype = torch.device(device), dtype
         self.q = num_drafts + 1
         self.buckets = batch_buckets(max_batch)
         self.arena: DraftBuffers | None = None  # the largest bucket's; the others view it
@@ -127,7 +128,7 @@ class DraftGraphs:
 
     def _feature_spec(self) -> tuple[int, torch.dtype]:
         p = self.proposer
-        return (p.feature_width if p.needs_features else 0), p.feature_dtype
+        return (p.feature_width if p.needs_features else 0), self.dtype
 
     def _buffers(self, b: int) -> DraftBuffers:
         if self.arena is None:

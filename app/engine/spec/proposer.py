@@ -77,7 +77,6 @@ class DrafterProposer(ABC):
     needs_next_tokens = False
     anchor_features = False  # block reads the features of the anchor rows
     feature_width = 0  # of the target features a step returns (the draft step's buffer)
-    feature_dtype = torch.float32
 
     @abstractmethod
     def observe(self, slots, positions, features, next_tokens) -> None:
@@ -116,7 +115,6 @@ class DSparkProposer(DrafterProposer):
             )
         self.rings = pools.draft
         self.feature_width = len(model.cfg.dspark_target_layer_ids) * model.cfg.hidden_size
-        self.feature_dtype = model.embed.weight.dtype  # of the streams the taps average
 
     def observe(self, slots, positions, features, next_tokens) -> None:
         self.drafter.write_context(self.rings, slots, features, positions)
@@ -137,7 +135,6 @@ class MTPProposer(DrafterProposer):
             raise ValueError(f"the KV cache has {len(pools.draft)} draft rings for one MTP block")
         self.ring = pools.draft[0]
         self.feature_width = model.cfg.hc_mult * model.cfg.hidden_size
-        self.feature_dtype = model.embed.weight.dtype  # of the final streams
 
     def observe(self, slots, positions, features, next_tokens) -> None:
         self.drafter.write_context(self.ring, slots, features, next_tokens, positions)

@@ -56,7 +56,8 @@ class Speculator:
         self.steps: DraftGraphs | None = None
         if isinstance(proposer, DrafterProposer):
             self.steps = DraftGraphs(proposer, num_drafts, cache.kv.max_slots,
-                                     cache.pools.trash_slot, cache.kv.device)  # fmt: skip
+                                     cache.pools.trash_slot, cache.kv.device,
+                                     cache.layout.dtype)  # fmt: skip
 
     @classmethod
     def build(
