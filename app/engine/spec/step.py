@@ -18,10 +18,10 @@ fixed by the step's sizes, so that a CUDA graph captures it per batch bucket
     2 requests, k = 3: counts [4, 1] bases [0, 4], accept flags [1 1 0 . | .]
       -> m [2, 0], anchors [start0 + 2, start1], bonus [tokens[2], tokens[4]]
 
-Padding (:meth:`DraftInputs.padded`): requests in the trash slot with anchor -1 (no context
-rows, positions from 0), one sampled row (no draft: m = 0), greedy; context rows in the
-trash slot. No real row reads a padding row: every op of the step is row-wise, or reads the
-rings through the request's own slot.
+Padding (:meth:`DraftInputs.padded`): requests in the trash slot at anchor 0 (their context
+is the trash slot's ring row of position 0: no attention row is without keys), one sampled
+row (no draft: m = 0), greedy; context rows in the trash slot. No real row reads a padding
+row: every op of the step is row-wise, or reads the rings through the request's own slot.
 
 Its requests are the step's speculating ones: a sampled request that does not speculate
 (constrained) has no drafts, so the host decides which of its context rows are committed.
@@ -82,8 +82,7 @@ class DraftInputs:
             col = np.array([values.get(f, 0) for f in names], dtype=a.dtype)
             return np.concatenate((a, np.repeat(col[:, None], n, axis=1)), axis=1)
 
-        req = pad(self.req, REQ_ROWS, {"slots": trash_slot, "starts": -1, "counts": 1,
-                                       "greedy": 1}, r)  # fmt: skip
+        req = pad(self.req, REQ_ROWS, {"slots": trash_slot, "counts": 1, "greedy": 1}, r)
         floats = pad(self.floats, ("temp", "top_p", "min_p"), {"temp": 1, "top_p": 1}, r)
         ctx = pad(self.ctx, CTX_ROWS, {"slots": trash_slot, "req": -1, "next_row": -1}, n)
         return DraftInputs(req, floats, ctx, S, self.kind)
