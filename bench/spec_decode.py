@@ -15,10 +15,9 @@
   with features, the greedy sample, the draft, eager or its graph replayed right after
   (peer: the plain decode step, ``ratio_to_plain_decode``). Each is timed with CUDA events
   (median) beside its byte floor (bytes / measured copy bandwidth; ``floor_kind`` and the
-  ``card`` in the params). The effective TPOT at acceptance length AL is
-  ``(T_draft + T_verify) / AL`` (W8's bound; ``verify`` graph: the draft graph and the
-  verify graph, ``engine_eager``: the eager draft and the eager verify), its floor the same
-  sum of floors.
+  ``card`` in the params). The effective TPOT at acceptance length AL is the speculative
+  step over AL (W8's bound; ``step``: with the draft graph or the eager draft), its floor
+  the draft's and the verify's over AL.
 - engine (``spec.engine_tpot``): the EngineCore on the same rank model decoding B requests
   (prompt 1024, 64 tokens, greedy) plain and with speculation whose drafts come from the
   oracle proposer (the target's own continuation, each draft right with probability r, set
@@ -245,18 +244,13 @@ def steps(rank: Rank, args, bw: float) -> tuple[list[dict], dict[int, float]]:
             ))  # fmt: skip
         cells = []
         for al in (2.5, 3.5):
-            for verify_t, draft_t, tag in (
-                (res["verify_graph"], res["draft_graph"], "graph"),
-                (res["verify_eager_features"], res["draft"], "engine_eager"),
-            ):  # fmt: skip
-                tpot = (draft_t + verify_t) / al
-                floor = (fl["draft"] + fl["verify"]) / al
-                records.append(record("spec.tpot_eff", tpot * 1e3, "ms",
-                                      dict(p, accept_length=al, verify=tag),
+            floor = (fl["draft"] + fl["verify"]) / al
+            for tag in ("step_graph", "step_eager"):
+                records.append(record("spec.tpot_eff", res[tag] / al * 1e3, "ms",
+                                      dict(p, accept_length=al, step=tag),
                                       floor=floor * 1e3, peer=dec))  # fmt: skip
             cells.append(f"{res['step_graph'] / al * 1e3:.2f}g/"
-                         f"{res['step_eager'] / al * 1e3:.2f}e"
-                         f" ({(fl['draft'] + fl['verify']) / al * 1e3:.2f})")  # fmt: skip
+                         f"{res['step_eager'] / al * 1e3:.2f}e ({floor * 1e3:.2f})")
         ms = {key: v * 1e3 for key, v in res.items()}
         print(f"{B:>4} {ms['decode']:8.2f} {ms['verify_graph']:8.2f} "
               f"{ms['verify_graph_features']:8.2f} {ms['verify_eager_features']:8.2f} "
