@@ -85,6 +85,7 @@ class Startup:
         self.seconds: dict[str, float] = {}
         self.memory: DeviceMemory | None = None
         self.size: PoolSize | None = None
+        self.graphs_held = 0  # bytes the captured CUDA graphs hold (measured after capture)
 
     def log(self, msg: str, *args: object) -> None:
         if not self.quiet:
@@ -151,7 +152,7 @@ class Startup:
             before = used_bytes(self.device)
             with self.phase("CUDA graphs") as notes:
                 n = capture(core, self.log)
-                held = used_bytes(self.device) - before
+                held = self.graphs_held = used_bytes(self.device) - before
                 est = f" (estimated {gib(self.memory.graphs)})" if self.memory else ""
                 notes.append(f"{n} graphs, {gib(held)}{est}")
         with self.phase("warm-up") as notes:
