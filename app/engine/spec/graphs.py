@@ -11,14 +11,13 @@ replays right after the step's sampling on the same stream: no host sync between
 verify graph and the draft.
 
 The graphs share the decode graphs' memory pool (``CudaGraphRunner.pool``; one graph runs
-at a time on one stream) and one set of output buffers sized for the largest bucket, so
-each adds its own nodes (the static input buffers are views of one set, the largest
-bucket's); start-up captures the greedy kind of
-every bucket (:meth:`DraftGraphs.keys`), other kinds are captured on first use. Without a
-pool (the CPU, graphs off) :meth:`DraftGraphs.run` calls the same function eagerly on the
-same padded buffers when ``pad`` is set, else at the step's own sizes (the CPU's default:
-padding rows change no request's bits only where the kernels are batch-invariant, as in the
-deterministic mode).
+at a time on one stream), one set of output buffers sized for the largest bucket and one
+set of input buffers (the largest bucket's, which the smaller ones view), so each adds its
+own nodes. Start-up captures the greedy kind of every bucket (:meth:`DraftGraphs.keys`);
+other kinds are captured on first use. Without a pool (the CPU, graphs off)
+:meth:`DraftGraphs.run` calls the same function eagerly: on the same padded buffers when
+``pad`` is set, else at the step's own sizes (the default: padding rows leave the other
+rows' bits alone only where the kernels are batch-invariant, as in the deterministic mode).
 """
 
 from __future__ import annotations
