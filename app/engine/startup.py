@@ -28,7 +28,8 @@ The CUDA graphs' memory is measured on the probe: the largest key of each verify
 (the shared pool's high-water mark and the shared outputs) and a few of the smallest (each
 graph's own cost), extrapolated to every key by their static input buffers; a speculating
 engine's draft-step graphs (``app.engine.spec.graphs``) the same way: the largest bucket's
-and the smallest's, the others at the smallest's cost.
+and the smallest's, the others (two per bucket: the greedy kind and the warm-up's mixed
+one) at the smallest's cost.
 """
 
 from __future__ import annotations
@@ -306,7 +307,7 @@ def graph_bytes(
     outputs), a few of the smallest (each graph's own cost beyond its input buffer), the
     other keys extrapolated by their input buffers. With ``drafts`` (a speculating engine's
     draft step, no pool yet) its graphs too, in the same pool: the largest bucket's and the
-    smallest's, the others at the smallest's cost."""
+    smallest's, the others (two per bucket) at the smallest's cost."""
     max_q = 1 + runner.cache.layout.ring - runner.model.cfg.sliding_window
     g = CudaGraphRunner(runner.model, runner.builder, max_batch, runner.features, max_q)
     keys = g.keys(qs, max_tokens, widths)
@@ -331,7 +332,9 @@ def graph_bytes(
         if len(dkeys) > 1:
             drafts.capture(dkeys[-1])
         u4 = used_bytes(runner.device)
-        rest += max(0, u4 - u3) * max(0, len(dkeys) - 2)
+        # the others at the smallest's cost: every bucket's greedy graph and the one of the
+        # warm-up's mixed batches (app.engine.warmup)
+        rest += max(0, u4 - u3) * max(0, 2 * len(dkeys) - 2)
         u2 = u4
         del drafts
     del g
