@@ -28,8 +28,8 @@ The CUDA graphs' memory is measured on the probe: the largest key of each verify
 (the shared pool's high-water mark and the shared outputs) and a few of the smallest (each
 graph's own cost), extrapolated to every key by their static input buffers; a speculating
 engine's draft-step graphs (``app.engine.spec.graphs``) the same way: the largest bucket's
-and the smallest's, the others (two per bucket: the greedy kind and the warm-up's mixed
-one) at the smallest's cost.
+and the smallest's, the others (per bucket the greedy and plain random kinds start-up
+captures, and the warm-up's mixed one) at the smallest's cost.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def graph_bytes(
     outputs), a few of the smallest (each graph's own cost beyond its input buffer), the
     other keys extrapolated by their input buffers. With ``drafts`` (a speculating engine's
     draft step, no pool yet) its graphs too, in the same pool: the largest bucket's and the
-    smallest's, the others (two per bucket) at the smallest's cost."""
+    smallest's, the others (three per bucket) at the smallest's cost."""
     max_q = 1 + runner.cache.layout.ring - runner.model.cfg.sliding_window
     g = CudaGraphRunner(runner.model, runner.builder, max_batch, runner.features, max_q)
     keys = g.keys(qs, max_tokens, widths)
@@ -326,15 +326,15 @@ def graph_bytes(
     rest = sum(g.input_bytes(k) + own for k in keys if k not in g.graphs)
     if drafts is not None:
         drafts.use_pool(g.pool)
-        dkeys = drafts.keys()
+        dkeys = drafts.start_keys()
         drafts.capture(dkeys[0])
         u3 = used_bytes(runner.device)
         if len(dkeys) > 1:
             drafts.capture(dkeys[-1])
         u4 = used_bytes(runner.device)
-        # the others at the smallest's cost: every bucket's greedy graph and the one of the
-        # warm-up's mixed batches (app.engine.warmup)
-        rest += max(0, u4 - u3) * max(0, 2 * len(dkeys) - 2)
+        # the others at the smallest's cost, and per bucket the graph of the warm-up's
+        # mixed batches (app.engine.warmup)
+        rest += max(0, u4 - u3) * max(0, len(dkeys) - 2 + len(drafts.buckets))
         u2 = u4
         del drafts
     del g
@@ -374,14 +374,15 @@ def verify_widths(cfg: EngineConfig, max_q: int) -> tuple[int, ...]:
 
 def capture(core: Engine, log: Callable[..., None]) -> int:
     """Capture every CUDA-graph key of ``core`` (largest first), then the draft step's of a
-    speculating engine (``app.engine.spec.graphs``), with progress lines -> how many."""
+    speculating engine (``app.engine.spec.graphs``: greedy and plain random draws per batch
+    bucket), with progress lines -> how many."""
     runner = core.runner
     if runner.graphs is None:
         return 0
     max_q = 1 + core.cache.layout.ring - core.model.cfg.sliding_window
     keys = runner.graph_keys(verify_widths(core.cfg, max_q))
     drafts = core.spec.steps if core.spec is not None else None
-    dkeys = drafts.keys() if drafts is not None and drafts.pool is not None else []
+    dkeys = drafts.start_keys() if drafts is not None and drafts.pool is not None else []
     n = len(keys) + len(dkeys)
     t0 = last = time.perf_counter()
     for i, key in enumerate(keys, 1):
@@ -396,5 +397,6 @@ def capture(core: Engine, log: Callable[..., None]) -> int:
         now = time.perf_counter()
         if now - last >= PROGRESS_S or i == n:
             last = now
-            log("CUDA graphs %d / %d (draft step, batch %d), %.1f s", i, n, key[0], now - t0)
+            log("CUDA graphs %d / %d (draft step, batch %d, %s), %.1f s", i, n, key[0],
+                "random" if key[1].random else "greedy", now - t0)  # fmt: skip
     return n

@@ -1,10 +1,11 @@
 """The draft step's CUDA graphs (app/engine/spec/graphs.py) on the device: a replay gives
 the same bits as the same function run eagerly on the same padded buffers (DSpark and MTP;
 greedy, seeded, top-k / top-p / min-p draws; several buckets), rings included; start-up
-captures the greedy kind of every bucket; speculating decode steps (verify graph, sampling,
-draft graph) run without a host sync; in the deterministic mode the engine with draft graphs
-(steps padded to buckets) gives the bits of the eager protocol path (observe + propose at
-the step's own sizes). The CPU twin is tests/unit/test_draft_step.py."""
+captures the greedy and plain random kinds of every bucket; speculating decode steps
+(verify graph, sampling, draft graph) run without a host sync; in the deterministic mode
+the engine with draft graphs (steps padded to buckets) gives the bits of the eager protocol
+path (observe + propose at the step's own sizes). The CPU twin is
+tests/unit/test_draft_step.py."""
 
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ def spec_engine(path: str, spec: dict, **opts) -> EngineCore:
 def test_draft_graph_replay_equals_eager(tiny_ckpt, arch, spec):
     eng = spec_engine(tiny_ckpt(arch), spec)
     graphs: DraftGraphs = eng.spec.steps
-    assert graphs.pool is not None  # start-up captured the greedy kind of every bucket
-    assert all((b, PickKind()) in graphs.graphs for b in graphs.buckets)
+    assert graphs.pool is not None  # start-up captured the greedy and random kinds
+    keys = graphs.start_keys()
+    assert set(keys) <= set(graphs.graphs)
+    assert (16, PickKind()) in keys and (1, PickKind(random=True)) in keys
     eager = DraftGraphs(graphs.proposer, graphs.k, 16, graphs.trash_slot, graphs.device,
                         graphs.dtype)
     eager.pad = True  # the same padded buffers, no graph

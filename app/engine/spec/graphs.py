@@ -13,11 +13,12 @@ verify graph and the draft.
 The graphs share the decode graphs' memory pool (``CudaGraphRunner.pool``; one graph runs
 at a time on one stream), one set of output buffers sized for the largest bucket and one
 set of input buffers (the largest bucket's, which the smaller ones view), so each adds its
-own nodes. Start-up captures the greedy kind of every bucket (:meth:`DraftGraphs.keys`);
-other kinds are captured on first use. Without a pool (the CPU, graphs off)
-:meth:`DraftGraphs.run` calls the same function eagerly: on the same padded buffers when
-``pad`` is set, else at the step's own sizes (the default: padding rows leave the other
-rows' bits alone only where the kernels are batch-invariant, as in the deterministic mode).
+own nodes. Start-up captures the greedy and the plain random kind of every bucket
+(:meth:`DraftGraphs.start_keys`); other kinds are captured on first use. Without a pool
+(the CPU, graphs off) :meth:`DraftGraphs.run` calls the same function eagerly: on the same
+padded buffers when ``pad`` is set, else at the step's own sizes (the default: padding rows
+leave the other rows' bits alone only where the kernels are batch-invariant, as in the
+deterministic mode).
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ class DraftGraphs:
         i = bisect.bisect_left(self.buckets, need)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def keys(self) -> list[DraftKey]:
-        """The keys start-up captures: the greedy kind of every bucket, largest first."""
-        return [(b, PickKind()) for b in reversed(self.buckets)]
+    def start_keys(self) -> list[DraftKey]:
+        """The keys start-up captures, largest first: every bucket's greedy kind and plain
+        random one (temperature only: the APIs' default sampling)."""
+        return [(b, kind) for b in reversed(self.buckets)
+                for kind in (PickKind(), PickKind(random=True))]  # fmt: skip
 
     def input_bytes(self) -> int:
         """Bytes of the static input buffers (the largest bucket's, which every graph
