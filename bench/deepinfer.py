@@ -75,7 +75,6 @@ from app.engine.core import EngineCore
 from app.engine.fairness import LongPrefillShare
 from app.engine.model_path import resolve_model
 from app.engine.request import EngineRequest, SamplingParams
-from app.engine.spec.proposer import Proposer
 from app.engine.startup import Startup
 from app.model.dspark import DraftBlock
 from app.model.model import DeepseekModel
@@ -232,30 +231,22 @@ def drive(core: EngineCore, lengths: dict[str, int] | None = None
 
 # ---- forced acceptance ------------------------------------------------------------------
 class ForcedAcceptance:
-    """The engine's DSpark proposer, its drafts accepted with probability ``rate`` each.
+    """An ``EngineCore.on_draft`` hook: the engine's DSpark drafts (drafted as in serving,
+    CUDA graphs included), each accepted with probability ``rate``.
 
-    The drafter runs as in serving; then each draft's proposal distribution Q is rewritten:
-    an accepted draft d gets Q(d) = 0 (rejection sampling accepts it whenever P(d) > 0), a
-    rejected one Q = one-hot d (accepted with probability P(d), ~1/V). Needs random rows
-    (temperature > 0): a greedy row accepts only the argmax."""
+    Each draft's proposal distribution Q is rewritten in place: an accepted draft d gets
+    Q(d) = 0 (rejection sampling accepts it whenever P(d) > 0), a rejected one Q = one-hot d
+    (accepted with probability P(d), ~1/V). Needs random rows (temperature > 0): a greedy
+    row accepts only the argmax."""
 
-    def __init__(self, inner: Proposer, rate: float, seed: int = 0) -> None:
-        self.inner, self.rate, self.seed = inner, rate, seed
-        self.needs_features = inner.needs_features
-        self.needs_next_tokens = inner.needs_next_tokens
+    def __init__(self, rate: float, seed: int = 0) -> None:
+        self.rate, self.seed = rate, seed
         self._gen: torch.Generator | None = None
 
-    def observe(self, slots, positions, features, next_tokens) -> None:
-        self.inner.observe(slots, positions, features, next_tokens)
-
-    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output,
-                features=None) -> DraftBlock:  # fmt: skip
-        block = self.inner.propose(request_ids, slots, anchors, bonus, num_drafts, params,
-                                   first_output, features)  # fmt: skip
+    def __call__(self, request_ids: list[str], anchors: torch.Tensor, block: DraftBlock) -> None:
         if self._gen is None:
             self._gen = torch.Generator(device=block.ids.device).manual_seed(self.seed)
         force_acceptance(block, self.rate, self._gen)
-        return block
 
 
 def force_acceptance(block: DraftBlock, rate: float, gen: torch.Generator) -> torch.Tensor:
@@ -487,7 +478,7 @@ def run_decode(args: argparse.Namespace, model: DeepseekModel, c: Ceilings | Non
         return [record(name, None, "ms", {**_decode_params(case, args, rate), "skipped": why,
                                           **_params(args, None, [], {}, 0)}) for case in cases]
     if rate is not None:
-        core.spec.proposer = ForcedAcceptance(core.spec.proposer, rate, args.seed)
+        core.on_draft = ForcedAcceptance(rate, args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
     prefix = random_ids(gen, cases[0].prefix, mcfg.vocab_size)
     print(f"decode: the {len(prefix)}-token prefix warmed in {warm(core, prefix):.1f} s\n"

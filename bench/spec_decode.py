@@ -5,19 +5,26 @@
         [--what steps,engine] [--model flash-rank|tiny-rank]
 
 - steps (``spec.*_step``): B requests at context L. The plain decode step (CUDA graph), the
-  verify step of 1 + k tokens per request as a CUDA graph and as the engine runs it today
-  (eager, returning the DSpark target features), the DSpark draft (write the context of the
-  k + 1 committed rows, then one block per request: 3 stages + heads), each timed with CUDA
-  events (median), beside their byte floors (bytes / measured copy bandwidth). The effective
-  TPOT at acceptance length AL is ``(T_draft + T_verify) / AL`` (W8's bound), its floor the
-  same sum of floors.
+  verify step of 1 + k tokens per request as a CUDA graph (without and with the DSpark
+  target features: the engine's) and eagerly with the features, the DSpark draft (the
+  context of the k + 1 committed rows, then one block per request: 3 stages + heads) eagerly
+  (``spec.draft_step``, ``cuda_graph`` false: drafter calls as before the draft graphs) and
+  as the engine's draft step replays it (``app.engine.spec.graphs``, ``cuda_graph`` true:
+  the host inputs' copy, the step's tokens / accept flags / features copied in, the graph;
+  peer: the eager time), and the whole speculative step (``spec.step``): the verify graph
+  with features, the greedy sample, the draft, eager or its graph replayed right after
+  (peer: the plain decode step, ``ratio_to_plain_decode``). Each is timed with CUDA events
+  (median) beside its byte floor (bytes / measured copy bandwidth; ``floor_kind`` and the
+  ``card`` in the params). The effective TPOT at acceptance length AL is the speculative
+  step over AL (W8's bound; ``step``: with the draft graph or the eager draft), its floor
+  the draft's and the verify's over AL.
 - engine (``spec.engine_tpot``): the EngineCore on the same rank model decoding B requests
   (prompt 1024, 64 tokens, greedy) plain and with speculation whose drafts come from the
   oracle proposer (the target's own continuation, each draft right with probability r, set
   for AL 2.5 and 3.5 at k = 3): the measured time per output token after the prefill, with
-  the DSpark draft time of ``steps`` added per verify (the oracle drafts on the host, so its
-  own time is not the drafter's; its host read of the anchors is a sync the DSpark proposer
-  does not make, left in).
+  the DSpark draft graph's time of ``steps`` added per verify (the oracle drafts on the
+  host, so its own time is not the drafter's; its host read of the anchors is a sync the
+  DSpark proposer does not make, left in).
 
 Random weights: acceptance is set by the oracle, not measured from DSpark.
 """
@@ -30,12 +37,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from app.config import EngineConfig
 from app.engine.core import EngineCore
+from app.engine.graphs import CudaGraphRunner
 from app.engine.request import EngineRequest, SamplingParams
 from app.engine.runner import StepInputs
+from app.engine.sampler import PickKind, proposal_arrays, to_device
+from app.engine.spec.graphs import DraftGraphs
+from app.engine.spec.proposer import DSparkProposer
+from app.engine.spec.step import REQ_ROWS, DraftInputs
 from app.model.config import ModelConfig
 from app.model.dspark import DSparkDrafter
 from bench.common import record, write
@@ -79,21 +92,108 @@ def draft_bytes(model, batch: int, k: int) -> float:
     return dense + experts + head + ring
 
 
+def step_inputs(slots: np.ndarray, start: int, k: int, vocab: int) -> DraftInputs:
+    """The draft step's host inputs after a verify step of ``k`` drafts per request
+    (``slots``), every chunk at positions ``start`` .. ``start + k``, greedy draws: what
+    ``Speculator.draft_inputs`` gives for such a step."""
+    B, q = slots.size, k + 1
+    ints, floats = proposal_arrays([SamplingParams(temperature=0)] * B, vocab)
+    bases = np.arange(B, dtype=np.int64) * q
+    cols = {"slots": slots, "starts": np.full(B, start), "bases": bases,
+            "counts": np.full(B, q), "first_output": np.full(B, 2), "anchor_rows": bases}
+    req = np.stack([cols[f] for f in REQ_ROWS[:6]] + list(ints)).astype(np.int64)
+    ctx = np.stack((np.tile(start + np.arange(q), B), np.repeat(slots, q),
+                    np.repeat(np.arange(B), q), np.zeros(B * q, np.int64),
+                    np.full(B * q, -1))).astype(np.int64)  # fmt: skip
+    return DraftInputs(req, floats, ctx, B * q, PickKind())
+
+
+def draft_times(
+    rank: Rank, B: int, args, drafter: DSparkDrafter, graphs: DraftGraphs,
+    verify: CudaGraphRunner | None,
+) -> dict[str, float]:  # fmt: skip
+    """Seconds of B requests' draft (the context of the k + 1 committed rows, then one block
+    per request) eagerly and as the draft step's graph, of the verify graph that returns the
+    features, and of the whole speculative step as the engine runs it: that verify graph,
+    the greedy sample, the draft (eager, or its graph replayed right after)."""
+    k, ctx, dev, rings = args.drafts, args.context, rank.device, rank.mgr.pools.draft
+    q, taps = k + 1, graphs.proposer.feature_width
+    rids = rank.requests(B, ctx, q)
+    spec = rank.spec(rids, ctx, q)
+    slot_np = spec.slots.astype(np.int64)
+    slots = torch.from_numpy(slot_np).to(dev)
+    anchors = torch.full((B,), ctx + k, dtype=torch.int64, device=dev)
+    bonus = torch.full((B,), 11, dtype=torch.int64, device=dev)
+    g = torch.Generator(device=dev).manual_seed(3)
+    feats = torch.randn(B * q, taps, generator=g, device=dev).to(graphs.dtype)
+    cslots = slots.repeat_interleave(q)
+    cpos = (ctx + torch.arange(q, device=dev)).repeat(B)
+    dinp = step_inputs(slot_np, ctx, k, rank.model.cfg.vocab_size)
+    tokens = torch.full((B * q,), 11, dtype=torch.int64, device=dev)
+    accepted = torch.arange(B * q, device=dev) % q < 2  # m = 2 for every request
+    feat_rows = np.arange(B * q, dtype=np.int64)
+
+    def draft_eager(f: torch.Tensor = feats) -> None:
+        with torch.inference_mode():
+            drafter.write_context(rings, cslots, f, cpos)
+            drafter.draft(rings, slots, anchors, bonus, k)
+
+    def draft_graph(f: torch.Tensor = feats, t: torch.Tensor = tokens) -> None:
+        graphs.run(dinp, t, accepted, f)
+
+    def verified() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            if verify is None:  # CPU smoke run: eager
+                rank.runner.features = True
+                inp = StepInputs([], spec, [], feat_rows=feat_rows)
+                logits, f = rank.runner.forward_with_features(inp)
+                rank.runner.features = False
+                return logits.argmax(-1), f
+            logits, f = verify.run(spec, rank.runner.sampled)
+            return logits[: B * q].argmax(-1), f[to_device(feat_rows, dev)]
+
+    def step_eager() -> None:
+        draft_eager(verified()[1])
+
+    def step_graph() -> None:
+        t, f = verified()
+        draft_graph(f, t)
+
+    out = {"draft": _time(draft_eager, args.reps), "draft_graph": _time(draft_graph, args.reps),
+           "verify_graph_features": _time(verified, args.reps),
+           "step_eager": _time(step_eager, args.reps), "step_graph": _time(step_graph, args.reps)}
+    rank.free(rids)
+    return out
+
+
 def steps(rank: Rank, args, bw: float) -> tuple[list[dict], dict[int, float]]:
-    model, k, ctx = rank.model, args.drafts, args.context
+    """The ``steps`` part (module doc): per batch, the step times and their records."""
+    model, k, ctx, dev = rank.model, args.drafts, args.context, rank.device
+    q = k + 1
     drafter = DSparkDrafter(model)
-    rings = rank.mgr.pools.draft
+    max_seqs = rank.mgr.kv.max_slots
+    graphs = DraftGraphs(DSparkProposer(model, rank.mgr.pools), k, max_seqs,
+                         rank.mgr.pools.trash_slot, dev, rank.mgr.layout.dtype)  # fmt: skip
+    verify = None  # the engine's verify graphs: they return the features too
+    if rank.runner.graphs is not None:
+        pool = rank.runner.graphs.pool
+        graphs.use_pool(pool)
+        verify = CudaGraphRunner(model, rank.runner.builder, max_seqs, True, q)
+        verify.pool = pool  # one pool, as in the engine
+    else:  # CPU smoke run: the graphs' padded buffers, eagerly
+        graphs.pad = True
     records, t_draft = [], {}
-    taps = len(model.cfg.dspark_target_layer_ids) * model.cfg.hidden_size
-    print(f"{'B':>4} {'decode':>8} {'verify g':>8} {'verify e':>8} {'draft':>7} | "
-          f"{'dec fl':>7} {'ver fl':>7} {'dr fl':>7} | TPOT_eff AL 2.5 / 3.5 (ms; floor)",
+    card = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
+    print(f"{'B':>4} {'decode':>8} {'verify g':>8} {'ver g+f':>8} {'verify e':>8} "
+          f"{'draft e':>7} {'draft g':>7} {'step e':>7} {'step g':>7} | {'dec fl':>7} "
+          f"{'ver fl':>7} {'dr fl':>7} | TPOT_eff AL 2.5 / 3.5 (ms; floor)",
           flush=True)  # fmt: skip
     for B in (int(b) for b in args.batches.split(",")):
         res = {}
-        for name, q, graph in (("decode", 1, True), ("verify_graph", k + 1, True),
-                               ("verify_eager_features", k + 1, False)):  # fmt: skip
-            rids = rank.requests(B, ctx, q)
-            spec = rank.spec(rids, ctx, q)
+        for name, qq, graph in (("decode", 1, True), ("verify_graph", q, True),
+                                ("verify_eager_features", q, False)):  # fmt: skip
+            rids = rank.requests(B, ctx, qq)
+            spec = rank.spec(rids, ctx, qq)
             inp = StepInputs([], spec, [], graph=graph and rank.runner.graphs is not None)
             if name == "verify_eager_features":
                 rank.runner.features = True
@@ -109,57 +209,55 @@ def steps(rank: Rank, args, bw: float) -> tuple[list[dict], dict[int, float]]:
             res[name] = _time(step, args.reps)
             rank.runner.features = False
             rank.free(rids)
-        # the draft: context of the k + 1 committed rows, then one block per request
-        dev = rank.device
-        rids = rank.requests(B, ctx, 1)
-        slots = torch.tensor([rank.mgr.slot_of(r) for r in rids], device=dev)
-        anchors = torch.full((B,), ctx + k, dtype=torch.int64, device=dev)
-        bonus = torch.full((B,), 11, dtype=torch.int64, device=dev)
-        g = torch.Generator(device=dev).manual_seed(3)
-        feats = torch.randn(B * (k + 1), taps, generator=g, device=dev).to(torch.bfloat16)
-        cslots = slots.repeat_interleave(k + 1)
-        cpos = (ctx + torch.arange(k + 1, device=dev)).repeat(B)
-
-        def draft(a=(cslots, feats, cpos), b=(slots, anchors, bonus)):
-            with torch.inference_mode():
-                drafter.write_context(rings, *a)
-                drafter.draft(rings, *b, k)
-
-        res["draft"] = _time(draft, args.reps)
-        rank.free(rids)
-        t_draft[B] = res["draft"]
+        res.update(draft_times(rank, B, args, drafter, graphs, verify))
+        t_draft[B] = res["draft_graph"]
         fl = {
             "decode": decode_bytes(model, B, ctx, 1).total / bw,
-            "verify": decode_bytes(model, B, ctx, k + 1).total / bw,
+            "verify": decode_bytes(model, B, ctx, q).total / bw,
             "draft": draft_bytes(model, B, k) / bw,
         }
-        p = {"batch": B, "context": ctx, "drafts": k, "ep": rank.ep}
+        p = {"batch": B, "context": ctx, "drafts": k, "ep": rank.ep, "card": card,
+             "floor_kind": "bytes / copy bandwidth"}  # fmt: skip
+        dec = {"plain_decode_ms": res["decode"] * 1e3}
         records += [
             record("spec.decode_step", res["decode"] * 1e3, "ms", dict(p, cuda_graph=True),
                    floor=fl["decode"] * 1e3),
             record("spec.verify_step", res["verify_graph"] * 1e3, "ms",
                    dict(p, cuda_graph=True, features=False), floor=fl["verify"] * 1e3),
+            record("spec.verify_step", res["verify_graph_features"] * 1e3, "ms",
+                   dict(p, cuda_graph=True, features=True), floor=fl["verify"] * 1e3),
             record("spec.verify_step", res["verify_eager_features"] * 1e3, "ms",
                    dict(p, cuda_graph=False, features=True), floor=fl["verify"] * 1e3),
-            record("spec.draft_step", res["draft"] * 1e3, "ms", p, floor=fl["draft"] * 1e3),
+            record("spec.draft_step", res["draft"] * 1e3, "ms", dict(p, cuda_graph=False),
+                   floor=fl["draft"] * 1e3),
+            record("spec.draft_step", res["draft_graph"] * 1e3, "ms", dict(p, cuda_graph=True),
+                   floor=fl["draft"] * 1e3,
+                   peer={"eager_ms": res["draft"] * 1e3,
+                         "speedup": res["draft"] / res["draft_graph"]}),
         ]  # fmt: skip
+        for tag, graph in (("step_eager", False), ("step_graph", True)):
+            records.append(record(
+                "spec.step", res[tag] * 1e3, "ms", dict(p, cuda_graph_draft=graph,
+                                                        verify="graph, features"),
+                floor=(fl["draft"] + fl["verify"]) * 1e3,
+                peer={**dec, "ratio_to_plain_decode": res[tag] / res["decode"]},
+            ))  # fmt: skip
         cells = []
         for al in (2.5, 3.5):
-            for verify, tag in ((res["verify_graph"], "graph"),
-                                (res["verify_eager_features"], "engine")):  # fmt: skip
-                tpot = (res["draft"] + verify) / al
-                floor = (fl["draft"] + fl["verify"]) / al
-                records.append(record("spec.tpot_eff", tpot * 1e3, "ms",
-                                      dict(p, accept_length=al, verify=tag),
-                                      floor=floor * 1e3,
-                                      peer={"plain_decode_ms": res["decode"] * 1e3}))  # fmt: skip
-            cells.append(f"{(res['draft'] + res['verify_graph']) / al * 1e3:.2f}g/"
-                         f"{(res['draft'] + res['verify_eager_features']) / al * 1e3:.2f}e"
-                         f" ({(fl['draft'] + fl['verify']) / al * 1e3:.2f})")  # fmt: skip
-        print(f"{B:>4} {res['decode'] * 1e3:8.2f} {res['verify_graph'] * 1e3:8.2f} "
-              f"{res['verify_eager_features'] * 1e3:8.2f} {res['draft'] * 1e3:7.2f} | "
-              f"{fl['decode'] * 1e3:7.2f} {fl['verify'] * 1e3:7.2f} {fl['draft'] * 1e3:7.2f} | "
-              f"{'  '.join(cells)}", flush=True)  # fmt: skip
+            floor = (fl["draft"] + fl["verify"]) / al
+            for tag in ("step_graph", "step_eager"):
+                records.append(record("spec.tpot_eff", res[tag] / al * 1e3, "ms",
+                                      dict(p, accept_length=al, step=tag),
+                                      floor=floor * 1e3, peer=dec))  # fmt: skip
+            cells.append(f"{res['step_graph'] / al * 1e3:.2f}g/"
+                         f"{res['step_eager'] / al * 1e3:.2f}e ({floor * 1e3:.2f})")
+        ms = {key: v * 1e3 for key, v in res.items()}
+        print(f"{B:>4} {ms['decode']:8.2f} {ms['verify_graph']:8.2f} "
+              f"{ms['verify_graph_features']:8.2f} {ms['verify_eager_features']:8.2f} "
+              f"{ms['draft']:7.2f} {ms['draft_graph']:7.2f} {ms['step_eager']:7.2f} "
+              f"{ms['step_graph']:7.2f} | {fl['decode'] * 1e3:7.2f} {fl['verify'] * 1e3:7.2f} "
+              f"{fl['draft'] * 1e3:7.2f} | {'  '.join(cells)}", flush=True)  # fmt: skip
+    print(f"draft graphs: {graphs.captures} captured", flush=True)
     return records, t_draft
 
 

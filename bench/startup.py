@@ -4,7 +4,12 @@ after it (a request after the warm-up pays for no compilation or capture: the fi
 the second take the same time).
 
     python -m bench.startup --model flash-rank            # the scaled V4.1-Flash rank (CUDA)
+    python -m bench.startup --model flash-rank --drafts 3 # speculating (DSpark, 3 drafts)
     python -m bench.startup --model tiny-v41-chat --dtype float32   # a checkpoint (models/)
+
+Params: the decode / verify graphs (``graphs``) and the draft step's (``draft_graphs``,
+``app.engine.spec.graphs``) after the warm-up; ``memory.cuda_graphs`` is the profile's
+estimate, ``memory.cuda_graphs_held`` what the captures held.
 
 ``flash-rank`` is loaded before the engine (``bench.flash_rank``: the shipped config, random
 weights drawn by ``load_format: dummy``): its weights phase is that load, not a checkpoint
@@ -53,6 +58,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--kv-gib", type=float, default=None, help="a fixed pool (no profile)")
+    ap.add_argument("--drafts", type=int, default=0, help="DSpark drafts (0: no speculation)")
     ap.add_argument("--out", default=None, help="directory for startup.json")
     args = ap.parse_args()
     opts = dict(device="cuda", dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -60,6 +66,8 @@ def main() -> None:
                 max_model_len=args.max_model_len,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_bytes=None if args.kv_gib is None else int(args.kv_gib * GIB))  # fmt: skip
+    if args.drafts:
+        opts["speculative"] = {"method": "dspark", "num_draft_tokens": args.drafts}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         model, path, build_s = None, str(MODELS / args.model), 0.0
@@ -73,10 +81,13 @@ def main() -> None:
         eng = EngineCore(EngineConfig.from_options(path, **opts), model=model)
         total_s = time.perf_counter() - t0
         st, start = eng.stats, eng.startup
+        drafts = eng.spec.steps if eng.spec is not None else None
         p = {"model": args.model, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
              "max_num_batched_tokens": args.max_num_batched_tokens,
              "max_model_len": eng.max_model_len, "kv_blocks": eng.cache.pool.num_blocks,
-             "graphs": len(eng.runner.graphs.graphs) if eng.runner.graphs else 0}  # fmt: skip
+             "graphs": len(eng.runner.graphs.graphs) if eng.runner.graphs else 0,
+             "drafts": args.drafts,
+             "draft_graphs": len(drafts.graphs) if drafts is not None else 0}  # fmt: skip
         records = [
             record("startup.weights", build_s or st.startup_load_s, "s", p),
             record("startup.memory_profile", st.startup_profile_s, "s", p),
@@ -89,6 +100,7 @@ def main() -> None:
         parts = {"weights": mem.weights, "in_use": mem.in_use,
                  "activation_peak": mem.activation_peak,
                  "cuda_graphs": mem.graphs} if mem is not None else {}  # fmt: skip
+        parts["cuda_graphs_held"] = start.graphs_held
         parts["kv_pool"] = start.size.pool_bytes(args.max_num_seqs)
         parts["in_use_after_warmup"] = card - free
         records += [record(f"memory.{k}", v / GIB, "GiB", dict(p, card_gib=card / GIB))

@@ -101,6 +101,8 @@ class EngineCore:
             cuda_graphs=cfg.cuda_graphs and not model.gang_exchanges, max_graph_batch=slots,
             features=self.spec is not None and self.spec.proposer.needs_features,
         )  # fmt: skip
+        if self.spec is not None and self.runner.graphs is not None:
+            self.spec.use_graphs(self.runner.graphs.pool)  # the draft step's, in their pool
         self.decoder_replay = cfg.cache.bounded_replay == "encoder+decoder"
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len,
                                        self.cache, self.spec)  # fmt: skip

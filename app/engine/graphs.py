@@ -22,6 +22,7 @@ what sharing the pool and the outputs needs.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,6 +90,50 @@ def padding_spec(
     )  # fmt: skip
 
 
+class SharedOutputs:
+    """Output buffers shared by the graphs of one runner: one per output of its graphs,
+    ``rows`` rows (its largest graph's), allocated like the first captured graph's outputs
+    (a None output: none). A graph copies its outputs into their first rows."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.bufs: list[torch.Tensor | None] | None = None
+
+    def take(self, first: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        if self.bufs is None:
+            self.bufs = [t.new_empty((self.rows, *t.shape[1:])) if t is not None else None
+                         for t in first]  # fmt: skip
+        for t, b in zip(first, self.bufs, strict=True):
+            if t is not None and (b is None or t.shape[0] > b.shape[0]):
+                raise ValueError(f"a graph output of {t.shape[0]} rows exceeds the shared "
+                                 f"outputs' {None if b is None else b.shape[0]}")  # fmt: skip
+        return self.bufs
+
+
+def capture_graph(
+    fn: Callable[[], Sequence[torch.Tensor | None]], pool, outputs: SharedOutputs
+) -> tuple[torch.cuda.CUDAGraph, Sequence[torch.Tensor | None]]:
+    """Capture ``fn`` (static inputs, outputs of any rows) into ``pool`` (module doc): two
+    eager runs on a side stream (they compile and autotune every kernel; ``fn``'s writes must
+    be idempotent), then the capture, whose outputs are copied into ``outputs`` and go back
+    to the pool. -> (the graph, the outputs of the last eager run)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            first = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    shared = outputs.take(first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        got = fn()
+        for buf, t in zip(shared, got, strict=True):
+            if buf is not None:
+                buf[: t.shape[0]].copy_(t)
+    del got  # back to the pool: the next capture reuses their memory
+    return graph, first
+
+
 class CudaGraphRunner:
     """Captures and replays decode steps (see module doc). ``max_q``: the most tokens per
     request a graph step takes (1 + the verify headroom)."""
@@ -105,7 +150,7 @@ class CudaGraphRunner:
         self.n_back = hs.max_ngram - 1 if hs is not None else 0
         self.graphs: dict[Key, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None  # shared outputs
+        self.out = SharedOutputs(self.max_rows)  # logits [rows, V], features [rows, F]
         self.captures = 0
 
     def fits(self, num_seqs: int, width: int) -> bool:
@@ -156,7 +201,7 @@ class CudaGraphRunner:
             return self._capture(key, spec, last_tokens)
         self.builder.build(spec, last_tokens, dst=g.inputs)
         g.graph.replay()
-        logits, feats = self.out  # type: ignore[misc]
+        logits, feats = self.out.bufs  # type: ignore[misc]
         return logits[: g.rows], (feats[: g.rows] if feats is not None else None)
 
     def _forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -166,40 +211,12 @@ class CudaGraphRunner:
         logits = self.model(batch, feats)
         return logits, feats[0]
 
-    def _outputs(self, first: tuple[torch.Tensor, torch.Tensor | None]):
-        """The shared outputs (allocated at the first capture, for the largest key)."""
-        if self.out is None:
-            logits, feats = first
-            rows = self.max_rows
-            self.out = (
-                logits.new_empty((rows, *logits.shape[1:])),
-                feats.new_empty((rows, *feats.shape[1:])) if feats is not None else None,
-            )
-        if first[0].shape[0] > self.out[0].shape[0]:
-            raise ValueError(f"a graph of {first[0].shape[0]} rows exceeds the shared outputs' "
-                             f"{self.out[0].shape[0]} (max_q too small)")  # fmt: skip
-        return self.out
-
     def _capture(self, key, spec: StepSpec, last_tokens: torch.Tensor):
         size = _spec_size(spec)
         inputs = torch.zeros(size, dtype=torch.int64, device=last_tokens.device)
         batch = self.builder.build(spec, last_tokens, dst=inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                first = self._forward(batch)
-        torch.cuda.current_stream().wait_stream(side)
-        out_logits, out_feats = self._outputs(first)
-        rows = first[0].shape[0]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, feats = self._forward(batch)
-            out_logits[:rows].copy_(logits)
-            if out_feats is not None:
-                out_feats[:rows].copy_(feats)
-        del logits, feats  # back to the pool: the next capture reuses their memory
-        self.graphs[key] = _Graph(graph, inputs, rows)
+        graph, first = capture_graph(lambda: self._forward(batch), self.pool, self.out)
+        self.graphs[key] = _Graph(graph, inputs, first[0].shape[0])
         self.captures += 1
         return first
 

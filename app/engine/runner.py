@@ -29,6 +29,7 @@ import torch
 from app.cache.manager import CacheManager
 from app.engine.batch import BatchBuilder, StepSpec
 from app.engine.graphs import CudaGraphRunner, Key, width_buckets
+from app.engine.sampler import to_device
 from app.engine.scheduler import Scheduled
 from app.model.layers import prepare_fp8_linears, stack_projections
 from app.model.model import DeepseekModel
@@ -227,15 +228,13 @@ class ModelRunner:
             logits = logits[: inputs.spec.logit_rows.size]
             if not self.features:
                 return logits, None
-            rows = torch.from_numpy(inputs.feat_rows).to(self.device, non_blocking=True)
-            return logits, feats[rows]
+            return logits, feats[to_device(inputs.feat_rows, self.device)]
         batch = self.builder.build(inputs.spec, self.sampled)
         if not self.features:
             return self.model(batch), None
         feats: list[torch.Tensor] = []
         logits = self.model(batch, feats)
-        rows = torch.from_numpy(inputs.feat_rows).to(self.device, non_blocking=True)
-        return logits, feats[0][rows]
+        return logits, feats[0][to_device(inputs.feat_rows, self.device)]
 
     def store_samples(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens on the device for the next step's pending inputs."""

@@ -131,29 +131,81 @@ def _noise(ps: Sequence[SamplingParams], counters: np.ndarray, shape, dev) -> to
     return q
 
 
+@dataclass(frozen=True)
+class PickKind:
+    """The paths a draw of drafts runs, decided on the host from the random rows' params
+    (greedy rows take the argmax whatever their filters): a CUDA graph of the draw is
+    captured per kind (``app.engine.spec.step``)."""
+
+    random: bool = False  # some row samples
+    min_p: bool = False  # some random row has min_p
+    sort: bool = False  # some random row has top_k / top_p
+    seeded: bool = False  # some random row is seeded
+
+    @classmethod
+    def of(cls, ps: Sequence[SamplingParams]) -> PickKind:
+        rand = [p for p in ps if not p.greedy]
+        return cls(bool(rand), any(p.min_p > 0 for p in rand),
+                   any(p.top_k > 0 or p.top_p < 1 for p in rand),
+                   any(p.seed is not None for p in rand))  # fmt: skip
+
+
+def proposal_arrays(ps: Sequence[SamplingParams], V: int) -> tuple[np.ndarray, np.ndarray]:
+    """The per-row settings of a draft draw as host arrays: (int64 [4, R]: greedy, seeded,
+    seed, top_k; float32 [3, R]: temperature, top_p, min_p)."""
+    ints = np.array([[p.greedy for p in ps], [p.seed is not None for p in ps],
+                     [p.seed or 0 for p in ps], [min(max(p.top_k, 0), V) for p in ps]],
+                    dtype=np.int64).reshape(4, len(ps))  # fmt: skip
+    floats = np.array([[p.temperature if not p.greedy else 1.0 for p in ps],
+                       [p.top_p for p in ps], [p.min_p for p in ps]],
+                      dtype=np.float32).reshape(3, len(ps))  # fmt: skip
+    return ints, floats
+
+
+@dataclass
+class ProposalRows:
+    """A draft draw's per-row settings on the device (:func:`proposal_arrays`: ``ints``
+    [4, R], ``floats`` [3, R]) and its :class:`PickKind`. :meth:`draw` reads nothing from
+    the host: a CUDA graph captures it with these tensors as static inputs."""
+
+    kind: PickKind
+    ints: torch.Tensor
+    floats: torch.Tensor
+
+    @classmethod
+    def of(cls, ps: Sequence[SamplingParams], V: int, dev: torch.device) -> ProposalRows:
+        ints, floats = proposal_arrays(ps, V)
+        return cls(PickKind.of(ps), to_device(ints, dev), to_device(floats, dev))
+
+    def draw(self, logits: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+        """Draft tokens [R] from draft ``logits`` [R, V] (fp32): the argmax for greedy rows, a
+        draw from Q = the filtered softmax at the row's temperature otherwise; ``counters``
+        [R]: the output index each draft proposes (seeded rows draw from DRAFT_STREAM)."""
+        tokens = logits.argmax(dim=-1)
+        kind = self.kind
+        if not kind.random:
+            return tokens
+        greedy, seeded, seeds, top_k = self.ints.unbind(0)
+        temp, top_p, min_p = self.floats.unbind(0)
+        probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
+        probs = _filter(probs, top_k, top_p, min_p, kind.min_p, kind.sort)
+        q = torch.empty_like(probs).exponential_()
+        if kind.seeded:
+            mine = seeded_exponential(seeds, counters + DRAFT_STREAM, logits.shape[1])
+            q = torch.where(seeded.bool().unsqueeze(1), mine, q)
+        return torch.where(greedy.bool(), tokens, (probs / q).argmax(dim=-1))
+
+
 def draw_proposal(
     logits: torch.Tensor, ps: Sequence[SamplingParams], counters: torch.Tensor
 ) -> torch.Tensor:
-    """Draft tokens [R] from draft ``logits`` [R, V] (fp32): the argmax for greedy rows, a
-    draw from Q = the filtered softmax at the row's temperature otherwise. ``counters`` [R]
-    (device): the output index each draft proposes (seeded rows draw from DRAFT_STREAM).
-    The rows' logit biases are added to ``logits`` in place: the drafts come from the biased
-    logits, which the proposers keep as the proposal that verification reads as Q."""
+    """Draft tokens [R] from draft ``logits`` [R, V] (fp32) with the rows' params
+    (:meth:`ProposalRows.draw`). ``counters`` [R] (device): the output index each draft
+    proposes. The rows' logit biases are added to ``logits`` in place: the drafts come from
+    the biased logits, which the proposers keep as the proposal that verification reads as
+    Q."""
     add_bias(logits, ps)
-    tokens = logits.argmax(dim=-1)
-    rand = [i for i, p in enumerate(ps) if not p.greedy]
-    if not rand:
-        return tokens
-    dev, V = logits.device, logits.shape[1]
-    probs = _RowParams(ps, V, dev).probs(logits)
-    q = torch.empty_like(probs).exponential_()
-    seeded = [i for i in rand if ps[i].seed is not None]
-    if seeded:
-        idx = to_device(np.asarray(seeded, dtype=np.int64), dev)
-        seeds = to_device(np.array([ps[i].seed for i in seeded], dtype=np.int64), dev)
-        q[idx] = seeded_exponential(seeds, counters[idx] + DRAFT_STREAM, V)
-    greedy = to_device(np.array([p.greedy for p in ps]), dev)
-    return torch.where(greedy, tokens, (probs / q).argmax(dim=-1))
+    return ProposalRows.of(ps, logits.shape[1], logits.device).draw(logits, counters)
 
 
 def add_bias(logits: torch.Tensor, ps: Sequence[SamplingParams]) -> None:

@@ -26,7 +26,10 @@ what was allocated before):
     is capped there.
 The CUDA graphs' memory is measured on the probe: the largest key of each verify width
 (the shared pool's high-water mark and the shared outputs) and a few of the smallest (each
-graph's own cost), extrapolated to every key by their static input buffers.
+graph's own cost), extrapolated to every key by their static input buffers; a speculating
+engine's draft-step graphs (``app.engine.spec.graphs``) the same way: the largest bucket's
+and the smallest's, the others (per bucket the greedy and plain random kinds start-up
+captures, and the warm-up's mixed one) at the smallest's cost.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from app.engine.graphs import CudaGraphRunner, width_buckets
 from app.engine.parallel import RankParallel
 from app.engine.request import MAX_TOP_LOGPROBS, EngineRequest, SamplingParams
 from app.engine.runner import ModelRunner, capturable
+from app.engine.spec.graphs import DraftGraphs
 from app.engine.warmup import Engine, drive, params, prompt, warm_up
 from app.model.checkpoint import LoadFormatError
 from app.model.loader import load_model
@@ -82,6 +86,7 @@ class Startup:
         self.seconds: dict[str, float] = {}
         self.memory: DeviceMemory | None = None
         self.size: PoolSize | None = None
+        self.graphs_held = 0  # bytes the captured CUDA graphs hold (measured after capture)
 
     def log(self, msg: str, *args: object) -> None:
         if not self.quiet:
@@ -149,7 +154,7 @@ class Startup:
             before = used_bytes(self.device)
             with self.phase("CUDA graphs") as notes:
                 n = capture(core, self.log)
-                held = used_bytes(self.device) - before
+                held = self.graphs_held = used_bytes(self.device) - before
                 est = f" (estimated {gib(self.memory.graphs)})" if self.memory else ""
                 notes.append(f"{n} graphs, {gib(held)}{est}")
         with self.phase("warm-up") as notes:
@@ -286,18 +291,24 @@ def _graph_bytes(core: Engine, T: int, widths: list[int]) -> int:
         return 0
     max_q = 1 + core.cache.layout.ring - model.cfg.sliding_window
     qs = verify_widths(core.cfg, max_q)
-    return graph_bytes(core.runner, core.cfg.scheduler.max_num_seqs, qs, T, widths)
+    drafts = None
+    if core.spec is not None and core.spec.steps is not None:  # the probe's, without a pool
+        s = core.spec.steps
+        drafts = DraftGraphs(s.proposer, s.k, s.buckets[-1], s.trash_slot, s.device, s.dtype)
+    return graph_bytes(core.runner, core.cfg.scheduler.max_num_seqs, qs, T, widths, drafts)
 
 
 def graph_bytes(
     runner: ModelRunner, max_batch: int, qs: tuple[int, ...], max_tokens: int,
-    widths: list[int],
+    widths: list[int], drafts: DraftGraphs | None = None,
 ) -> int:  # fmt: skip
     """Bytes the CUDA graphs of every key (:func:`app.engine.graphs.graph_keys`) will hold,
     measured with ``runner``'s model and pools (the graphs are captured, then dropped): the
     largest key of each verify width (the shared pool's high-water mark and the shared
     outputs), a few of the smallest (each graph's own cost beyond its input buffer), the
-    other keys extrapolated by their input buffers."""
+    other keys extrapolated by their input buffers. With ``drafts`` (a speculating engine's
+    draft step, no pool yet) its graphs too, in the same pool: the largest bucket's and the
+    smallest's, the others (three per bucket) at the smallest's cost."""
     max_q = 1 + runner.cache.layout.ring - runner.model.cfg.sliding_window
     g = CudaGraphRunner(runner.model, runner.builder, max_batch, runner.features, max_q)
     keys = g.keys(qs, max_tokens, widths)
@@ -314,6 +325,19 @@ def graph_bytes(
     u2 = used_bytes(runner.device)
     own = max(0, u2 - u1 - sum(g.input_bytes(k) for k in smallest)) // max(1, len(smallest))
     rest = sum(g.input_bytes(k) + own for k in keys if k not in g.graphs)
+    if drafts is not None:
+        drafts.use_pool(g.pool)
+        dkeys = drafts.start_keys()
+        drafts.capture(dkeys[0])
+        u3 = used_bytes(runner.device)
+        if len(dkeys) > 1:
+            drafts.capture(dkeys[-1])
+        u4 = used_bytes(runner.device)
+        # the others at the smallest's cost, and per bucket the graph of the warm-up's
+        # mixed batches (app.engine.warmup)
+        rest += max(0, u4 - u3) * max(0, len(dkeys) - 2 + len(drafts.buckets))
+        u2 = u4
+        del drafts
     del g
     return u2 - u0 + rest
 
@@ -350,19 +374,30 @@ def verify_widths(cfg: EngineConfig, max_q: int) -> tuple[int, ...]:
 
 
 def capture(core: Engine, log: Callable[..., None]) -> int:
-    """Capture every CUDA-graph key of ``core`` (largest first), with progress lines ->
-    how many."""
+    """Capture every CUDA-graph key of ``core`` (largest first), then the draft step's of a
+    speculating engine (``app.engine.spec.graphs``: greedy and plain random draws per batch
+    bucket), with progress lines -> how many."""
     runner = core.runner
     if runner.graphs is None:
         return 0
     max_q = 1 + core.cache.layout.ring - core.model.cfg.sliding_window
     keys = runner.graph_keys(verify_widths(core.cfg, max_q))
+    drafts = core.spec.steps if core.spec is not None else None
+    dkeys = drafts.start_keys() if drafts is not None and drafts.pool is not None else []
+    n = len(keys) + len(dkeys)
     t0 = last = time.perf_counter()
     for i, key in enumerate(keys, 1):
         runner.capture_graph(key)
         now = time.perf_counter()
-        if now - last >= PROGRESS_S or i == len(keys):
+        if now - last >= PROGRESS_S or i == n:
             last = now
-            log("CUDA graphs %d / %d (batch %d, %d tokens each, width %d), %.1f s", i,
-                len(keys), *key, now - t0)  # fmt: skip
-    return len(keys)
+            log("CUDA graphs %d / %d (batch %d, %d tokens each, width %d), %.1f s", i, n,
+                *key, now - t0)  # fmt: skip
+    for i, key in enumerate(dkeys, len(keys) + 1):
+        drafts.capture(key)
+        now = time.perf_counter()
+        if now - last >= PROGRESS_S or i == n:
+            last = now
+            log("CUDA graphs %d / %d (draft step, batch %d, %s), %.1f s", i, n, key[0],
+                "random" if key[1].random else "greedy", now - t0)  # fmt: skip
+    return n

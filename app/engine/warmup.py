@@ -37,6 +37,7 @@ from app.engine.request import (
     SamplingParams,
 )
 from app.engine.runner import ModelRunner
+from app.engine.spec.speculator import Speculator
 from app.model.model import DeepseekModel
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Engine(Protocol):
     cache: CacheManager
     stats: EngineStats
     max_model_len: int
+    spec: Speculator | None
 
     @property
     def has_unfinished(self) -> bool: ...

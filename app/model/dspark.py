@@ -14,7 +14,9 @@ docs/model.md "DSpark").
                      after another); confidence c_k = sigmoid(proj([g_k ; markov_embed(prev_k)]))
 
 Row k of the block proposes d_{k+1}, the token at position a+2+k; a verify of the bonus and
-k drafts covers positions a+1 .. a+1+k.
+k drafts covers positions a+1 .. a+1+k. Every row of the block runs the stages (they attend
+to each other); the heads run on the first k rows only (the head GEMM over all B rows read
+B / k of the logits nobody used).
 """
 
 from __future__ import annotations
@@ -134,8 +136,9 @@ class DSparkDrafter:
             pending = (stage.ffn(h, flat_ids), post, comb)
         g = hc_collapse(apply_pending(X, pending), p)  # [R*B, d], pre-norm
         last = self.stages[-1]
-        base = model.compute_logits(last.norm(g)).view(R, B, -1)
-        g = g.view(R, B, -1)
+        g = g.view(R, B, -1)[:, :num_drafts]  # the rows that propose a draft
+        base = model.compute_logits(last.norm(g.reshape(R * num_drafts, -1)))
+        base = base.view(R, num_drafts, -1)
         embed = last.markov_head.embed.weight  # [V, rank]: a lookup
         head = last.markov_head.head.weight  # [V, rank]
         prev = bonus

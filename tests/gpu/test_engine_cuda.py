@@ -145,6 +145,7 @@ def test_speculative_greedy_equals_cpu_reference(ckpts, arch, spec):
         assert got[f"r{i}"] == reference_greedy(cpu, p, 12), i
     assert eng.stats.spec_verifies > 0 and blocks
     assert eng.stats.graph_steps > 0  # verify steps replay graphs that return the features
+    assert eng.spec.steps.replays > 0  # and the draft steps replay theirs
     assert all(bool(torch.isfinite(b).all()) for b in blocks)
 
 

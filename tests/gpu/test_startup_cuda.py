@@ -1,8 +1,9 @@
 """Start-up on CUDA (``app.engine.startup``): the pool sized from what was measured, within
 ``gpu_memory_utilization``; every CUDA-graph key captured before the first request (a
 request captures none); the warm-up leaves the pool empty and the counters at zero; with
-speculation the verify graphs too; with ``kv_cache_bytes`` no profile but graphs and
-warm-up all the same. Each engine takes ``_share`` of the card, not all of it (``-n 16``)."""
+speculation the verify graphs and the draft step's (greedy requests capture none either);
+with ``kv_cache_bytes`` no profile but graphs and warm-up all the same. Each engine takes
+``_share`` of the card, not all of it (``-n 16``)."""
 
 from __future__ import annotations
 
@@ -57,11 +58,15 @@ def test_measured_start_captures_every_graph_before_a_request(ckpts, caplog, spe
     keys = eng.runner.graph_keys(qs)
     assert keys and set(keys) <= set(graphs.graphs)
     assert eng.cache.num_free_blocks == eng.cache.pool.num_blocks and st.steps == 0
-    captures = graphs.captures
+    drafts = eng.spec.steps if spec else None  # the draft step's: greedy and random kinds
+    if drafts is not None:
+        assert set(drafts.start_keys()) <= set(drafts.graphs)
+    captures = graphs.captures, drafts.captures if drafts else 0
     got = run_requests(eng, prompts([5, 300, 1, 40], 3), GREEDY)
     assert all(len(v) == 24 for v in got.values())
-    assert graphs.captures == captures  # no request paid for a capture
-    assert eng.stats.graph_steps > 0
+    # no request paid for a capture
+    assert (graphs.captures, drafts.captures if drafts else 0) == captures
+    assert eng.stats.graph_steps > 0 and (drafts is None or drafts.replays > 0)
 
 
 def test_kv_cache_bytes_skips_the_profile_not_the_warm_up(ckpts):

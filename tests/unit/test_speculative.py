@@ -109,14 +109,7 @@ def test_prefix_hit_with_bounded_replay_writes_the_draft_context(tiny_ckpt):
     for ring in eng.cache.pools.draft:
         ring.data.fill_(float("nan"))
     blocks = []
-    orig = eng.proposer.propose
-
-    def record(*a, **k):
-        blk = orig(*a, **k)
-        blocks.append(blk.logits.clone())
-        return blk
-
-    eng.proposer.propose = record
+    eng.on_draft = lambda rids, anchors, block: blocks.append(block.logits.clone())
     second, _ = run_all(eng, [reqs[1]])
     assert eng.cache.index.stats.hit_tokens >= 48
     assert {**first, **second} == want

@@ -10,20 +10,25 @@ decision never reaches the host before the drafts are launched).
                      a window ring per slot, fed the final streams and next tokens of
                      committed rows; the anchor row's streams come with ``propose``
 
+Both also draft with :meth:`~DrafterProposer.block`: the same block with the draws left to
+a ``pick`` of the caller's (the engine's draft step, ``app.engine.spec.step``, picks on the
+device from static per-row settings, which a CUDA graph captures).
+
 Test and benchmark proposers (the target's own continuation, random tokens) implement the
 same protocol in ``bench/proposers.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from app.config import EngineConfig, EngineConfigError, SpeculativeConfig
 from app.engine.request import SamplingParams
-from app.engine.sampler import draw_proposal
+from app.engine.sampler import ProposalRows, add_bias
 from app.model.dspark import DraftBlock, DSparkDrafter, supports_dspark
 from app.model.kv_store import PagedKV
 from app.model.model import DeepseekModel
@@ -59,11 +64,47 @@ class Proposer(Protocol):
         of the anchor rows [R, F] (None when the step returned none)."""
 
 
-class DSparkProposer:
-    """V4.1 DSpark over the engine's draft rings."""
+# pick(k, logits [R, V] fp32) -> draft k of each request [R] (it may add to the logits in
+# place: what it drew from is the proposal verification reads)
+Pick = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class DrafterProposer(ABC):
+    """A proposer over the checkpoint's drafter: :meth:`propose` is :meth:`block` with the
+    draws of ``draw_proposal`` (the rows' logit biases, then their settings)."""
 
     needs_features = True
     needs_next_tokens = False
+    anchor_features = False  # block reads the features of the anchor rows
+    feature_width = 0  # of the target features a step returns (the draft step's buffer)
+
+    @abstractmethod
+    def observe(self, slots, positions, features, next_tokens) -> None:
+        """As :meth:`Proposer.observe`."""
+
+    @abstractmethod
+    def block(
+        self, slots: torch.Tensor, anchors: torch.Tensor, bonus: torch.Tensor,
+        features: torch.Tensor | None, num_drafts: int, pick: Pick,
+    ) -> DraftBlock:  # fmt: skip
+        """``num_drafts`` drafts per request drawn by ``pick`` (no host work: the engine's
+        draft step captures it in a CUDA graph); arguments as :meth:`Proposer.propose`."""
+
+    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output,
+                features):  # fmt: skip
+        rows: list[ProposalRows] = []
+
+        def pick(k: int, logits: torch.Tensor) -> torch.Tensor:
+            add_bias(logits, params)
+            if not rows:
+                rows.append(ProposalRows.of(params, logits.shape[1], logits.device))
+            return rows[0].draw(logits, first_output + k)
+
+        return self.block(slots, anchors, bonus, features, num_drafts, pick)
+
+
+class DSparkProposer(DrafterProposer):
+    """V4.1 DSpark over the engine's draft rings."""
 
     def __init__(self, model: DeepseekModel, pools: PagedKV) -> None:
         self.drafter = DSparkDrafter(model)
@@ -73,39 +114,36 @@ class DSparkProposer:
                 f"{len(self.drafter.stages)} DSpark stages"
             )
         self.rings = pools.draft
+        self.feature_width = len(model.cfg.dspark_target_layer_ids) * model.cfg.hidden_size
 
     def observe(self, slots, positions, features, next_tokens) -> None:
         self.drafter.write_context(self.rings, slots, features, positions)
 
-    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output,
-                features):  # fmt: skip
-        def pick(k: int, logits: torch.Tensor) -> torch.Tensor:
-            return draw_proposal(logits, params, first_output + k)
-
+    def block(self, slots, anchors, bonus, features, num_drafts, pick) -> DraftBlock:
         return self.drafter.draft(self.rings, slots, anchors, bonus, num_drafts, pick)
 
 
-class MTPProposer:
+class MTPProposer(DrafterProposer):
     """V4 MTP-1 over the engine's draft ring (one draft per verify)."""
 
-    needs_features = True
     needs_next_tokens = True
+    anchor_features = True
 
     def __init__(self, model: DeepseekModel, pools: PagedKV) -> None:
         self.drafter = MTPDrafter(model)
         if len(pools.draft) != 1:
             raise ValueError(f"the KV cache has {len(pools.draft)} draft rings for one MTP block")
         self.ring = pools.draft[0]
+        self.feature_width = model.cfg.hc_mult * model.cfg.hidden_size
 
     def observe(self, slots, positions, features, next_tokens) -> None:
         self.drafter.write_context(self.ring, slots, features, next_tokens, positions)
 
-    def propose(self, request_ids, slots, anchors, bonus, num_drafts, params, first_output,
-                features):  # fmt: skip
+    def block(self, slots, anchors, bonus, features, num_drafts, pick) -> DraftBlock:
         if num_drafts != 1:
             raise ValueError(f"MTP drafts one token per verify, not {num_drafts}")
         logits = self.drafter.draft(self.ring, slots, anchors, features, bonus)
-        ids = draw_proposal(logits, params, first_output)
+        ids = pick(0, logits)
         return DraftBlock(ids.unsqueeze(1), logits.unsqueeze(1), None)
 
 

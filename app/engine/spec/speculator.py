@@ -9,6 +9,11 @@ rejected ones wrote (``app.engine.spec.verify``).
     verify   (host) m of one verify chunk, counted; rejected positions computed again
     take     (host) the drafts the next step verifies, within max_tokens and the context
 
+With the checkpoint's drafter, ``launch`` of a step that sampled is one static-shape draft
+step (``app.engine.spec.step``) run by ``DraftGraphs``: a CUDA graph per batch bucket on
+CUDA, the same function eagerly elsewhere. Proposers without it (test proposers) and steps
+with a logit bias run the protocol's ``observe`` and ``propose`` eagerly.
+
 Constrained requests (a grammar) decode one token at a time.
 """
 
@@ -24,10 +29,12 @@ from app.config import SpeculativeConfig
 from app.engine.flight import Flight, LiveRows
 from app.engine.metrics import EngineStats
 from app.engine.runner import StepInputs
-from app.engine.sampler import SampleOutput, to_device
+from app.engine.sampler import PickKind, SampleOutput, proposal_arrays, to_device
 from app.engine.scheduler import Scheduled
 from app.engine.sequence import Sequence
-from app.engine.spec.proposer import Proposer, make_proposer
+from app.engine.spec.graphs import DraftGraphs
+from app.engine.spec.proposer import DrafterProposer, Proposer, make_proposer
+from app.engine.spec.step import BIG, CTX_ROWS, REQ_ROWS, DraftInputs
 from app.engine.spec.verify import accepted_lengths, accepted_prefix
 from app.model.dspark import DraftBlock
 from app.model.model import DeepseekModel
@@ -41,10 +48,16 @@ class Speculator:
 
     def __init__(
         self, proposer: Proposer, num_drafts: int, cache: CacheManager, max_model_len: int,
-        stats: EngineStats,
+        stats: EngineStats, vocab: int,
     ) -> None:  # fmt: skip
         self.proposer, self.num_drafts, self.cache = proposer, num_drafts, cache
-        self.max_model_len, self.stats = max_model_len, stats
+        self.max_model_len, self.stats, self.vocab = max_model_len, stats, vocab
+        # the static draft step of the checkpoint's drafter (None: the protocol's calls)
+        self.steps: DraftGraphs | None = None
+        if isinstance(proposer, DrafterProposer):
+            self.steps = DraftGraphs(proposer, num_drafts, cache.kv.max_slots,
+                                     cache.pools.trash_slot, cache.kv.device,
+                                     cache.layout.dtype)  # fmt: skip
 
     @classmethod
     def build(
@@ -56,7 +69,13 @@ class Speculator:
         if spec is None:
             return None
         proposer = proposer or make_proposer(spec, model, cache.pools)
-        return cls(proposer, spec.num_draft_tokens, cache, max_model_len, stats)
+        return cls(proposer, spec.num_draft_tokens, cache, max_model_len, stats,
+                   model.cfg.vocab_size)
+
+    def use_graphs(self, pool) -> None:
+        """Run the draft step as CUDA graphs in ``pool`` (the decode graphs')."""
+        if self.steps is not None:
+            self.steps.use_pool(pool)
 
     @staticmethod
     def speculates(seq: Sequence) -> bool:
@@ -74,6 +93,10 @@ class Speculator:
             none = np.zeros(0, np.int64)
             self._observe(flight, [], none, none, none, None, None)
             return []
+        if self.steps is not None and self.steps.proposer is self.proposer:  # (not replaced)
+            step = self.draft_inputs(flight, live)
+            if step is not None:
+                return self._launch_step(flight, live, res, *step, on_draft)
         items, bases, counts = live.items, live.bases, live.counts
         dev, inp = res.tokens.device, flight.inputs
         m = accepted_lengths(res.accepted, bases, counts, dev)
@@ -101,6 +124,78 @@ class Speculator:
         )  # fmt: skip
         if on_draft is not None:
             on_draft([s.request_id for s in seqs], anchors[idx], block)
+        flight.draft_rows = {s.request_id: r for r, s in enumerate(seqs)}
+        flight.drafts = block.logits
+        return [m, block.ids]
+
+    def draft_inputs(
+        self, flight: Flight, live: LiveRows
+    ) -> tuple[DraftInputs, np.ndarray] | None:
+        """The host half of the draft step of a sampled step (``app.engine.spec.step``): its
+        requests are the speculating sampled ones (-> their indices among ``live``); a
+        sampled request that does not speculate has no drafts, so its rows are committed up
+        to its first sampled position, decided here. None when no request speculates, or
+        one has a logit bias (its draws add it on the host)."""
+        items, bases, counts = live.items, live.bases, live.counts
+        seqs = [it.seq for it in items]
+        on = np.fromiter((self.speculates(s) for s in seqs), bool, count=len(seqs))
+        sel = np.flatnonzero(on)
+        params = [seqs[k].req.params for k in sel]
+        if not sel.size or (counts[~on] > 1).any() or any(p.logit_bias for p in params):
+            return None
+        inp = flight.inputs
+        ends = np.fromiter((it.start + it.num_tokens for it in items), np.int64, count=len(seqs))
+        starts = ends - counts
+        prompt = np.fromiter((seqs[k].num_prompt for k in sel), np.int64, count=sel.size)
+        slots = np.fromiter((self.cache.slot_of(seqs[k].request_id) for k in sel), np.int64,
+                            count=sel.size)  # fmt: skip
+        index = {id(it): k for k, it in enumerate(inp.items)}
+        where = np.asarray([index[id(it)] for it in items], np.int64)
+        anchor_rows = np.full(sel.size, -1, np.int64)
+        ctx = np.zeros((len(CTX_ROWS), 0), np.int64)
+        if flight.features is not None and inp.feat_rows.size:
+            pos, item = inp.feat_pos, inp.feat_item
+            req_of = np.full(len(inp.items), -1, np.int64)
+            req_of[where[sel]] = np.arange(sel.size)
+            last = np.full(len(inp.items), BIG, np.int64)  # committed up to (host-known)
+            last[where[~on]] = starts[~on]
+            trash = self.cache.pools.trash_slot
+            ctx_slots = np.where(pos <= last[item], inp.spec.slots[item], trash)
+            nxt_host = np.zeros(pos.size, np.int64)
+            nxt_row = np.full(pos.size, -1, np.int64)
+            if self.proposer.needs_next_tokens:
+                nxt_host, nxt_row = _next_token_rows(inp, where, ends, bases, counts)
+            ctx = np.stack((pos, ctx_slots, req_of[item], nxt_host, nxt_row))
+            # the feature row of each request's first sampled position (its rows are
+            # contiguous): + m is its anchor's
+            first_row = np.searchsorted(item, where[sel])
+            anchor_rows = first_row + starts[sel] - pos[np.minimum(first_row, pos.size - 1)]
+        pick_ints, floats = proposal_arrays(params, self.vocab)
+        cols = {"slots": slots, "starts": starts[sel], "bases": bases[sel],
+                "counts": counts[sel], "first_output": starts[sel] + 2 - prompt,
+                "anchor_rows": anchor_rows}  # fmt: skip
+        req = np.stack([cols[f] for f in REQ_ROWS[:6]] + list(pick_ints))
+        return DraftInputs(req, floats, ctx, int(counts.sum()), PickKind.of(params)), sel
+
+    def _launch_step(
+        self, flight: Flight, live: LiveRows, res: SampleOutput, inputs: DraftInputs,
+        sel: np.ndarray, on_draft: OnDraft | None,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """:meth:`launch` through the draft step over the speculating requests ``sel``: m of
+        every sampled request (0 for the others), the drafts. The proposal logits are
+        copied out of the shared outputs when a random row reads them (a request may verify
+        its drafts steps later)."""
+        out = self.steps.run(inputs, res.tokens, res.accepted, flight.features)
+        seqs = [live.items[k].seq for k in sel]
+        m = out.m
+        if sel.size < len(live.items):
+            m = torch.zeros(len(live.items), dtype=out.m.dtype, device=out.m.device)
+            m[to_device(sel, m.device)] = out.m
+        if inputs.kind.random:
+            out.logits = out.logits.clone()
+        block = DraftBlock(out.ids, out.logits, out.confidence)
+        if on_draft is not None:
+            on_draft([s.request_id for s in seqs], out.anchors, block)
         flight.draft_rows = {s.request_id: r for r, s in enumerate(seqs)}
         flight.drafts = block.logits
         return [m, block.ids]
@@ -153,13 +248,13 @@ class Speculator:
             seq.draft_logits = flight.drafts[flight.draft_rows[seq.request_id]]
 
 
-def _next_tokens(
-    inp: StepInputs, where: np.ndarray, ends: np.ndarray, bases: np.ndarray,
-    counts: np.ndarray, sampled: torch.Tensor | None, dev: torch.device,
-) -> torch.Tensor:  # fmt: skip
-    """The token after each feature row (device [N]): a sampled row's own sample (for an
-    accepted draft row that is the draft itself), else the next input token of the chunk,
-    or of the prompt after a mid-prefill chunk."""
+def _next_token_rows(
+    inp: StepInputs, where: np.ndarray, ends: np.ndarray, bases: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The token after each feature row, as (the token where the host knows it, else -1;
+    the sampled row that holds it, else -1): a sampled row's own sample (for an accepted
+    draft row that is the draft itself), else the next input token of the chunk, or of the
+    prompt after a mid-prefill chunk."""
     spec, pos, item = inp.spec, inp.feat_pos, inp.feat_item
     B = spec.num_seqs
     flat0 = np.concatenate(([0], np.cumsum(spec.lens)[:-1]))
@@ -177,8 +272,17 @@ def _next_tokens(
     for r in np.flatnonzero(~is_s & ~inside):  # the last row of a mid-prefill chunk
         it = inp.items[item[r]]
         host[r] = it.seq.tokens[it.start + it.num_tokens]
+    return host, sidx.astype(np.int64)
+
+
+def _next_tokens(
+    inp: StepInputs, where: np.ndarray, ends: np.ndarray, bases: np.ndarray,
+    counts: np.ndarray, sampled: torch.Tensor | None, dev: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """The token after each feature row (device [N]; :func:`_next_token_rows`)."""
+    host, sidx = _next_token_rows(inp, where, ends, bases, counts)
     out = to_device(host, dev)
-    if is_s.any():
-        rows = np.flatnonzero(is_s)
+    rows = np.flatnonzero(sidx >= 0)
+    if rows.size:
         out[to_device(rows, dev)] = sampled[to_device(sidx[rows], dev)]
     return out
