@@ -193,3 +193,27 @@ def ckpts(tmp_path_factory):
         make_tiny_checkpoint(d, arch=arch, seed=0)
         out[arch] = str(d)
     return out
+
+
+def steps_without_host_sync(eng, n: int, monkeypatch) -> None:
+    """``n`` steps of ``eng`` under sync debug mode "error": nothing in a step may synchronize
+    with the device; only the wait for the copied tokens (``HostSamples.wait``, outside the
+    step) may block."""
+    from app.engine.flight import HostSamples
+
+    wait = HostSamples.wait
+
+    def unchecked_wait(self):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return wait(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(HostSamples, "wait", unchecked_wait)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(n):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -15,10 +15,10 @@ import torch
 
 from app.config import EngineConfig
 from app.engine.core import EngineCore
-from app.engine.flight import HostSamples
 from app.engine.request import EngineRequest, SamplingParams
 from app.engine.sampler import PickKind
 from app.engine.spec.graphs import DraftGraphs
+from tests.gpu.conftest import steps_without_host_sync
 from tests.unit.test_draft_step import (
     DSPARK,
     MTP,
@@ -97,23 +97,8 @@ def test_no_host_sync_inside_a_speculating_step(tiny_ckpt, monkeypatch):
         eng.add_request(EngineRequest(f"d{i}", tuple(p), params))
     for _ in range(4):  # prefill, then verify steps (the draft graphs of their kind captured)
         eng.step()
-    wait = HostSamples.wait
-
-    def unchecked_wait(self):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return wait(self)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(HostSamples, "wait", unchecked_wait)
     steps, replays = eng.stats.graph_steps, eng.spec.steps.replays
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(8):
-            eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    steps_without_host_sync(eng, 8, monkeypatch)
     assert eng.stats.graph_steps - steps >= 6 and eng.spec.steps.replays - replays >= 6
     assert eng.stats.spec_verifies > 0
 

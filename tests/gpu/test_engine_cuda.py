@@ -14,10 +14,10 @@ import torch
 from app.cache.manager import CacheManager
 from app.config import CacheConfig, EngineConfig
 from app.engine.core import EngineCore
-from app.engine.flight import HostSamples
 from app.engine.request import EngineRequest, SamplingParams
 from app.model.loader import load_model
 from bench.teacher import drive
+from tests.gpu.conftest import steps_without_host_sync
 from tests.support.reference import sequence_logits
 from tools.op_bisect import prompts, reference_greedy, run_requests
 
@@ -107,22 +107,7 @@ def test_no_host_sync_inside_a_step(ckpts, monkeypatch):
     decode steps (graph replay, sampling with seeds, top-p) run under sync debug mode
     "error"; only the wait for the copied tokens (outside the step) is allowed to block."""
     eng = _decoding_engine(ckpts["v41"], graphs=True)
-    wait = HostSamples.wait
-
-    def unchecked_wait(self):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return wait(self)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(HostSamples, "wait", unchecked_wait)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(8):
-            eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    steps_without_host_sync(eng, 8, monkeypatch)
     assert eng.stats.graph_steps >= 8
     assert np.all([s.num_pending <= 1 for s in eng.scheduler.running])
 

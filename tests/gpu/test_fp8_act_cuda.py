@@ -114,18 +114,6 @@ def test_moe_rounds_x_and_h_as_the_release(t, pairs):
     assert _rel(out, ref) < 1e-2
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    from app.model.tiny import make_tiny_checkpoint
-
-    out = {}
-    for arch in ("v41", "v4"):
-        d = tmp_path_factory.mktemp(arch)
-        make_tiny_checkpoint(d, arch=arch, seed=0)
-        out[arch] = str(d)
-    return out
-
-
 @pytest.mark.parametrize("arch", ["v41", "v4"])
 def test_fp8_act_model_matches_cpu(ckpts, arch):
     """The fp32 model with ``dense_act`` and ``expert_act`` "fp8" (fp8 dense weights kept,
